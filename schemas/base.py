@@ -1,0 +1,74 @@
+"""Common envelope of every trainguard event, and the typed registry used at decode.
+
+Every event carries:
+
+* ``schema`` — the event type name, e.g. ``"rank.heartbeat"`` (fixed per class);
+* ``v`` — the schema major version (``SCHEMA_VERSION``); a decoder rejects other majors;
+* ``event_id`` — 32 hex characters (uuid4), unique per event;
+* ``ts`` — producer time, Unix nanoseconds (``time.time_ns()``);
+* ``job`` / ``node`` / ``rank`` — what the event concerns, ``None`` where it does not apply;
+* ``trace`` — W3C trace context (``{"traceparent": "00-<trace>-<span>-01"}``) so one trace spans
+  fault → anomaly → verdict → decision → action.
+
+Wire format: MessagePack of the model's field dict (``encode``/``decode`` in ``schemas``).
+Fields added within a major version are ignored by older decoders (forward compatible).
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+def new_event_id() -> str:
+    """A new event id: 32 lowercase hex characters (uuid4)."""
+    return uuid.uuid4().hex
+
+
+def new_traceparent(trace_id: str | None = None) -> str:
+    """A W3C ``traceparent`` header value; keeps ``trace_id`` (32 hex) when given, new span id."""
+    tid = trace_id or os.urandom(16).hex()
+    return f"00-{tid}-{os.urandom(8).hex()}-01"
+
+
+class Event(BaseModel):
+    """Base class of all events. Subclasses set ``SCHEMA`` and add typed fields."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=False)
+
+    SCHEMA: ClassVar[str] = "event"
+
+    schema_: str = Field(default="", alias="schema")
+    v: int = SCHEMA_VERSION
+    event_id: str = Field(default_factory=new_event_id)
+    ts: int = Field(default_factory=time.time_ns)
+    job: str | None = None
+    node: str | None = None
+    rank: int | None = None
+    trace: dict[str, str] = Field(default_factory=dict)
+
+    def model_post_init(self, __context: Any) -> None:  # noqa: D401 - pydantic hook
+        if not self.schema_:
+            self.schema_ = self.SCHEMA
+        if "traceparent" not in self.trace:
+            self.trace["traceparent"] = new_traceparent()
+
+    # ---- tracing helpers -------------------------------------------------
+    @property
+    def trace_id(self) -> str:
+        """The 32-hex W3C trace id of this event."""
+        parts = self.trace.get("traceparent", "").split("-")
+        return parts[1] if len(parts) == 4 else ""
+
+    def child_trace(self) -> dict[str, str]:
+        """Trace context for an event caused by this one (same trace id, new span)."""
+        return {"traceparent": new_traceparent(self.trace_id or None)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict as it goes on the wire (``schema`` key, not ``schema_``)."""
+        return self.model_dump(by_alias=True, mode="python")

@@ -1,0 +1,57 @@
+"""Checkpoint events. Subject ``tg.job.<job>.ckpt``."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Event
+
+
+class CheckpointSaved(Event):
+    """A checkpoint directory was committed (manifest written last, then renamed into place).
+
+    ``path`` is the committed directory; ``step`` the training step; ``bytes`` its total size;
+    ``loss`` the loss recorded at save time (for post-recovery verification);
+    ``blocking_s`` seconds the training loop was blocked; ``durable_s`` seconds until fsynced.
+    """
+
+    SCHEMA = "ckpt.saved"
+    path: str
+    step: int
+    world_size: int
+    generation: int = 0
+    bytes: int = 0
+    loss: float | None = None
+    blocking_s: float | None = None
+    durable_s: float | None = None
+
+
+class CheckpointValidated(Event):
+    """The validator checked a checkpoint and found it valid."""
+
+    SCHEMA = "ckpt.validated"
+    path: str
+    step: int
+    bytes: int = 0
+    duration_s: float = 0.0
+    gbps: float = 0.0
+
+
+class CheckpointInvalid(Event):
+    """The validator found a checkpoint invalid; ``reasons`` says each problem found."""
+
+    SCHEMA = "ckpt.invalid"
+    path: str
+    step: int
+    reasons: list[str] = Field(default_factory=list)
+    duration_s: float = 0.0
+
+
+class CheckpointSaveFailed(Event):
+    """A save failed (disk full, permission denied …); training goes on, the last valid
+    checkpoint stays. ``error`` is the message, ``errno`` the OS error number when there is one."""
+
+    SCHEMA = "ckpt.save_failed"
+    step: int
+    path: str = ""
+    error: str
+    errno: int | None = None

@@ -1,0 +1,131 @@
+"""Decision-chain events: detector → anomaly, attributor → verdict, remediator → decision,
+executors → action result."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from .base import Event
+
+#: Fault classes (shared/corpus/README.md vocabulary).
+FAULT_CLASSES = (
+    "crash", "hang", "oom_gpu", "oom_host", "gpu_xid", "ecc", "nvlink", "network", "filesystem",
+    "checkpoint_corrupt", "node_lost", "app_exception", "nan_loss", "straggler", "thermal",
+    "rendezvous",
+)
+#: Layers of attribution.
+LAYERS = ("hardware", "system_software", "application", "infrastructure", "unknown")
+#: Actions (shared/corpus/README.md vocabulary).
+ACTIONS = (
+    "none", "restart_in_process", "restart_workers", "exclude_node_and_requeue", "reset_gpu",
+    "stop_job_notify_user", "fix_config",
+)
+
+
+class Culprit(BaseModel):
+    """What failed: global ranks, node names, GPUs (``"<node>:<index>"`` or UUIDs)."""
+
+    ranks: list[int] = Field(default_factory=list)
+    nodes: list[str] = Field(default_factory=list)
+    gpus: list[str] = Field(default_factory=list)
+
+
+class Anomaly(Event):
+    """Something abnormal, from the detector. Subject ``tg.job.<job>.anomaly`` (or
+    ``tg.node.<node>.anomaly`` for node-only signals with no job).
+
+    * ``kind`` — detector rule: crash, hang, straggler, throughput_drop, node_lost, gpu_fault,
+      log_pattern, nan_loss, thermal …;
+    * ``fault_class`` — the corpus vocabulary (``FAULT_CLASSES``);
+    * ``culprit`` — ranks/nodes/GPUs the signal points at; ``symptom`` — True when the signal is
+      the kind that follows another fault (a peer's connection reset);
+    * ``first_ts`` — Unix ns of the earliest evidence; ``evidence`` — lines/facts in time order;
+    * ``source_event_ids`` — the events that triggered it.
+    """
+
+    SCHEMA = "anomaly"
+    kind: str
+    fault_class: str
+    culprit: Culprit = Field(default_factory=Culprit)
+    symptom: bool = False
+    severity: str = "error"
+    first_ts: int = 0
+    evidence: list[str] = Field(default_factory=list)
+    detail: dict[str, Any] = Field(default_factory=dict)
+    source_event_ids: list[str] = Field(default_factory=list)
+    generation: int | None = None
+
+
+class Verdict(Event):
+    """The attributor's conclusion. Subject ``tg.job.<job>.verdict``.
+
+    ``confidence`` is ``high``, ``medium`` or ``low`` (``score`` 0..1 behind it).
+    """
+
+    SCHEMA = "verdict"
+    fault_class: str
+    layer: str
+    culprit: Culprit = Field(default_factory=Culprit)
+    action: str
+    confidence: str = "medium"
+    score: float = 0.5
+    evidence: list[str] = Field(default_factory=list)
+    anomaly_ids: list[str] = Field(default_factory=list)
+    first_ts: int = 0
+    generation: int | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Member(BaseModel):
+    """One rank of the new world after a decision: the node and local rank that host it."""
+
+    rank: int
+    node: str
+    local_rank: int
+
+
+class Decision(Event):
+    """The remediator's decision. Subject ``tg.job.<job>.decision``.
+
+    * ``action`` — one of ``ACTIONS``;
+    * ``mode`` — ``observe`` (published and audited, never executed) or ``action``;
+    * ``execute`` — True only in action mode; executors act only when it is True;
+    * ``generation`` — the process-group generation ranks must join to carry this out;
+    * ``ranks``/``nodes`` — what to restart or exclude; ``members`` — the new world (empty when
+      the world is unchanged); ``world_size`` — size of the new world;
+    * ``idempotency_key`` — executors act at most once per key;
+    * ``reason`` — why, in words, for the audit trail;
+    * ``fault_ts``/``detected_ts`` — Unix ns of the fault and of its first anomaly (timeline).
+    """
+
+    SCHEMA = "decision"
+    action: str
+    mode: str = "observe"
+    execute: bool = False
+    generation: int = 0
+    ranks: list[int] = Field(default_factory=list)
+    nodes: list[str] = Field(default_factory=list)
+    members: list[Member] = Field(default_factory=list)
+    world_size: int = 0
+    idempotency_key: str
+    reason: str = ""
+    verdict_id: str = ""
+    fault_class: str = ""
+    fault_ts: int = 0
+    detected_ts: int = 0
+    retries_used: int = 0
+    retry_budget: int = 0
+
+
+class ActionResult(Event):
+    """What an executor did with a decision. Subject ``tg.job.<job>.action``."""
+
+    SCHEMA = "action.result"
+    decision_id: str
+    idempotency_key: str
+    executor: str
+    action: str
+    ok: bool
+    skipped: bool = False
+    detail: str = ""

@@ -1,0 +1,114 @@
+"""Events from the worker side: the shim inside each rank and the launcher on each node."""
+from __future__ import annotations
+
+from .base import Event
+
+#: Phases a rank reports; each has its own hang allowance in the detector.
+PHASES = ("startup", "train", "checkpoint", "recovery", "compile", "done")
+
+
+class RankHeartbeat(Event):
+    """Liveness and progress of one rank. Subject ``tg.job.<job>.rank.<rank>.hb``.
+
+    Sent by a background thread of the shim every ``interval_s`` seconds, so a rank blocked in a
+    collective keeps beating while a stopped (SIGSTOP) or dead rank falls silent.
+
+    * ``step`` — last completed training step (-1 before the first);
+    * ``step_time_s`` — wall seconds of that step; ``loss`` — its loss (None if not reported);
+    * ``progress_ts`` — Unix ns when ``step`` last advanced;
+    * ``phase`` — one of ``PHASES``;
+    * ``generation`` — restart generation of the process group the rank is in;
+    * ``collective_seq`` — number of training steps whose collectives were entered.
+    """
+
+    SCHEMA = "rank.heartbeat"
+    local_rank: int = 0
+    world_size: int = 1
+    generation: int = 0
+    pid: int = 0
+    step: int = -1
+    loss: float | None = None
+    step_time_s: float | None = None
+    progress_ts: int = 0
+    phase: str = "train"
+    collective_seq: int = 0
+    interval_s: float = 0.1
+
+
+class WorkerStarted(Event):
+    """A rank process started (or a warm spare was promoted). Subject ``tg.job.<job>.worker``."""
+
+    SCHEMA = "worker.started"
+    local_rank: int = 0
+    pid: int = 0
+    generation: int = 0
+    world_size: int = 1
+    spare: bool = False
+
+
+class WorkerExited(Event):
+    """A rank process exited. Subject ``tg.job.<job>.worker``.
+
+    ``exit_code`` is the process exit status (None when killed by a signal); ``signal`` the
+    signal number that killed it (e.g. 9 for SIGKILL), else None. ``oom_killed`` is True when
+    the kernel log attributes the kill to the OOM killer.
+    """
+
+    SCHEMA = "worker.exited"
+    local_rank: int = 0
+    pid: int = 0
+    generation: int = 0
+    exit_code: int | None = None
+    signal: int | None = None
+    oom_killed: bool = False
+    expected: bool = False
+
+
+class LogLine(Event):
+    """A line from a rank's output or a caught exception. Subject ``tg.job.<job>.log``.
+
+    ``stream`` is ``stdout``, ``stderr`` or ``exception`` (a traceback caught by the shim, in
+    ``line``); ``step`` is the step the rank was in, when known.
+    """
+
+    SCHEMA = "log.line"
+    stream: str = "stderr"
+    line: str
+    step: int | None = None
+    generation: int = 0
+    source: str = "shim"
+
+
+class TrainingResumed(Event):
+    """A rank completed its first step after a restart. Subject ``tg.job.<job>.recovery``.
+
+    ``restored_step`` is the checkpoint step loaded; ``resumed_step`` the first step completed in
+    the new generation; ``steps_rolled_back`` = last step completed before the fault minus
+    ``restored_step``; ``fault_ts`` the Unix ns of the fault the rank saw (0 if unknown).
+    """
+
+    SCHEMA = "recovery.resumed"
+    generation: int
+    world_size: int
+    restored_step: int
+    resumed_step: int
+    steps_rolled_back: int = 0
+    fault_ts: int = 0
+    restore_source: str = "disk"
+    decision_id: str = ""
+
+
+class RecoveryVerified(Event):
+    """Post-recovery check: the loss of the first steps after a restore compared with the loss
+    recorded at save time. Subject ``tg.job.<job>.recovery``.
+
+    ``ok`` is True when ``|loss_after - loss_at_save| <= tolerance * max(1, |loss_at_save|)``.
+    """
+
+    SCHEMA = "recovery.verified"
+    generation: int
+    restored_step: int
+    loss_at_save: float | None = None
+    loss_after: float | None = None
+    tolerance: float = 0.5
+    ok: bool = True

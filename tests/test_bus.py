@@ -1,0 +1,80 @@
+"""The bus client against a real nats-server: delivery, dead-lettering, a bad message never
+stops the subscription, and the threaded publisher never blocks when the bus is gone."""
+import asyncio
+import time
+
+import msgpack
+
+import schemas
+from trainguard.bus import Bus, ThreadedBus
+
+
+async def test_delivery_and_dead_letter(servers):
+    got, dlq = [], []
+    bus = await Bus(servers.nats_url, "testsvc").connect()
+    raw = await Bus(servers.nats_url, "raw").connect()
+    await bus.subscribe("tg.job.t1.log", lambda s, e: got.append(e))
+
+    async def _dl(m):
+        dlq.append(m)
+    await raw.nc.subscribe("tg.dlq.testsvc", cb=_dl)
+    await raw.nc.publish("tg.job.t1.log", b"garbage\xc1")
+    await raw.nc.publish("tg.job.t1.log", msgpack.packb({"schema": "log.line", "v": 9}))
+    await raw.publish("tg.job.t1.log", schemas.LogLine(job="t1", line="hello"))
+    await raw.flush()
+    for _ in range(100):
+        if got and len(dlq) >= 2:
+            break
+        await asyncio.sleep(0.02)
+    assert [e.line for e in got] == ["hello"]
+    assert bus.stats.bad == {"malformed": 1, "bad_version": 1}
+    assert {m.headers["Tg-Error-Kind"] for m in dlq} == {"malformed", "bad_version"}
+    assert dlq[0].headers["Tg-Subject"] == "tg.job.t1.log"
+    await bus.close()
+    await raw.close()
+
+
+async def test_handler_error_does_not_stop_subscription(servers):
+    seen = []
+
+    def handler(subject, ev):
+        seen.append(ev.line)
+        if ev.line == "boom":
+            raise RuntimeError("handler bug")
+
+    bus = await Bus(servers.nats_url, "svc2").connect()
+    await bus.subscribe("tg.job.t2.log", handler)
+    for line in ("a", "boom", "b"):
+        await bus.publish("tg.job.t2.log", schemas.LogLine(line=line))
+    await bus.flush()
+    for _ in range(100):
+        if len(seen) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert seen == ["a", "boom", "b"] and bus.stats.handler_errors == 1
+    await bus.close()
+
+
+def test_threaded_publish_never_blocks_without_server():
+    tb = ThreadedBus("nats://127.0.0.1:9", "nobus", max_pending=100).start()
+    t0 = time.perf_counter()
+    for i in range(1000):
+        tb.publish("tg.job.x.log", schemas.LogLine(line=str(i)))
+    elapsed = time.perf_counter() - t0
+    assert tb.stats.dropped >= 900  # bounded queue: newer messages dropped and counted
+    assert elapsed < 5.0
+    tb.close(timeout=0.2)
+
+
+def test_threaded_round_trip(servers):
+    got = []
+    tb = ThreadedBus(servers.nats_url, "tb").start()
+    tb.subscribe("tg.job.t3.log", lambda s, e: got.append(e.line))
+    assert tb.wait_connected(5)
+    tb.publish("tg.job.t3.log", schemas.LogLine(line="x"))
+    tb.flush()
+    deadline = time.time() + 5
+    while not got and time.time() < deadline:
+        time.sleep(0.01)
+    assert got == ["x"]
+    tb.close()

@@ -1,0 +1,85 @@
+"""Every event type round-trips through MessagePack and bad input is rejected with its kind."""
+import msgpack
+import pytest
+
+import schemas
+from schemas import DecodeError
+
+SAMPLES = {
+    "node.telemetry": dict(cpu_percent=12.5, mem_used_bytes=1 << 30, mem_total_bytes=1 << 34,
+                           gpus=[{"index": 0, "uuid": "GPU-1", "temperature_c": 71.0,
+                                  "clock_event_names": ["sw_thermal"]}]),
+    "node.heartbeat": dict(role="agent", seq=3, pid=10),
+    "node.xid": dict(xid=79, pci="0000:3b:00", raw="NVRM: Xid (PCI:0000:3b:00): 79, ..."),
+    "rank.heartbeat": dict(step=10, loss=0.5, step_time_s=0.02, phase="train"),
+    "worker.started": dict(local_rank=1, pid=123, generation=2),
+    "worker.exited": dict(local_rank=1, pid=123, exit_code=None, signal=9),
+    "log.line": dict(line="RuntimeError: boom", stream="exception", step=7),
+    "recovery.resumed": dict(generation=1, world_size=4, restored_step=10, resumed_step=11),
+    "recovery.verified": dict(generation=1, restored_step=10, loss_at_save=0.4, loss_after=0.41),
+    "anomaly": dict(kind="crash", fault_class="crash", culprit={"ranks": [2], "nodes": ["n1"]}),
+    "verdict": dict(fault_class="crash", layer="application", action="restart_workers"),
+    "decision": dict(action="restart_workers", idempotency_key="j:1:restart_workers",
+                     members=[{"rank": 0, "node": "n0", "local_rank": 0}]),
+    "action.result": dict(decision_id="d", idempotency_key="k", executor="launcher",
+                          action="restart_workers", ok=True),
+    "ckpt.saved": dict(path="/tmp/c", step=10, world_size=2),
+    "ckpt.validated": dict(path="/tmp/c", step=10),
+    "ckpt.invalid": dict(path="/tmp/c", step=10, reasons=["checksum mismatch"]),
+    "ckpt.save_failed": dict(step=10, error="No space left on device", errno=28),
+}
+
+
+def test_every_type_has_a_sample():
+    assert set(SAMPLES) == set(schemas.EVENT_TYPES)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_round_trip(name):
+    cls = schemas.EVENT_TYPES[name]
+    ev = cls(job="demo", node="n0", rank=1, **SAMPLES[name])
+    back = schemas.decode(schemas.encode(ev))
+    assert type(back) is cls
+    assert back.to_dict() == ev.to_dict()
+    assert back.schema_ == name and back.v == schemas.SCHEMA_VERSION
+    assert len(back.event_id) == 32 and back.ts > 1_600_000_000 * 10**9
+    assert back.trace["traceparent"].startswith("00-") and len(back.trace_id) == 32
+
+
+def test_child_trace_keeps_trace_id():
+    ev = schemas.Anomaly(kind="crash", fault_class="crash")
+    assert schemas.Verdict(fault_class="crash", layer="unknown", action="none",
+                           trace=ev.child_trace()).trace_id == ev.trace_id
+
+
+@pytest.mark.parametrize("data,kind", [
+    (b"\xc1\xff", "malformed"),
+    (msgpack.packb([1, 2, 3]), "malformed"),
+    (msgpack.packb({"schema": "no.such", "v": 1}), "unknown_schema"),
+    (msgpack.packb({"v": 1}), "unknown_schema"),
+    (msgpack.packb({"schema": "rank.heartbeat", "v": 2}), "bad_version"),
+    (msgpack.packb({"schema": "rank.heartbeat", "v": 1, "step": "ten"}), "invalid"),
+    (msgpack.packb({"schema": "node.xid", "v": 1}), "invalid"),  # xid missing
+    (msgpack.packb({"schema": "decision", "v": 1, "action": "x"}), "invalid"),
+])
+def test_bad_input_rejected(data, kind):
+    with pytest.raises(DecodeError) as ei:
+        schemas.decode(data)
+    assert ei.value.kind == kind
+
+
+def test_json_schema_export(tmp_path):
+    paths = schemas.export_json_schemas(str(tmp_path))
+    assert len(paths) == len(schemas.EVENT_TYPES)
+    import json
+
+    hb = json.loads((tmp_path / "rank.heartbeat.json").read_text())
+    assert "step" in hb["properties"] and "schema" in hb["properties"]
+
+
+def test_subject_tokens_are_checked():
+    assert schemas.subjects.rank_hb("demo", 3) == "tg.job.demo.rank.3.hb"
+    with pytest.raises(ValueError):
+        schemas.subjects.job("bad.job", "log")
+    assert schemas.subjects.parse("tg.job.demo.rank.3.hb") == {
+        "scope": "job", "name": "demo", "kind": "hb", "rank": "3"}

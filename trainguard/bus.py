@@ -1,0 +1,296 @@
+"""The one bus client of trainguard: nats-py with event decode, dead-lettering and counters.
+
+* ``Bus`` — asyncio client used by the services. ``subscribe`` decodes every message; a message
+  that does not decode is counted (``stats.bad[kind]``), logged once per kind, republished to
+  ``tg.dlq.<service>`` with the error in headers, and the service goes on. A handler that raises
+  is counted and logged once per exception type; the subscription goes on.
+* ``ThreadedBus`` — the same client on a background thread, for synchronous code (the worker
+  shim, the launcher). ``publish`` never blocks the caller: it hands the encoded bytes to the loop
+  thread; when the bus is slow or gone, at most ``max_pending`` messages wait and newer ones are
+  dropped and counted (``stats.dropped``).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import nats
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+
+import schemas
+from schemas import DecodeError, Event, subjects
+
+log = logging.getLogger("trainguard.bus")
+
+Handler = Callable[[str, Event], Awaitable[None] | None]
+
+#: JetStream streams that keep event history for audit and replay.
+#: (name, subjects, max_age seconds). Telemetry and heartbeats are kept briefly.
+STREAMS: tuple[tuple[str, list[str], float], ...] = (
+    ("TG_EVENTS", ["tg.job.*.log", "tg.job.*.worker", "tg.job.*.anomaly", "tg.job.*.verdict",
+                   "tg.job.*.decision", "tg.job.*.ckpt", "tg.job.*.action", "tg.job.*.recovery",
+                   "tg.node.*.xid", "tg.node.*.anomaly"], 7 * 86400.0),
+    ("TG_TELEMETRY", ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"], 3600.0),
+    ("TG_DLQ", ["tg.dlq.>"], 7 * 86400.0),
+)
+
+
+@dataclass
+class BusStats:
+    """Counters of one client. ``bad`` is keyed by DecodeError kind."""
+
+    received: int = 0
+    published: int = 0
+    dropped: int = 0
+    handler_errors: int = 0
+    bad: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Bus:
+    """Asyncio NATS client for trainguard events.
+
+    ``url`` is a NATS URL (``nats://host:port``); ``name`` identifies the client and names the
+    dead-letter subject. ``connect`` raises ``ConnectionError`` with what to do when the server
+    cannot be reached within ``timeout`` seconds.
+    """
+
+    def __init__(self, url: str, name: str):
+        self.url = url
+        self.name = name
+        self.nc: nats.NATS | None = None
+        self.stats = BusStats()
+        self._logged: set[str] = set()
+
+    async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
+        async def _err(e: Exception) -> None:
+            self._log_once(f"conn:{type(e).__name__}", "bus %s: %s", self.url, e)
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                self.nc = await asyncio.wait_for(nats.connect(
+                    self.url, name=self.name, connect_timeout=min(timeout, 2.0),
+                    max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
+                    error_cb=_err, pending_size=8 * 1024 * 1024,
+                ), max(0.1, deadline - loop.time()))
+                break
+            except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+                if not retry or loop.time() >= deadline:
+                    raise ConnectionError(
+                        f"cannot reach NATS at {self.url} ({exc or type(exc).__name__}): start "
+                        f"one with `trainguard up` or set NATS_URL to a running server") from None
+                await asyncio.sleep(0.2)
+        return self
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc and self.nc.is_connected)
+
+    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(msg, *args)
+
+    async def publish(self, subject: str, event: Event) -> None:
+        """Publish ``event`` on ``subject`` (core NATS; JetStream streams capture it)."""
+        await self.publish_raw(subject, schemas.encode(event))
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict | None = None) -> None:
+        assert self.nc is not None, "call connect() first"
+        try:
+            await self.nc.publish(subject, data, headers=headers)
+            self.stats.published += 1
+        except Exception as exc:  # noqa: BLE001 - a slow or gone bus never kills a caller
+            self.stats.dropped += 1
+            self._log_once(f"pub:{type(exc).__name__}", "publish to %s dropped: %s", subject, exc)
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Any:
+        """Subscribe ``handler(subject, event)`` (sync or async) to ``subject``.
+
+        Undecodable messages go to the dead-letter subject; handler errors are logged and
+        counted. Returns the nats-py subscription.
+        """
+        assert self.nc is not None, "call connect() first"
+
+        async def _cb(msg: Any) -> None:
+            self.stats.received += 1
+            try:
+                ev = schemas.decode(msg.data)
+            except DecodeError as exc:
+                await self.dead_letter(msg.subject, msg.data, exc)
+                return
+            try:
+                res = handler(msg.subject, ev)
+                if asyncio.iscoroutine(res):
+                    await res
+            except Exception as exc:  # noqa: BLE001 - one bad message never kills a service
+                self.stats.handler_errors += 1
+                self._log_once(f"handler:{type(exc).__name__}",
+                               "%s: handler error on %s (%s): %s", self.name, msg.subject,
+                               ev.SCHEMA, exc, )
+                log.debug("handler error", exc_info=True)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=_cb)
+
+    async def dead_letter(self, subject: str, data: bytes, exc: DecodeError) -> None:
+        """Count, log once per kind, and republish a bad message to ``tg.dlq.<name>``."""
+        self.stats.bad[exc.kind] += 1
+        self._log_once(f"bad:{exc.kind}", "%s: bad message on %s (%s): %s — sent to %s",
+                       self.name, subject, exc.kind, exc, subjects.dead_letter(self.name))
+        await self.publish_raw(subjects.dead_letter(self.name), data,
+                               headers={"Tg-Error-Kind": exc.kind, "Tg-Error": str(exc)[:500],
+                                        "Tg-Subject": subject})
+
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0) -> bytes:
+        assert self.nc is not None
+        msg = await self.nc.request(subject, payload, timeout=timeout)
+        return msg.data
+
+    async def ensure_streams(self) -> None:
+        """Create (or update) the JetStream streams in ``STREAMS``; idempotent."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        for name, subs, max_age in STREAMS:
+            cfg = StreamConfig(name=name, subjects=subs, max_age=max_age,
+                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE)
+            try:
+                await js.add_stream(cfg)
+            except Exception:  # noqa: BLE001 - exists with other config: update it
+                await js.update_stream(cfg)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        if self.nc and self.nc.is_connected:
+            await self.nc.flush(timeout=timeout)
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:  # noqa: BLE001
+                try:
+                    await self.nc.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            self.nc = None
+
+
+class ThreadedBus:
+    """A ``Bus`` on its own event-loop thread, for synchronous callers.
+
+    ``start()`` returns at once; the connection is made (and remade) in the background, so a
+    missing bus never blocks training. ``publish`` is non-blocking. ``subscribe`` handlers run on
+    the bus thread and must be quick. ``call(coro_fn, timeout)`` runs a coroutine on that loop
+    and waits for its result (used for state-store calls from sync code).
+    """
+
+    def __init__(self, url: str, name: str, max_pending: int = 10000):
+        self.bus = Bus(url, name)
+        self.max_pending = max_pending
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"tg-bus-{name}", daemon=True)
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._subs: list[tuple[str, Handler, str]] = []
+
+    @property
+    def stats(self) -> BusStats:
+        return self.bus.stats
+
+    def start(self) -> "ThreadedBus":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._connect(), self.loop)
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _connect(self) -> None:
+        while True:
+            try:
+                await self.bus.connect(timeout=2.0)
+                break
+            except ConnectionError as exc:
+                self.bus._log_once("threaded-connect", "%s", exc)
+                await asyncio.sleep(0.5)
+        for subject, handler, queue in self._subs:
+            await self.bus.subscribe(subject, handler, queue)
+        self._connected.set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    def publish(self, subject: str, event: Event) -> None:
+        """Queue ``event`` for publishing; never blocks. Dropped (and counted) when
+        ``max_pending`` messages already wait."""
+        data = schemas.encode(event)
+        with self._lock:
+            if self._pending >= self.max_pending or not self.loop.is_running():
+                self.bus.stats.dropped += 1
+                return
+            self._pending += 1
+        self.loop.call_soon_threadsafe(self._enqueue, subject, data)
+
+    def _enqueue(self, subject: str, data: bytes) -> None:
+        async def _send() -> None:
+            try:
+                if not self._connected.is_set():
+                    await asyncio.wait_for(self._wait_conn(), 30.0)
+                await self.bus.publish_raw(subject, data)
+            except asyncio.TimeoutError:
+                self.bus.stats.dropped += 1
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+        self.loop.create_task(_send())
+
+    async def _wait_conn(self) -> None:
+        while not self._connected.is_set():
+            await asyncio.sleep(0.05)
+
+    def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
+        """Subscribe now if connected, else as soon as the connection is made."""
+        if self._connected.is_set():
+            asyncio.run_coroutine_threadsafe(self.bus.subscribe(subject, handler, queue),
+                                             self.loop).result(5.0)
+        else:
+            self._subs.append((subject, handler, queue))
+
+    def call(self, coro: Awaitable[Any], timeout: float = 5.0) -> Any:
+        """Run ``coro`` on the bus loop; wait at most ``timeout`` seconds (TimeoutError)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def flush(self, timeout: float = 2.0) -> None:
+        """Wait until queued messages are handed to the server (bounded by ``timeout``)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._connected.is_set():
+            try:
+                self.call(self.bus.flush(timeout), timeout + 0.5)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def close(self, timeout: float = 2.0) -> None:
+        self.flush(timeout)
+        if self.loop.is_running():
+            try:
+                self.call(self.bus.close(), timeout)
+            except Exception:  # noqa: BLE001
+                pass
+            self.loop.call_soon_threadsafe(self._shutdown)
+            self._thread.join(timeout)
+
+    def _shutdown(self) -> None:
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.loop.stop()
