@@ -1,0 +1,40 @@
+"""``trainguard`` command line: up, launch, demo, diagnose, replay, schemas.
+
+Each subcommand lives in its own module and is imported only when used (start-up stays fast).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "up": ("trainguard.stack", "Start NATS, Valkey and every service locally; Ctrl-C stops all."),
+    "launch": ("trainguard.launcher", "Start the ranks of one node (torchrun-compatible)."),
+    "demo": ("trainguard.demo", "Train a real model under injected faults and report recovery."),
+    "diagnose": ("trainguard.diagnose", "Attribute saved job logs / dmesg offline."),
+    "replay": ("trainguard.replay", "Record events from the bus, or replay a recording into it."),
+    "schemas": ("trainguard.schemas_cli", "Export the event JSON Schemas."),
+}
+
+
+def usage() -> str:
+    lines = ["usage: trainguard <command> [options]", "", "commands:"]
+    lines += [f"  {name:<9} {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"trainguard: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(COMMANDS[cmd][0])
+    return int(mod.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
