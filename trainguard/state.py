@@ -62,6 +62,25 @@ class StateStore:
     async def update_job(self, job: str, **fields: Any) -> None:
         await self.r.hset(f"tg:job:{job}", mapping={k: _enc(v) for k, v in fields.items()})
 
+    async def add_members(self, job: str, members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Merge ``members`` (``{"rank", "node", "local_rank"}``) into the job's ``members``
+        list atomically (several launchers register at once); a rank given again replaces its
+        entry. Returns the merged list sorted by rank."""
+        script = """
+        local cur = redis.call('HGET', KEYS[1], 'members')
+        local list = cur and cjson.decode(cur) or {}
+        local byrank = {}
+        for _, m in ipairs(list) do byrank[tostring(m.rank)] = m end
+        for _, m in ipairs(cjson.decode(ARGV[1])) do byrank[tostring(m.rank)] = m end
+        local out = {}
+        for _, m in pairs(byrank) do table.insert(out, m) end
+        table.sort(out, function(a, b) return a.rank < b.rank end)
+        local enc = cjson.encode(out)
+        redis.call('HSET', KEYS[1], 'members', enc)
+        return enc"""
+        await self.r.sadd("tg:jobs", job)
+        return json.loads(await self.r.eval(script, 1, f"tg:job:{job}", json.dumps(members)))
+
     async def job(self, job: str) -> dict[str, Any]:
         """The job's hash, values decoded from JSON where they are JSON; {} when unknown."""
         raw = await self.r.hgetall(f"tg:job:{job}")

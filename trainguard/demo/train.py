@@ -1,0 +1,91 @@
+"""The demo training script, run in every rank by ``trainguard launch``.
+
+    trainguard launch ... trainguard/demo/train.py --steps 600 --seed 0 --run-dir DIR
+
+Faults to raise from inside a rank come from ``--faults`` (JSON list of
+``{"kind": "exception", "rank": R, "step": S, "id": N}``); each fires once: its marker file
+``<run-dir>/fault-<id>.injected`` (holding the Unix ns of injection) is written before raising.
+With ``"repeat": true`` it fires at that step every time (to exercise loop detection).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard
+from trainguard.demo import model as M
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--step-sleep", type=float, default=0.01)
+    p.add_argument("--run-dir", default=".")
+    p.add_argument("--faults", default="[]")
+    return p.parse_args(argv)
+
+
+class InjectedFault(RuntimeError):
+    """The demo's injected Python exception."""
+
+
+def maybe_raise(args, faults, ctx, step: int) -> None:
+    for f in faults:
+        if f["kind"] != "exception" or f["rank"] != ctx.rank or f["step"] != step:
+            continue
+        marker = os.path.join(args.run_dir, f"fault-{f['id']}.injected")
+        if os.path.exists(marker) and not f.get("repeat"):
+            continue
+        with open(marker, "w") as fh:
+            fh.write(str(time.time_ns()))
+        raise InjectedFault(f"injected exception in rank {ctx.rank} at step {step}")
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    faults = json.loads(args.faults)
+    torch.set_num_threads(1)
+    data = M.load(args.seed)
+
+    def train(ctx: trainguard.Context) -> None:
+        model = M.build(args.seed)
+        opt = M.optimizer(model)
+        ckpt = ctx.checkpointer(model, opt)
+        start = ckpt.restore()  # before DDP: DDP then broadcasts rank 0's restored weights
+        net = DDP(model) if ctx.world_size > 1 else model
+        loss_fn = nn.CrossEntropyLoss()
+        for step in range(start, args.steps):
+            x, y = M.batch(data, args.seed, step, ctx.rank, ctx.world_size)
+            opt.zero_grad()
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            maybe_raise(args, faults, ctx, step)
+            opt.step()
+            ctx.progress(step, loss=loss.item())
+            if step % args.ckpt_every == 0 and step > 0:
+                ckpt.save(step, loss=loss.item())
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        ckpt.wait()
+        if ctx.rank == 0:
+            result = {"accuracy": M.accuracy(model, data), "steps": args.steps,
+                      "world_size": ctx.world_size, "generation": ctx.generation}
+            with open(os.path.join(args.run_dir, "result.json"), "w") as fh:
+                json.dump(result, fh)
+        if dist.is_initialized():
+            dist.barrier()
+
+    trainguard.run(train)
+
+
+if __name__ == "__main__":
+    main()

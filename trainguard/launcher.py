@@ -1,0 +1,424 @@
+"""``trainguard launch``: start the ranks of one node with the torchrun environment contract,
+keep warm spares, report worker lifecycle on the bus, and execute the remediator's decisions
+for this node.
+
+    trainguard launch --nnodes 2 --nproc-per-node 2 --node-rank 0 --job demo train.py [args]
+
+Every rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` (torchrun's contract) plus ``TG_JOB``, ``TG_NODE``, ``TG_GENERATION``, ``TG_MODE``,
+``TG_RDZV_ENDPOINT``, ``NATS_URL``, ``REDIS_URL``, ``TG_CKPT_DIR``. Ranks start from warm spare
+processes (``trainguard.spare``) that have torch imported and warmed, and a replacement spare is
+started after each use, so a respawn costs no interpreter or torch start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import schemas
+from schemas import subjects
+
+from .bus import ThreadedBus
+from .state import StateStore
+
+#: Exit status of a rank stopped by a decision (``trainguard.worker.JobStopped``).
+EXIT_STOPPED = 3
+
+
+@dataclass
+class LaunchConfig:
+    """Settings of one node's launcher (defaults in brackets).
+
+    ``mode`` [observe]: ``action`` executes decisions, ``observe`` only publishes them.
+    ``spares`` [1]: warm spare processes kept ready on this node.
+    ``hang_timeout_s`` [0 = learned by the detector], ``startup_timeout_s`` [120],
+    ``node_timeout_s`` [3]: detection settings registered for the job.
+    ``retry_budget`` [10], ``min_world_size`` [1]: remediator policy settings for the job.
+    ``spare_node`` [False]: this node only waits to replace an excluded node.
+    """
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    module: bool = False
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    node: str = field(default_factory=socket.gethostname)
+    job: str = "default"
+    mode: str = "observe"
+    rdzv_endpoint: str = ""
+    nats_url: str = ""
+    redis_url: str = ""
+    ckpt_dir: str = ""
+    spares: int = 1
+    hang_timeout_s: float = 0.0
+    startup_timeout_s: float = 120.0
+    node_timeout_s: float = 3.0
+    retry_budget: int = 10
+    min_world_size: int = 1
+    spare_node: bool = False
+    heartbeat_interval_s: float = 0.5
+    warm_imports: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def _pdeathsig_kill() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Proc:
+    """A spare or worker process with its output pumps."""
+
+    def __init__(self, launcher: "Launcher", env: dict[str, str]):
+        self.launcher = launcher
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.spare"], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_pdeathsig_kill,
+            text=True, bufsize=1)
+        self.local_rank: int | None = None
+        self.rank: int | None = None
+        self.generation = 0
+        self.expected_exit = False
+        self.started_ns = 0
+        for stream, name in ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")):
+            threading.Thread(target=self._pump, args=(stream, name), daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def assign(self, local_rank: int, rank: int, generation: int, env: dict[str, str],
+               argv: list[str], module: bool) -> None:
+        self.local_rank, self.rank, self.generation = local_rank, rank, generation
+        self.started_ns = time.time_ns()
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(),
+                                           "module": module}) + "\n")
+        self.popen.stdin.flush()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _pump(self, stream, name: str) -> None:
+        out = sys.stdout if name == "stdout" else sys.stderr
+        budget, window = 50, time.monotonic()
+        for line in stream:
+            tag = f"[{self.launcher.cfg.node} rank {self.rank}]" if self.rank is not None \
+                else f"[{self.launcher.cfg.node} spare]"
+            out.write(f"{tag} {line}")
+            out.flush()
+            if name == "stderr" and self.rank is not None:
+                now = time.monotonic()
+                if now - window > 1.0:
+                    budget, window = 50, now
+                if budget > 0:  # at most 50 lines/s per rank go on the bus
+                    budget -= 1
+                    self.launcher.publish_log(self, line.rstrip("\n"))
+
+    def _wait(self) -> None:
+        self.popen.wait()
+        self.launcher.events.put(("exited", self))
+
+    def kill(self) -> None:
+        self.expected_exit = True
+        if self.alive():
+            try:
+                self.popen.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Launcher:
+    """One node's launcher. ``run()`` returns the node's exit status: 0 when every local rank
+    finished, ``EXIT_STOPPED`` when the job was stopped, 1 on an unrecovered failure."""
+
+    def __init__(self, cfg: LaunchConfig):
+        for name, val, env in (("--nats-url", cfg.nats_url, "NATS_URL"),
+                               ("--redis-url", cfg.redis_url, "REDIS_URL"),
+                               ("--rdzv-endpoint", cfg.rdzv_endpoint, "TG_RDZV_ENDPOINT")):
+            if not val:
+                raise SystemExit(f"trainguard launch: no {name}: pass it or set {env} "
+                                 f"(`trainguard up` prints all three)")
+        self.cfg = cfg
+        self.events: queue.Queue = queue.Queue()
+        self.bus = ThreadedBus(cfg.nats_url, f"launcher-{cfg.node}")
+        self.workers: dict[int, _Proc] = {}
+        self.spares: list[_Proc] = []
+        self.seen_keys: set[str] = set()
+        self.world_size = cfg.world_size
+        self.generation = 0
+        self._stop = threading.Event()
+        self.exit_status: int | None = None
+
+    # ---- environment --------------------------------------------------------------------------
+    def _base_env(self) -> dict[str, str]:
+        cfg = self.cfg
+        env = dict(os.environ)
+        host, _, port = cfg.rdzv_endpoint.rpartition(":")
+        env.update({
+            "TG_JOB": cfg.job, "TG_NODE": cfg.node, "TG_MODE": cfg.mode,
+            "TG_RDZV_ENDPOINT": cfg.rdzv_endpoint, "MASTER_ADDR": host or "127.0.0.1",
+            "MASTER_PORT": port, "NATS_URL": cfg.nats_url, "REDIS_URL": cfg.redis_url,
+            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "PYTHONUNBUFFERED": "1",
+            "TG_WARM_IMPORTS": cfg.warm_imports,
+        })
+        if cfg.ckpt_dir:
+            env["TG_CKPT_DIR"] = cfg.ckpt_dir
+        env.update(cfg.extra_env)
+        return env
+
+    def _start_spare(self) -> None:
+        self.spares.append(_Proc(self, self._base_env()))
+
+    def _spawn(self, local_rank: int, rank: int, generation: int, world_size: int) -> _Proc:
+        proc = self.spares.pop(0) if self.spares else _Proc(self, self._base_env())
+        env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+               "GROUP_RANK": str(self.cfg.node_rank), "TG_GENERATION": str(generation)}
+        proc.assign(local_rank, rank, generation, env, [self.cfg.script, *self.cfg.script_args],
+                    self.cfg.module)
+        self.workers[local_rank] = proc
+        self.bus.publish(subjects.job(self.cfg.job, "worker"), schemas.WorkerStarted(
+            job=self.cfg.job, node=self.cfg.node, rank=rank, local_rank=local_rank, pid=proc.pid,
+            generation=generation, world_size=world_size, spare=True))
+        threading.Thread(target=self._start_spare, daemon=True).start()  # refill the pool
+        return proc
+
+    # ---- bus ----------------------------------------------------------------------------------
+    def publish_log(self, proc: _Proc, line: str) -> None:
+        self.bus.publish(subjects.job(self.cfg.job, "log"), schemas.LogLine(
+            job=self.cfg.job, node=self.cfg.node, rank=proc.rank, stream="stderr", line=line,
+            generation=proc.generation, source="launcher"))
+
+    def _on_decision(self, subject: str, ev: schemas.Event) -> None:
+        if isinstance(ev, schemas.Decision):
+            self.events.put(("decision", ev))
+
+    def _register(self) -> None:
+        cfg = self.cfg
+
+        async def _reg() -> None:
+            st = StateStore(cfg.redis_url)
+            try:
+                await st.register_job(
+                    cfg.job, mode=cfg.mode, world_size=cfg.world_size, generation=0,
+                    min_world_size=cfg.min_world_size, retry_budget=cfg.retry_budget,
+                    retries_used=0, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
+                    hang_timeout_s=cfg.hang_timeout_s, startup_timeout_s=cfg.startup_timeout_s,
+                    node_timeout_s=cfg.node_timeout_s, status="running")
+                if cfg.spare_node:
+                    job = await st.job(cfg.job)
+                    spares = sorted(set(job.get("spare_nodes") or []) | {cfg.node})
+                    await st.update_job(cfg.job, spare_nodes=spares)
+                else:
+                    await st.add_members(cfg.job, [
+                        {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
+                         "local_rank": lr} for lr in range(cfg.nproc_per_node)])
+                    job = await st.job(cfg.job)
+                    self.generation = int(job.get("generation", 0))
+            finally:
+                await st.close()
+
+        self.bus.call(_reg(), timeout=15.0)
+
+    def _heartbeat(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            seq += 1
+            self.bus.publish(subjects.node(self.cfg.node, "heartbeat"), schemas.NodeHeartbeat(
+                node=self.cfg.node, job=self.cfg.job, role="launcher", seq=seq, pid=os.getpid(),
+                interval_s=self.cfg.heartbeat_interval_s))
+            self._stop.wait(self.cfg.heartbeat_interval_s)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.cfg
+        self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision)
+        self.bus.start()
+        if not self.bus.wait_connected(15.0):
+            raise SystemExit(f"trainguard launch: cannot reach NATS at {cfg.nats_url}")
+        self._register()
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        n_first = 0 if cfg.spare_node else cfg.nproc_per_node
+        for _ in range(n_first + cfg.spares):
+            self._start_spare()
+        for lr in range(n_first):
+            self._spawn(lr, cfg.node_rank * cfg.nproc_per_node + lr, self.generation,
+                        cfg.world_size)
+
+    def run(self) -> int:
+        self.start()
+        try:
+            while self.exit_status is None:
+                try:
+                    kind, obj = self.events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if kind == "exited":
+                    self._on_exit(obj)
+                elif kind == "decision":
+                    self._on_decision_event(obj)
+                elif kind == "stop":
+                    self._kill_all()
+                    self.exit_status = obj
+        finally:
+            self.shutdown()
+        return self.exit_status or 0
+
+    def _on_exit(self, proc: _Proc) -> None:
+        cfg = self.cfg
+        if self.workers.get(proc.local_rank) is not proc:
+            return  # a replaced worker's late exit
+        rc = proc.popen.returncode
+        sig = -rc if rc is not None and rc < 0 else None
+        code = rc if rc is not None and rc >= 0 else None
+        expected = proc.expected_exit or rc in (0, EXIT_STOPPED)
+        self.bus.publish(subjects.job(cfg.job, "worker"), schemas.WorkerExited(
+            job=cfg.job, node=cfg.node, rank=proc.rank, local_rank=proc.local_rank or 0,
+            pid=proc.pid, generation=proc.generation, exit_code=code, signal=sig,
+            expected=expected))
+        if rc == 0 or rc == EXIT_STOPPED or proc.expected_exit:
+            if proc.expected_exit:
+                return
+            del self.workers[proc.local_rank]
+            if not self.workers:
+                self.exit_status = 0 if rc == 0 else EXIT_STOPPED
+            return
+        if cfg.mode != "action":
+            # observe mode: behave like a launcher without restarts
+            print(f"trainguard launch: rank {proc.rank} failed (exit={code} signal={sig}); "
+                  f"observe mode: stopping this node", file=sys.stderr)
+            self._kill_all()
+            self.exit_status = 1
+
+    def _on_decision_event(self, d: schemas.Decision) -> None:
+        if not d.execute or d.idempotency_key in self.seen_keys:
+            return
+        self.seen_keys.add(d.idempotency_key)
+        cfg = self.cfg
+        ok, detail = True, ""
+        if d.world_size:
+            self.world_size = d.world_size
+        self.generation = max(self.generation, d.generation)
+        if d.action == "stop_job_notify_user":
+            self._kill_all()
+            self.exit_status = EXIT_STOPPED
+            detail = "workers stopped"
+        elif d.action == "exclude_node_and_requeue" and cfg.node in d.nodes:
+            self._kill_all()
+            self.exit_status = 0
+            detail = f"node {cfg.node} excluded: workers stopped"
+        else:
+            by_rank = {p.rank: lr for lr, p in self.workers.items()}
+            if d.members:  # re-rank what runs here; start what is assigned here but not running
+                for m in d.members:
+                    if m.node != cfg.node:
+                        continue
+                    proc = self.workers.get(m.local_rank)
+                    if proc is not None and proc.alive():
+                        proc.rank = m.rank
+                    else:
+                        self._spawn(m.local_rank, m.rank, d.generation, self.world_size)
+                        detail += f"started rank {m.rank}; "
+            if d.action == "restart_workers":
+                for rank in d.ranks:
+                    lr = by_rank.get(rank)
+                    if lr is None:
+                        continue
+                    old = self.workers[lr]
+                    old.kill()
+                    self._spawn(lr, old.rank if old.rank is not None else rank, d.generation,
+                                self.world_size)
+                    detail += f"restarted rank {rank} (local {lr}); "
+            if not detail:
+                return  # nothing for this node
+        self.bus.publish(subjects.job(cfg.job, "action"), schemas.ActionResult(
+            job=cfg.job, node=cfg.node, decision_id=d.event_id,
+            idempotency_key=d.idempotency_key, executor=f"launcher-{cfg.node}", action=d.action,
+            ok=ok, detail=detail.strip(), trace=d.child_trace()))
+
+    def _kill_all(self) -> None:
+        for proc in list(self.workers.values()):
+            proc.kill()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._kill_all()
+        for proc in self.spares:
+            try:
+                proc.popen.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+            proc.kill()
+        for proc in [*self.workers.values(), *self.spares]:
+            try:
+                proc.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.bus.close(timeout=2.0)
+
+    def request_stop(self, status: int = 1) -> None:
+        self.events.put(("stop", status))
+
+
+def parse_args(argv: list[str]) -> LaunchConfig:
+    p = argparse.ArgumentParser(prog="trainguard launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--node", default=os.environ.get("TG_NODE", socket.gethostname()),
+                   help="this node's name (default: $TG_NODE or the hostname)")
+    p.add_argument("--job", default=os.environ.get("TG_JOB", "default"))
+    p.add_argument("--mode", choices=("observe", "action"),
+                   default=os.environ.get("TG_MODE", "observe"))
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint",
+                   default=os.environ.get("TG_RDZV_ENDPOINT", ""))
+    p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    p.add_argument("--ckpt-dir", default=os.environ.get("TG_CKPT_DIR", ""))
+    p.add_argument("--spares", type=int, default=1)
+    p.add_argument("--spare-node", action="store_true",
+                   help="start no ranks; wait to replace an excluded node")
+    p.add_argument("--hang-timeout", type=float, default=0.0)
+    p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument("--node-timeout", type=float, default=3.0)
+    p.add_argument("--retry-budget", type=int, default=10)
+    p.add_argument("--min-world-size", type=int, default=1)
+    p.add_argument("--warm-import", default="", help="modules the spares import ahead, a,b,c")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    return LaunchConfig(
+        script=a.script, script_args=a.script_args, module=a.module, nnodes=a.nnodes,
+        nproc_per_node=a.nproc_per_node, node_rank=a.node_rank, node=a.node, job=a.job,
+        mode=a.mode, rdzv_endpoint=a.rdzv_endpoint, nats_url=a.nats_url, redis_url=a.redis_url,
+        ckpt_dir=a.ckpt_dir, spares=a.spares, spare_node=a.spare_node,
+        hang_timeout_s=a.hang_timeout, startup_timeout_s=a.startup_timeout,
+        node_timeout_s=a.node_timeout, retry_budget=a.retry_budget,
+        min_world_size=a.min_world_size, warm_imports=a.warm_import)
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_args(argv)
+    launcher = Launcher(cfg)
+    signal.signal(signal.SIGTERM, lambda *a: launcher.request_stop(143))
+    signal.signal(signal.SIGINT, lambda *a: launcher.request_stop(130))
+    return launcher.run()

@@ -1,0 +1,187 @@
+"""Rendezvous for trainguard jobs: the store host, the per-generation barrier, and the socket
+abort that makes in-process restart fast on gloo.
+
+* The rendezvous store (a torch ``TCPStore``) lives outside the training ranks — in its own
+  process (``python -m trainguard.rendezvous``), started by ``trainguard up`` or the demo — so
+  losing a rank or a whole training node never loses it.
+* Each restart generation ``g`` uses its own key prefix ``<job>/g<g>/``; ranks meet at a barrier
+  there before forming their process groups, so a group is only formed once every member arrived
+  (findings: a new group's ``init_process_group`` otherwise waits for every member anyway, and a
+  member still stuck in the old collective delays everyone).
+* ``GroupSockets`` records the sockets a process group opened; ``abort()`` shuts the connected
+  ones down. Gloo collectives cannot be aborted from another thread (findings), but a peer whose
+  socket is shut down sees "Connection closed by peer" within milliseconds, does the same, and the
+  failure cascades through the group (measured here: 4 ranks all raised within 4 ms, new group and
+  first allreduce 22 ms after the fault).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class RendezvousError(RuntimeError):
+    """The barrier or store failed; the message says which generation and who was missing."""
+
+
+class Superseded(RendezvousError):
+    """A newer decision arrived while waiting at the barrier: join its generation instead."""
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` → (host, port); raises ValueError saying the expected form."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"rendezvous endpoint {endpoint!r} must be host:port")
+    return host or "127.0.0.1", int(port)
+
+
+def connect_store(endpoint: str, timeout_s: float = 60.0):
+    """A ``TCPStore`` client of the store host at ``endpoint``. Raises RendezvousError."""
+    import torch.distributed as dist
+
+    host, port = parse_endpoint(endpoint)
+    try:
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        raise RendezvousError(f"cannot reach the rendezvous store at {endpoint} ({exc}): start "
+                              f"it with `python -m trainguard.rendezvous` or `trainguard up`, "
+                              f"or set TG_RDZV_ENDPOINT") from None
+
+
+def _socket_fds() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.add(int(name))
+        except OSError:
+            continue
+    return out
+
+
+@dataclass
+class GroupSockets:
+    """Sockets opened while process groups were formed (the fds new since ``begin()``)."""
+
+    before: set[int] = field(default_factory=set)
+    fds: set[int] = field(default_factory=set)
+
+    def begin(self) -> None:
+        self.before = _socket_fds()
+
+    def end(self) -> None:
+        self.fds |= _socket_fds() - self.before
+
+    def abort(self) -> int:
+        """Shut down every connected socket of the recorded groups (listening sockets are left:
+        shutting those down makes gloo's listener abort the process). Returns how many."""
+        n = 0
+        for fd in list(self.fds):
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                s.close()
+        return n
+
+    def clear(self) -> None:
+        self.fds.clear()
+
+
+def barrier(store, job: str, generation: int, rank: int, world_size: int, timeout_s: float,
+            superseded: Callable[[], bool] = lambda: False, poll_s: float = 0.002) -> float:
+    """Wait until ``world_size`` ranks arrived at generation ``generation``.
+
+    Returns the seconds waited. Raises ``Superseded`` when ``superseded()`` turns True (a newer
+    decision came), ``RendezvousError`` after ``timeout_s`` seconds naming how many arrived.
+    """
+    key = f"{job}/g{generation}/arrived"
+    t0 = time.monotonic()
+    store.set(f"{job}/g{generation}/rank{rank}", str(os.getpid()))
+    n = store.add(key, 1)
+    while n < world_size:
+        if superseded():
+            raise Superseded(f"generation {generation} superseded while waiting")
+        if time.monotonic() - t0 > timeout_s:
+            raise RendezvousError(f"rendezvous of generation {generation}: {n}/{world_size} "
+                                  f"ranks arrived after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+        n = store.add(key, 0)
+    return time.monotonic() - t0
+
+
+def form_groups(store, job: str, generation: int, rank: int, world_size: int,
+                backend: str = "gloo", timeout_s: float = 300.0):
+    """Form the default (training) process group and a separate gloo group for checkpoint
+    collectives under prefix ``<job>/g<generation>/``. Returns ``(ckpt_group, GroupSockets)``.
+
+    The checkpoint group is separate because DCP async saves on the training group deadlock
+    (findings). ``timeout_s`` bounds each collective; in-process restart does not rely on it.
+    """
+    import torch.distributed as dist
+
+    socks = GroupSockets()
+    socks.begin()
+    prefix = dist.PrefixStore(f"{job}/g{generation}/pg", store)
+    dist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None
+    socks.end()
+    return ckpt_group, socks
+
+
+def destroy_groups() -> None:
+    """Destroy every process group of this process (< 3 ms, findings); never raises."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may be half-broken after an abort
+        pass
+
+
+# ---- the store host ---------------------------------------------------------------------------
+def serve(host: str, port: int) -> None:
+    """Host a TCPStore on ``host:port`` until SIGTERM/SIGINT; prints ``ready host:port``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    print(f"ready {host}:{store.port}", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *a: stop.append(1))
+    while not stop:
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainguard.rendezvous",
+                                description="Host the rendezvous store of trainguard jobs.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=29400)
+    args = p.parse_args(argv)
+    serve(args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

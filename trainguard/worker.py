@@ -1,0 +1,436 @@
+"""The worker-side shim: ``trainguard.run(train_fn)`` and the ``Context`` it hands to it.
+
+What it does inside every rank:
+
+* joins the job's process group for the current generation (rendezvous store outside the ranks);
+* publishes a ``rank.heartbeat`` every ``heartbeat_interval_s`` from a background thread (step,
+  loss, step time, phase, generation) — a rank blocked in a collective keeps beating, a stopped or
+  dead rank falls silent; publishing never blocks training (``ThreadedBus``);
+* on a fault in ``train_fn`` (an exception, or a collective error caused by a peer's fault) it
+  reports the fault, shuts down its process-group sockets so every peer's pending collective fails
+  within milliseconds (see ``trainguard.rendezvous``), waits for the remediator's decision, joins
+  the decided generation and calls ``train_fn`` again in the same interpreter — imports, data and
+  warm caches are kept (in-process restart);
+* in observe mode it never restarts: the exception propagates as it would without trainguard.
+
+Environment (set by ``trainguard launch``; torchrun's variables work too): ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``TG_JOB``, ``TG_NODE``, ``TG_GENERATION``,
+``TG_MODE``, ``NATS_URL``, ``REDIS_URL``, ``TG_RDZV_ENDPOINT`` (else ``MASTER_ADDR:MASTER_PORT``),
+``TG_CKPT_DIR``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import schemas
+from schemas import subjects
+
+from . import rendezvous
+
+log = logging.getLogger("trainguard.worker")
+
+#: Substrings of exceptions raised by a collective whose peer failed or was aborted: the rank
+#: that sees them is a symptom, not the culprit. Sources: gloo transport/tcp/pair.cc messages,
+#: torch.distributed timeouts; NCCL's "remote process exited / ncclRemoteError".
+COLLECTIVE_ERROR_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+    "gloo/transport", "Timed out waiting", "ncclRemoteError", "NCCL communicator was aborted",
+    "Socket Timeout", "Application timeout caused pair closure",
+)
+
+
+class RestartRequested(RuntimeError):
+    """Raised inside ``train_fn`` (from ``ctx.progress``) when a decision asks this healthy rank
+    to leave its current generation (a peer is being restarted or excluded)."""
+
+
+class JobStopped(SystemExit):
+    """The remediator decided to stop the job; carries the reason. Exit status 3."""
+
+    def __init__(self, reason: str):
+        super().__init__(3)
+        self.reason = reason
+
+
+@dataclass
+class WorkerConfig:
+    """Settings of the shim, read from the environment by ``from_env``.
+
+    ``heartbeat_interval_s`` (0.1): rank heartbeat period — hang detection resolution.
+    ``decision_timeout_s`` (60): how long a faulted rank waits for a decision before acting on
+    its own (restart in process at the next generation) — the bus may be gone.
+    ``rendezvous_timeout_s`` (120): barrier timeout of a generation.
+    ``pg_timeout_s`` (300): collective timeout of the process groups (last resort only).
+    """
+
+    job: str = "default"
+    node: str = field(default_factory=socket.gethostname)
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    generation: int = 0
+    mode: str = "action"
+    nats_url: str = ""
+    redis_url: str = ""
+    rdzv_endpoint: str = ""
+    ckpt_dir: str = ""
+    backend: str = "gloo"
+    heartbeat_interval_s: float = 0.1
+    decision_timeout_s: float = 60.0
+    rendezvous_timeout_s: float = 120.0
+    pg_timeout_s: float = 300.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
+        e = os.environ if env is None else env
+        rdzv = e.get("TG_RDZV_ENDPOINT") or (
+            f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}" if "MASTER_ADDR" in e and "MASTER_PORT" in e
+            else "")
+        return cls(
+            job=e.get("TG_JOB", "default"), node=e.get("TG_NODE", socket.gethostname()),
+            rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
+            world_size=int(e.get("WORLD_SIZE", 1)),
+            local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)),
+            generation=int(e.get("TG_GENERATION", 0)), mode=e.get("TG_MODE", "action"),
+            nats_url=e.get("NATS_URL", ""), redis_url=e.get("REDIS_URL", ""),
+            rdzv_endpoint=rdzv, ckpt_dir=e.get("TG_CKPT_DIR", ""),
+            backend=e.get("TG_BACKEND", "gloo"),
+            heartbeat_interval_s=float(e.get("TG_HEARTBEAT_INTERVAL_S", 0.1)),
+            decision_timeout_s=float(e.get("TG_DECISION_TIMEOUT_S", 60.0)),
+        )
+
+
+class _Progress:
+    """Progress shared with the heartbeat thread (plain attributes; the GIL makes each
+    assignment atomic)."""
+
+    __slots__ = ("step", "loss", "step_time_s", "progress_ts", "phase", "collective_seq",
+                 "_last_mono")
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.loss: float | None = None
+        self.step_time_s: float | None = None
+        self.progress_ts = 0
+        self.phase = "startup"
+        self.collective_seq = 0
+        self._last_mono = 0.0
+
+
+class _Runtime:
+    """Process-lifetime state of the shim: bus, heartbeat thread, decisions, generation."""
+
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.p = _Progress()
+        self.bus = None
+        self.store = None
+        self.socks: rendezvous.GroupSockets | None = None
+        self.ckpt_group = None
+        self.decisions: list[schemas.Decision] = []
+        self._cond = threading.Condition()
+        self._seen_keys: set[str] = set()
+        self.abort_requested = threading.Event()
+        self._stop = threading.Event()
+        self.restarts = 0
+        self.last_fault_ts = 0
+        self.last_step_before_fault = -1
+        self.pending_resume: dict[str, Any] | None = None
+        self.current_decision_id = ""
+
+    # ---- bus ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.cfg.nats_url:
+            from .bus import ThreadedBus
+
+            self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
+            self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision)
+            self.bus.start()
+            self.bus.wait_connected(2.0)
+        threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
+
+    def publish(self, subject: str, event: schemas.Event) -> None:
+        if self.bus is not None:
+            self.bus.publish(subject, event)
+
+    def _ids(self) -> dict[str, Any]:
+        return {"job": self.cfg.job, "node": self.cfg.node, "rank": self.cfg.rank}
+
+    def _beat(self) -> None:
+        subj = None
+        while not self._stop.is_set():
+            if subj is None or not subj.endswith(f".{self.cfg.rank}.hb"):
+                subj = subjects.rank_hb(self.cfg.job, self.cfg.rank)
+            p = self.p
+            self.publish(subj, schemas.RankHeartbeat(
+                **self._ids(), local_rank=self.cfg.local_rank, world_size=self.cfg.world_size,
+                generation=self.cfg.generation, pid=os.getpid(), step=p.step, loss=p.loss,
+                step_time_s=p.step_time_s, progress_ts=p.progress_ts, phase=p.phase,
+                collective_seq=p.collective_seq, interval_s=self.cfg.heartbeat_interval_s))
+            self._stop.wait(self.cfg.heartbeat_interval_s)
+
+    def _on_decision(self, subject: str, ev: schemas.Event) -> None:
+        if not isinstance(ev, schemas.Decision) or not ev.execute:
+            return
+        if ev.generation <= self.cfg.generation or ev.idempotency_key in self._seen_keys:
+            return
+        self._seen_keys.add(ev.idempotency_key)
+        with self._cond:
+            self.decisions.append(ev)
+            self._cond.notify_all()
+        # a healthy rank still in a collective must leave it: shut its sockets down
+        self.abort_requested.set()
+        if self.socks is not None:
+            self.socks.abort()
+
+    def newer_decision(self) -> schemas.Decision | None:
+        with self._cond:
+            live = [d for d in self.decisions if d.generation > self.cfg.generation]
+            return max(live, key=lambda d: d.generation) if live else None
+
+    def await_decision(self, timeout_s: float) -> schemas.Decision | None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                d = self.newer_decision_locked()
+                if d is not None:
+                    return d
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, 0.05))
+
+    def newer_decision_locked(self) -> schemas.Decision | None:
+        live = [d for d in self.decisions if d.generation > self.cfg.generation]
+        return max(live, key=lambda d: d.generation) if live else None
+
+    # ---- groups -------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Barrier at the current generation, then form the groups. Restarts the barrier at a
+        newer generation when a newer decision arrives meanwhile."""
+        cfg = self.cfg
+        if cfg.world_size > 1 or cfg.rdzv_endpoint:
+            if self.store is None:
+                if not cfg.rdzv_endpoint:
+                    raise rendezvous.RendezvousError(
+                        "no rendezvous endpoint: set TG_RDZV_ENDPOINT (or MASTER_ADDR and "
+                        "MASTER_PORT), e.g. by starting the ranks with `trainguard launch`")
+                self.store = rendezvous.connect_store(cfg.rdzv_endpoint)
+        while True:
+            self.p.phase = "recovery" if self.restarts else "startup"
+            try:
+                if self.store is not None:
+                    rendezvous.barrier(self.store, cfg.job, cfg.generation, cfg.rank,
+                                       cfg.world_size, cfg.rendezvous_timeout_s,
+                                       superseded=lambda: self.newer_decision() is not None)
+                    self.ckpt_group, self.socks = rendezvous.form_groups(
+                        self.store, cfg.job, cfg.generation, cfg.rank, cfg.world_size,
+                        cfg.backend, cfg.pg_timeout_s)
+                if self.newer_decision() is None:
+                    self.abort_requested.clear()
+                return
+            except rendezvous.Superseded:
+                self._apply(self.newer_decision())
+
+    def abort(self) -> None:
+        if self.socks is not None:
+            self.socks.abort()
+            self.socks.clear()
+        rendezvous.destroy_groups()
+        self.ckpt_group = None
+
+    def _apply(self, d: schemas.Decision) -> None:
+        """Take the generation, rank and world size a decision assigns to this rank."""
+        cfg = self.cfg
+        if d.action == "stop_job_notify_user":
+            raise JobStopped(d.reason or "stopped by the remediator")
+        if d.members:
+            mine = [m for m in d.members if m.node == cfg.node and m.local_rank == cfg.local_rank]
+            if not mine:
+                raise JobStopped(f"this rank ({cfg.node}/{cfg.local_rank}) was excluded: "
+                                 f"{d.reason}")
+            cfg.rank = mine[0].rank
+            cfg.world_size = d.world_size or len(d.members)
+        cfg.generation = d.generation
+        self.current_decision_id = d.event_id
+
+    # ---- fault handling -----------------------------------------------------------------------
+    def on_fault(self, exc: BaseException) -> None:
+        """Report the fault, abort the groups, wait for the decision and apply it. Re-raises
+        ``exc`` in observe mode or when the job is to stop."""
+        cfg = self.cfg
+        self.last_fault_ts = time.time_ns()
+        self.last_step_before_fault = self.p.step
+        symptom = isinstance(exc, RestartRequested) or any(
+            m in str(exc) for m in COLLECTIVE_ERROR_MARKERS)
+        if not isinstance(exc, RestartRequested):
+            text = "".join(traceback.format_exception(exc)).strip()
+            self.publish(subjects.job(cfg.job, "log"), schemas.LogLine(
+                **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
+                step=self.p.step, generation=cfg.generation, source="shim"))
+        self.abort()  # after the report: the root cause goes on the bus first
+        self.p.phase = "recovery"
+        if cfg.mode != "action":
+            raise exc
+        d = self.newer_decision() or self.await_decision(cfg.decision_timeout_s)
+        if d is None:
+            log.warning("no decision within %.0fs (bus gone?): restarting in process at "
+                        "generation %d on our own", cfg.decision_timeout_s, cfg.generation + 1)
+            cfg.generation += 1
+        else:
+            self._apply(d)
+        self.restarts += 1
+        self.pending_resume = {"fault_ts": self.last_fault_ts,
+                               "last_step": self.last_step_before_fault}
+
+    def finish(self) -> None:
+        self.p.phase = "done"
+        rendezvous.destroy_groups()
+        self._stop.set()
+        if self.bus is not None:
+            self.publish(subjects.rank_hb(self.cfg.job, self.cfg.rank), schemas.RankHeartbeat(
+                **self._ids(), generation=self.cfg.generation, pid=os.getpid(), step=self.p.step,
+                phase="done", world_size=self.cfg.world_size, local_rank=self.cfg.local_rank))
+            self.bus.close(timeout=2.0)
+
+
+class Context:
+    """What ``train_fn`` receives. Valid for one generation: after an in-process restart
+    ``train_fn`` is called again with a new Context.
+
+    Attributes: ``rank``, ``local_rank``, ``world_size``, ``generation``, ``job``, ``node``,
+    ``restarts`` (in-process restarts of this process so far), ``ckpt_group`` (a gloo group for
+    checkpoint collectives, None when not distributed), ``device``.
+    """
+
+    def __init__(self, rt: _Runtime):
+        self._rt = rt
+        cfg = rt.cfg
+        self.job, self.node = cfg.job, cfg.node
+        self.rank, self.local_rank = cfg.rank, cfg.local_rank
+        self.world_size, self.generation = cfg.world_size, cfg.generation
+        self.restarts = rt.restarts
+        self.ckpt_group = rt.ckpt_group
+        self._ckpt = None
+        self._first_progress = rt.pending_resume is not None
+        self._verify_loss: float | None = None
+        import torch
+
+        self.device = (torch.device("cuda", cfg.local_rank) if cfg.backend == "nccl"
+                       else torch.device("cpu"))
+
+    def progress(self, step: int, loss: float | None = None) -> None:
+        """Record that ``step`` completed (``loss`` its loss). Cheap: no I/O on this thread.
+
+        Raises ``RestartRequested`` when a decision asked this rank to leave the generation.
+        """
+        rt = self._rt
+        if rt.abort_requested.is_set():
+            raise RestartRequested("a decision asked this rank to restart")
+        p = rt.p
+        now = time.monotonic()
+        if p._last_mono and p.phase == "train":
+            p.step_time_s = now - p._last_mono
+        p._last_mono = now
+        p.step = step
+        p.collective_seq += 1
+        p.loss = None if loss is None else float(loss)
+        p.progress_ts = time.time_ns()
+        p.phase = "train"
+        if self._first_progress:
+            self._first_progress = False
+            self._report_resume(step, loss)
+
+    def _report_resume(self, step: int, loss: float | None) -> None:
+        rt, cfg = self._rt, self._rt.cfg
+        info = rt.pending_resume or {}
+        rt.pending_resume = None
+        restored = self._ckpt.restored_step if self._ckpt is not None else None
+        restored = -1 if restored is None else int(restored)
+        last = info.get("last_step", -1)
+        rt.publish(subjects.job(cfg.job, "recovery"), schemas.TrainingResumed(
+            **rt._ids(), generation=cfg.generation, world_size=cfg.world_size,
+            restored_step=restored, resumed_step=step,
+            steps_rolled_back=max(0, last - restored) if last >= 0 else 0,
+            fault_ts=info.get("fault_ts", 0),
+            restore_source=getattr(self._ckpt, "restore_source", "none") or "none",
+            decision_id=rt.current_decision_id))
+        saved_loss = getattr(self._ckpt, "restored_loss", None)
+        if saved_loss is not None and loss is not None:
+            tol = 0.5
+            ok = math.isfinite(loss) and abs(loss - saved_loss) <= tol * max(1.0, abs(saved_loss))
+            rt.publish(subjects.job(cfg.job, "recovery"), schemas.RecoveryVerified(
+                **rt._ids(), generation=cfg.generation, restored_step=restored,
+                loss_at_save=saved_loss, loss_after=float(loss), tolerance=tol, ok=ok))
+
+    def phase(self, name: str) -> None:
+        """Tell the detector what the rank is doing (``schemas.PHASES``): e.g. ``"checkpoint"``
+        or ``"compile"`` get longer hang allowances."""
+        self._rt.p.phase = name
+
+    def checkpointer(self, model, optimizer=None, **config: Any):
+        """An async, validated, resharding ``trainguard.checkpoint.Checkpointer`` bound to this
+        rank and generation. ``config`` fields go to ``CheckpointConfig`` (``root`` defaults to
+        ``$TG_CKPT_DIR/<job>`` or ``./checkpoints/<job>``)."""
+        from .checkpoint import CheckpointConfig, Checkpointer
+
+        rt, cfg = self._rt, self._rt.cfg
+        config.setdefault("root", os.path.join(cfg.ckpt_dir or "checkpoints", cfg.job))
+        self._ckpt = Checkpointer(model, optimizer, config=CheckpointConfig(**config),
+                                  job=cfg.job, rank=cfg.rank, world_size=cfg.world_size,
+                                  generation=cfg.generation, group=rt.ckpt_group, bus=rt.bus,
+                                  redis_url=cfg.redis_url or None)
+        return self._ckpt
+
+    def log(self, line: str, stream: str = "stdout") -> None:
+        """Publish a line to ``tg.job.<job>.log`` (for the detector's log patterns)."""
+        rt = self._rt
+        rt.publish(subjects.job(rt.cfg.job, "log"), schemas.LogLine(
+            **rt._ids(), stream=stream, line=line, step=rt.p.step,
+            generation=rt.cfg.generation))
+
+
+def run(train_fn: Callable[[Context], Any], config: WorkerConfig | None = None) -> Any:
+    """Run ``train_fn(ctx)`` under trainguard in this rank; returns what it returns.
+
+    Joins the bus (when ``NATS_URL`` is set — without it the shim still forms groups and
+    restarts on its own), forms the process group of the current generation, calls
+    ``train_fn``; on a fault restarts in process as decided by the remediator. Raises
+    ``JobStopped`` (exit status 3) when the job is stopped; in observe mode re-raises the fault.
+    """
+    cfg = config or WorkerConfig.from_env()
+    rt = _Runtime(cfg)
+    rt.start()
+    while True:
+        rt.join()
+        ctx = Context(rt)
+        try:
+            result = train_fn(ctx)
+        except (KeyboardInterrupt, JobStopped):
+            rt.abort()
+            rt.finish()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every fault goes through recovery
+            if isinstance(exc, SystemExit) and not exc.code:
+                rt.finish()
+                raise
+            try:
+                rt.on_fault(exc)
+            except BaseException:
+                rt.finish()
+                raise
+            continue
+        if ctx._ckpt is not None:
+            ctx._ckpt.finalize()
+        rt.finish()
+        return result
