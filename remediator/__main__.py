@@ -1,0 +1,7 @@
+"""``python -m remediator --nats-url URL --redis-url URL`` (or env NATS_URL / REDIS_URL)."""
+from trainguard.service import main
+
+from .service import Remediator
+
+if __name__ == "__main__":
+    main(Remediator)

@@ -1,0 +1,496 @@
+"""The remediator's policy: a verdict plus the job's state becomes a decision.
+
+Everything here is pure (no I/O, no clock unless passed in) so it is unit-tested as a table.
+
+The policy is data:
+
+* ``TABLE`` — ``(fault_class, layer) → Rule``: the cheapest recovery action that survives the
+  fault (the nested layers of the design: in-process restart < worker restart < node exclusion <
+  stop). ``layer=None`` matches any layer; a row with the exact layer wins over it.
+* ``VERDICT_OVERRIDES`` — when the attributor recommends a *stronger* action than the table
+  (it keeps cross-job history: a node that fails across jobs, a job that fails the same way on
+  different nodes), the recommendation is followed if the verdict is confident enough.
+* ``ACTION_ALIASES`` — verdict actions that no executor carries out, mapped to one that does.
+* ``ESCALATIONS`` — checks run after the table, in order; the first that fires replaces the
+  action (retry budget spent, the same fault at the same step again → stop).
+* ``WATCHDOG_LADDER`` — what the watchdog escalates to when an executed decision is not followed
+  by ``recovery.resumed`` within ``decision_timeout_s`` (or its executor reports a failure).
+
+Job state (``StateStore.job``) fields read here, with the default used when absent:
+``mode`` ("observe"), ``generation`` (0), ``world_size`` (len(members)), ``min_world_size`` (1),
+``retry_budget`` (``Policy.default_retry_budget``), ``retries_used`` (0), ``members`` ([] —
+list of ``{"rank", "node", "local_rank"}``), ``spare_nodes`` ([] — node names, or
+``{"node": name}`` objects), ``nproc_per_node`` (ranks of the replaced node), ``last_fault``
+(None — ``{"fault_class", "step", "signature", "generation"}``).
+
+Verdict fields read beyond the schema's own: ``detail["step"]`` (int, the training step the
+culprit was in, for loop detection), ``detail["signature"]`` (str, a normalised fault signature;
+derived from the fault class and first evidence line when absent), ``detail["detected_ts"]``
+(Unix ns of the first anomaly; the verdict's own ``ts`` when absent), ``detail["systematic"]``
+(bool, the attributor found the same fault on different nodes: an application fault).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import xxhash
+
+from schemas import Decision, Member, Verdict
+
+#: Strength of actions, for folding a second verdict of the same generation: only a strictly
+#: stronger action gets a decision of its own.
+STRENGTH: dict[str, int] = {
+    "none": 0, "restart_in_process": 1, "restart_workers": 2, "reset_gpu": 3,
+    "exclude_node_and_requeue": 4, "fix_config": 5, "stop_job_notify_user": 5,
+}
+
+#: Actions that recover the job in a new generation (they count against the retry budget and
+#: are watched by the watchdog when executed).
+RECOVERY_ACTIONS = ("restart_in_process", "restart_workers", "exclude_node_and_requeue")
+
+#: Confidence levels of a verdict, weakest first.
+CONFIDENCE = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the policy table.
+
+    ``action`` — the action taken; ``requires_spare`` — only when a spare node is registered
+    (else ``fallback``); ``source`` — why this is the cheapest action that survives the fault.
+    """
+
+    fault_class: str
+    layer: str | None
+    action: str
+    source: str
+    requires_spare: bool = False
+    fallback: str = "none"
+
+
+#: fault class (+ layer) → cheapest surviving action. Sources: the recovery layers of
+#: docs/protocol.md and the design; the corpus of real failures (shared/corpus, field
+#: ``recommended_action``) for the hardware rows; measured behaviour of gloo (findings.md) for
+#: why a hang or a crash needs the process replaced rather than an in-process restart.
+TABLE: tuple[Rule, ...] = (
+    Rule("app_exception", None, "restart_in_process",
+         "a Python exception leaves the interpreter intact: rejoin in process and restore; "
+         "a deterministic bug is caught by loop detection"),
+    Rule("nan_loss", None, "restart_in_process",
+         "restore picks the newest valid checkpoint; the validator rejects NaN/Inf state"),
+    Rule("checkpoint_corrupt", None, "restart_in_process",
+         "restore skips checkpoints the validator marked invalid and loads an older valid one"),
+    Rule("crash", None, "restart_workers",
+         "the rank's process is gone: start it again (warm spare) and rejoin"),
+    Rule("crash", "hardware", "exclude_node_and_requeue",
+         "a crash attributed to the node's hardware recurs on that node: move off it"),
+    Rule("oom_host", None, "restart_workers",
+         "the kernel killed the process; a fresh one starts with clean memory"),
+    Rule("oom_gpu", None, "restart_workers",
+         "a fresh process frees the caching allocator; a deterministic OOM is caught by loop "
+         "detection"),
+    Rule("hang", None, "restart_workers",
+         "a stuck gloo collective cannot be aborted (findings.md): the hung rank is killed and "
+         "restarted"),
+    Rule("hang", "hardware", "exclude_node_and_requeue",
+         "a hang attributed to the node's hardware recurs on that node"),
+    Rule("rendezvous", None, "restart_workers",
+         "the group is re-formed under a new generation prefix of the store"),
+    Rule("network", None, "restart_workers",
+         "a transient connection reset: re-form the group"),
+    Rule("network", "hardware", "exclude_node_and_requeue",
+         "a failing NIC or link stays broken: corpus (IB/RoCE completion errors)"),
+    Rule("filesystem", None, "stop_job_notify_user",
+         "a full or failing file system fails every retry: corpus (disk full, write errors)"),
+    Rule("node_lost", None, "exclude_node_and_requeue",
+         "the node is gone: continue on the remaining nodes or a spare"),
+    Rule("gpu_xid", None, "exclude_node_and_requeue",
+         "hardware XIDs (e.g. 48, 79, 94/95) need a GPU reset or node service: corpus, NVIDIA "
+         "XID catalog"),
+    Rule("gpu_xid", "application", "restart_workers",
+         "application XIDs (13, 31, 43) end the process, not the GPU: NVIDIA XID catalog"),
+    Rule("ecc", None, "exclude_node_and_requeue",
+         "uncorrectable ECC / row-remap failure: the GPU must be reset or replaced: corpus"),
+    Rule("nvlink", None, "exclude_node_and_requeue",
+         "NVLink errors persist until the node is serviced: corpus"),
+    Rule("straggler", None, "exclude_node_and_requeue",
+         "a slow node slows every step; replacing it pays only when a spare exists, otherwise "
+         "it is flagged", requires_spare=True, fallback="none"),
+    Rule("thermal", None, "none",
+         "thermal throttling slows but does not break the job: flag it"),
+)
+
+#: Unknown fault classes are flagged, never acted on.
+DEFAULT_RULE = Rule("*", None, "none", "unknown fault class: flagged, no action taken")
+
+
+@dataclass(frozen=True)
+class VerdictOverride:
+    """Follow the attributor's recommended ``action`` when stronger than the table's, if the
+    verdict's confidence is at least ``min_confidence`` and (when set) ``detail[require_detail]``
+    is truthy."""
+
+    action: str
+    min_confidence: str
+    require_detail: str | None = None
+
+
+VERDICT_OVERRIDES: tuple[VerdictOverride, ...] = (
+    VerdictOverride("exclude_node_and_requeue", "medium"),
+    VerdictOverride("reset_gpu", "medium"),
+    # stopping on the attributor's word needs its cross-job finding, not a single exception
+    VerdictOverride("stop_job_notify_user", "high", require_detail="systematic"),
+    VerdictOverride("fix_config", "high", require_detail="systematic"),
+)
+
+#: Verdict actions without an executor, and what the remediator does instead.
+ACTION_ALIASES: dict[str, str] = {
+    "reset_gpu": "exclude_node_and_requeue",  # the node is drained so the GPU can be reset
+    "fix_config": "stop_job_notify_user",     # a configuration needs a person
+}
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """After the table: when check ``check`` (a name in ``CHECKS``) fires for an action in
+    ``applies_to``, the action becomes ``then``; ``reason`` is formatted with the check's facts."""
+
+    check: str
+    applies_to: tuple[str, ...]
+    then: str
+    reason: str
+
+
+ESCALATIONS: tuple[Escalation, ...] = (
+    Escalation("would_loop", RECOVERY_ACTIONS, "stop_job_notify_user",
+               "would loop: {fault_class} with the same signature at step {step} again after "
+               "the restart of generation {last_generation}"),
+    Escalation("budget_spent", RECOVERY_ACTIONS, "stop_job_notify_user",
+               "retry budget spent ({retries_used} of {retry_budget} used)"),
+)
+
+#: Watchdog: executed action not followed by training again → the next stronger action.
+WATCHDOG_LADDER: dict[str, str] = {
+    "restart_in_process": "restart_workers",
+    "restart_workers": "exclude_node_and_requeue",
+    "exclude_node_and_requeue": "stop_job_notify_user",
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The remediator's policy; every part is data (see the module docstring).
+
+    ``default_mode`` — mode of a job whose state has no ``mode`` ("observe": decisions are
+    published and audited, never executed). ``default_retry_budget`` — recovery actions allowed
+    per job when the job registered none.
+    """
+
+    table: tuple[Rule, ...] = TABLE
+    default_rule: Rule = DEFAULT_RULE
+    verdict_overrides: tuple[VerdictOverride, ...] = VERDICT_OVERRIDES
+    action_aliases: dict[str, str] = field(default_factory=lambda: dict(ACTION_ALIASES))
+    escalations: tuple[Escalation, ...] = ESCALATIONS
+    watchdog_ladder: dict[str, str] = field(default_factory=lambda: dict(WATCHDOG_LADDER))
+    default_mode: str = "observe"
+    default_retry_budget: int = 10
+
+
+DEFAULT_POLICY = Policy()
+
+
+# ---- job state helpers ---------------------------------------------------------------------------
+@dataclass
+class JobView:
+    """Typed view of the job hash with the defaults of the module docstring."""
+
+    mode: str
+    generation: int
+    world_size: int
+    min_world_size: int
+    retry_budget: int
+    retries_used: int
+    members: list[dict[str, Any]]
+    spare_nodes: list[str]
+    nproc_per_node: int
+    last_fault: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, state: dict[str, Any], policy: Policy) -> "JobView":
+        members = [dict(m) for m in (state.get("members") or []) if isinstance(m, dict)]
+        spares = []
+        for s in state.get("spare_nodes") or []:
+            name = s.get("node") if isinstance(s, dict) else s
+            if name:
+                spares.append(str(name))
+        last = state.get("last_fault")
+        return cls(
+            mode=str(state.get("mode") or policy.default_mode),
+            generation=_int(state.get("generation"), 0),
+            world_size=_int(state.get("world_size"), len(members)),
+            min_world_size=_int(state.get("min_world_size"), 1),
+            retry_budget=_int(state.get("retry_budget"), policy.default_retry_budget),
+            retries_used=_int(state.get("retries_used"), 0),
+            members=members,
+            spare_nodes=spares,
+            nproc_per_node=_int(state.get("nproc_per_node"), 0),
+            last_fault=last if isinstance(last, dict) else None,
+        )
+
+
+def _int(v: Any, default: int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def fault_signature(verdict: Verdict) -> str:
+    """``detail["signature"]`` when the attributor gave one, else fault class + the first
+    evidence line with numbers and hex ids masked (so two runs of the same bug match), hashed
+    (xxh3-64, 16 hex)."""
+    sig = verdict.detail.get("signature")
+    if isinstance(sig, str) and sig:
+        return sig
+    first = verdict.evidence[0] if verdict.evidence else ""
+    norm = re.sub(r"0x[0-9a-fA-F]+|\d+", "#", first)[:300]
+    return f"{verdict.fault_class}:{xxhash.xxh3_64_hexdigest(norm.encode())}"
+
+
+def fault_step(verdict: Verdict) -> int | None:
+    """``detail["step"]`` as int, or None when the attributor did not give the step."""
+    step = verdict.detail.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+# ---- the table ---------------------------------------------------------------------------------
+def rule_for(fault_class: str, layer: str, policy: Policy = DEFAULT_POLICY) -> Rule:
+    """The row for ``(fault_class, layer)``: an exact layer match, else the any-layer row, else
+    ``policy.default_rule``."""
+    any_layer = None
+    for r in policy.table:
+        if r.fault_class != fault_class:
+            continue
+        if r.layer == layer:
+            return r
+        if r.layer is None and any_layer is None:
+            any_layer = r
+    return any_layer or policy.default_rule
+
+
+def _override(verdict: Verdict, action: str, policy: Policy) -> tuple[str, str] | None:
+    for o in policy.verdict_overrides:
+        if verdict.action != o.action or STRENGTH.get(o.action, 0) <= STRENGTH.get(action, 0):
+            continue
+        if _conf(verdict.confidence) < _conf(o.min_confidence):
+            continue
+        if o.require_detail and not verdict.detail.get(o.require_detail):
+            continue
+        return o.action, (f"attributor recommends {o.action} with {verdict.confidence} "
+                          f"confidence")
+    return None
+
+
+def _conf(c: str) -> int:
+    return CONFIDENCE.index(c) if c in CONFIDENCE else 0
+
+
+# ---- escalation checks (pure predicates; facts for the reason, or None) ------------------------
+def _would_loop(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | None:
+    last, step = job.last_fault, fault_step(v)
+    if not last or step is None or last.get("step") != step:
+        return None
+    if last.get("signature") != fault_signature(v):
+        return None
+    last_gen = _int(last.get("generation"), -1)
+    if last_gen >= fault_gen:  # the same incident, not a repeat after a restart
+        return None
+    return {"fault_class": v.fault_class, "step": step, "last_generation": last_gen}
+
+
+def _budget_spent(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | None:
+    if job.retries_used >= job.retry_budget:
+        return {"retries_used": job.retries_used, "retry_budget": job.retry_budget}
+    return None
+
+
+CHECKS: dict[str, Callable[[Verdict, JobView, int], dict[str, Any] | None]] = {
+    "would_loop": _would_loop,
+    "budget_spent": _budget_spent,
+}
+
+
+# ---- the new world ---------------------------------------------------------------------------------
+def _nodes_of(ranks: list[int], members: list[dict[str, Any]]) -> list[str]:
+    by_rank = {int(m["rank"]): str(m["node"]) for m in members if "rank" in m and "node" in m}
+    return sorted({by_rank[r] for r in ranks if r in by_rank})
+
+
+def _ranks_on(nodes: list[str], members: list[dict[str, Any]]) -> list[int]:
+    return sorted(int(m["rank"]) for m in members if m.get("node") in nodes)
+
+
+def new_world(members: list[dict[str, Any]], exclude: list[str], spares: list[str],
+              nproc_per_node: int = 0) -> tuple[list[Member], list[str]]:
+    """Members after excluding ``exclude`` nodes: survivors keep their relative order (old rank,
+    which for a standard launch is (node rank, local rank) order), then one spare per excluded
+    node (in ``spares`` order) takes that node's local ranks; ranks renumbered 0..n-1.
+
+    Returns ``(members, spares_used)``. ``nproc_per_node`` gives a spare's rank count when the
+    excluded node's members are unknown.
+    """
+    survivors = sorted((m for m in members if m.get("node") not in exclude),
+                       key=lambda m: int(m["rank"]))
+    world = [(str(m["node"]), int(m.get("local_rank", 0))) for m in survivors]
+    used: list[str] = []
+    available = [s for s in spares if s not in exclude and s not in {n for n, _ in world}]
+    for node in exclude:
+        if not available:
+            break
+        spare = available.pop(0)
+        locals_ = sorted(int(m.get("local_rank", 0)) for m in members if m.get("node") == node)
+        if not locals_:
+            locals_ = list(range(nproc_per_node))
+        if not locals_:
+            continue
+        world += [(spare, lr) for lr in locals_]
+        used.append(spare)
+    return [Member(rank=i, node=n, local_rank=lr) for i, (n, lr) in enumerate(world)], used
+
+
+# ---- decide ------------------------------------------------------------------------------------
+def decide(verdict: Verdict, job_state: dict[str, Any],
+           policy: Policy = DEFAULT_POLICY) -> Decision | None:
+    """The decision for ``verdict`` given ``job_state`` (the job hash) and ``policy``.
+
+    Returns a ``schemas.Decision`` (not yet published) whose ``generation`` is the generation to
+    join (current + 1 for a recovery or a stop, the current one for ``none``) and whose
+    ``idempotency_key`` is ``<job>:g<fault generation>`` in action mode,
+    ``…:observe:<fault class>:<culprit>`` in observe mode (the generation never moves there) and
+    ``…:none:<fault class>:<culprit>`` for a flag. Returns None when the verdict names no job (nothing can be decided for it).
+    Raises nothing for odd job state: missing fields take the documented defaults.
+    """
+    if not verdict.job:
+        return None
+    job = JobView.of(job_state, policy)
+    fault_gen = verdict.generation if verdict.generation is not None else job.generation
+    action, reasons = table_action(verdict, job, policy)
+    return plan(verdict, job, action, reasons, fault_gen, policy)
+
+
+def table_action(verdict: Verdict, job: JobView,
+                 policy: Policy = DEFAULT_POLICY) -> tuple[str, list[str]]:
+    """The action the table (with verdict overrides, aliases and the spare requirement) gives
+    for ``verdict``, before the escalation checks; and the reasons, in words."""
+    rule = rule_for(verdict.fault_class, verdict.layer, policy)
+    action, reasons = rule.action, [f"{verdict.fault_class}/{verdict.layer}: {rule.source}"]
+    ov = _override(verdict, action, policy)
+    if ov:
+        action, why = ov
+        reasons.append(why)
+    if action in policy.action_aliases:
+        reasons.append(f"{action} is carried out as {policy.action_aliases[action]}")
+        action = policy.action_aliases[action]
+    if action == "exclude_node_and_requeue" and rule.requires_spare and not _spare_left(
+            job, verdict):
+        reasons.append(f"no spare node registered: {rule.fallback} (flag only)")
+        action = rule.fallback
+    return action, reasons
+
+
+def _spare_left(job: JobView, verdict: Verdict) -> bool:
+    members_nodes = {m.get("node") for m in job.members}
+    return any(s not in members_nodes and s not in verdict.culprit.nodes for s in job.spare_nodes)
+
+
+def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_gen: int,
+         policy: Policy = DEFAULT_POLICY, key: str | None = None) -> Decision:
+    """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
+    world for an exclusion (stop when it would go below ``min_world_size``), generation and key.
+    Used by ``decide`` and by the watchdog (with ``key`` given)."""
+    for esc in policy.escalations:
+        if action not in esc.applies_to:
+            continue
+        facts = CHECKS[esc.check](verdict, job, fault_gen)
+        if facts is not None:
+            reasons.append(esc.reason.format(**facts))
+            action = esc.then
+            break
+
+    ranks = sorted(set(verdict.culprit.ranks))
+    nodes = sorted(set(verdict.culprit.nodes))
+    members: list[Member] = []
+    world = job.world_size
+    if action in ("restart_in_process", "restart_workers"):
+        if not ranks:
+            ranks = sorted(int(m["rank"]) for m in job.members) or list(range(job.world_size))
+            reasons.append("no culprit rank named: every rank restarts")
+        nodes = _nodes_of(ranks, job.members) or nodes
+    elif action == "exclude_node_and_requeue":
+        nodes = nodes or _nodes_of(ranks, job.members)
+        if not nodes:
+            reasons.append("exclusion needs a culprit node and the verdict named none")
+            action = "stop_job_notify_user"
+        else:
+            ranks = _ranks_on(nodes, job.members)
+            members, used = new_world(job.members, nodes, job.spare_nodes, job.nproc_per_node)
+            world = len(members)
+            if used:
+                reasons.append(f"spare node(s) {', '.join(used)} replace {', '.join(nodes)}")
+            if world < job.min_world_size:
+                reasons.append(f"excluding {', '.join(nodes)} leaves a world of {world} < "
+                               f"min_world_size {job.min_world_size}")
+                action, members, world = "stop_job_notify_user", [], job.world_size
+
+    recovering = action in RECOVERY_ACTIONS
+    culprit = ",".join(map(str, ranks)) + "|" + ",".join(nodes)
+    if action == "none":
+        key = key or f"{verdict.job}:g{fault_gen}:none:{verdict.fault_class}:{culprit}"
+        generation = job.generation
+    else:
+        generation = job.generation + 1
+        if job.mode != "action":
+            # observe mode never bumps the generation: one key per fault and culprit, so each
+            # fault still shows the decision it would have had
+            key = key or f"{verdict.job}:g{fault_gen}:observe:{verdict.fault_class}:{culprit}"
+        key = key or f"{verdict.job}:g{fault_gen}"
+    execute = job.mode == "action" and action != "none"
+    return Decision(
+        job=verdict.job, node=verdict.node, trace=verdict.child_trace(),
+        action=action, mode=job.mode, execute=execute, generation=generation,
+        ranks=ranks, nodes=nodes, members=members, world_size=world,
+        idempotency_key=key, reason="; ".join(reasons), verdict_id=verdict.event_id,
+        fault_class=verdict.fault_class, fault_ts=verdict.first_ts,
+        detected_ts=_int(verdict.detail.get("detected_ts"), 0) or verdict.ts,
+        retries_used=job.retries_used + (1 if recovering else 0),
+        retry_budget=job.retry_budget,
+    )
+
+
+def stronger(a: str, b: str) -> bool:
+    """True when action ``a`` is strictly stronger than ``b`` (``STRENGTH``)."""
+    return STRENGTH.get(a, 0) > STRENGTH.get(b, 0)
+
+
+def escalate(prev: Decision, job_state: dict[str, Any], why: str,
+             policy: Policy = DEFAULT_POLICY) -> Decision | None:
+    """The watchdog's next decision after ``prev`` (executed, but training did not resume or an
+    executor failed): the next rung of ``policy.watchdog_ladder`` for the same culprit, key
+    ``<prev key>:wd``, the job's next generation. None when ``prev`` has no next rung."""
+    nxt = policy.watchdog_ladder.get(prev.action)
+    if nxt is None or not prev.job:
+        return None
+    job = JobView.of(job_state, policy)
+    culprit_ranks = list(prev.ranks)
+    culprit_nodes = list(prev.nodes) or _nodes_of(culprit_ranks, job.members)
+    synthetic = Verdict(job=prev.job, fault_class=prev.fault_class, layer="unknown",
+                        action=nxt, culprit={"ranks": culprit_ranks, "nodes": culprit_nodes},
+                        first_ts=prev.fault_ts, generation=prev.generation, trace=prev.child_trace(),
+                        detail={"detected_ts": prev.detected_ts})
+    synthetic.event_id = prev.verdict_id or synthetic.event_id
+    reasons = [f"watchdog: {prev.action} of generation {prev.generation} {why}: escalating "
+               f"to {nxt}"]
+    return plan(synthetic, job, nxt, reasons, prev.generation, policy,
+                key=f"{prev.idempotency_key}:wd")

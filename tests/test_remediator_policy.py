@@ -1,0 +1,187 @@
+"""The remediator's pure decide(): the policy table, escalations and the new world."""
+import pytest
+
+from remediator import policy as pol
+from remediator.policy import decide, escalate, new_world
+from schemas import Verdict
+
+MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
+           {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
+
+
+def job(**kw):
+    st = {"mode": "action", "generation": 3, "world_size": 4, "min_world_size": 2,
+          "retry_budget": 5, "retries_used": 0, "members": MEMBERS, "spare_nodes": []}
+    st.update(kw)
+    return st
+
+
+def verdict(fault_class, layer="application", ranks=(), nodes=(), action="none", **kw):
+    return Verdict(job="j", fault_class=fault_class, layer=layer, action=action,
+                   culprit={"ranks": list(ranks), "nodes": list(nodes)}, generation=3, **kw)
+
+
+@pytest.mark.parametrize("fault_class,layer,expected", [
+    ("app_exception", "application", "restart_in_process"),
+    ("nan_loss", "application", "restart_in_process"),
+    ("checkpoint_corrupt", "infrastructure", "restart_in_process"),
+    ("crash", "unknown", "restart_workers"),
+    ("crash", "hardware", "exclude_node_and_requeue"),
+    ("oom_host", "application", "restart_workers"),
+    ("hang", "unknown", "restart_workers"),
+    ("rendezvous", "infrastructure", "restart_workers"),
+    ("network", "infrastructure", "restart_workers"),
+    ("network", "hardware", "exclude_node_and_requeue"),
+    ("node_lost", "infrastructure", "exclude_node_and_requeue"),
+    ("gpu_xid", "hardware", "exclude_node_and_requeue"),
+    ("gpu_xid", "application", "restart_workers"),
+    ("ecc", "hardware", "exclude_node_and_requeue"),
+    ("nvlink", "hardware", "exclude_node_and_requeue"),
+    ("filesystem", "infrastructure", "stop_job_notify_user"),
+    ("thermal", "hardware", "none"),
+    ("straggler", "hardware", "none"),          # no spare registered: flag only
+    ("no_such_class", "unknown", "none"),       # unknown: flagged, never acted on
+])
+def test_table(fault_class, layer, expected):
+    d = decide(verdict(fault_class, layer, ranks=[2], nodes=["n2"]), job())
+    assert d.action == expected, d.reason
+    assert d.execute is (expected != "none")
+    if expected in pol.RECOVERY_ACTIONS or expected == "stop_job_notify_user":
+        assert d.generation == 4 and d.idempotency_key == "j:g3"
+    else:
+        assert d.generation == 3 and d.idempotency_key.startswith("j:g3:none:")
+
+
+def test_every_fault_class_has_a_row():
+    from schemas import FAULT_CLASSES
+    for fc in FAULT_CLASSES:
+        assert pol.rule_for(fc, "unknown") is not pol.DEFAULT_RULE, fc
+
+
+def test_restart_names_culprit_ranks_and_their_nodes():
+    d = decide(verdict("crash", "unknown", ranks=[3]), job())
+    assert d.ranks == [3] and d.nodes == ["n2"] and d.members == [] and d.world_size == 4
+    assert d.retries_used == 1 and d.retry_budget == 5
+
+
+def test_restart_without_culprit_restarts_every_rank():
+    d = decide(verdict("hang", "unknown"), job())
+    assert d.action == "restart_workers" and d.ranks == [0, 1, 2, 3]
+
+
+def test_timeline_from_verdict():
+    v = verdict("crash", "unknown", ranks=[1], first_ts=111, detail={"detected_ts": 222})
+    d = decide(v, job())
+    assert (d.fault_ts, d.detected_ts, d.verdict_id) == (111, 222, v.event_id)
+    assert d.trace["traceparent"].split("-")[1] == v.trace_id
+
+
+def test_budget_spent_stops():
+    d = decide(verdict("crash", "unknown", ranks=[1]), job(retries_used=5))
+    assert d.action == "stop_job_notify_user" and "retry budget spent (5 of 5" in d.reason
+
+
+def test_same_fault_same_step_after_restart_is_a_loop():
+    v = verdict("app_exception", ranks=[1], evidence=["ValueError: bad batch 17"],
+                detail={"step": 30})
+    last = {"fault_class": "app_exception", "step": 30, "signature": pol.fault_signature(v),
+            "generation": 2}
+    d = decide(v, job(last_fault=last))
+    assert d.action == "stop_job_notify_user" and "would loop" in d.reason
+    # another step, or the same incident (same generation), is not a loop
+    assert decide(v, job(last_fault={**last, "step": 29})).action == "restart_in_process"
+    assert decide(v, job(last_fault={**last, "generation": 3})).action == "restart_in_process"
+    # numbers in the message do not change the derived signature
+    v2 = verdict("app_exception", ranks=[1], evidence=["ValueError: bad batch 99"],
+                 detail={"step": 30})
+    assert pol.fault_signature(v2) == pol.fault_signature(v)
+
+
+def test_exclude_renumbers_members():
+    d = decide(verdict("node_lost", "infrastructure", nodes=["n1"]), job())
+    assert d.action == "exclude_node_and_requeue"
+    assert d.nodes == ["n1"] and d.ranks == [0, 1]
+    assert [m.model_dump() for m in d.members] == [
+        {"rank": 0, "node": "n2", "local_rank": 0}, {"rank": 1, "node": "n2", "local_rank": 1}]
+    assert d.world_size == 2
+
+
+def test_exclude_nodes_found_from_culprit_ranks():
+    d = decide(verdict("gpu_xid", "hardware", ranks=[2]), job())
+    assert d.nodes == ["n2"] and d.world_size == 2
+
+
+def test_exclude_uses_spare():
+    d = decide(verdict("node_lost", "infrastructure", nodes=["n1"]),
+               job(spare_nodes=["s1"], min_world_size=4))
+    assert d.action == "exclude_node_and_requeue" and d.world_size == 4
+    assert [(m.rank, m.node, m.local_rank) for m in d.members] == [
+        (0, "n2", 0), (1, "n2", 1), (2, "s1", 0), (3, "s1", 1)]
+
+
+def test_exclude_below_min_world_size_stops():
+    d = decide(verdict("node_lost", "infrastructure", nodes=["n1"]), job(min_world_size=3))
+    assert d.action == "stop_job_notify_user"
+    assert "min_world_size 3" in d.reason and d.members == []
+
+
+def test_straggler_replaced_only_with_spare():
+    v = verdict("straggler", "hardware", ranks=[3], nodes=["n2"])
+    assert decide(v, job()).action == "none"
+    d = decide(v, job(spare_nodes=[{"node": "s9"}]))
+    assert d.action == "exclude_node_and_requeue"
+    assert {m.node for m in d.members} == {"n1", "s9"}
+
+
+def test_observe_mode_never_executes():
+    d = decide(verdict("crash", "unknown", ranks=[1]), job(mode="observe"))
+    assert d.action == "restart_workers" and d.execute is False and d.mode == "observe"
+    assert d.idempotency_key.startswith("j:g3:observe:crash:")
+    # a job that never chose a mode is observed (default)
+    assert decide(verdict("crash", "unknown", ranks=[1]), {}).execute is False
+
+
+def test_attributor_overrides_only_when_stronger_and_confident():
+    strong = verdict("crash", "unknown", ranks=[2], action="exclude_node_and_requeue",
+                     confidence="medium")
+    assert decide(strong, job()).action == "exclude_node_and_requeue"
+    weak = verdict("crash", "unknown", ranks=[2], action="exclude_node_and_requeue",
+                   confidence="low")
+    assert decide(weak, job()).action == "restart_workers"
+    # a single exception is not stopped on the attributor's word alone ...
+    stop = verdict("app_exception", ranks=[1], action="stop_job_notify_user", confidence="high")
+    assert decide(stop, job()).action == "restart_in_process"
+    # ... but a systematic one (same failure on different nodes) is
+    stop.detail["systematic"] = True
+    assert decide(stop, job()).action == "stop_job_notify_user"
+    # reset_gpu has no executor: carried out as a node exclusion
+    reset = verdict("gpu_xid", "application", ranks=[0], action="reset_gpu", confidence="high")
+    assert decide(reset, job()).action == "exclude_node_and_requeue"
+
+
+def test_verdict_generation_missing_uses_job_generation():
+    v = Verdict(job="j", fault_class="crash", layer="unknown", action="restart_workers",
+                culprit={"ranks": [0]})
+    assert decide(v, job(generation=7)).idempotency_key == "j:g7"
+
+
+def test_no_job_no_decision():
+    v = Verdict(fault_class="crash", layer="unknown", action="restart_workers")
+    assert decide(v, job()) is None
+
+
+def test_watchdog_ladder():
+    d1 = decide(verdict("crash", "unknown", ranks=[3]), job())
+    d2 = escalate(d1, job(generation=4), "timed out")
+    assert d2.action == "exclude_node_and_requeue" and d2.nodes == ["n2"]
+    assert d2.generation == 5 and d2.idempotency_key == "j:g3:wd" and "watchdog" in d2.reason
+    d3 = escalate(d2, job(generation=5), "timed out")
+    assert d3.action == "stop_job_notify_user" and d3.idempotency_key == "j:g3:wd:wd"
+    assert escalate(d3, job(generation=6), "timed out") is None
+
+
+def test_new_world_keeps_survivor_order():
+    members, used = new_world(MEMBERS, ["n1"], ["s1", "s2"])
+    assert used == ["s1"]
+    assert [(m.rank, m.node, m.local_rank) for m in members] == [
+        (0, "n2", 0), (1, "n2", 1), (2, "s1", 0), (3, "s1", 1)]
