@@ -284,19 +284,16 @@ class Launcher:
 
     def _on_exit(self, proc: _Proc) -> None:
         cfg = self.cfg
-        if self.workers.get(proc.local_rank) is not proc:
-            return  # a replaced worker's late exit
         rc = proc.popen.returncode
         sig = -rc if rc is not None and rc < 0 else None
         code = rc if rc is not None and rc >= 0 else None
-        expected = proc.expected_exit or rc in (0, EXIT_STOPPED)
         self.bus.publish(subjects.job(cfg.job, "worker"), schemas.WorkerExited(
             job=cfg.job, node=cfg.node, rank=proc.rank, local_rank=proc.local_rank or 0,
             pid=proc.pid, generation=proc.generation, exit_code=code, signal=sig,
-            expected=expected))
-        if rc == 0 or rc == EXIT_STOPPED or proc.expected_exit:
-            if proc.expected_exit:
-                return
+            expected=proc.expected_exit or rc in (0, EXIT_STOPPED)))
+        if self.workers.get(proc.local_rank) is not proc or proc.expected_exit:
+            return  # replaced or killed on purpose: its exit is not a new fault
+        if rc in (0, EXIT_STOPPED):
             del self.workers[proc.local_rank]
             if not self.workers:
                 self.exit_status = 0 if rc == 0 else EXIT_STOPPED

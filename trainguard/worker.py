@@ -322,7 +322,7 @@ class Context:
         self.restarts = rt.restarts
         self.ckpt_group = rt.ckpt_group
         self._ckpt = None
-        self._first_progress = rt.pending_resume is not None
+        self._first_progress = True
         self._verify_loss: float | None = None
         import torch
 
@@ -357,6 +357,8 @@ class Context:
         rt.pending_resume = None
         restored = self._ckpt.restored_step if self._ckpt is not None else None
         restored = -1 if restored is None else int(restored)
+        if not info and restored < 0:
+            return  # a first start from scratch: nothing was resumed
         last = info.get("last_step", -1)
         rt.publish(subjects.job(cfg.job, "recovery"), schemas.TrainingResumed(
             **rt._ids(), generation=cfg.generation, world_size=cfg.world_size,

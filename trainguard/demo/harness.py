@@ -1,0 +1,390 @@
+"""``trainguard demo``: the main job. Starts the embedded stack, trains the digits MLP with DDP
+over gloo on 2 simulated nodes × 2 ranks, injects a deterministic fault schedule (SIGKILL of one
+rank, a Python exception in another rank's step, a hang by SIGSTOP of a third), lets trainguard
+recover from each, and reports per fault: kind, rank, step, seconds from injection to detection,
+to decision, to training again (every rank completed a new step), steps rolled back; then the
+final test accuracy next to a fault-free run with the same seed.
+
+``--mode observe`` runs the same schedule with decisions published but never executed: after
+each fault the demo does what a scheduler alone would (kill the whole job, start it again from
+the last valid checkpoint) and reports the decisions that would have been taken.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import schemas
+from schemas import subjects
+
+#: The default fault schedule: (id, kind, global rank, step).
+DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
+    {"id": 1, "kind": "sigkill", "rank": 1, "step": 150},
+    {"id": 2, "kind": "exception", "rank": 2, "step": 300},
+    {"id": 3, "kind": "hang", "rank": 3, "step": 450},
+)
+
+
+@dataclass
+class DemoConfig:
+    """Settings of the demo (defaults in brackets).
+
+    ``steps`` [600] training steps; ``step_sleep_s`` [0.01] pause per step so faults land where
+    scheduled; ``hang_timeout_s`` [2.0] job hang timeout; ``node_timeout_s`` [3.0];
+    ``recovery_timeout_s`` [90] how long a fault may take to recover before it counts as not
+    recovered.
+    """
+
+    mode: str = "action"
+    job: str = "demo"
+    steps: int = 600
+    seed: int = 0
+    nnodes: int = 2
+    nproc_per_node: int = 2
+    ckpt_every: int = 20
+    step_sleep_s: float = 0.01
+    hang_timeout_s: float = 2.0
+    node_timeout_s: float = 3.0
+    recovery_timeout_s: float = 90.0
+    faults: list[dict[str, Any]] = field(default_factory=lambda: [dict(f) for f in DEFAULT_FAULTS])
+    run_dir: str = ""
+    report: str = ""
+    quiet: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class Recorder:
+    """Collects the job's events from the bus (a ``ThreadedBus`` subscription to
+    ``tg.job.<job>.>``) with the latest heartbeat of each rank."""
+
+    def __init__(self, nats_url: str, job: str):
+        from trainguard.bus import ThreadedBus
+
+        self.job = job
+        self.lock = threading.Lock()
+        self.events: list[schemas.Event] = []
+        self.hb: dict[int, schemas.RankHeartbeat] = {}
+        self.bus = ThreadedBus(nats_url, f"demo-recorder-{job}")
+        self.bus.subscribe(f"tg.job.{job}.>", self._on)
+        self.bus.start()
+        self.bus.wait_connected(10)
+
+    def _on(self, subject: str, ev: schemas.Event) -> None:
+        with self.lock:
+            if isinstance(ev, schemas.RankHeartbeat):
+                if ev.rank is not None:
+                    prev = self.hb.get(ev.rank)
+                    if prev is None or ev.ts >= prev.ts:
+                        self.hb[ev.rank] = ev
+            else:
+                self.events.append(ev)
+
+    def of(self, cls: type, since_ns: int = 0) -> list[Any]:
+        with self.lock:
+            return [e for e in self.events if isinstance(e, cls) and e.ts >= since_ns]
+
+    def heartbeat(self, rank: int) -> schemas.RankHeartbeat | None:
+        with self.lock:
+            return self.hb.get(rank)
+
+    def close(self) -> None:
+        self.bus.close(timeout=1.0)
+
+
+class Demo:
+    def __init__(self, cfg: DemoConfig):
+        self.cfg = cfg
+        self.stack = None
+        self.launchers: list[subprocess.Popen] = []
+        self.rec: Recorder | None = None
+        self.log_dir = ""
+
+    def say(self, msg: str) -> None:
+        if not self.cfg.quiet:
+            print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # ---- processes ----------------------------------------------------------------------------
+    def start_stack(self) -> None:
+        from trainguard.stack import Stack
+
+        nodes = tuple(f"node{i}" for i in range(self.cfg.nnodes))
+        self.stack = Stack(agent_nodes=nodes, rendezvous=True,
+                           log_dir=os.path.join(self.cfg.run_dir, "logs"))
+        self.stack.start()
+        self.say(f"stack up: NATS {self.stack.nats_url}, Valkey {self.stack.redis_url}, "
+                 f"rendezvous {self.stack.rdzv_endpoint}")
+
+    def start_launchers(self) -> None:
+        cfg = self.cfg
+        script = os.path.join(os.path.dirname(__file__), "train.py")
+        exc_faults = [f for f in cfg.faults if f["kind"] == "exception"]
+        self.launchers = []
+        for nr in range(cfg.nnodes):
+            cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nnodes", str(cfg.nnodes),
+                   "--nproc-per-node", str(cfg.nproc_per_node), "--node-rank", str(nr),
+                   "--node", f"node{nr}", "--job", cfg.job, "--mode", cfg.mode,
+                   "--nats-url", self.stack.nats_url, "--redis-url", self.stack.redis_url,
+                   "--rdzv-endpoint", self.stack.rdzv_endpoint,
+                   "--ckpt-dir", os.path.join(cfg.run_dir, "checkpoints"),
+                   "--hang-timeout", str(cfg.hang_timeout_s),
+                   "--node-timeout", str(cfg.node_timeout_s),
+                   "--warm-import", "sklearn.datasets,trainguard.demo.model",
+                   script, "--steps", str(cfg.steps), "--seed", str(cfg.seed),
+                   "--ckpt-every", str(cfg.ckpt_every), "--step-sleep", str(cfg.step_sleep_s),
+                   "--run-dir", cfg.run_dir, "--faults", json.dumps(exc_faults)]
+            log = open(os.path.join(self.log_dir, f"launcher-node{nr}.log"), "a")
+            self.launchers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+
+    def stop_launchers(self) -> None:
+        for p in self.launchers:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.launchers:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    # ---- fault schedule -------------------------------------------------------------------------
+    def wait_step(self, rank: int, step: int, timeout: float) -> schemas.RankHeartbeat | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hb = self.rec.heartbeat(rank)
+            if hb is not None and hb.step >= step and hb.phase == "train":
+                return hb
+            if all(p.poll() is not None for p in self.launchers):
+                return None
+            time.sleep(0.005)
+        return None
+
+    def inject(self, f: dict[str, Any]) -> int | None:
+        """Inject fault ``f``; returns the Unix ns of injection (None if it could not be)."""
+        cfg = self.cfg
+        if f["kind"] == "exception":
+            marker = os.path.join(cfg.run_dir, f"fault-{f['id']}.injected")
+            deadline = time.monotonic() + cfg.recovery_timeout_s
+            while time.monotonic() < deadline and not os.path.exists(marker):
+                time.sleep(0.005)
+            if not os.path.exists(marker):
+                return None
+            time.sleep(0.01)
+            return int(open(marker).read().strip())
+        hb = self.wait_step(f["rank"], f["step"], cfg.recovery_timeout_s)
+        if hb is None:
+            return None
+        sig = signal.SIGKILL if f["kind"] == "sigkill" else signal.SIGSTOP
+        ts = time.time_ns()
+        os.kill(hb.pid, sig)
+        return ts
+
+    def timeline(self, f: dict[str, Any], injected: int) -> dict[str, Any]:
+        """Wait for detection, decision and resumption after a fault injected at ``injected``."""
+        cfg = self.cfg
+        out = {"kind": f["kind"], "rank": f["rank"], "node": f"node{f['rank'] // cfg.nproc_per_node}",
+               "step": f["step"], "injected_ns": injected, "detected_ns": None,
+               "decided_ns": None, "resumed_ns": None, "recovered": False,
+               "steps_rolled_back": None, "decision": None, "verdict": None}
+        deadline = time.monotonic() + cfg.recovery_timeout_s
+        decision = None
+        full_restart_done = False
+        while time.monotonic() < deadline:
+            anomalies = self.rec.of(schemas.Anomaly, injected)
+            if anomalies and out["detected_ns"] is None:
+                out["detected_ns"] = min(a.ts for a in anomalies)
+            verdicts = self.rec.of(schemas.Verdict, injected)
+            if verdicts and out["verdict"] is None:
+                v = verdicts[0]
+                out["verdict"] = {"fault_class": v.fault_class, "layer": v.layer,
+                                  "culprit_ranks": v.culprit.ranks, "action": v.action}
+            decisions = self.rec.of(schemas.Decision, injected)
+            if decisions and decision is None:
+                decision = decisions[0]
+                out["decided_ns"] = decision.ts
+                out["decision"] = {"action": decision.action, "ranks": decision.ranks,
+                                   "generation": decision.generation,
+                                   "executed": decision.execute, "reason": decision.reason}
+            if cfg.mode == "observe" and not full_restart_done and (
+                    decision is not None or all(p.poll() is not None for p in self.launchers)):
+                self.say(f"observe mode: decision would be "
+                         f"{decision.action if decision else '(none yet)'}; restarting the whole "
+                         f"job from its last checkpoint, as a scheduler would")
+                self.full_restart()
+                full_restart_done = True
+                since = time.time_ns()
+            if cfg.mode == "action" and decision is not None:
+                resumed = [r for r in self.rec.of(schemas.TrainingResumed, injected)
+                           if r.generation >= decision.generation]
+            elif cfg.mode == "observe" and full_restart_done:
+                resumed = self.rec.of(schemas.TrainingResumed, since)
+            else:
+                resumed = []
+            ranks = {r.rank for r in resumed}
+            if len(ranks) >= cfg.world_size:
+                out["resumed_ns"] = max(r.ts for r in resumed)
+                out["steps_rolled_back"] = max(r.steps_rolled_back for r in resumed) if \
+                    cfg.mode == "action" else max(0, f["step"] - min(r.restored_step for r in resumed))
+                out["recovered"] = True
+                break
+            time.sleep(0.01)
+        return out
+
+    def full_restart(self) -> None:
+        """What a scheduler alone does: stop every process of the job, start it again."""
+        import asyncio
+
+        from trainguard.state import StateStore
+
+        self.stop_launchers()
+        for pid in [hb.pid for hb in list(self.rec.hb.values())]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        async def _bump() -> None:
+            st = StateStore(self.stack.redis_url)
+            job = await st.job(self.cfg.job)
+            await st.bump_generation(self.cfg.job, int(job.get("generation", 0)))
+            await st.close()
+
+        asyncio.run(_bump())
+        self.start_launchers()
+
+    # ---- main ----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        own_dir = not cfg.run_dir
+        cfg.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="trainguard-demo-")
+        self.log_dir = os.path.join(cfg.run_dir, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        t_start = time.monotonic()
+        self.say(f"run directory {cfg.run_dir} (logs in {self.log_dir}); mode {cfg.mode}")
+        results: list[dict[str, Any]] = []
+        try:
+            self.start_stack()
+            self.rec = Recorder(self.stack.nats_url, cfg.job)
+            self.start_launchers()
+            self.say(f"job {cfg.job!r}: {cfg.nnodes} nodes × {cfg.nproc_per_node} ranks, "
+                     f"{cfg.steps} steps, DDP over gloo; waiting for the ranks to start")
+            stop_progress = threading.Event()
+            threading.Thread(target=self._progress, args=(stop_progress,), daemon=True).start()
+            for f in cfg.faults:
+                if f["kind"] != "exception":
+                    self.say(f"will inject {f['kind']} into rank {f['rank']} at step {f['step']}")
+                injected = self.inject(f)
+                if injected is None:
+                    self.say(f"could not inject {f['kind']} (job ended or stalled)")
+                    results.append({"kind": f["kind"], "rank": f["rank"], "step": f["step"],
+                                    "node": f"node{f['rank'] // cfg.nproc_per_node}",
+                                    "injected_ns": None, "detected_ns": None, "decided_ns": None,
+                                    "resumed_ns": None, "recovered": False,
+                                    "steps_rolled_back": None})
+                    continue
+                self.say(f"injected {f['kind']} into rank {f['rank']} at step {f['step']}")
+                r = self.timeline(f, injected)
+                results.append(r)
+                self.say(self._fault_line(r))
+            deadline = time.monotonic() + 600
+            while any(p.poll() is None for p in self.launchers) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stop_progress.set()
+        finally:
+            self.stop_launchers()
+            if self.rec is not None:
+                self.rec.close()
+            if self.stack is not None:
+                self.stack.stop()
+        acc = None
+        result_path = os.path.join(cfg.run_dir, "result.json")
+        if os.path.exists(result_path):
+            acc = json.load(open(result_path))["accuracy"]
+        from trainguard.demo.model import train_reference
+
+        baseline = train_reference(cfg.steps, cfg.seed)
+        report = {"mode": cfg.mode, "job": cfg.job, "steps": cfg.steps, "seed": cfg.seed,
+                  "world_size": cfg.world_size, "accuracy": acc, "baseline_accuracy": baseline,
+                  "faults": results, "wall_s": round(time.monotonic() - t_start, 2),
+                  "run_dir": cfg.run_dir}
+        self.print_report(report)
+        if cfg.report:
+            with open(cfg.report, "w") as fh:
+                json.dump(report, fh, indent=2)
+            self.say(f"report written to {cfg.report}")
+        del own_dir
+        return report
+
+    def _progress(self, stop: threading.Event) -> None:
+        last = None
+        while not stop.wait(1.0):
+            hb = self.rec.heartbeat(0) if self.rec else None
+            if hb is None or hb.step < 0:
+                continue
+            line = (f"step {hb.step + 1}/{self.cfg.steps}  generation {hb.generation}  "
+                    f"world {hb.world_size}  loss {hb.loss:.4f}" if hb.loss is not None else
+                    f"step {hb.step + 1}/{self.cfg.steps}")
+            if line != last:
+                self.say(line)
+                last = line
+
+    @staticmethod
+    def _s(a: int | None, b: int | None) -> str:
+        return f"{(b - a) / 1e9:7.3f}" if a and b else "      -"
+
+    def _fault_line(self, r: dict[str, Any]) -> str:
+        d = r.get("decision") or {}
+        return (f"{r['kind']} rank {r['rank']}: detected +{self._s(r['injected_ns'], r['detected_ns']).strip()}s, "
+                f"decided +{self._s(r['injected_ns'], r['decided_ns']).strip()}s "
+                f"({d.get('action', '-')}{'' if d.get('executed', True) else ', not executed'}), "
+                f"training again +{self._s(r['injected_ns'], r['resumed_ns']).strip()}s, "
+                f"rolled back {r['steps_rolled_back']} steps")
+
+    def print_report(self, rep: dict[str, Any]) -> None:
+        print()
+        print(f"trainguard demo — mode {rep['mode']}, {rep['world_size']} ranks, "
+              f"{rep['steps']} steps, {rep['wall_s']} s")
+        hdr = (f"{'fault':<10} {'rank':>4} {'node':<6} {'step':>5} {'detect s':>9} "
+               f"{'decide s':>9} {'resume s':>9} {'rolled back':>11}  {'decision':<28} recovered")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in rep["faults"]:
+            d = r.get("decision") or {}
+            act = d.get("action", "-") + ("" if d.get("executed", True) else " (observe)")
+            print(f"{r['kind']:<10} {r['rank']:>4} {r['node']:<6} {r['step']:>5} "
+                  f"{self._s(r['injected_ns'], r['detected_ns']):>9} "
+                  f"{self._s(r['injected_ns'], r['decided_ns']):>9} "
+                  f"{self._s(r['injected_ns'], r['resumed_ns']):>9} "
+                  f"{str(r['steps_rolled_back']):>11}  {act:<28} {r['recovered']}")
+        acc, base = rep["accuracy"], rep["baseline_accuracy"]
+        acc_s = f"{acc * 100:.2f} %" if acc is not None else "n/a (training did not finish)"
+        print(f"\ntest accuracy {acc_s}; fault-free run with the same seed {base * 100:.2f} %"
+              + (f" (difference {abs(acc - base) * 100:.2f} pp)" if acc is not None else ""))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="trainguard demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("action", "observe"), default="action")
+    p.add_argument("--report", default="", help="write the report as JSON to this path")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default="", help="checkpoints and logs (default: a temp dir)")
+    p.add_argument("--hang-timeout", type=float, default=2.0)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    cfg = DemoConfig(mode=a.mode, steps=a.steps, seed=a.seed, run_dir=a.run_dir,
+                     report=a.report, hang_timeout_s=a.hang_timeout, quiet=a.quiet)
+    rep = Demo(cfg).run()
+    ok = all(f["recovered"] for f in rep["faults"]) and rep["accuracy"] is not None
+    return 0 if ok or cfg.mode == "observe" else 1
