@@ -182,9 +182,23 @@ class Demo:
                 return None
             time.sleep(0.01)
             return int(open(marker).read().strip())
+        if f["kind"] == "node_loss":
+            f.setdefault("rank", f["node"] * cfg.nproc_per_node)
         hb = self.wait_step(f["rank"], f["step"], cfg.recovery_timeout_s)
         if hb is None:
             return None
+        if f["kind"] == "node_loss":
+            # the node's launcher (its ranks and spares die with it) and its agent
+            ts = time.time_ns()
+            self.launchers[f["node"]].kill()
+            self.stack.kill_service(f"agent-node{f['node']}")
+            return ts
+        if f["kind"] == "straggler":
+            node, local = f["rank"] // cfg.nproc_per_node, f["rank"] % cfg.nproc_per_node
+            path = os.path.join(cfg.run_dir, f"slow-node{node}-{local}")
+            with open(path, "w") as fh:
+                fh.write(str(f.get("factor", 3)))
+            return time.time_ns()
         sig = signal.SIGKILL if f["kind"] == "sigkill" else signal.SIGSTOP
         ts = time.time_ns()
         os.kill(hb.pid, sig)
@@ -193,7 +207,8 @@ class Demo:
     def timeline(self, f: dict[str, Any], injected: int) -> dict[str, Any]:
         """Wait for detection, decision and resumption after a fault injected at ``injected``."""
         cfg = self.cfg
-        out = {"kind": f["kind"], "rank": f["rank"], "node": f"node{f['rank'] // cfg.nproc_per_node}",
+        out = {"kind": f["kind"], "rank": f["rank"],
+               "node": f"node{f.get('node', f['rank'] // cfg.nproc_per_node)}",
                "step": f["step"], "injected_ns": injected, "detected_ns": None,
                "decided_ns": None, "resumed_ns": None, "recovered": False,
                "steps_rolled_back": None, "decision": None, "verdict": None}
@@ -231,8 +246,24 @@ class Demo:
                 resumed = self.rec.of(schemas.TrainingResumed, since)
             else:
                 resumed = []
+            if f["kind"] == "straggler":
+                # a straggler is flagged (replaced only where a spare node exists): the figure
+                # is the time to the verdict naming it; then the rank is made fast again
+                named = [v for v in verdicts if f["rank"] in v.culprit.ranks]
+                if named or time.monotonic() > deadline - 1:
+                    out["recovered"] = bool(named)
+                    node, local = f["rank"] // cfg.nproc_per_node, f["rank"] % cfg.nproc_per_node
+                    try:
+                        os.remove(os.path.join(cfg.run_dir, f"slow-node{node}-{local}"))
+                    except FileNotFoundError:
+                        pass
+                    break
+                time.sleep(0.01)
+                continue
+            world = decision.world_size if decision is not None and decision.world_size else \
+                cfg.world_size
             ranks = {r.rank for r in resumed}
-            if len(ranks) >= cfg.world_size:
+            if len(ranks) >= world:
                 out["resumed_ns"] = max(r.ts for r in resumed)
                 out["steps_rolled_back"] = max(r.steps_rolled_back for r in resumed) if \
                     cfg.mode == "action" else max(0, f["step"] - min(r.restored_step for r in resumed))

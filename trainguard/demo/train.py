@@ -63,7 +63,9 @@ def main(argv=None) -> None:
         start = ckpt.restore()  # before DDP: DDP then broadcasts rank 0's restored weights
         net = DDP(model) if ctx.world_size > 1 else model
         loss_fn = nn.CrossEntropyLoss()
+        slow_flag = os.path.join(args.run_dir, f"slow-{ctx.node}-{ctx.local_rank}")
         for step in range(start, args.steps):
+            t_step = time.monotonic()
             x, y = M.batch(data, args.seed, step, ctx.rank, ctx.world_size)
             opt.zero_grad()
             loss = loss_fn(net(x), y)
@@ -75,6 +77,9 @@ def main(argv=None) -> None:
                 ckpt.save(step, loss=loss.item())
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if os.path.exists(slow_flag):  # injected straggler: this rank runs `factor`× slower
+                factor = float(open(slow_flag).read() or 3)
+                time.sleep((factor - 1) * (time.monotonic() - t_step))
         ckpt.wait()
         if ctx.rank == 0:
             result = {"accuracy": M.accuracy(model, data), "steps": args.steps,
