@@ -1,0 +1,73 @@
+"""``python -m agents --node NAME --nats-url URL [options]``: run the node agent.
+
+Connection options (``--nats-url``, ``--redis-url``, ``--node``, ``--log-level`` and their
+environment variables ``NATS_URL``, ``REDIS_URL``, ``TG_NODE``, ``TG_LOG_LEVEL``) behave as for
+every trainguard service. The node name defaults to the short host name (the part before the
+first dot, since a subject token cannot contain dots). Agent options:
+
+``--interval`` telemetry period, s (1.0) · ``--heartbeat-interval`` node heartbeat period, s
+(0.5) · ``--kmsg auto|/dev/kmsg|journal|none|PATH`` kernel log source (auto; env
+``TG_AGENT_KMSG``) · ``--kmsg-from-start`` also read what the log already holds ·
+``--peers host:port,...`` latency probe targets (env ``TG_AGENT_PEERS``) · ``--probe-timeout``
+s (0.5) · ``--no-nvml`` skip NVML.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from trainguard.service import ServiceConfig, main
+
+from .agent import AgentConfig, NodeAgent
+from .kernel_log import KernelLogConfig
+from .nvml import NvmlConfig
+
+
+def parse_agent_args(argv: list[str]) -> tuple[AgentConfig, str]:
+    """``(AgentConfig, node)`` from the agent's own options; unknown options are left for the
+    common service parser. Exits with a usage message on a bad value."""
+    p = argparse.ArgumentParser(prog="python -m agents", description="trainguard node agent")
+    p.add_argument("--node", default=os.environ.get("TG_NODE")
+                   or socket.gethostname().split(".")[0])
+    p.add_argument("--interval", type=float, default=1.0, help="telemetry period, seconds")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5,
+                   help="node heartbeat period, seconds")
+    p.add_argument("--kmsg", default=os.environ.get("TG_AGENT_KMSG", "auto"),
+                   help="kernel log: auto, /dev/kmsg, journal, none or a file path")
+    p.add_argument("--kmsg-from-start", action="store_true",
+                   help="also report what the kernel log already holds")
+    p.add_argument("--peers", default=os.environ.get("TG_AGENT_PEERS", ""),
+                   help="comma-separated host:port latency probe targets")
+    p.add_argument("--probe-timeout", type=float, default=0.5, help="seconds")
+    p.add_argument("--no-nvml", action="store_true", help="do not use NVML")
+    args, _ = p.parse_known_args(argv)
+    cfg = AgentConfig(
+        interval_s=args.interval, heartbeat_interval_s=args.heartbeat_interval,
+        peers=tuple(x.strip() for x in args.peers.split(",") if x.strip()),
+        probe_timeout_s=args.probe_timeout,
+        kernel=KernelLogConfig(source=args.kmsg, from_start=args.kmsg_from_start),
+        nvml=NvmlConfig(enabled=not args.no_nvml))
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        p.error(str(exc))
+    return cfg, args.node
+
+
+def run(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    agent_cfg, node = parse_agent_args(argv)
+    if not any(a == "--node" or a.startswith("--node=") for a in argv):
+        argv += ["--node", node]
+
+    def factory(cfg: ServiceConfig) -> NodeAgent:
+        cfg.tick_s = 1.0  # the agent's work runs in its own tasks, the base tick idles
+        return NodeAgent(cfg, agent_cfg)
+
+    main(factory, argv)
+
+
+if __name__ == "__main__":
+    run()
