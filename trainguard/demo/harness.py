@@ -104,9 +104,14 @@ class Recorder:
 
 
 class Demo:
-    def __init__(self, cfg: DemoConfig):
+    """One demo run. ``stack``: an already started ``trainguard.stack.Stack`` to use (tests and
+    benchmarks reuse one across runs; give each run its own ``job`` name); None starts and stops
+    its own."""
+
+    def __init__(self, cfg: DemoConfig, stack=None):
         self.cfg = cfg
-        self.stack = None
+        self.stack = stack
+        self._own_stack = stack is None
         self.launchers: list[subprocess.Popen] = []
         self.rec: Recorder | None = None
         self.log_dir = ""
@@ -305,7 +310,8 @@ class Demo:
         self.say(f"run directory {cfg.run_dir} (logs in {self.log_dir}); mode {cfg.mode}")
         results: list[dict[str, Any]] = []
         try:
-            self.start_stack()
+            if self.stack is None:
+                self.start_stack()
             self.rec = Recorder(self.stack.nats_url, cfg.job)
             self.start_launchers()
             self.say(f"job {cfg.job!r}: {cfg.nnodes} nodes × {cfg.nproc_per_node} ranks, "
@@ -336,7 +342,7 @@ class Demo:
             self.stop_launchers()
             if self.rec is not None:
                 self.rec.close()
-            if self.stack is not None:
+            if self.stack is not None and self._own_stack:
                 self.stack.stop()
         acc = None
         result_path = os.path.join(cfg.run_dir, "result.json")
@@ -354,7 +360,8 @@ class Demo:
             with open(cfg.report, "w") as fh:
                 json.dump(report, fh, indent=2)
             self.say(f"report written to {cfg.report}")
-        del own_dir
+        if own_dir and not cfg.report:
+            pass  # keep the run directory: its logs are what a user reads after a failure
         return report
 
     def _progress(self, stop: threading.Event) -> None:
