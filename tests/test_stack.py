@@ -1,0 +1,138 @@
+"""The local stack with real processes: services healthy, a restarted remediator does not repeat
+a decision, and `trainguard up` leaves no process behind after SIGTERM."""
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from schemas import Verdict, subjects
+from trainguard.bus import Bus
+from trainguard.stack import DEFAULT_SERVICES, Stack, StackError, service_available
+from trainguard.state import StateStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gone(pids, timeout=15.0):
+    """Pids still alive (zombies count as gone) after waiting up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+async def _decisions_for(nats_url, redis_url, job, verdict, wait_s=1.5):
+    bus = await Bus(nats_url, "test-stack").connect()
+    got = []
+    await bus.subscribe(subjects.job(job, "decision"), lambda s, e: got.append(e))
+    await bus.flush()
+    await bus.publish(subjects.job(job, "verdict"), verdict)
+    await bus.flush()
+    await asyncio.sleep(wait_s)
+    await bus.close()
+    return got
+
+
+def test_stack_remediator_restart_does_not_repeat(servers, redis_db, tmp_path):
+    async def register():
+        st = StateStore(redis_db)
+        await st.register_job("sj", mode="action", generation=0, world_size=2,
+                              members=[{"rank": 0, "node": "a", "local_rank": 0},
+                                       {"rank": 1, "node": "a", "local_rank": 1}])
+        await st.close()
+    asyncio.run(register())
+    v = Verdict(job="sj", fault_class="crash", layer="unknown", action="restart_workers",
+                culprit={"ranks": [1]}, generation=0)
+    with Stack(servers.nats_url, redis_db, services=("remediator",), rendezvous=False,
+               log_dir=tmp_path) as stack:
+        first_pid = stack.procs["remediator"].pid
+        assert stack.health("remediator")["ok"] is True
+        got = asyncio.run(_decisions_for(stack.nats_url, stack.redis_url, "sj", v))
+        assert [d.action for d in got] == ["restart_workers"]
+        stack.restart_service("remediator")
+        assert stack.procs["remediator"].pid != first_pid
+        again = asyncio.run(_decisions_for(stack.nats_url, stack.redis_url, "sj", v))
+        assert again == []
+        assert stack.health("remediator")["counts"]["folded"] == 1
+        pid = stack.procs["remediator"].pid
+    assert gone([pid]) == []
+
+
+def test_stack_start_failure_names_service_and_cleans_up(servers, tmp_path):
+    # a Redis nobody listens on: the remediator exits at start; the error carries its log tail
+    stack = Stack(servers.nats_url, "redis://127.0.0.1:9/0", services=("remediator",),
+                  rendezvous=False, log_dir=tmp_path)
+    with pytest.raises(StackError, match="remediator exited") as err:
+        stack.start(timeout=30)
+    assert "REDIS_URL" in str(err.value) or "Redis" in str(err.value)
+    assert gone([p.pid for p in stack.procs.values()]) == []
+
+
+def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = ROOT
+    up = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "up", "--services",
+                           "remediator", "--log-dir", str(tmp_path), "--timeout", "90"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                          cwd=ROOT)
+    try:
+        line = up.stdout.readline()  # blocks until healthy (or the stack failed)
+        assert line.startswith("export NATS_URL=nats://"), (line, up.stderr.read()[-3000:]
+                                                            if up.poll() is not None else "")
+        exports = dict(kv.split("=", 1) for kv in line.split()[1:])
+        assert exports["REDIS_URL"].startswith("redis://127.0.0.1:")
+        children = psutil.Process(up.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "nats-server" in names and "remediator" in names
+        assert "valkey" in names or "redis-server" in names
+        if importlib.util.find_spec("trainguard.rendezvous") is not None:
+            host, port = exports["TG_RDZV_ENDPOINT"].rsplit(":", 1)
+            import socket
+            socket.create_connection((host, int(port)), timeout=2).close()
+
+        async def health():
+            bus = await Bus(exports["NATS_URL"], "probe").connect()
+            body = await bus.request("tg.svc.remediator.health", timeout=2)
+            await bus.close()
+            return body
+        assert b'"ok": true' in asyncio.run(health())
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0
+        assert gone([c.pid for c in children]) == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+@pytest.mark.skipif(not all(service_available(s) for s in DEFAULT_SERVICES),
+                    reason="not every service package is installed yet")
+def test_full_default_stack(tmp_path, monkeypatch):
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with Stack(nats_url="", redis_url="", agent_nodes=("node-a", "node-b"),
+               log_dir=tmp_path) as stack:
+        names = stack.service_names()
+        assert names == ["agent-node-a", "agent-node-b", "detector", "attributor", "remediator",
+                         "checkpoint_validator"]
+        for name in names:
+            assert stack.health(name)["ok"] is True, name
+        pids = [p.pid for p in stack.procs.values()]
+        pids += [s.proc.pid for s in stack._servers.servers]
+        assert stack.rdzv_endpoint
+    assert gone(pids) == []

@@ -1,0 +1,445 @@
+"""The local stack: ``trainguard up``, and ``Stack`` for the demo and tests.
+
+``Stack`` starts (or reuses) NATS with JetStream and Valkey, creates the JetStream streams, the
+rendezvous store host (``python -m trainguard.rendezvous``), and each service as its own process
+(``python -m <package> --nats-url … --redis-url …``), then waits until every service answers its
+health request (``tg.svc.<name>.health``; agents are named ``agent-<node>``). Children get
+``PR_SET_PDEATHSIG`` and their own process group, so they die with the stack even when it is
+SIGKILLed, and a Ctrl-C in the terminal reaches only the stack, which stops them in order.
+
+Use::
+
+    with Stack(services=("remediator",)) as stack:   # start(timeout=60) on enter
+        stack.nats_url, stack.redis_url, stack.rdzv_endpoint, stack.procs
+        stack.restart_service("remediator")
+
+``trainguard up`` prints one line ``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` on stdout
+(the rest goes to stderr), runs until Ctrl-C or SIGTERM, restarts a service that dies (at most
+``--max-restarts`` times each), then stops everything, leaving no process behind.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .embedded import EmbeddedServers, _die_with_parent, free_port
+from .service import health_subject
+
+#: The services of the design, in start order.
+DEFAULT_SERVICES = ("agent", "detector", "attributor", "remediator", "checkpoint_validator")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to run one service: the package run with ``python -m``; ``per_node`` services run
+    once per node name with ``--node NAME`` and are named ``<name>-<node>``."""
+
+    module: str
+    per_node: bool = False
+
+
+SERVICE_SPECS: dict[str, ServiceSpec] = {
+    "agent": ServiceSpec("agents", per_node=True),
+    "detector": ServiceSpec("detector"),
+    "attributor": ServiceSpec("attributor"),
+    "remediator": ServiceSpec("remediator"),
+    "checkpoint_validator": ServiceSpec("checkpoint_validator"),
+}
+
+
+class StackError(RuntimeError):
+    """The stack could not start; the message names the process and has the tail of its log."""
+
+
+def default_node() -> str:
+    """This host's node name as the agent uses it (short host name: a subject token has no
+    dots)."""
+    return os.environ.get("TG_NODE") or socket.gethostname().split(".")[0]
+
+
+def service_available(name: str) -> bool:
+    """True when ``python -m <module>`` of service ``name`` can run here."""
+    spec = SERVICE_SPECS.get(name)
+    if spec is None:
+        return False
+    try:
+        return importlib.util.find_spec(f"{spec.module}.__main__") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def _run_async(fn: Callable[[], Any]) -> Any:
+    """Run coroutine function ``fn`` to completion from sync code, even when the caller's thread
+    already runs an event loop (then on a helper thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(fn())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["v"] = asyncio.run(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["e"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box.get("v")
+
+
+class Stack:
+    """NATS + Valkey + rendezvous store + services, as child processes (see module docstring).
+
+    * ``nats_url``/``redis_url`` — servers to use; None → env ``NATS_URL``/``REDIS_URL``, else
+      embedded servers on free loopback ports;
+    * ``services`` — names from ``SERVICE_SPECS``; ``agent_nodes`` — one agent per simulated
+      node name;
+    * ``rendezvous`` — also host the rendezvous store (skipped, with ``rdzv_endpoint = ""``, when
+      ``trainguard.rendezvous`` is not installed);
+    * ``log_dir`` — one ``<name>.log`` per child (default: a new temporary directory);
+    * ``env`` — extra environment for the children;
+    * ``grace_s`` — seconds between SIGTERM and SIGKILL when stopping.
+    """
+
+    def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
+                 services: Sequence[str] = DEFAULT_SERVICES,
+                 agent_nodes: Sequence[str] | None = None, rendezvous: bool = True,
+                 log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+                 grace_s: float = 5.0):
+        unknown = [s for s in services if s not in SERVICE_SPECS]
+        if unknown:
+            raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
+                             f"{', '.join(SERVICE_SPECS)}")
+        self._servers = EmbeddedServers(nats_url, redis_url)
+        self.services = tuple(services)
+        self.agent_nodes = tuple(agent_nodes or (default_node(),))
+        self.rendezvous = rendezvous
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="trainguard-up-"))
+        self.env = dict(env or {})
+        self.grace_s = grace_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list[str]] = {}
+        self.rdzv_endpoint = ""
+        self._started = False
+
+    # ---- URLs ------------------------------------------------------------------------------------
+    @property
+    def nats_url(self) -> str:
+        return self._servers.nats_url
+
+    @property
+    def redis_url(self) -> str:
+        return self._servers.redis_url
+
+    def env_exports(self) -> str:
+        """``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` (for a shell)."""
+        return (f"export NATS_URL={self.nats_url} REDIS_URL={self.redis_url} "
+                f"TG_RDZV_ENDPOINT={self.rdzv_endpoint}")
+
+    # ---- children ---------------------------------------------------------------------------------
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, **self.env, "NATS_URL": self.nats_url, "REDIS_URL": self.redis_url,
+               "PYTHONUNBUFFERED": "1"}
+        if self.rdzv_endpoint:
+            env["TG_RDZV_ENDPOINT"] = self.rdzv_endpoint
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=self._child_env(),
+                                    preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+        self.procs[name] = proc
+        self.commands[name] = cmd
+        return proc
+
+    def service_names(self) -> list[str]:
+        """Process names of the services: ``agent-<node>`` per node, else the service name."""
+        out = []
+        for s in self.services:
+            if SERVICE_SPECS[s].per_node:
+                out += [f"{s}-{n}" for n in self.agent_nodes]
+            else:
+                out.append(s)
+        return out
+
+    def _service_cmd(self, name: str) -> list[str]:
+        for s in self.services:
+            spec = SERVICE_SPECS[s]
+            if spec.per_node and name.startswith(f"{s}-"):
+                return [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
+                        "--redis-url", self.redis_url, "--node", name[len(s) + 1:]]
+            if name == s:
+                return [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
+                        "--redis-url", self.redis_url]
+        raise KeyError(f"no service process named {name!r}; running: {', '.join(self.procs)}")
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> "Stack":
+        """Start everything and wait until each service is healthy (``timeout`` seconds in all).
+        Raises ``StackError`` (with the failing child's log tail) after stopping what started."""
+        if self._started:
+            return self
+        self._started = True
+        deadline = time.monotonic() + timeout
+        try:
+            self._servers.start()
+            _run_async(self._ensure_streams)
+            rdzv = self._start_rendezvous()
+            for name in self.service_names():
+                self._spawn(name, self._service_cmd(name))
+            if rdzv is not None:
+                self._wait_rendezvous(rdzv, deadline)
+            self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _ensure_streams(self) -> None:
+        from .bus import Bus
+
+        bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=10.0)
+        try:
+            await bus.ensure_streams()
+        finally:
+            await bus.close()
+
+    def _start_rendezvous(self) -> subprocess.Popen | None:
+        if not self.rendezvous:
+            return None
+        if importlib.util.find_spec("trainguard.rendezvous") is None:
+            print("trainguard up: trainguard.rendezvous is not installed: no rendezvous store",
+                  file=sys.stderr)
+            return None
+        port = free_port()
+        return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
+                                          "--host", "127.0.0.1", "--port", str(port)])
+
+    def _wait_rendezvous(self, proc: subprocess.Popen, deadline: float) -> None:
+        log = self.log_dir / "rendezvous.log"
+        while time.monotonic() < deadline:
+            for line in _tail(log, 10000).splitlines():
+                if line.startswith("ready "):
+                    self.rdzv_endpoint = line.split()[1]
+                    return
+            if proc.poll() is not None:
+                raise StackError(f"rendezvous store exited with {proc.returncode}; log "
+                                 f"{log}:\n{_tail(log)}")
+            time.sleep(0.05)
+        raise StackError(f"rendezvous store not ready in time; log {log}:\n{_tail(log)}")
+
+    def wait_healthy(self, names: Sequence[str], timeout: float = 30.0) -> None:
+        """Wait until each process in ``names`` answers its health request with ``ok``.
+        Raises ``StackError`` naming the first that exited or did not answer in time."""
+        _run_async(lambda: self._wait_healthy(list(names), timeout))
+
+    async def _wait_healthy(self, names: list[str], timeout: float) -> None:
+        from .bus import Bus
+
+        deadline = time.monotonic() + timeout
+        bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=min(10.0, timeout))
+        try:
+            pending = list(names)
+            while pending:
+                for name in list(pending):
+                    proc = self.procs[name]
+                    if proc.poll() is not None:
+                        log = self.log_dir / f"{name}.log"
+                        raise StackError(f"{name} exited with {proc.returncode} before it was "
+                                         f"healthy; log {log}:\n{_tail(log)}")
+                    try:
+                        body = json.loads(await bus.request(health_subject(name), timeout=0.5))
+                    except Exception:  # noqa: BLE001 - no responder yet
+                        continue
+                    if body.get("ok"):
+                        pending.remove(name)
+                if pending and time.monotonic() > deadline:
+                    name = pending[0]
+                    log = self.log_dir / f"{name}.log"
+                    raise StackError(f"{name} not healthy after {timeout:.0f} s (no answer on "
+                                     f"{health_subject(name)}); log {log}:\n{_tail(log)}")
+                if pending:
+                    await asyncio.sleep(0.1)
+        finally:
+            await bus.close()
+
+    def health(self, name: str, timeout: float = 1.0) -> dict[str, Any]:
+        """The health answer of process ``name`` (raises on no answer)."""
+        async def ask() -> dict[str, Any]:
+            from .bus import Bus
+
+            bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=5.0)
+            try:
+                return json.loads(await bus.request(health_subject(name), timeout=timeout))
+            finally:
+                await bus.close()
+        return _run_async(ask)
+
+    def dead(self) -> list[str]:
+        """Names of child processes that have exited."""
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def kill_service(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+        """Send ``sig`` to the process group of child ``name`` and wait until it exited."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def restart_service(self, name: str, timeout: float = 30.0) -> None:
+        """Stop child ``name`` (SIGTERM, SIGKILL after the grace period), start it again with the
+        same command, and wait until it is healthy."""
+        if name not in self.procs:
+            raise KeyError(f"no child named {name!r}; running: {', '.join(self.procs)}")
+        self.kill_service(name, signal.SIGTERM, self.grace_s)
+        self._spawn(name, self.commands[name])
+        if name != "rendezvous":
+            self.wait_healthy([name], timeout)
+
+    def stop(self) -> None:
+        """SIGTERM every child (services first, then the rendezvous store), SIGKILL what is left
+        after ``grace_s``, then stop the embedded servers. Idempotent."""
+        procs = list(self.procs.items())[::-1]
+        for _, p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + self.grace_s
+        for _, p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _, p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                p.wait()
+        self._servers.stop()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class _Stop(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``trainguard up``: see the module docstring. Returns 0 after a clean stop, 1 when the
+    stack could not start."""
+    p = argparse.ArgumentParser(prog="trainguard up", description=(
+        "Start NATS, Valkey, the rendezvous store and every trainguard service on this machine; "
+        "Ctrl-C or SIGTERM stops them all."))
+    p.add_argument("--nats-url", default=os.environ.get("NATS_URL") or None,
+                   help="use this NATS instead of starting one (env NATS_URL)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
+                   help="use this Redis/Valkey instead of starting one (env REDIS_URL)")
+    p.add_argument("--services", default=",".join(DEFAULT_SERVICES),
+                   help=f"comma-separated services (default {','.join(DEFAULT_SERVICES)})")
+    p.add_argument("--nodes", default=default_node(),
+                   help="comma-separated node names: one agent each (default this host)")
+    p.add_argument("--no-rendezvous", action="store_true", help="do not host a rendezvous store")
+    p.add_argument("--log-dir", default=os.environ.get("TG_LOG_DIR") or None,
+                   help="directory for one log per process (default: a new temporary one)")
+    p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of a service that dies, each, before it is left down")
+    args = p.parse_args(argv)
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Stop()
+
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
+    services = [s.strip() for s in args.services.split(",") if s.strip()]
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    try:
+        stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
+                      rendezvous=not args.no_rendezvous, log_dir=args.log_dir)
+    except ValueError as exc:
+        print(f"trainguard up: {exc}", file=sys.stderr)
+        return 2
+    restarts: dict[str, int] = {}
+    try:
+        print(f"trainguard up: starting {', '.join(stack.service_names())} (logs in "
+              f"{stack.log_dir})", file=sys.stderr)
+        stack.start(args.timeout)
+        print(stack.env_exports(), flush=True)
+        print("trainguard up: all services healthy; Ctrl-C stops everything", file=sys.stderr)
+        while True:
+            time.sleep(0.5)
+            for name in stack.dead():
+                n = restarts.get(name, 0)
+                if n >= args.max_restarts:
+                    continue
+                restarts[name] = n + 1
+                log = stack.log_dir / f"{name}.log"
+                print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); restart "
+                      f"{n + 1}/{args.max_restarts}; log tail:\n{_tail(log, 1500)}",
+                      file=sys.stderr)
+                try:
+                    stack.restart_service(name, timeout=args.timeout)
+                except StackError as exc:
+                    print(f"trainguard up: {exc}", file=sys.stderr)
+    except _Stop:
+        pass
+    except StackError as exc:
+        print(f"trainguard up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        stack.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("trainguard up: stopped", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
