@@ -1,0 +1,208 @@
+"""Record events from the bus to a file, and play a recording back into a bus.
+
+``trainguard replay record --out FILE [--subject 'tg.>'] [--duration S] [--count N]``
+    writes one JSON object per line for every message on ``--subject``:
+    ``{"recv_ns": <Unix ns received>, "subject": …, "data": <base64 of the raw MessagePack>,
+    "headers": {…} | null, "event": <decoded event dict> | null}``. ``data`` is the exact wire
+    bytes (so malformed messages replay as they were); ``event`` is there for reading with jq.
+    Health requests (``tg.svc.*``) are not recorded. Stops at Ctrl-C/SIGTERM, after
+    ``--duration`` seconds or ``--count`` messages.
+
+``trainguard replay play FILE [--speed X] [--subject-prefix P]``
+    republishes every line with the original spacing divided by ``--speed`` (2 = twice as fast,
+    0 = as fast as possible), so a service under a debugger sees what it saw live.
+
+Both take ``--nats-url`` (default env ``NATS_URL``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Any, Iterator
+
+import msgpack
+
+import schemas
+
+from .bus import Bus
+
+
+@dataclass
+class Record:
+    """One recorded message. ``recv_ns`` — Unix ns when the recorder received it."""
+
+    recv_ns: int
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None = None
+
+    def to_json(self) -> str:
+        try:
+            event = msgpack.unpackb(self.data, raw=False, strict_map_key=False)
+            event = json.loads(json.dumps(event, default=_jsonable))
+        except Exception:  # noqa: BLE001 - malformed on the wire: keep the bytes only
+            event = None
+        return json.dumps({"recv_ns": self.recv_ns, "subject": self.subject,
+                           "data": base64.b64encode(self.data).decode(),
+                           "headers": self.headers, "event": event}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> "Record":
+        """Parse one recorded line; raises ValueError saying which field is wrong."""
+        try:
+            obj = json.loads(line)
+            return cls(int(obj["recv_ns"]), str(obj["subject"]),
+                       base64.b64decode(obj["data"]), obj.get("headers") or None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a trainguard recording line ({exc}): {line[:120]!r}") from None
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, bytes):
+        return base64.b64encode(o).decode()
+    return str(o)
+
+
+def read_recording(fh: IO[str]) -> Iterator[Record]:
+    """Records of a recording file, in file order; blank lines are skipped."""
+    for n, line in enumerate(fh, 1):
+        if line.strip():
+            try:
+                yield Record.from_json(line)
+            except ValueError as exc:
+                raise ValueError(f"line {n}: {exc}") from None
+
+
+async def record(nats_url: str, out: IO[str], subject: str = "tg.>",
+                 duration_s: float | None = None, count: int | None = None,
+                 stop: asyncio.Event | None = None) -> int:
+    """Write every message on ``subject`` to ``out`` until ``stop`` is set, ``duration_s``
+    passed or ``count`` messages were written; returns the number written. Raises
+    ConnectionError when NATS cannot be reached."""
+    bus = await Bus(nats_url, "trainguard-replay").connect()
+    stop = stop or asyncio.Event()
+    written = 0
+
+    async def on_msg(msg: Any) -> None:
+        nonlocal written
+        if msg.subject.startswith("tg.svc.") or stop.is_set():
+            return
+        rec = Record(time.time_ns(), msg.subject, msg.data, dict(msg.headers or {}) or None)
+        out.write(rec.to_json() + "\n")
+        out.flush()
+        written += 1
+        if count is not None and written >= count:
+            stop.set()
+
+    assert bus.nc is not None
+    sub = await bus.nc.subscribe(subject, cb=on_msg)
+    await bus.flush()
+    try:
+        await asyncio.wait_for(stop.wait(), duration_s)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
+    return written
+
+
+async def play(nats_url: str, records: Iterator[Record] | list[Record], speed: float = 1.0,
+               subject_prefix: str = "") -> int:
+    """Publish ``records`` keeping their original spacing divided by ``speed`` (0 = no
+    waiting); ``subject_prefix`` is put in front of each subject (e.g. to replay into a
+    separate namespace). Returns the number published."""
+    if speed < 0:
+        raise ValueError("speed must be >= 0 (0 = as fast as possible)")
+    bus = await Bus(nats_url, "trainguard-replay").connect()
+    assert bus.nc is not None
+    n, t0_rec, t0 = 0, None, time.monotonic()
+    try:
+        for rec in records:
+            if t0_rec is None:
+                t0_rec = rec.recv_ns
+            if speed > 0:
+                due = t0 + (rec.recv_ns - t0_rec) / 1e9 / speed
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            await bus.nc.publish(subject_prefix + rec.subject, rec.data, headers=rec.headers)
+            n += 1
+        await bus.flush()
+    finally:
+        await bus.close()
+    return n
+
+
+def summarize(records: list[Record]) -> dict[str, int]:
+    """Count of records per event schema (``<malformed>`` for undecodable ones)."""
+    out: dict[str, int] = {}
+    for r in records:
+        try:
+            name = schemas.decode(r.data).SCHEMA
+        except schemas.DecodeError:
+            name = "<malformed>"
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainguard replay",
+                                description="Record bus events to a file or play them back.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="write events from the bus to FILE (JSON lines)")
+    r.add_argument("--out", required=True, help="output file ('-' for stdout)")
+    r.add_argument("--subject", default="tg.>", help="NATS subject (wildcards allowed)")
+    r.add_argument("--duration", type=float, default=None, help="stop after S seconds")
+    r.add_argument("--count", type=int, default=None, help="stop after N messages")
+    r.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
+    pl = sub.add_parser("play", help="publish a recording with its original spacing")
+    pl.add_argument("file")
+    pl.add_argument("--speed", type=float, default=1.0,
+                    help="time scale: 2 = twice as fast, 0 = as fast as possible")
+    pl.add_argument("--subject-prefix", default="", help="prefix put before every subject")
+    pl.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
+    args = p.parse_args(argv)
+    if not args.nats_url:
+        print("trainguard replay: no NATS URL: pass --nats-url or set NATS_URL (`trainguard up` "
+              "prints it)", file=sys.stderr)
+        return 2
+    try:
+        if args.cmd == "record":
+            return _record_cli(args)
+        with open(args.file) as fh:
+            recs = list(read_recording(fh))
+        n = asyncio.run(play(args.nats_url, recs, args.speed, args.subject_prefix))
+        print(f"replayed {n} message(s): {json.dumps(summarize(recs))}", file=sys.stderr)
+        return 0
+    except (ConnectionError, OSError, ValueError) as exc:
+        print(f"trainguard replay: {exc}", file=sys.stderr)
+        return 1
+
+
+def _record_cli(args: argparse.Namespace) -> int:
+    async def run(out: IO[str]) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        return await record(args.nats_url, out, args.subject, args.duration, args.count, stop)
+
+    if args.out == "-":
+        n = asyncio.run(run(sys.stdout))
+    else:
+        with open(args.out, "w") as fh:
+            n = asyncio.run(run(fh))
+    print(f"recorded {n} message(s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
