@@ -1,0 +1,327 @@
+"""Attribution: anomalies of one incident (+ cross-job history) -> one verdict. Pure.
+
+``decide(anomalies, history, config) -> VerdictSpec``
+
+1. Evidence is ordered in time (``first_ts``, then arrival order).
+2. Root cause: the anomalies that are not symptoms; among them the most telling fault class
+   (``PRIORITY``: a GPU's XID explains the crash of the rank on it, the OOM killer explains the
+   SIGKILL), then the earliest. Only when every anomaly is a symptom (a peer's connection reset,
+   a watchdog timeout) is the strongest symptom attributed on its own — at lower confidence.
+3. Cascades: symptoms whose ranks/nodes differ from the root's are the root's victims; they are
+   folded into the verdict as evidence (``detail["symptoms"]``), never culprits.
+4. Hung vs blocked: for hangs, the culprit is the rank the detector found behind; watchdog
+   timeouts from the blocked ranks are symptoms. Among symptom-only watchdog timeouts, the rank
+   with the lowest collective sequence number is named, at low confidence.
+5. Cross-job history (``History``, filled by the service from the state store):
+   * a culprit node with non-application faults in ``node_repeat_jobs`` (2) or more different
+     jobs within the window is a node fault: exclude it;
+   * the same failure signature on ``app_repeat_nodes`` (2) or more different nodes of one job
+     is an application fault: stop and tell the user (a restart elsewhere would repeat it);
+   * XIDs 13/31/43 (the catalog's application XIDs) from ``app_xid_pids`` (3) or more
+     different processes on one GPU make that GPU suspect hardware.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from schemas import Anomaly
+
+#: Fault class -> how much it explains (higher wins as root cause). A hardware fault explains the
+#: crash of the process on it; a named cause (OOM, disk full, NaN) explains a bare crash; a crash
+#: explains a hang of the same rank.
+PRIORITY: dict[str, int] = {
+    "gpu_xid": 90, "ecc": 92, "nvlink": 91, "node_lost": 88, "thermal": 40,
+    "oom_host": 80, "oom_gpu": 80, "filesystem": 78, "checkpoint_corrupt": 77,
+    "nan_loss": 72, "network": 70, "rendezvous": 65, "app_exception": 60,
+    "crash": 50, "hang": 45, "straggler": 30,
+}
+
+#: Default (layer, action) per fault class when the anomaly carries no hint.
+DEFAULTS: dict[str, tuple[str, str]] = {
+    "crash": ("unknown", "restart_workers"),
+    "hang": ("unknown", "restart_workers"),
+    "oom_gpu": ("application", "fix_config"),
+    "oom_host": ("application", "stop_job_notify_user"),
+    "gpu_xid": ("hardware", "exclude_node_and_requeue"),
+    "ecc": ("hardware", "exclude_node_and_requeue"),
+    "nvlink": ("hardware", "exclude_node_and_requeue"),
+    "network": ("infrastructure", "restart_workers"),
+    "filesystem": ("infrastructure", "stop_job_notify_user"),
+    "checkpoint_corrupt": ("infrastructure", "restart_workers"),
+    "node_lost": ("infrastructure", "exclude_node_and_requeue"),
+    "app_exception": ("application", "stop_job_notify_user"),
+    "nan_loss": ("application", "restart_in_process"),
+    "straggler": ("unknown", "none"),
+    "thermal": ("hardware", "exclude_node_and_requeue"),
+    "rendezvous": ("infrastructure", "fix_config"),
+}
+
+#: Actions from weakest to strongest (a later verdict for the same incident is published only
+#: when it needs a stronger one).
+ACTION_STRENGTH: dict[str, int] = {
+    "none": 0, "restart_in_process": 1, "restart_workers": 2, "fix_config": 3, "reset_gpu": 4,
+    "exclude_node_and_requeue": 5, "stop_job_notify_user": 6,
+}
+
+#: Fault classes that a history rule may not turn into an application fault (they name hardware
+#: or the cluster, not the program).
+NOT_APPLICATION = {"gpu_xid", "ecc", "nvlink", "node_lost", "thermal", "network", "straggler"}
+APP_XIDS = (13, 31, 43)
+
+
+@dataclass
+class AttributorConfig:
+    """``symptom_hold_s`` — how long a symptom waits for its root cause (1.0 s: gloo peers
+    raise 20–35 ms after a death, NCCL watchdogs within the collective timeout, and the shim
+    publishes a rank's own exception before it aborts its sockets, so a root normally arrives
+    first or within milliseconds). ``incident_window_s`` — anomalies of the same job and
+    generation within this many seconds of the first belong to one incident.
+    ``history_window_s`` — how far back cross-job history counts (24 h). Thresholds: see the
+    module docstring."""
+
+    symptom_hold_s: float = 1.0
+    incident_window_s: float = 60.0
+    history_window_s: float = 86400.0
+    node_repeat_jobs: int = 2
+    app_repeat_nodes: int = 2
+    app_xid_pids: int = 3
+    max_evidence: int = 40
+
+
+@dataclass
+class History:
+    """Cross-job facts for the culprits of an incident, read from the state store.
+
+    ``node_jobs`` — node -> jobs (other than this one too) that had a non-application fault on
+    it within the window; ``signature_nodes`` — nodes of *this* job that saw the root's
+    signature; ``gpu_app_xid_pids`` — GPU id -> pids that hit an application XID on it."""
+
+    job: str = ""
+    node_jobs: dict[str, set[str]] = field(default_factory=dict)
+    signature_nodes: set[str] = field(default_factory=set)
+    gpu_app_xid_pids: dict[str, set[int]] = field(default_factory=dict)
+
+
+@dataclass
+class VerdictSpec:
+    """The verdict fields (``schemas.Verdict`` minus the envelope)."""
+
+    fault_class: str
+    layer: str
+    action: str
+    ranks: list[int]
+    nodes: list[str]
+    gpus: list[str]
+    confidence: str
+    score: float
+    evidence: list[str]
+    anomaly_ids: list[str]
+    first_ts: int
+    generation: int | None
+    detail: dict[str, Any]
+    signature: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: fault_class, layer, culprit {ranks, nodes, gpus}, action,
+        confidence, score, evidence, first_ts, generation, detail."""
+        return {"fault_class": self.fault_class, "layer": self.layer,
+                "culprit": {"ranks": self.ranks, "nodes": self.nodes, "gpus": self.gpus},
+                "action": self.action, "confidence": self.confidence,
+                "score": round(self.score, 3), "evidence": self.evidence,
+                "first_ts": self.first_ts, "generation": self.generation,
+                "detail": self.detail}
+
+
+def _hint(a: Anomaly, key: str, default: Any) -> Any:
+    v = a.detail.get(key)
+    return default if v is None else v
+
+
+def _weight(a: Anomaly) -> float:
+    try:
+        return float(a.detail.get("weight", 0.6))
+    except (TypeError, ValueError):
+        return 0.6
+
+
+def root_key(a: Anomaly) -> tuple:
+    """Sort key of root-cause candidates: non-symptom first, then priority, then earliest."""
+    return (a.symptom, -PRIORITY.get(a.fault_class, 0) - 10 * _weight(a), a.first_ts or a.ts)
+
+
+def choose_root(anomalies: list[Anomaly]) -> Anomaly:
+    """The root cause among ``anomalies`` (non-empty); see module docstring."""
+    return min(enumerate(anomalies), key=lambda ia: (root_key(ia[1]), ia[0]))[1]
+
+
+_NORM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?|/[\w./-]+|'[^']*'|\"[^\"]*\"")
+
+
+def signature(a: Anomaly) -> str:
+    """Failure signature for cross-job history: fault class, rule/pattern and the evidence text
+    with numbers, addresses, paths and quoted strings masked."""
+    rule = a.detail.get("pattern") or a.detail.get("rule") or a.kind
+    if a.kind == "crash":
+        text = f"signal={a.detail.get('signal')} exit={a.detail.get('exit_code')}"
+    elif a.kind == "gpu_fault":
+        text = f"xid={a.detail.get('xid')}"
+    else:
+        text = _NORM.sub("#", (a.evidence[0] if a.evidence else ""))[:160]
+        text = re.sub(r"\s+", " ", text).strip()
+    return f"{a.fault_class}|{rule}|{text}"
+
+
+def _confidence(score: float) -> str:
+    return "high" if score >= 0.8 else "medium" if score >= 0.55 else "low"
+
+
+def _watchdog_behind(symptoms: Iterable[Anomaly]) -> tuple[list[int], str] | None:
+    """Among watchdog-timeout symptoms, the rank(s) reporting the lowest sequence number."""
+    seqs: dict[int, int] = {}
+    for s in symptoms:
+        seq = s.detail.get("seq")
+        if s.fault_class == "hang" and seq is not None and s.culprit.ranks:
+            for r in s.culprit.ranks:
+                seqs[r] = min(int(seq), seqs.get(r, 1 << 62))
+    if len(set(seqs.values())) < 2:
+        return None
+    low = min(seqs.values())
+    ranks = sorted(r for r, v in seqs.items() if v == low)
+    return ranks, (f"rank(s) {ranks} time out at collective {low}, behind the others "
+                   f"({sorted(set(seqs.values()))}); sequence numbers of different process "
+                   f"groups are not comparable, so this is weak")
+
+
+def decide(anomalies: list[Anomaly], history: History | None = None,
+           config: AttributorConfig | None = None) -> VerdictSpec:
+    """One verdict for the anomalies of one incident. Raises ValueError on an empty list."""
+    if not anomalies:
+        raise ValueError("decide() needs at least one anomaly")
+    cfg = config or AttributorConfig()
+    hist = history or History()
+    ordered = sorted(enumerate(anomalies), key=lambda ia: (ia[1].first_ts or ia[1].ts, ia[0]))
+    ordered_a = [a for _, a in ordered]
+    root = choose_root(ordered_a)
+    roots = [a for a in ordered_a if not a.symptom]
+    symptom_only = not roots
+    layer0, action0 = DEFAULTS.get(root.fault_class, ("unknown", "restart_workers"))
+    fault_class = root.fault_class
+    layer = _hint(root, "layer", layer0)
+    action = _hint(root, "action", action0)
+    score = _weight(root)
+    notes: list[str] = []
+
+    # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
+    # several OOM-killed ranks); symptoms never add culprits.
+    ranks, nodes, gpus = list(root.culprit.ranks), list(root.culprit.nodes), list(root.culprit.gpus)
+    for a in roots:
+        if a is not root and a.fault_class == root.fault_class:
+            ranks += [r for r in a.culprit.ranks if r not in ranks]
+            nodes += [n for n in a.culprit.nodes if n not in nodes]
+            gpus += [g for g in a.culprit.gpus if g not in gpus]
+
+    symptoms = [a for a in ordered_a if a.symptom]
+    if symptom_only:
+        score -= 0.15
+        notes.append("only symptoms were seen; the strongest is attributed on its own")
+        behind = _watchdog_behind(symptoms) if root.fault_class == "hang" else None
+        if behind:
+            ranks, why = behind
+            notes.append(why)
+        elif root.fault_class == "hang":
+            ranks = []  # every reporter is a blocked victim; the hung peer is not among them
+    elif symptoms:
+        victims = sorted({r for s in symptoms for r in s.culprit.ranks} - set(ranks))
+        notes.append(f"{len(symptoms)} symptom(s) folded into the root cause"
+                     + (f"; ranks {victims} were victims of the cascade" if victims else ""))
+        score += 0.05
+
+    # application XIDs recurring on one GPU across processes -> suspect hardware
+    if root.kind == "gpu_fault" or any(a.kind == "gpu_fault" for a in roots):
+        for g, pids in hist.gpu_app_xid_pids.items():
+            if len(pids) >= cfg.app_xid_pids and (not gpus or g in gpus):
+                fault_class, layer, action = "gpu_xid", "hardware", "exclude_node_and_requeue"
+                gpus = gpus if g in gpus else gpus + [g]
+                score = max(score, 0.75)
+                notes.append(f"application XIDs {APP_XIDS} on GPU {g} from {len(pids)} "
+                             f"different processes: the GPU, not the program, is suspect")
+                break
+
+    sig = signature(root)
+    # a node failing across different jobs -> node fault
+    if layer != "application" or root.fault_class in NOT_APPLICATION:
+        for n in nodes:
+            jobs = hist.node_jobs.get(n, set()) | ({hist.job} if hist.job else set())
+            if len(jobs) >= cfg.node_repeat_jobs:
+                action = "exclude_node_and_requeue"
+                if layer in ("unknown", "application"):
+                    layer = "hardware"
+                score = max(score, 0.8)
+                notes.append(f"node {n} had faults in {len(jobs)} different jobs "
+                             f"({', '.join(sorted(jobs)[:5])}): a node fault — exclude it")
+                break
+    # the same failure on different nodes of one job -> application fault
+    if root.fault_class not in NOT_APPLICATION and not symptom_only:
+        sig_nodes = set(hist.signature_nodes) | {n for a in roots if signature(a) == sig
+                                                 for n in a.culprit.nodes}
+        if len(sig_nodes) >= cfg.app_repeat_nodes:
+            layer, action = "application", "stop_job_notify_user"
+            score = max(score, 0.8)
+            notes.append(f"the same failure happened on {len(sig_nodes)} different "
+                         f"nodes of this job ({', '.join(sorted(sig_nodes)[:5])}): "
+                         f"an application fault, a restart would repeat it")
+
+    evidence: list[str] = []
+    for a in ordered_a:
+        who = (f"rank {','.join(map(str, a.culprit.ranks))}" if a.culprit.ranks
+               else f"node {','.join(a.culprit.nodes)}" if a.culprit.nodes else "job")
+        tag = "symptom" if a.symptom else "root" if a is root else "fault"
+        for line in a.evidence[:3]:
+            evidence.append(f"[{tag} {a.kind} {who}] {line}")
+    if len(evidence) > cfg.max_evidence:
+        evidence = evidence[:cfg.max_evidence - 1] + [f"… {len(evidence) - cfg.max_evidence + 1}"
+                                                      f" more lines"]
+    score = max(0.05, min(0.99, score))
+    first_ts = min((a.first_ts or a.ts) for a in ordered_a)
+    gens = [a.generation for a in ordered_a if a.generation is not None]
+    detail = {"root_kind": root.kind, "root_anomaly": root.event_id,
+              "pattern": root.detail.get("pattern") or root.detail.get("rule"),
+              "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only}
+    for k in ("xid", "signal", "step", "seq", "op"):
+        if root.detail.get(k) is not None:
+            detail[k] = root.detail[k]
+    return VerdictSpec(
+        fault_class=fault_class, layer=layer, action=action, ranks=sorted(set(ranks)),
+        nodes=nodes, gpus=gpus, confidence=_confidence(score), score=score, evidence=evidence,
+        anomaly_ids=[a.event_id for a in ordered_a], first_ts=first_ts,
+        generation=root.generation if root.generation is not None else (max(gens) if gens
+                                                                        else None),
+        detail=detail, signature=sig)
+
+
+def stronger(action: str, than: str) -> bool:
+    """True when ``action`` is stronger than ``than`` (``ACTION_STRENGTH``)."""
+    return ACTION_STRENGTH.get(action, 0) > ACTION_STRENGTH.get(than, 0)
+
+
+def history_from_records(job: str, node_records: dict[str, list[dict]],
+                         signature_pairs: list[tuple[str, str]], current_gpu_pids:
+                         dict[str, set[int]] | None = None, since_ns: int = 0) -> History:
+    """Build a ``History`` from ``StateStore.node_history`` records (per culprit node) and
+    ``signature_history`` pairs ``[(job, node)]`` of the root's signature. Records are dicts
+    with at least ``job``, ``layer``, ``ts`` and optionally ``xid``, ``gpu``, ``pid``."""
+    h = History(job=job)
+    for node, recs in node_records.items():
+        for r in recs:
+            if r.get("ts", 0) < since_ns:
+                continue
+            if r.get("layer") != "application":
+                h.node_jobs.setdefault(node, set()).add(str(r.get("job")))
+            if r.get("xid") in APP_XIDS and r.get("gpu") and r.get("pid") is not None:
+                h.gpu_app_xid_pids.setdefault(str(r["gpu"]), set()).add(int(r["pid"]))
+    h.signature_nodes = {n for j, n in signature_pairs if j == job and n}
+    for g, pids in (current_gpu_pids or {}).items():
+        h.gpu_app_xid_pids.setdefault(g, set()).update(pids)
+    return h
