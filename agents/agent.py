@@ -120,6 +120,7 @@ class NodeAgent(Service):
         self._gpu_future: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stuck_logged = False
+        self._failed_rounds: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -171,8 +172,13 @@ class NodeAgent(Service):
                 await fn()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - one failed round never ends the loop
-                log.exception("%s: %s failed", self.name, getattr(fn, "__name__", fn))
+            except Exception as exc:  # noqa: BLE001 - one failed round never ends the loop
+                key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
+                self.counts["round_errors"] += 1
+                if key not in self._failed_rounds:  # once per kind, not once per second
+                    self._failed_rounds.add(key)
+                    log.exception("%s: %s failed (reported once; the loop goes on)",
+                                  self.name, key)
             due += period
             delay = due - loop.time()
             if delay < 0:
@@ -211,6 +217,12 @@ class NodeAgent(Service):
                     log.warning("%s: NVML did not answer within %.1f s; telemetry goes out "
                                 "without GPU samples until it does", self.name,
                                 self.agent_config.interval_s)
+            except Exception as exc:  # noqa: BLE001 - a sampler defect: host metrics still go
+                key = f"gpu-sample:{type(exc).__name__}"
+                if key not in self._failed_rounds:
+                    self._failed_rounds.add(key)
+                    log.error("%s: GPU sampling failed (%s); telemetry goes out without GPU "
+                              "samples", self.name, exc)
         latency = await probes
         await self._publish("telemetry", NodeTelemetry(
             node=self.node, cpu_percent=h.cpu_percent, mem_used_bytes=h.mem_used_bytes,

@@ -33,7 +33,7 @@ import select
 import shutil
 import subprocess
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger("trainguard.agent.kernel_log")
