@@ -1,6 +1,6 @@
 """NATS subjects, hierarchical by job and node so tools can subscribe with wildcards.
 
-``tg.node.<node>.{telemetry,xid,heartbeat,anomaly}`` and
+``tg.node.<node>.{telemetry,xid,kernel,heartbeat,anomaly}`` (``kernel``: host kernel-log lines such as OOM kills, as ``log.line``) and
 ``tg.job.<job>.{rank.<rank>.hb,log,worker,anomaly,verdict,decision,ckpt,action,recovery}``.
 Names must be NATS tokens: no ``.``, ``*``, ``>`` or whitespace.
 """
