@@ -136,3 +136,48 @@ def test_full_default_stack(tmp_path, monkeypatch):
         pids += [s.proc.pid for s in stack._servers.servers]
         assert stack.rdzv_endpoint
     assert gone(pids) == []
+
+
+def test_compose_runs_every_service_against_its_servers():
+    import yaml
+    with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
+        compose = yaml.safe_load(fh)
+    svcs = compose["services"]
+    assert "-js" in svcs["nats"]["command"]
+    assert "valkey" in svcs["valkey"]["image"]
+    for name in DEFAULT_SERVICES:
+        module = "agents" if name == "agent" else name
+        c = svcs[name]
+        assert c["command"][:3] == ["python", "-m", module], name
+        assert c["build"] == "." and c["environment"]["NATS_URL"] == "nats://nats:4222"
+        assert c["environment"]["REDIS_URL"].startswith("redis://valkey:6379")
+        assert set(c["depends_on"]) == {"nats", "valkey", "streams"}
+    assert svcs["streams"]["command"][:3] == ["trainguard", "up", "--streams-only"]
+    assert os.path.exists(os.path.join(ROOT, "Dockerfile"))
+
+
+def test_kubernetes_manifests_cover_every_service():
+    import yaml
+    kdir = os.path.join(ROOT, "deploy", "kubernetes")
+    with open(os.path.join(kdir, "kustomization.yaml")) as fh:
+        files = yaml.safe_load(fh)["resources"]
+    docs = []
+    for f in files:
+        with open(os.path.join(kdir, f)) as fh:
+            docs += [d for d in yaml.safe_load_all(fh) if d]
+    workloads = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for name in DEFAULT_SERVICES:
+        kind = "DaemonSet" if name == "agent" else "Deployment"
+        d = workloads[(kind, name.replace("_", "-"))]
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"][:3] == ["python", "-m", "agents" if name == "agent" else name]
+        assert {"configMapRef": {"name": "trainguard-config"}} in c["envFrom"]
+    cfg = workloads[("ConfigMap", "trainguard-config")]["data"]
+    assert cfg["NATS_URL"].startswith("nats://") and cfg["REDIS_URL"].startswith("redis://")
+
+
+def test_slurm_example_is_valid_bash():
+    path = os.path.join(ROOT, "deploy", "slurm", "train.sbatch")
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    with open(path) as fh:
+        assert "trainguard launch" in fh.read()

@@ -370,6 +370,29 @@ class _Stop(Exception):
     pass
 
 
+def _streams_only(nats_url: str | None) -> int:
+    """Create the JetStream streams on ``nats_url``, retrying while NATS starts (30 s)."""
+    if not nats_url:
+        print("trainguard up --streams-only: pass --nats-url or set NATS_URL", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        from .bus import Bus
+
+        bus = await Bus(nats_url, "trainguard-streams").connect(timeout=30.0)
+        try:
+            await bus.ensure_streams()
+        finally:
+            await bus.close()
+    try:
+        asyncio.run(run())
+    except (ConnectionError, OSError) as exc:
+        print(f"trainguard up --streams-only: {exc}", file=sys.stderr)
+        return 1
+    print(f"trainguard up: JetStream streams ready on {nats_url}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``trainguard up``: see the module docstring. Returns 0 after a clean stop, 1 when the
     stack could not start."""
@@ -390,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of a service that dies, each, before it is left down")
+    p.add_argument("--streams-only", action="store_true",
+                   help="only create the JetStream streams on --nats-url, then exit (for "
+                        "docker-compose and Kubernetes, where the services run elsewhere)")
     args = p.parse_args(argv)
+    if args.streams_only:
+        return _streams_only(args.nats_url)
 
     def _raise(signum: int, frame: Any) -> None:
         raise _Stop()

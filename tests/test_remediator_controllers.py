@@ -1,0 +1,65 @@
+"""Node exclusion controllers: local records in the state store; Slurm command lines (run for
+real only where scontrol exists); the Kubernetes cordon request."""
+import json
+import shutil
+
+import pytest
+
+from trainguard.controllers import (KubernetesConfig, KubernetesController, LocalController,
+                                    SlurmConfig, SlurmController, k8s_cordon_request,
+                                    make_controller, slurm_drain_command)
+from trainguard.state import StateStore
+
+
+async def test_local_controller_records_exclusion(redis_db):
+    st = StateStore(redis_db)
+    res = await LocalController(st).exclude("node-7", "jobA", "gpu_xid 79 on GPU 3")
+    assert res.ok
+    node = await st.node("node-7")
+    assert node["status"] == "excluded" and "jobA: gpu_xid 79" in node["reason"]
+    await st.close()
+
+
+def test_slurm_commands():
+    cmd = slurm_drain_command("gpu-012", "node_lost:\n agent heartbeat gone " + "x" * 300)
+    assert cmd[:4] == ["scontrol", "update", "nodename=gpu-012", "state=drain"]
+    assert cmd[4].startswith("reason=trainguard: node_lost: agent heartbeat gone")
+    assert "\n" not in cmd[4] and len(cmd[4]) < 160
+    c = SlurmController(None, SlurmConfig(scontrol="/opt/slurm/bin/scontrol", slurm_job_id="4242"))
+    assert c.commands("gpu-012", "r")[1] == ["/opt/slurm/bin/scontrol", "requeue", "4242"]
+    assert len(SlurmController(None, SlurmConfig(slurm_job_id="")).commands("n", "r")) == 1
+
+
+async def test_slurm_without_scontrol_says_what_to_do(redis_db):
+    st = StateStore(redis_db)
+    c = SlurmController(st, SlurmConfig(scontrol="/nonexistent/scontrol", slurm_job_id="1"))
+    res = await c.exclude("n3", "j", "ecc")
+    assert not res.ok and "scontrol not found" in res.detail and "drain n3 by hand" in res.detail
+    assert (await st.node("n3"))["status"] == "excluded"  # recorded even so
+    await st.close()
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="no Slurm on this machine")
+async def test_slurm_real_scontrol_reports_result():
+    res = await SlurmController(None, SlurmConfig(slurm_job_id="")).exclude(
+        "trainguard-no-such-node", "j", "test")
+    assert not res.ok and "exited" in res.detail
+
+
+def test_k8s_cordon_request():
+    req = k8s_cordon_request("https://10.0.0.1:443/", "gpu-node-3", token="tok")
+    assert req.method == "PATCH" and req.url == "https://10.0.0.1:443/api/v1/nodes/gpu-node-3"
+    assert req.headers["Content-Type"] == "application/strategic-merge-patch+json"
+    assert req.headers["Authorization"] == "Bearer tok"
+    assert json.loads(req.body) == {"spec": {"unschedulable": True}}
+
+
+async def test_k8s_outside_cluster_says_what_to_do():
+    res = await KubernetesController(None, KubernetesConfig(host="")).exclude("n1", "j", "r")
+    assert not res.ok and "kubectl cordon n1" in res.detail
+
+
+def test_make_controller():
+    assert make_controller("local", None).name == "local"
+    with pytest.raises(ValueError, match="local, slurm, kubernetes"):
+        make_controller("pbs", None)
