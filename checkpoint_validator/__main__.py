@@ -1,0 +1,5 @@
+"""``python -m checkpoint_validator --nats-url URL --redis-url URL``."""
+from .service import run
+
+if __name__ == "__main__":
+    run()

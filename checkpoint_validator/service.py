@@ -1,0 +1,70 @@
+"""The checkpoint validator service: ``ckpt.saved`` → verify → mark in the state store →
+``ckpt.validated`` | ``ckpt.invalid`` on ``tg.job.<job>.ckpt``.
+
+Thin: the verdict is ``validate.validate_checkpoint`` (pure, unit-tested); the check runs in a
+worker thread so that the service keeps answering health requests while it reads a large
+checkpoint. A failure on one message is logged and counted by the bus; the service goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import schemas
+from schemas import subjects
+from trainguard.service import Service, ServiceConfig, main
+
+from .validate import validate_checkpoint
+
+log = logging.getLogger("checkpoint_validator")
+
+
+class CheckpointValidator(Service):
+    """Subscribes ``tg.job.*.ckpt``; for each ``ckpt.saved`` indexes the checkpoint as pending
+    (``StateStore.add_checkpoint``), validates it, marks it (``mark_checkpoint``) and publishes
+    the verdict. ``stats``: validated, invalid, bytes, seconds."""
+
+    name = "checkpoint_validator"
+
+    def __init__(self, config: ServiceConfig | None = None):
+        super().__init__(config)
+        self.counts = {"validated": 0, "invalid": 0, "bytes": 0, "seconds": 0.0}
+        self._lock = asyncio.Lock()
+
+    def subscriptions(self):
+        return [(f"{subjects.PREFIX}.job.*.ckpt", self.on_ckpt)]
+
+    def health(self) -> dict[str, Any]:
+        c = self.counts
+        return {"checkpoints": dict(c),
+                "gbps": c["bytes"] / c["seconds"] / 1e9 if c["seconds"] else None}
+
+    async def on_ckpt(self, subject: str, ev: schemas.Event) -> None:
+        if not isinstance(ev, schemas.CheckpointSaved):
+            return  # our own verdicts and save failures come by on the same subject
+        job = ev.job or subjects.parse(subject)["name"]
+        assert self.state is not None
+        await self.state.add_checkpoint(job, ev.path, ev.step)
+        async with self._lock:  # one at a time: validation is I/O and CPU bound
+            rep = await asyncio.to_thread(validate_checkpoint, ev.path, expected_step=ev.step,
+                                          expected_world_size=ev.world_size)
+        await self.state.mark_checkpoint(job, ev.path, ev.step, rep.ok, rep.reasons)
+        self.counts["bytes"] += rep.bytes
+        self.counts["seconds"] += rep.duration_s
+        if rep.ok:
+            self.counts["validated"] += 1
+            out: schemas.Event = schemas.CheckpointValidated(
+                job=job, path=ev.path, step=ev.step, bytes=rep.bytes,
+                duration_s=rep.duration_s, gbps=rep.gbps, trace=ev.child_trace())
+        else:
+            self.counts["invalid"] += 1
+            log.warning("checkpoint %s invalid: %s", ev.path, "; ".join(rep.reasons))
+            out = schemas.CheckpointInvalid(job=job, path=ev.path, step=ev.step,
+                                            reasons=rep.reasons, duration_s=rep.duration_s,
+                                            trace=ev.child_trace())
+        await self.bus.publish(subjects.job(job, "ckpt"), out)
+
+
+def run(argv: list[str] | None = None) -> None:
+    main(CheckpointValidator, argv)

@@ -1,0 +1,151 @@
+"""On-disk format of a trainguard checkpoint (torch-free: the writer process and the validator
+use it without importing torch).
+
+A committed checkpoint is a directory ``<root>/step_<step:010d>_g<generation:04d>/`` holding a
+plain torch.distributed.checkpoint (DCP) checkpoint — ``.metadata`` and one
+``__<rank>_0.distcp`` per rank of the saving world (every rank writes one, possibly empty) — and
+``manifest.json``, written last. ``torch.distributed.checkpoint.load`` reads the directory as it
+is; trainguard's extra file is ignored by DCP.
+
+The directory is built under ``<root>/.tmp-<name>-<nonce>/`` and renamed into place once every
+file and the directory itself are fsynced: a directory with the final name and a manifest is
+committed; anything else (a ``.tmp-*`` directory, a final name without a manifest) is not, and is
+never restored.
+
+``manifest.json`` (JSON object, version ``MANIFEST_FORMAT``)::
+
+    format        "trainguard.ckpt/1"
+    job, step, generation, world_size
+    loss          float | null — the loss recorded at save time (post-recovery verification)
+    created_ns    Unix ns of the commit
+    checksum      "xxh3_64" — algorithm of every checksum below (16 lowercase hex digits)
+    files         [{"name", "bytes", "checksum", "rank"}]  — rank is null for ".metadata"
+    keys          {state key: {"shape": [int], "dtype": "float32"} | {"type": "bytes"}}
+                  — the global state dict (model and optimizer), flattened DCP keys
+    items         [{"key", "offsets", "file", "offset", "length", "data_offset", "nbytes",
+                    "dtype", "shape", "checksum", "kind"}]
+                  — every write item: its DCP storage location (``offset``/``length`` of the
+                  torch.save blob in ``file``), where the raw tensor bytes lie in the file
+                  (``data_offset``/``nbytes``), and the xxh3_64 of those raw bytes (tensors) or of
+                  the blob (``kind`` "bytes"); ``offsets`` are the chunk offsets of a shard.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MANIFEST = "manifest.json"
+METADATA = ".metadata"
+MANIFEST_FORMAT = "trainguard.ckpt/1"
+TMP_PREFIX = ".tmp-"
+_NAME = re.compile(r"^step_(\d{10})_g(\d{4,})$")
+
+
+def shard_file(rank: int) -> str:
+    """Name of the DCP data file written by ``rank`` (DCP's own naming: ``__<rank>_0.distcp``)."""
+    return f"__{rank}_0.distcp"
+
+
+def result_file(rank: int) -> str:
+    """Per-rank result note left in the temporary directory until the commit (JSON)."""
+    return f"__{rank}.result.json"
+
+
+def checkpoint_name(step: int, generation: int) -> str:
+    """Directory name of the checkpoint of ``step`` saved in ``generation``."""
+    return f"step_{int(step):010d}_g{int(generation):04d}"
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """``(step, generation)`` of a committed directory name, None for anything else."""
+    m = _NAME.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A directory under the checkpoint root with a committed name; ``committed`` is True when
+    its manifest exists."""
+
+    path: str
+    step: int
+    generation: int
+    committed: bool
+
+
+def list_checkpoints(root: str) -> list[Entry]:
+    """Committed-name directories under ``root``, newest first (by step, then generation).
+    A missing ``root`` gives ``[]``."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        parsed = parse_name(n)
+        if parsed is None:
+            continue
+        p = os.path.join(root, n)
+        out.append(Entry(p, parsed[0], parsed[1], os.path.exists(os.path.join(p, MANIFEST))))
+    out.sort(key=lambda e: (e.step, e.generation), reverse=True)
+    return out
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``path``. Raises FileNotFoundError when there is
+    none (the checkpoint was never committed) and ValueError when it is not a valid manifest."""
+    with open(os.path.join(path, MANIFEST), "rb") as fh:
+        raw = fh.read()
+    try:
+        m = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: manifest is not JSON ({exc})") from None
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path}: not a {MANIFEST_FORMAT} manifest")
+    for k in ("step", "world_size", "files", "items"):
+        if k not in m:
+            raise ValueError(f"{path}: manifest lacks {k!r}")
+    return m
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that entries created, renamed or removed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durable(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name, fsync, rename (atomic)."""
+    tmp = path + ".part"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def plan_retention(entries: list[tuple[str, int, int, str]], keep: int) -> list[str]:
+    """Which checkpoint directories retention deletes.
+
+    ``entries``: ``[(path, step, generation, status)]`` with status ``valid`` | ``invalid`` |
+    ``pending``; ``keep``: K ≥ 1. Keeps the newest K valid checkpoints and everything newer than
+    the K-th newest valid one (pending ones may still turn out valid, invalid ones are kept for
+    inspection until they age out); deletes everything older. So the newest valid checkpoint is
+    never deleted, and nothing is deleted while fewer than K are known valid.
+    """
+    keep = max(1, int(keep))
+    ordered = sorted(entries, key=lambda e: (e[1], e[2]), reverse=True)
+    seen_valid = 0
+    out: list[str] = []
+    for path, _step, _gen, status in ordered:
+        if seen_valid >= keep:
+            out.append(path)
+        elif status == "valid":
+            seen_valid += 1
+    return out
