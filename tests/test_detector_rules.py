@@ -1,0 +1,265 @@
+"""Pure detector rules and the log-pattern table, on lines written for these tests."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from detector import patterns as pat
+from detector import rules
+from detector.rules import DetectorConfig, JobConfig, JobState, NodeState
+
+CFG = DetectorConfig()
+
+
+def beat(js, rank, step, now, st=0.2, seq=None, phase="train", gen=0, node="n0"):
+    return rules.observe_heartbeat(js, rank, node, rank % 2, gen, step,
+                                   step if seq is None else seq, phase, st, now, CFG)
+
+
+# ---- crash ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("code,sig,oom,fc,layer", [
+    (None, 9, False, "crash", "unknown"),
+    (None, 9, True, "oom_host", "application"),
+    (None, 7, False, "crash", "infrastructure"),
+    (137, None, False, "crash", "unknown"),        # 128 + SIGKILL
+    (1, None, False, "crash", "unknown"),
+])
+def test_crash_rule(code, sig, oom, fc, layer):
+    f = rules.crash_rule(2, "n1", code, sig, oom, False, 3, 123)
+    assert f.fault_class == fc and f.detail["layer"] == layer
+    assert f.ranks == [2] and f.nodes == ["n1"] and f.generation == 3 and not f.symptom
+
+
+def test_crash_rule_ignores_clean_and_expected_exits():
+    assert rules.crash_rule(0, "n", 0, None, False, False, 0, 0) is None
+    assert rules.crash_rule(0, "n", None, 9, False, True, 0, 0) is None
+
+
+# ---- hang ----------------------------------------------------------------------------------------
+def test_silence_names_the_silent_rank_only():
+    js = JobState("j")
+    for r in range(4):
+        beat(js, r, 10, now=100.0)
+    for r in (0, 1, 3):  # rank 2 stopped (SIGSTOP): its heartbeat thread stops too
+        beat(js, r, 10, now=101.4)
+    assert rules.silence_rule(js, 101.45, CFG) == []
+    found = rules.silence_rule(js, 101.6, CFG)
+    assert [f.ranks for f in found] == [[2]]
+    assert found[0].detail["rule"] == "silence"
+
+
+def test_silence_respects_done_exited_and_explicit_timeout():
+    js = JobState("j")
+    beat(js, 0, 5, 1.0, phase="done")
+    beat(js, 1, 5, 1.0)
+    js.ranks[1].exited = True
+    assert rules.silence_rule(js, 50.0, CFG) == []
+    beat(js, 2, 5, 1.0)
+    assert rules.silence_rule(js, 5.0, CFG, JobConfig(hang_timeout_s=5.0)) == []
+    assert [f.ranks for f in rules.silence_rule(js, 6.1, CFG, JobConfig(hang_timeout_s=5.0))] \
+        == [[2]]
+
+
+def test_stall_names_the_rank_behind():
+    js = JobState("j")
+    t = 0.0
+    for step in range(20):          # learn the step time: 0.2 s
+        t += 0.2
+        for r in range(4):
+            beat(js, r, step, t)
+    # rank 1 stuck computing step 20; the others entered the collective of step 20 and block
+    for r in (0, 2, 3):
+        beat(js, r, 19, t + 0.1, seq=20)
+    timeout = rules.learned_step_timeout(js, CFG)
+    assert timeout == CFG.step_timeout_floor_s  # 5 × 0.2 s is below the floor
+    # everyone keeps beating, nobody advances
+    for k in range(1, 40):
+        for r in range(4):
+            beat(js, r, 19, t + 0.1 * k, seq=20 if r != 1 else 19)
+    assert rules.stall_rule(js, t + 3.0, CFG) == []
+    f = rules.stall_rule(js, t + 3.95, CFG)
+    assert len(f) == 1 and f[0].ranks == [1] and f[0].detail["collective_seq"] == 19
+
+
+def test_learned_timeout_clamps_and_phase_allowances():
+    js = JobState("j")
+    assert rules.learned_step_timeout(js, CFG) == CFG.unlearned_timeout_s
+    for _ in range(50):
+        js.add_time(2.0)
+    assert rules.learned_step_timeout(js, CFG) == pytest.approx(10.0)
+    assert rules.learned_step_timeout(js, CFG, explicit=7.0) == 7.0
+    assert rules.phase_timeout(["train", "checkpoint"], js, CFG) == 600.0
+    assert rules.phase_timeout(["startup"], js, CFG, JobConfig(startup_timeout_s=42.0)) == 42.0
+    for _ in range(300):
+        js.add_time(1000.0)
+    assert rules.learned_step_timeout(js, CFG) == CFG.step_timeout_ceiling_s
+
+
+def test_new_generation_resets_progress():
+    js = JobState("j")
+    beat(js, 0, 50, 1.0)
+    rs = beat(js, 0, 40, 2.0, gen=1)     # restored from a checkpoint at step 40
+    assert rs.step == 40 and rs.last_advance == 2.0 and js.max_step == 40
+
+
+# ---- straggler / throughput ----------------------------------------------------------------------
+def test_straggler_flagged_within_ten_steps_of_a_3x_slowdown():
+    js = JobState("j")
+    for step in range(20):
+        for r in range(8):
+            beat(js, r, step, float(step), st=0.3 + 0.01 * r)
+    assert rules.straggler_rule(js, CFG) == []
+    flagged_at = None
+    for step in range(20, 30):
+        for r in range(8):
+            beat(js, r, step, float(step), st=(0.9 if r == 5 else 0.3 + 0.01 * r))
+        f = rules.straggler_rule(js, CFG)
+        if f:
+            flagged_at = step - 20 + 1
+            assert [x.ranks for x in f] == [[5]]
+            break
+    assert flagged_at is not None and flagged_at <= 10
+
+
+def test_straggler_two_ranks_uses_ratio():
+    assert rules.straggler_scores({0: [0.2] * 5, 1: [0.21] * 5}, CFG) == []
+    hit = rules.straggler_scores({0: [0.2] * 5, 1: [0.5] * 5}, CFG)
+    assert [h[0] for h in hit] == [1]
+
+
+def test_throughput_drop_against_own_baseline():
+    cfg = DetectorConfig(throughput_window_s=1.0, throughput_warmup_windows=3)
+    js = JobState("j")
+    t, step, found = 0.0, 0, []
+    for w in range(12):
+        rate = 10 if w < 8 else 3
+        for _ in range(10):
+            t += 0.1
+            step += rate / 10
+            js.max_step = int(step)
+            f = rules.throughput_rule(js, t, cfg)
+            if f:
+                found.append((w, f))
+    assert found and found[0][0] >= 8 and found[0][1].fault_class == "straggler"
+
+
+# ---- nodes ---------------------------------------------------------------------------------------
+def test_node_lost_needs_every_role_silent_and_fires_once():
+    ns = NodeState("n7")
+    rules.observe_node_heartbeat(ns, "agent", 0.0)
+    rules.observe_node_heartbeat(ns, "launcher", 2.0)
+    assert rules.node_lost_rule(ns, 4.0, 3.0) is None      # launcher still recent
+    f = rules.node_lost_rule(ns, 5.1, 3.0)
+    assert f.fault_class == "node_lost" and f.nodes == ["n7"]
+    assert rules.node_lost_rule(ns, 6.0, 3.0) is None
+    rules.observe_node_heartbeat(ns, "agent", 7.0)
+    assert rules.node_lost_rule(ns, 10.5, 3.0) is not None
+
+
+def test_xid_rule_uses_table():
+    f = rules.xid_rule(79, "n3", "0000:4e:00", 2, 100, "NVRM: Xid …: 79, …", 5)
+    assert (f.fault_class, f.detail["layer"], f.detail["action"]) == \
+        ("gpu_xid", "hardware", "exclude_node_and_requeue")
+    assert f.gpus == ["n3:2"] and f.severity == "error"
+    assert rules.xid_rule(63, "n3", "x", None, None, "", 0).severity == "warning"
+
+
+def test_telemetry_thermal_and_ecc():
+    ns = NodeState("n1")
+    cool = {"index": 0, "clock_event_reasons": 0, "ecc_volatile_uncorrected": 0}
+    hot = {"index": 0, "clock_event_reasons": 0x40, "ecc_volatile_uncorrected": 0,
+           "temperature_c": 91}
+    assert rules.telemetry_rule(ns, [cool], CFG) == []
+    assert rules.telemetry_rule(ns, [hot], CFG) == []          # one sample is not enough
+    f = rules.telemetry_rule(ns, [hot], CFG)
+    assert [x.kind for x in f] == ["thermal"] and f[0].gpus == ["n1:0"]
+    f = rules.telemetry_rule(ns, [{**cool, "ecc_volatile_uncorrected": 2}], CFG)
+    assert [(x.kind, x.severity) for x in f] == [("ecc", "error")]
+    named = {"index": 1, "clock_event_names": ["SwThermalSlowdown"]}
+    rules.telemetry_rule(ns, [named], CFG)
+    assert [x.kind for x in rules.telemetry_rule(ns, [named], CFG)] == ["thermal"]
+
+
+def test_nan_loss_rule():
+    assert rules.nan_loss_rule(1.0, 0, "n", 1, 0, 0) is None
+    assert rules.nan_loss_rule(float("nan"), 3, "n", 9, 0, 0).ranks == [3]
+    assert rules.nan_loss_rule(math.inf, 3, "n", 9, 0, 0).fault_class == "nan_loss"
+
+
+# ---- log patterns --------------------------------------------------------------------------------
+LINES = [
+    ("[rank2]:[E0101 00:00:00.0 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective "
+     "operation timeout: WorkNCCL(SeqNum=77, OpType=BROADCAST, NumelIn=8, NumelOut=8, "
+     "Timeout(ms)=60000) ran for 60001 milliseconds before timing out.",
+     "nccl_watchdog_timeout", "hang", True),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled "
+     "system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5",
+     "nccl_system_error", "network", False),
+    ("gpu7:1122:1187 [3] NCCL INFO NET/IB : Got completion from peer 10.1.2.3<33012> with error "
+     "12, opcode 0, len 0, vendor err 129 (Send)", "ib_completion_error", "network", False),
+    ("RuntimeError: [/opt/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+     "[10.0.0.4]:29501: Connection reset by peer", "gloo_peer_reset", "network", True),
+    ("RuntimeError: CUDA error: an illegal memory access was encountered",
+     "cuda_illegal_access", "app_exception", False),
+    ("RuntimeError: CUDA error: device-side assert triggered", "cuda_device_assert",
+     "app_exception", False),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
+     "capacity of 79.15 GiB", "cuda_oom", "oom_gpu", False),
+    ("[Mon Jun  3 11:02:01 2024] Out of memory: Killed process 55102 (python3) total-vm:912345kB",
+     "host_oom_kill", "oom_host", False),
+    ("ERROR: Unexpected bus error encountered in worker. This might be caused by insufficient "
+     "shared memory (shm).", "sigbus", "crash", False),
+    ("Fatal Python error: Segmentation fault", "sigsegv", "crash", False),
+    ("OSError: [Errno 28] No space left on device: '/ckpt/step_100/__0_0.distcp'",
+     "disk_full", "filesystem", False),
+    ("_pickle.UnpicklingError: invalid load key, '\\x00'.", "checkpoint_corrupt",
+     "checkpoint_corrupt", False),
+    ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
+     "rendezvous_timeout", "rendezvous", False),
+    ("iteration 1200 | lm loss: nan | grad norm: nan", "nan_loss", "nan_loss", False),
+    ("[deepspeed] OVERFLOW! Current loss scale already at minimum - cannot decrease scale anymore",
+     "loss_scale_collapse", "nan_loss", False),
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "uncorrectable_ecc",
+     "ecc", False),
+    ("ValueError: expected 3 channels, got 4", "python_exception", "app_exception", False),
+]
+
+
+@pytest.mark.parametrize("line,name,fc,symptom", LINES)
+def test_pattern_table(line, name, fc, symptom):
+    m = pat.match_line(line)
+    assert m is not None and m.name == name
+    assert m.pattern.fault_class == fc and m.pattern.symptom is symptom
+
+
+def test_watchdog_groups_and_rank():
+    f = rules.log_rule(LINES[0][0], "stderr", None, "n1", 0, 1)
+    assert f.ranks == [2] and f.detail["seq"] == "77" and f.detail["op"] == "BROADCAST"
+
+
+def test_benign_lines_do_not_match():
+    for line in ("step 100 loss 2.31 lr 3e-4", "Saving checkpoint to /ckpt/step_100",
+                 "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, "
+                 "reducing to 32768", "INFO: information about inference"):
+        assert pat.match_line(line) is None, line
+
+
+def test_exception_stream_is_app_exception_of_sender_unless_symptom():
+    f = rules.log_rule("Traceback (most recent call last):\n  File \"t.py\", line 3\n"
+                       "KeyError: 'labels'", "exception", 1, "n0", 2, 5)
+    assert (f.fault_class, f.ranks, f.symptom, f.generation) == ("app_exception", [1], False, 2)
+    f = rules.log_rule("my custom failure without a known form", "exception", 3, "n0", 0, 5)
+    assert f.fault_class == "app_exception" and f.ranks == [3]
+    f = rules.log_rule("RuntimeError: [pair.cc:598] Connection closed by peer [127.0.0.1]:1234",
+                       "exception", 1, "n0", 0, 5)
+    assert f.symptom and f.fault_class == "network"
+    assert rules.log_rule("plain stdout line", "stdout", 0, "n0", 0, 1) is None
+
+
+def test_line_rank_forms():
+    assert pat.line_rank("[rank3]:[E ...] boom") == 3
+    assert pat.line_rank("[2]<stderr>:Killed") == 2
+    assert pat.line_rank("Tue Jan 1 2019[1,5]<stderr>:INFO") == 5
+    assert pat.line_rank("  rank      : 6 (local_rank: 2)") == 6
+    assert pat.line_rank("nothing here") is None
