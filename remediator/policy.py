@@ -59,7 +59,9 @@ class Rule:
     """One row of the policy table.
 
     ``action`` — the action taken; ``requires_spare`` — only when a spare node is registered
-    (else ``fallback``); ``source`` — why this is the cheapest action that survives the fault.
+    (else ``fallback``); ``source`` — why this is the cheapest action that survives the fault;
+    ``overridable`` — False when the attributor's stronger recommendation is not followed for
+    this fault (the remediator's rule is deliberate).
     """
 
     fault_class: str
@@ -68,6 +70,7 @@ class Rule:
     source: str
     requires_spare: bool = False
     fallback: str = "none"
+    overridable: bool = True
 
 
 #: fault class (+ layer) → cheapest surviving action. Sources: the recovery layers of
@@ -117,9 +120,9 @@ TABLE: tuple[Rule, ...] = (
          "NVLink errors persist until the node is serviced: corpus"),
     Rule("straggler", None, "exclude_node_and_requeue",
          "a slow node slows every step; replacing it pays only when a spare exists, otherwise "
-         "it is flagged", requires_spare=True, fallback="none"),
+         "it is flagged", requires_spare=True, fallback="none", overridable=False),
     Rule("thermal", None, "none",
-         "thermal throttling slows but does not break the job: flag it"),
+         "thermal throttling slows but does not break the job: flag it", overridable=False),
 )
 
 #: Unknown fault classes are flagged, never acted on.
@@ -216,6 +219,7 @@ class JobView:
     spare_nodes: list[str]
     nproc_per_node: int
     last_fault: dict[str, Any] | None
+    last_decision: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, state: dict[str, Any], policy: Policy) -> "JobView":
@@ -226,6 +230,7 @@ class JobView:
             if name:
                 spares.append(str(name))
         last = state.get("last_fault")
+        last_dec = state.get("last_decision")
         return cls(
             mode=str(state.get("mode") or policy.default_mode),
             generation=_int(state.get("generation"), 0),
@@ -237,6 +242,7 @@ class JobView:
             spare_nodes=spares,
             nproc_per_node=_int(state.get("nproc_per_node"), 0),
             last_fault=last if isinstance(last, dict) else None,
+            last_decision=last_dec if isinstance(last_dec, dict) else None,
         )
 
 
@@ -375,9 +381,22 @@ def decide(verdict: Verdict, job_state: dict[str, Any],
     if not verdict.job:
         return None
     job = JobView.of(job_state, policy)
-    fault_gen = verdict.generation if verdict.generation is not None else job.generation
+    fault_gen = fault_generation(verdict, job)
     action, reasons = table_action(verdict, job, policy)
     return plan(verdict, job, action, reasons, fault_gen, policy)
+
+
+def fault_generation(verdict: Verdict, job: JobView) -> int:
+    """The generation the fault happened in: the verdict's own when it has one; else, for a
+    fault whose first evidence predates the job's last decision (a late verdict of the incident
+    that decision handled), that decision's fault generation; else the job's generation."""
+    if verdict.generation is not None:
+        return verdict.generation
+    last = job.last_decision or {}
+    if (verdict.first_ts and last.get("fault_generation") is not None
+            and verdict.first_ts < _int(last.get("ts"), 0)):
+        return _int(last.get("fault_generation"), job.generation)
+    return job.generation
 
 
 def table_action(verdict: Verdict, job: JobView,
@@ -386,7 +405,7 @@ def table_action(verdict: Verdict, job: JobView,
     for ``verdict``, before the escalation checks; and the reasons, in words."""
     rule = rule_for(verdict.fault_class, verdict.layer, policy)
     action, reasons = rule.action, [f"{verdict.fault_class}/{verdict.layer}: {rule.source}"]
-    ov = _override(verdict, action, policy)
+    ov = _override(verdict, action, policy) if rule.overridable else None
     if ov:
         action, why = ov
         reasons.append(why)

@@ -138,7 +138,8 @@ class Remediator(Service):
             if owner is not None:
                 await self._fold(v, owner, f"escalation already decided ({_owner_action(owner)})")
                 return
-        await self._commit(dec, v, state)
+        await self._commit(dec, v, state,
+                           pol.fault_generation(v, pol.JobView.of(state, self.rconfig.policy)))
 
     async def _fold(self, v: Verdict, owner: str | None, why: str) -> None:
         self.counts["folded"] += 1
@@ -148,7 +149,8 @@ class Remediator(Service):
             "culprit": v.culprit.model_dump(), "into": owner or "", "reason": why,
             "ts": time.time_ns()})
 
-    async def _commit(self, dec: Decision, v: Verdict | None, state: dict[str, Any]) -> None:
+    async def _commit(self, dec: Decision, v: Verdict | None, state: dict[str, Any],
+                      fault_gen: int) -> None:
         """Apply a claimed decision: job state (action mode), audit, publish, controller."""
         st = self.state
         assert st is not None and dec.job
@@ -156,12 +158,11 @@ class Remediator(Service):
         if dec.mode == "action" and dec.action != "none":
             dec.generation = await self._bump(job, dec.generation - 1)
             updates: dict[str, Any] = {"retries_used": dec.retries_used,
-                                       "last_decision": _brief(dec)}
+                                       "last_decision": _brief(dec, fault_gen)}
             if v is not None:
                 updates["last_fault"] = {"fault_class": v.fault_class, "step": pol.fault_step(v),
                                          "signature": pol.fault_signature(v),
-                                         "generation": v.generation if v.generation is not None
-                                         else int(state.get("generation") or 0),
+                                         "generation": fault_gen,
                                          "ts": v.first_ts or v.ts}
             if dec.members:
                 new_nodes = {m.node for m in dec.members}
@@ -192,7 +193,7 @@ class Remediator(Service):
                  dec.execute, dec.reason)
         if dec.execute and dec.action in pol.RECOVERY_ACTIONS:
             self.pending[job] = (dec, time.monotonic() + self.rconfig.decision_timeout_s)
-        else:
+        elif dec.execute:  # a stop supersedes a pending recovery; a flag (none) does not
             self.pending.pop(job, None)
         if dec.execute and dec.action == "exclude_node_and_requeue":
             await self._exclude(dec)
@@ -269,7 +270,7 @@ class Remediator(Service):
             if owner is not None:
                 return
             self.counts["escalations"] += 1
-            await self._commit(dec, None, state)
+            await self._commit(dec, None, state, prev.generation)
 
     async def _rearm(self) -> None:
         """Re-arm the watchdog for pending decisions left by a previous instance."""
@@ -298,6 +299,7 @@ def _owner_action(owner: str) -> str:
     return owner.rsplit("/", 1)[-1] if "/" in owner else "restart_workers"
 
 
-def _brief(dec: Decision) -> dict[str, Any]:
+def _brief(dec: Decision, fault_gen: int) -> dict[str, Any]:
     return {"id": dec.event_id, "action": dec.action, "generation": dec.generation,
-            "key": dec.idempotency_key, "execute": dec.execute, "ts": dec.ts}
+            "fault_generation": fault_gen, "key": dec.idempotency_key, "execute": dec.execute,
+            "ts": dec.ts}

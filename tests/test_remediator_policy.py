@@ -185,3 +185,22 @@ def test_new_world_keeps_survivor_order():
     assert used == ["s1"]
     assert [(m.rank, m.node, m.local_rank) for m in members] == [
         (0, "n2", 0), (1, "n2", 1), (2, "s1", 0), (3, "s1", 1)]
+
+
+def test_thermal_and_straggler_rules_are_not_overridden():
+    hot = verdict("thermal", "hardware", nodes=["n2"], action="exclude_node_and_requeue",
+                  confidence="high")
+    assert decide(hot, job()).action == "none"
+    slow = verdict("straggler", "hardware", ranks=[3], action="exclude_node_and_requeue",
+                   confidence="high")
+    assert decide(slow, job()).action == "none"
+
+
+def test_late_verdict_without_generation_joins_the_incident_it_belongs_to():
+    last = {"id": "d1", "action": "restart_workers", "generation": 4, "fault_generation": 3,
+            "ts": 5_000}
+    late = Verdict(job="j", fault_class="network", layer="infrastructure", action="none",
+                   culprit={"ranks": [0]}, first_ts=4_000)
+    assert decide(late, job(generation=4, last_decision=last)).idempotency_key == "j:g3"
+    fresh = late.model_copy(update={"first_ts": 6_000})
+    assert decide(fresh, job(generation=4, last_decision=last)).idempotency_key == "j:g4"

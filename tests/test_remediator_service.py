@@ -262,3 +262,25 @@ async def test_watchdog_quiet_when_training_resumes_and_fast_on_failure(servers,
     assert d3.action == "exclude_node_and_requeue" and d3.nodes == ["n2"]
     assert "spawn failed" in d3.reason and d3.generation == 3
     await store.close()
+
+
+async def test_straggler_flag_is_published_once_and_keeps_the_watchdog(servers, redis_db):
+    store = StateStore(redis_db)
+    await register(store, "j9")
+    async with remediator(servers, redis_db) as svc, client(servers, "j9") as c:
+        await c.publish(subjects.job("j9", "verdict"), crash("j9", rank=0))
+        assert await wait_for(lambda: "j9" in svc.pending)
+        slow = Verdict(job="j9", fault_class="straggler", layer="unknown", action="none",
+                       culprit={"ranks": [3], "nodes": ["n2"]}, generation=1)
+        await c.publish(subjects.job("j9", "verdict"), slow)
+        await c.publish(subjects.job("j9", "verdict"), slow.model_copy(
+            update={"event_id": schemas.new_event_id()}))
+        assert await wait_for(lambda: len(c.got["decision"]) == 2)
+        await settle()
+        assert len(c.got["decision"]) == 2
+        flag = c.got["decision"][1]
+        assert flag.action == "none" and flag.execute is False and flag.generation == 1
+        assert "no spare node" in flag.reason
+        assert "j9" in svc.pending  # the restart is still watched
+        assert (await store.job("j9"))["generation"] == 1
+    await store.close()
