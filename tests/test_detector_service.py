@@ -1,0 +1,154 @@
+"""Detector + attributor running in-process against real NATS and Valkey, fed real events."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import schemas
+from attributor.decide import AttributorConfig
+from attributor.service import Attributor
+from detector.rules import DetectorConfig
+from detector.service import Detector, DetectorServiceConfig
+from schemas import subjects
+from trainguard.bus import Bus
+from trainguard.service import ServiceConfig
+from trainguard.state import StateStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Stack:
+    def __init__(self, servers, job: str, silence_s: float = 0.5):
+        cfg = ServiceConfig(nats_url=servers.nats_url, redis_url=servers.redis_url, node="t")
+        self.det = Detector(cfg, DetectorServiceConfig(rules=DetectorConfig(
+            silence_timeout_s=silence_s), job_refresh_s=0.2))
+        self.att = Attributor(ServiceConfig(nats_url=servers.nats_url,
+                                            redis_url=servers.redis_url, node="t"),
+                              AttributorConfig(symptom_hold_s=0.3))
+        self.job = job
+        self.bus = Bus(servers.nats_url, "test-client")
+        self.verdicts: list[schemas.Verdict] = []
+        self.anomalies: list[schemas.Anomaly] = []
+        self.dlq: list = []
+        self.state = StateStore(servers.redis_url)
+
+    async def __aenter__(self):
+        await self.bus.connect()
+        await self.bus.subscribe(subjects.job(self.job, "verdict"),
+                                 lambda s, e: self.verdicts.append(e))
+        await self.bus.subscribe(subjects.job(self.job, "anomaly"),
+                                 lambda s, e: self.anomalies.append(e))
+        await self.bus.nc.subscribe("tg.dlq.>", cb=self._dlq)
+        self.tasks = [asyncio.create_task(self.det.run()), asyncio.create_task(self.att.run())]
+        for _ in range(200):
+            if self.det.bus.connected and self.att.bus.connected and self.det.state:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # subscriptions in place
+        return self
+
+    async def _dlq(self, msg):
+        self.dlq.append(msg)
+
+    async def __aexit__(self, *exc):
+        self.det.stop()
+        self.att.stop()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.bus.close()
+        await self.state.close()
+
+    async def pub(self, subject, ev):
+        await self.bus.publish(subject, ev)
+        await self.bus.flush()
+
+    async def wait(self, pred, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+async def test_sigkill_then_gloo_cascade_names_the_killed_rank(servers, redis_db):
+    job = "cascade"
+    async with Stack(servers, job) as st:
+        now = time.time_ns()
+        await st.pub(subjects.job(job, "worker"), schemas.WorkerExited(
+            job=job, node="node-b", rank=2, local_rank=0, pid=4242, signal=9, ts=now))
+        for r in (1, 3):
+            await st.pub(subjects.job(job, "log"), schemas.LogLine(
+                job=job, node="node-a" if r == 1 else "node-b", rank=r, stream="exception",
+                line=f"RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] "
+                     f"Connection closed by peer [127.0.0.1]:{29500 + r}", ts=now + 25_000_000))
+        assert await st.wait(lambda: len(st.anomalies) >= 3)
+        await asyncio.sleep(0.6)  # past the symptom hold: the symptoms must fold, not fire
+        assert len(st.verdicts) == 1, [v.fault_class for v in st.verdicts]
+        v = st.verdicts[0]
+        assert v.culprit.ranks == [2] and v.culprit.nodes == ["node-b"]
+        assert (v.fault_class, v.action) == ("crash", "restart_workers")
+        assert v.generation == 0 and v.first_ts == now
+        symptoms = [a for a in st.anomalies if a.symptom]
+        assert len(symptoms) == 2 and all(a.fault_class == "network" for a in symptoms)
+        # the fault went into the cross-job history
+        assert await st.state.node_history("node-b")
+
+
+async def test_silent_rank_is_the_hang_culprit(servers, redis_db):
+    job = "hangjob"
+    async with Stack(servers, job, silence_s=0.5) as st:
+        t_stop = None
+        for i in range(25):                 # 0.1 s heartbeats; rank 2 stops after 0.5 s
+            for r in range(4):
+                if r == 2 and i >= 5:
+                    continue
+                await st.bus.publish(subjects.rank_hb(job, r), schemas.RankHeartbeat(
+                    job=job, node=f"n{r // 2}", rank=r, local_rank=r % 2, world_size=4,
+                    step=10, collective_seq=11 if r != 2 else 10, step_time_s=0.2))
+            if i == 4:
+                t_stop = time.monotonic()
+            await st.bus.flush()
+            await asyncio.sleep(0.1)
+        assert await st.wait(lambda: st.verdicts)
+        v = st.verdicts[0]
+        assert v.fault_class == "hang" and v.culprit.ranks == [2] and v.culprit.nodes == ["n1"]
+        hangs = [a for a in st.anomalies if a.kind == "hang"]
+        assert len(hangs) == 1                 # one incident, not one per tick
+
+
+async def test_xid_on_a_node_reaches_its_job_and_excludes_the_node(servers, redis_db):
+    job = "xidjob"
+    st_ = StateStore(servers.redis_url)
+    await st_.register_job(job, generation=0, members=[
+        {"rank": 0, "node": "g1", "local_rank": 0}, {"rank": 1, "node": "g1", "local_rank": 1},
+        {"rank": 2, "node": "g2", "local_rank": 0}])
+    await st_.close()
+    async with Stack(servers, job) as st:
+        # the detector learns the job from a heartbeat, then reads its hash
+        await st.pub(subjects.rank_hb(job, 0), schemas.RankHeartbeat(job=job, node="g1", rank=0))
+        assert await st.wait(lambda: "g1" in st.det.node_jobs)
+        line = "NVRM: Xid (PCI:0000:4e:00): 79, pid=31877, name=python3, GPU has fallen off the bus."
+        await st.pub(subjects.node("g1", "xid"), schemas.XidEvent(
+            node="g1", xid=79, pci="0000:4e:00", gpu_index=1, pid=31877, raw=line))
+        assert await st.wait(lambda: st.verdicts)
+        v = st.verdicts[0]
+        assert (v.fault_class, v.layer, v.action) == ("gpu_xid", "hardware",
+                                                      "exclude_node_and_requeue")
+        assert v.culprit.nodes == ["g1"] and v.culprit.ranks == [1]
+
+
+async def test_bad_message_goes_to_dead_letter_and_service_goes_on(servers, redis_db):
+    job = "badmsg"
+    async with Stack(servers, job) as st:
+        await st.bus.publish_raw(subjects.job(job, "worker"), b"\xc1 not msgpack")
+        await st.bus.publish_raw(subjects.job(job, "log"), b"\x81\xa6schema\xa5bogus")
+        await st.bus.flush()
+        assert await st.wait(lambda: len(st.dlq) >= 2)
+        assert {m.subject for m in st.dlq} == {"tg.dlq.detector"}
+        await st.pub(subjects.job(job, "worker"), schemas.WorkerExited(
+            job=job, node="n", rank=0, exit_code=1))
+        assert await st.wait(lambda: st.verdicts)
+        assert st.verdicts[0].culprit.ranks == [0]
+        assert st.det.bus.stats.bad["malformed"] == 1
