@@ -120,6 +120,39 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
             up.wait()
 
 
+async def _crash_chain(nats_url, redis_url):
+    """Heartbeats of 4 ranks, then rank 1 is SIGKILLed: the detector, attributor and remediator
+    processes must turn that into one restart decision for rank 1."""
+    from schemas import RankHeartbeat, WorkerExited
+    members = [{"rank": r, "node": f"node-{'ab'[r // 2]}", "local_rank": r % 2}
+               for r in range(4)]
+    st = StateStore(redis_url)
+    await st.register_job("chain", mode="action", generation=0, world_size=4, min_world_size=2,
+                          retry_budget=5, members=members, nnodes=2, nproc_per_node=2)
+    bus = await Bus(nats_url, "test-chain").connect()
+    got = []
+    await bus.subscribe(subjects.job("chain", "decision"), lambda s, e: got.append(e))
+    await bus.flush()
+    for step in range(10):
+        for m in members:
+            await bus.publish(subjects.rank_hb("chain", m["rank"]), RankHeartbeat(
+                job="chain", rank=m["rank"], node=m["node"], local_rank=m["local_rank"],
+                world_size=4, step=step, step_time_s=0.1, progress_ts=time.time_ns()))
+        await asyncio.sleep(0.1)
+    await bus.publish(subjects.job("chain", "worker"), WorkerExited(
+        job="chain", rank=1, node="node-a", local_rank=1, signal=9))
+    await bus.flush()
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+    trail = await st.audit_trail("chain")
+    await bus.close()
+    await st.close()
+    return got, trail
+
+
 @pytest.mark.skipif(not all(service_available(s) for s in DEFAULT_SERVICES),
                     reason="not every service package is installed yet")
 def test_full_default_stack(tmp_path, monkeypatch):
@@ -135,6 +168,10 @@ def test_full_default_stack(tmp_path, monkeypatch):
         pids = [p.pid for p in stack.procs.values()]
         pids += [s.proc.pid for s in stack._servers.servers]
         assert stack.rdzv_endpoint
+        decisions, trail = asyncio.run(_crash_chain(stack.nats_url, stack.redis_url))
+        assert [(d.action, d.ranks, d.generation, d.execute) for d in decisions] == [
+            ("restart_workers", [1], 1, True)], decisions
+        assert trail[0]["type"] == "decision" and trail[0]["decision_id"] == decisions[0].event_id
     assert gone(pids) == []
 
 
