@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import random
+import socket
 import threading
 import time
 from typing import Any
@@ -103,6 +104,10 @@ class _WriterClient:
         p.event.set()
 
     def close(self) -> None:
+        try:  # shutdown wakes the reader thread and lets the writer see the end of the stream
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
