@@ -429,6 +429,15 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
     """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
     world for an exclusion (stop when it would go below ``min_world_size``), generation and key.
     Used by ``decide`` and by the watchdog (with ``key`` given)."""
+    if action == "exclude_node_and_requeue" and job.members:
+        present = {m.get("node") for m in job.members}
+        named = sorted(set(verdict.culprit.nodes)) or _nodes_of(sorted(verdict.culprit.ranks),
+                                                                job.members)
+        if named and not any(n in present for n in named):
+            # e.g. the agent of an excluded node stays silent: a late node_lost is no new fault
+            reasons.append(f"node(s) {', '.join(named)} already out of the job: nothing to "
+                           f"exclude")
+            action = "none"
     for esc in policy.escalations:
         if action not in esc.applies_to:
             continue
@@ -449,6 +458,8 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
         nodes = _nodes_of(ranks, job.members) or nodes
     elif action == "exclude_node_and_requeue":
         nodes = nodes or _nodes_of(ranks, job.members)
+        if job.members:
+            nodes = [n for n in nodes if n in {m.get("node") for m in job.members}]
         if not nodes:
             reasons.append("exclusion needs a culprit node and the verdict named none")
             action = "stop_job_notify_user"

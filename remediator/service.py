@@ -16,7 +16,8 @@ reads the job hash, calls the pure ``policy.decide``, then
 4. appends the decision and its reason to the job's audit trail, publishes it on
    ``tg.job.<job>.decision``;
 5. for an executed exclusion, drains the node(s) through the configured node controller
-   (``trainguard.controllers``) and publishes its ``action.result``.
+   (``trainguard.controllers``) and publishes its ``action.result``; a failed drain is audited
+   (``controller_failed``) but does not escalate: the job re-ranks without the node anyway.
 
 Watchdog: an executed recovery decision not followed by ``recovery.resumed`` with
 ``generation >= decision.generation`` within ``decision_timeout_s``, or answered by a failing
@@ -122,6 +123,13 @@ class Remediator(Service):
             await st.audit(job, {"type": "ignored", "verdict_id": v.event_id,
                                  "fault_class": v.fault_class, "reason": "verdict names no job"})
             return
+        fault_gen = pol.fault_generation(v, pol.JobView.of(state, self.rconfig.policy))
+        if dec.action == "none":
+            # a flag for an incident that already has its decision adds nothing
+            owner = await st.claimed_by(f"{job}:g{fault_gen}")
+            if owner is not None:
+                await self._fold(v, owner, f"generation already decided ({_owner_action(owner)})")
+                return
         owner = await st.claim(dec.idempotency_key, _owner(dec))
         if owner is not None:
             held = _owner_action(owner)
@@ -138,8 +146,7 @@ class Remediator(Service):
             if owner is not None:
                 await self._fold(v, owner, f"escalation already decided ({_owner_action(owner)})")
                 return
-        await self._commit(dec, v, state,
-                           pol.fault_generation(v, pol.JobView.of(state, self.rconfig.policy)))
+        await self._commit(dec, v, state, fault_gen)
 
     async def _fold(self, v: Verdict, owner: str | None, why: str) -> None:
         self.counts["folded"] += 1
@@ -219,6 +226,10 @@ class Remediator(Service):
                 ok, detail = res.ok, res.detail
             except Exception as exc:  # noqa: BLE001 - a controller failure is reported
                 ok, detail = False, f"{type(exc).__name__}: {exc}"
+            if not ok:
+                await self.state.audit(dec.job, {
+                    "type": "controller_failed", "decision_id": dec.event_id, "node": node,
+                    "controller": self._controller.name, "reason": detail, "ts": time.time_ns()})
             await self.bus.publish(subjects.job(dec.job, "action"), ActionResult(
                 job=dec.job, node=node, trace=dec.child_trace(), decision_id=dec.event_id,
                 idempotency_key=dec.idempotency_key,
@@ -240,6 +251,10 @@ class Remediator(Service):
 
     async def on_action(self, subject: str, ev: Event) -> None:
         if not isinstance(ev, ActionResult) or not ev.job or ev.ok or ev.skipped:
+            return
+        if ev.executor.startswith("controller:"):
+            # the scheduler could not drain the node; the job itself re-ranks without it, so
+            # only training not resuming (the deadline) escalates
             return
         p = self.pending.get(ev.job)
         if p and (ev.decision_id == p[0].event_id or ev.idempotency_key == p[0].idempotency_key):

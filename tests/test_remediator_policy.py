@@ -204,3 +204,17 @@ def test_late_verdict_without_generation_joins_the_incident_it_belongs_to():
     assert decide(late, job(generation=4, last_decision=last)).idempotency_key == "j:g3"
     fresh = late.model_copy(update={"first_ts": 6_000})
     assert decide(fresh, job(generation=4, last_decision=last)).idempotency_key == "j:g4"
+
+
+def test_node_already_out_of_the_job_is_not_excluded_again():
+    after = [{"rank": 0, "node": "n2", "local_rank": 0}, {"rank": 1, "node": "n2", "local_rank": 1}]
+    d = decide(verdict("node_lost", "infrastructure", nodes=["n1"]),
+               job(members=after, world_size=2, generation=4))
+    assert d.action == "none" and "already out of the job" in d.reason
+    assert d.generation == 4 and d.execute is False
+    # only the nodes still in the job are excluded
+    d = decide(verdict("node_lost", "infrastructure", nodes=["n1", "n2"]),
+               job(min_world_size=0))
+    assert d.nodes == ["n1", "n2"]
+    d = decide(verdict("node_lost", "infrastructure", nodes=["n1", "n9"]), job())
+    assert d.nodes == ["n1"] and d.world_size == 2

@@ -24,9 +24,10 @@ async def register(store, job, **kw):
 
 
 @contextlib.asynccontextmanager
-async def remediator(servers, redis_url, timeout_s=60.0):
+async def remediator(servers, redis_url, timeout_s=60.0, controller=None):
     svc = Remediator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_url),
-                     RemediatorConfig(decision_timeout_s=timeout_s, controller="local"))
+                     RemediatorConfig(decision_timeout_s=timeout_s, controller="local"),
+                     controller=controller)
     task = asyncio.create_task(svc.run())
     probe = await Bus(servers.nats_url, "probe").connect()
     for _ in range(200):
@@ -283,4 +284,24 @@ async def test_straggler_flag_is_published_once_and_keeps_the_watchdog(servers, 
         assert "no spare node" in flag.reason
         assert "j9" in svc.pending  # the restart is still watched
         assert (await store.job("j9"))["generation"] == 1
+    await store.close()
+
+
+async def test_failed_node_drain_is_audited_not_escalated(servers, redis_db):
+    from trainguard.controllers import SlurmConfig, SlurmController
+    store = StateStore(redis_db)
+    await register(store, "j10")
+    slurm = SlurmController(store, SlurmConfig(scontrol="/nonexistent/scontrol"))
+    async with remediator(servers, redis_db, controller=slurm) as svc, \
+            client(servers, "j10") as c:
+        await c.publish(subjects.job("j10", "verdict"), Verdict(
+            job="j10", fault_class="node_lost", layer="infrastructure",
+            action="exclude_node_and_requeue", culprit={"nodes": ["n1"]}, generation=0))
+        assert await wait_for(lambda: c.got["action"])
+        await settle()
+        [ar] = c.got["action"]
+        assert not ar.ok and ar.executor == "controller:slurm" and "scontrol" in ar.detail
+        assert len(c.got["decision"]) == 1 and "j10" in svc.pending
+    trail = await store.audit_trail("j10")
+    assert [r["type"] for r in trail] == ["decision", "controller_failed"]
     await store.close()

@@ -110,6 +110,10 @@ class StateStore:
             return None
         return await self.r.get(f"tg:idem:{key}")
 
+    async def claimed_by(self, key: str) -> str | None:
+        """The owner holding idempotency ``key``, or None when nobody claimed it (read only)."""
+        return await self.r.get(f"tg:idem:{key}")
+
     async def audit(self, job: str, record: dict[str, Any], maxlen: int = 10000) -> str:
         """Append a record to the job's audit stream; returns the stream entry id."""
         return await self.r.xadd(f"tg:job:{job}:audit", {"record": json.dumps(record, default=str)},
