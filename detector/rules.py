@@ -28,7 +28,8 @@ class DetectorConfig:
     Hang (heartbeat silence): a rank's heartbeat thread beats every 0.1 s whatever the step
     length, even while the rank is blocked in a collective, so silence does not scale with step
     time: ``silence_timeout_s`` = 1.5 s (15 missed beats; a GC pause or a loaded host delays a
-    beat by tens of ms, not a second). A job's ``hang_timeout_s`` overrides it.
+    beat by tens of ms, not a second); for a rank that beats slower, ``silence_beats`` (15)
+    × its own ``interval_s`` when that is longer. A job's ``hang_timeout_s`` overrides both.
 
     Hang (no progress while beating): ``step_timeout = clamp(step_timeout_factor × p99 step
     time, step_timeout_floor_s, step_timeout_ceiling_s)`` over the job's last
@@ -66,6 +67,7 @@ class DetectorConfig:
     """
 
     silence_timeout_s: float = 1.5
+    silence_beats: int = 15
     step_window: int = 256
     min_step_samples: int = 8
     step_timeout_factor: float = 5.0
@@ -368,13 +370,17 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
     ``done`` and not known to have exited. The silent rank is the culprit: a stopped process's
     heartbeat thread stops too, while ranks blocked in a collective keep beating."""
     jc = jc or JobConfig()
-    timeout = jc.hang_timeout_s or cfg.silence_timeout_s
+    explicit = jc.hang_timeout_s
+    base = explicit or cfg.silence_timeout_s
     out = []
     for rs in job.ranks.values():
         if rs.exited or rs.phase == "done" or rs.last_hb == 0.0 or rs.generation < job.gen:
             continue
         silent = now - rs.last_hb
-        if silent > timeout:
+        if silent > base:
+            timeout = explicit or max(base, cfg.silence_beats * rs.interval)
+            if silent <= timeout:
+                continue
             out.append(Finding(
                 "hang", "hang", ranks=[rs.rank], nodes=[rs.node] if rs.node else [],
                 evidence=[f"rank {rs.rank} on {rs.node or '?'} sent no heartbeat for "
