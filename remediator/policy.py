@@ -21,7 +21,8 @@ Job state (``StateStore.job``) fields read here, with the default used when abse
 ``retry_budget`` (``Policy.default_retry_budget``), ``retries_used`` (0), ``members`` ([] —
 list of ``{"rank", "node", "local_rank"}``), ``spare_nodes`` ([] — node names, or
 ``{"node": name}`` objects), ``nproc_per_node`` (ranks of the replaced node), ``last_fault``
-(None — ``{"fault_class", "step", "signature", "generation"}``).
+(None — ``{"fault_class", "step", "signature", "generation"}``), ``last_decision`` (None —
+``{"id", "action", "generation", "fault_generation", "key", "ts"}``, written by the service).
 
 Verdict fields read beyond the schema's own: ``detail["step"]`` (int, the training step the
 culprit was in, for loop detection), ``detail["signature"]`` (str, a normalised fault signature;
