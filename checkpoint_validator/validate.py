@@ -81,6 +81,16 @@ def validate_checkpoint(path: str, *, quick: bool = False, expected_step: int | 
     manifest when given. At most ``max_reasons`` reasons are listed.
     """
     t0 = time.perf_counter()
+    try:
+        return _validate(path, t0, quick, expected_step, expected_world_size, max_reasons)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        rep = Report(path=path, ok=False)
+        rep.reasons.append(f"manifest malformed ({type(exc).__name__}: {exc})")
+        return _done(rep, t0, max_reasons)
+
+
+def _validate(path: str, t0: float, quick: bool, expected_step: int | None,
+              expected_world_size: int | None, max_reasons: int) -> Report:
     rep = Report(path=path, ok=False)
     try:
         m = fmt.read_manifest(path)
@@ -94,6 +104,11 @@ def validate_checkpoint(path: str, *, quick: bool = False, expected_step: int | 
     rep.step = int(m.get("step", -1))
     reasons = rep.reasons
     world = int(m["world_size"])
+    parsed = fmt.parse_name(os.path.basename(os.path.normpath(path)))
+    if parsed is not None and (parsed[0] != rep.step or
+                               parsed[1] != int(m.get("generation", parsed[1]))):
+        reasons.append(f"manifest step {rep.step} / generation {m.get('generation')} do not "
+                       f"match the directory name")
     if expected_step is not None and rep.step != expected_step:
         reasons.append(f"manifest step {rep.step} != saved step {expected_step}")
     if expected_world_size is not None and world != expected_world_size:

@@ -71,10 +71,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def recv_msg(sock: socket.socket) -> Any | None:
     """Receive one framed message; None when the peer closed the connection."""
-    hdr = _recv_exact(sock, _HDR.size)
-    if hdr is None:
+    try:
+        hdr = _recv_exact(sock, _HDR.size)
+        if hdr is None:
+            return None
+        body = _recv_exact(sock, _HDR.unpack(hdr)[0])
+    except (ConnectionResetError, BrokenPipeError):
         return None
-    body = _recv_exact(sock, _HDR.unpack(hdr)[0])
     if body is None:
         return None
     return pickle.loads(body)
