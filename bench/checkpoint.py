@@ -1,0 +1,312 @@
+"""Checkpoint cost, side by side: torch.save (sync), DCP save (sync), DCP async_save (thread and
+process), trainguard — 2 ranks with gloo, a state of ``--mb`` MB per rank (default 200).
+
+    python bench/checkpoint.py --json PATH            # ≈ 200 MB per rank (minutes)
+    python bench/checkpoint.py --quick --json PATH    # 20 MB per rank, fewer steps
+
+Per system, in fresh rank processes: ``blocking_s`` (median seconds the training loop is blocked
+per save, after one warm-up save), ``durable_s`` (median seconds from the call until the
+checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
+steps without saves / with saves; the three intervals are 1×, 3× and 10× trainguard's durable
+time in steps), ``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
+(trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference
+copy of the state into reused buffers. A training step here updates every parameter (as an
+optimizer does) and does a fixed matmul workload and a gloo all-reduce.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SYSTEMS = ("torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process", "trainguard")
+
+
+def rank_main(a) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world)
+    ckg = dist.new_group(backend="gloo")
+    n_t = 16
+    per = a.mb * 1_000_000 // 4 // n_t
+    model = torch.nn.Module()
+    for i in range(n_t):  # rank-specific keys: each rank owns its 200 MB (like a shard)
+        model.register_parameter(f"r{a.rank}_p{i}", torch.nn.Parameter(torch.randn(per)))
+    params = list(model.parameters())
+    state_bytes = sum(p.numel() * 4 for p in params)
+    w = torch.randn(256, 256)
+    red = torch.zeros(1024)
+
+    def step() -> None:
+        with torch.no_grad():
+            for p in params:
+                p.mul_(0.999999)
+            x = w
+            for _ in range(a.matmuls):
+                x = torch.tanh(x @ w)
+            dist.all_reduce(red)
+
+    root = os.path.join(a.dir, a.system)
+    os.makedirs(root, exist_ok=True)
+    out: dict = {"system": a.system, "state_bytes": state_bytes}
+    if a.system == "memcpy":
+        bufs = [torch.empty_like(p) for p in params]
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for b, p in zip(bufs, params):
+                b.copy_(p.detach())
+            times.append(time.perf_counter() - t0)
+        out["memcpy_s"] = statistics.median(times[1:])
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step()
+        out["step_s"] = (time.perf_counter() - t0) / 5
+        _finish(a, out)
+        return
+    import torch.distributed.checkpoint as dcp
+
+    seq = [0]
+    pending = [None]
+    ck = None
+    if a.system == "trainguard":
+        from trainguard.checkpoint import CheckpointConfig, Checkpointer
+
+        ck = Checkpointer(model, None, config=CheckpointConfig(root=root, keep=2),
+                          job=f"bench-{os.getpid() if a.rank == 0 else 'x'}-{a.port}",
+                          rank=a.rank, world_size=a.world, group=ckg)
+        ck.job = f"bench{a.port}"
+    if a.system == "dcp_async_process":
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    def save() -> tuple[float, callable]:
+        """Start a save; returns (blocking seconds, wait-until-durable function)."""
+        seq[0] += 1
+        path = os.path.join(root, f"s{seq[0] % 3}")
+        t0 = time.perf_counter()
+        if a.system == "torch_save":
+            p = os.path.join(path + f"_r{a.rank}.pt")
+            with open(p, "wb") as fh:
+                torch.save(model.state_dict(), fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            return time.perf_counter() - t0, lambda: None
+        if a.system == "dcp_sync":
+            shutil.rmtree(path, ignore_errors=True) if a.rank == 0 else None
+            dcp.save({"model": model.state_dict()}, checkpoint_id=path, process_group=ckg)
+            return time.perf_counter() - t0, lambda: None
+        if a.system in ("dcp_async_thread", "dcp_async_process"):
+            if pending[0] is not None:
+                pending[0].result()
+            kw = {}
+            if a.system == "dcp_async_process":
+                kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+            f = dcp.async_save({"model": model.state_dict()}, checkpoint_id=path,
+                               process_group=ckg, **kw)
+            pending[0] = f
+            return time.perf_counter() - t0, lambda: f.result()
+        ck.save(seq[0])
+        return ck.stats["blocking_s"], lambda: ck.wait()
+
+    # warm-up, then blocking / durable
+    b, wfn = save()
+    wfn()
+    out["first_blocking_s"] = b
+    blocks, durs = [], []
+    for _ in range(a.reps):
+        dist.barrier(group=ckg)
+        t0 = time.perf_counter()
+        b, wfn = save()
+        wfn()
+        durs.append(time.perf_counter() - t0)
+        blocks.append(b)
+    out["blocking_s"] = statistics.median(blocks)
+    out["durable_s"] = statistics.median(durs)
+    # efficiency at the given intervals
+    eff = {}
+    for interval in a.intervals:
+        n = interval * a.saves_per_interval
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(n):
+            step()
+        base = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(n):
+            if i % interval == 0:
+                save()
+            step()
+        with_saves = time.perf_counter() - t0
+        eff[str(interval)] = round(base / with_saves, 4)
+        if pending[0] is not None:
+            pending[0].result()
+            pending[0] = None
+        if ck is not None:
+            ck.wait()
+    out["efficiency"] = eff
+    if ck is not None and a.rank == 0:
+        ck.wait()
+        from checkpoint_validator.validate import validate_checkpoint
+
+        from trainguard.checkpoint import format as fmt
+
+        newest = fmt.list_checkpoints(ck.root)[0].path
+        validate_checkpoint(newest)  # page cache warm, as for the validator after a save
+        rep = validate_checkpoint(newest)
+        out["validation_ok"] = rep.ok
+        out["validation_gbps"] = rep.gbps
+        out["skipped"] = ck.stats["skipped"]
+    out["children_uss_bytes"] = _children_uss()  # writer / DCP checkpoint processes
+    if ck is not None:
+        ck.finalize()
+    if pending[0] is not None:
+        pending[0].result()
+    _finish(a, out)
+
+
+def _children_uss() -> int:
+    """Unique memory of this rank's helper processes (the writer, DCP's checkpoint process);
+    shared pages (the /dev/shm staging buffer, counted in the rank's own RSS) are left out."""
+    import psutil
+
+    total = 0
+    for c in psutil.Process().children(recursive=True):
+        try:
+            total += c.memory_full_info().uss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _finish(a, out: dict) -> None:
+    import torch.distributed as dist
+
+    self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss_bytes"] = self_rss + out.get("children_uss_bytes", 0)
+    out["peak_rss_self_bytes"] = self_rss
+    dist.barrier()
+    if a.rank == 0:
+        with open(a.out, "w") as fh:
+            json.dump(out, fh)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
+    from trainguard.embedded import free_port
+
+    port = free_port()
+    out = os.path.join(tmp, f"{system}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--rank-main", "--system", system,
+           "--port", str(port), "--mb", str(args.mb), "--dir", tmp, "--out", out,
+           "--reps", str(args.reps), "--matmuls", str(args.matmuls),
+           "--saves-per-interval", str(args.saves_per_interval),
+           "--intervals", ",".join(map(str, intervals))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(2)]
+    for p in procs:
+        p.wait(timeout=1800)
+    with open(out) as fh:
+        res = json.load(fh)
+    shutil.rmtree(os.path.join(tmp, system), ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json")
+    p.add_argument("--mb", type=int, default=200)
+    p.add_argument("--quick", action="store_true", help="20 MB per rank, fewer repetitions")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--dir", default="", help="checkpoint directory (default: a temporary one)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--matmuls", type=int, default=20)
+    p.add_argument("--saves-per-interval", type=int, default=2)
+    # internal (rank processes)
+    p.add_argument("--rank-main", action="store_true")
+    p.add_argument("--system")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--port", type=int)
+    p.add_argument("--out")
+    p.add_argument("--intervals", default="")
+    a = p.parse_args()
+    if a.rank_main:
+        a.intervals = [int(x) for x in a.intervals.split(",") if x]
+        rank_main(a)
+        return
+    if a.quick:
+        a.mb, a.reps = min(a.mb, 20), 2
+    tmp = a.dir or tempfile.mkdtemp(prefix="tg-bench-ckpt-", dir=os.getcwd())
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        ref = run_system("memcpy", a, tmp, [])
+        print(f"state {ref['state_bytes'] / 1e6:.0f} MB per rank; memcpy into reused buffers "
+              f"{ref['memcpy_s'] * 1e3:.1f} ms; training step {ref['step_s'] * 1e3:.1f} ms",
+              flush=True)
+        systems = [s for s in a.systems.split(",") if s]
+        results = {}
+        # intervals from trainguard's durable time: 1x, 3x, 10x in steps
+        order = ["trainguard"] + [s for s in systems if s != "trainguard"]
+        intervals: list[int] = []
+        for s in order:
+            if s not in systems:
+                continue
+            if not intervals:
+                probe = run_system("trainguard", argparse.Namespace(**{
+                    **vars(a), "saves_per_interval": 1}), tmp, [1])
+                k = max(1, round(probe["durable_s"] / ref["step_s"]))
+                intervals = [k, 3 * k, 10 * k]
+                print(f"trainguard durable {probe['durable_s']:.2f} s ≈ {k} steps; "
+                      f"intervals {intervals}", flush=True)
+            results[s] = run_system(s, a, tmp, intervals)
+            r = results[s]
+            print(f"{s:18s} blocking {r['blocking_s'] * 1e3:8.1f} ms  durable "
+                  f"{r['durable_s']:6.2f} s  efficiency "
+                  f"{ {k: f'{v:.3f}' for k, v in r['efficiency'].items()} }  peak RSS "
+                  f"{r['peak_rss_bytes'] / 1e6:6.0f} MB"
+                  + (f"  validation {r['validation_gbps']:.2f} GB/s"
+                     if "validation_gbps" in r else ""), flush=True)
+        out = {"mb_per_rank": a.mb, "world_size": 2, "memcpy_s": ref["memcpy_s"],
+               "step_s": ref["step_s"], "intervals": intervals,
+               "baseline_peak_rss_bytes": ref["peak_rss_bytes"],
+               "systems": [{"system": s, "blocking_s": r["blocking_s"],
+                            "durable_s": r["durable_s"], "efficiency": r["efficiency"],
+                            "validation_gbps": r.get("validation_gbps"),
+                            "peak_rss_bytes": r["peak_rss_bytes"],
+                            "first_blocking_s": r["first_blocking_s"]}
+                           for s, r in results.items()]}
+        tg = results.get("trainguard")
+        if tg:
+            out["trainguard_blocking_vs_memcpy"] = tg["blocking_s"] / ref["memcpy_s"]
+            out["trainguard_extra_rss_ratio"] = (tg["peak_rss_bytes"] - ref["peak_rss_bytes"]) \
+                / ref["state_bytes"]
+            print(f"trainguard blocking / memcpy = {out['trainguard_blocking_vs_memcpy']:.2f}; "
+                  f"extra host memory = {out['trainguard_extra_rss_ratio']:.2f} × state",
+                  flush=True)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=2)
+    finally:
+        if not a.dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
