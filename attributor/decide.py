@@ -13,7 +13,7 @@
    timeouts from the blocked ranks are symptoms. Among symptom-only watchdog timeouts, the rank
    with the lowest collective sequence number is named, at low confidence.
 5. Cross-job history (``History``, filled by the service from the state store):
-   * a culprit node with non-application faults in ``node_repeat_jobs`` (2) or more different
+   * a culprit node with hardware, system-software or infrastructure faults in ``node_repeat_jobs`` (2) or more different
      jobs within the window is a node fault: exclude it;
    * the same failure signature on ``app_repeat_nodes`` (2) or more different nodes of one job
      is an application fault: stop and tell the user (a restart elsewhere would repeat it);
@@ -306,6 +306,10 @@ def stronger(action: str, than: str) -> bool:
     return ACTION_STRENGTH.get(action, 0) > ACTION_STRENGTH.get(than, 0)
 
 
+#: Layers whose faults count against a node in cross-job history.
+NODE_LAYERS = ("hardware", "system_software", "infrastructure")
+
+
 def history_from_records(job: str, node_records: dict[str, list[dict]],
                          signature_pairs: list[tuple[str, str]], current_gpu_pids:
                          dict[str, set[int]] | None = None, since_ns: int = 0) -> History:
@@ -317,7 +321,9 @@ def history_from_records(job: str, node_records: dict[str, list[dict]],
         for r in recs:
             if r.get("ts", 0) < since_ns:
                 continue
-            if r.get("layer") != "application":
+            # only faults attributed to the node's hardware/software count against it: an
+            # application fault or an unexplained crash (layer unknown) says nothing of the node
+            if r.get("layer") in NODE_LAYERS:
                 h.node_jobs.setdefault(node, set()).add(str(r.get("job")))
             if r.get("xid") in APP_XIDS and r.get("gpu") and r.get("pid") is not None:
                 h.gpu_app_xid_pids.setdefault(str(r["gpu"]), set()).add(int(r["pid"]))

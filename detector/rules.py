@@ -221,8 +221,13 @@ class JobConfig:
 def observe_heartbeat(job: JobState, rank: int, node: str | None, local_rank: int,
                       generation: int, step: int, seq: int, phase: str,
                       step_time_s: float | None, now: float, cfg: DetectorConfig,
-                      interval: float = 0.1) -> RankState:
-    """Fold one rank heartbeat into ``job``; returns the rank's state."""
+                      interval: float = 0.1, compute_s: float | None = None) -> RankState:
+    """Fold one rank heartbeat into ``job``; returns the rank's state.
+
+    The job's ring (learned hang timeout) takes the step wall time; the rank's ring (straggler
+    score) takes ``compute_s`` when the shim measured it — in synchronous data parallelism every
+    rank's wall time equals the slowest rank's, and only the time before the first collective
+    tells the straggler — else the wall time."""
     rs = job.ranks.get(rank)
     if rs is None:
         rs = job.ranks[rank] = RankState(rank, cfg.rank_ring)
@@ -247,9 +252,11 @@ def observe_heartbeat(job: JobState, rank: int, node: str | None, local_rank: in
     if step > rs.step:
         rs.last_advance = now
         if step_time_s is not None and step_time_s > 0:
-            rs.add_time(step_time_s)
             job.add_time(step_time_s)
             job.dirty = True
+        t = compute_s if compute_s is not None and compute_s > 0 else step_time_s
+        if t is not None and t > 0:
+            rs.add_time(t)
     elif seq > rs.seq:
         rs.last_advance = now
     rs.step = step

@@ -148,7 +148,7 @@ class Detector(Service):
         js = self.jobs.get(job) or self._job(job)
         rules.observe_heartbeat(js, rank, ev.node, ev.local_rank, ev.generation, ev.step,
                                 ev.collective_seq, ev.phase, ev.step_time_s, time.monotonic(),
-                                self.cfg, ev.interval_s)
+                                self.cfg, ev.interval_s, ev.compute_s)
         if ev.loss is not None and not math.isfinite(ev.loss):
             f = rules.nan_loss_rule(ev.loss, rank, ev.node, ev.step, ev.generation, ev.ts)
             if f:

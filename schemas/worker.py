@@ -18,7 +18,11 @@ class RankHeartbeat(Event):
     * ``progress_ts`` — Unix ns when ``step`` last advanced;
     * ``phase`` — one of ``PHASES``;
     * ``generation`` — restart generation of the process group the rank is in;
-    * ``collective_seq`` — number of training steps whose collectives were entered.
+    * ``collective_seq`` — number of training steps whose collectives were entered;
+    * ``compute_s`` — seconds of the last step spent before its first gradient collective (set
+      when the model is wrapped with ``ctx.ddp``). In synchronous data parallelism every rank's
+      step wall time is the same (all wait in the allreduce), so this is what tells the
+      straggler: it is large on the slow rank and small on the ranks waiting for it.
     """
 
     SCHEMA = "rank.heartbeat"
@@ -32,6 +36,7 @@ class RankHeartbeat(Event):
     progress_ts: int = 0
     phase: str = "train"
     collective_seq: int = 0
+    compute_s: float | None = None
     interval_s: float = 0.1
 
 

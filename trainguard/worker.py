@@ -115,7 +115,7 @@ class _Progress:
     assignment atomic)."""
 
     __slots__ = ("step", "loss", "step_time_s", "progress_ts", "phase", "collective_seq",
-                 "_last_mono")
+                 "compute_s", "arrived", "_last_mono")
 
     def __init__(self) -> None:
         self.step = -1
@@ -124,6 +124,8 @@ class _Progress:
         self.progress_ts = 0
         self.phase = "startup"
         self.collective_seq = 0
+        self.compute_s: float | None = None
+        self.arrived = False
         self._last_mono = 0.0
 
 
@@ -176,7 +178,8 @@ class _Runtime:
                 **self._ids(), local_rank=self.cfg.local_rank, world_size=self.cfg.world_size,
                 generation=self.cfg.generation, pid=os.getpid(), step=p.step, loss=p.loss,
                 step_time_s=p.step_time_s, progress_ts=p.progress_ts, phase=p.phase,
-                collective_seq=p.collective_seq, interval_s=self.cfg.heartbeat_interval_s))
+                collective_seq=p.collective_seq, compute_s=p.compute_s,
+                interval_s=self.cfg.heartbeat_interval_s))
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
     def _on_decision(self, subject: str, ev: schemas.Event) -> None:
@@ -342,6 +345,7 @@ class Context:
         if p._last_mono and p.phase == "train":
             p.step_time_s = now - p._last_mono
         p._last_mono = now
+        p.arrived = False
         p.step = step
         p.collective_seq += 1
         p.loss = None if loss is None else float(loss)
@@ -374,6 +378,30 @@ class Context:
             rt.publish(subjects.job(cfg.job, "recovery"), schemas.RecoveryVerified(
                 **rt._ids(), generation=cfg.generation, restored_step=restored,
                 loss_at_save=saved_loss, loss_after=float(loss), tolerance=tol, ok=ok))
+
+    def ddp(self, model, **kwargs: Any):
+        """``DistributedDataParallel(model, **kwargs)`` with a communication hook that records
+        when this rank reaches its first gradient collective of each step (``compute_s`` in the
+        heartbeat: the straggler signal in synchronous training). Returns ``model`` unchanged
+        when not distributed."""
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if not dist.is_initialized():
+            return model
+        net = DDP(model, **kwargs)
+        p = self._rt.p
+
+        def _arrival(state, bucket):
+            if not p.arrived:
+                p.arrived = True
+                if p._last_mono:
+                    p.compute_s = time.monotonic() - p._last_mono
+            return allreduce_hook(state, bucket)
+
+        net.register_comm_hook(None, _arrival)
+        return net
 
     def phase(self, name: str) -> None:
         """Tell the detector what the rank is doing (``schemas.PHASES``): e.g. ``"checkpoint"``

@@ -216,7 +216,8 @@ class Demo:
                "node": f"node{f.get('node', f['rank'] // cfg.nproc_per_node)}",
                "step": f["step"], "injected_ns": injected, "detected_ns": None,
                "decided_ns": None, "resumed_ns": None, "recovered": False,
-               "steps_rolled_back": None, "decision": None, "verdict": None}
+               "steps_rolled_back": None, "restored_step": None, "resumed_step": None,
+               "decision": None, "verdict": None}
         deadline = time.monotonic() + cfg.recovery_timeout_s
         decision = None
         full_restart_done = False
@@ -272,6 +273,8 @@ class Demo:
                 out["resumed_ns"] = max(r.ts for r in resumed)
                 out["steps_rolled_back"] = max(r.steps_rolled_back for r in resumed) if \
                     cfg.mode == "action" else max(0, f["step"] - min(r.restored_step for r in resumed))
+                out["restored_step"] = min(r.restored_step for r in resumed)
+                out["resumed_step"] = min(r.resumed_step for r in resumed)
                 out["recovered"] = True
                 break
             time.sleep(0.01)

@@ -17,7 +17,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
 from trainguard.demo import model as M
@@ -61,7 +60,7 @@ def main(argv=None) -> None:
         opt = M.optimizer(model)
         ckpt = ctx.checkpointer(model, opt)
         start = ckpt.restore()  # before DDP: DDP then broadcasts rank 0's restored weights
-        net = DDP(model) if ctx.world_size > 1 else model
+        net = ctx.ddp(model)
         loss_fn = nn.CrossEntropyLoss()
         slow_flag = os.path.join(args.run_dir, f"slow-{ctx.node}-{ctx.local_rank}")
         for step in range(start, args.steps):
