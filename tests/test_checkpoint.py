@@ -262,5 +262,11 @@ def test_manifest_tampering_is_caught(root):
     with open(os.path.join(path, fmt.MANIFEST), "w") as fh:
         json.dump(man, fh)
     rep = validate_checkpoint(path)
-    assert not rep.ok and any("model.0.weight" in r for r in rep.reasons)
+    assert not rep.ok and any("manifest checksum" in r for r in rep.reasons)
+    # a manifest that is self-consistent but disagrees with DCP's .metadata is caught too
+    man["manifest_checksum"] = fmt.manifest_body_checksum(man)
+    with open(os.path.join(path, fmt.MANIFEST), "w") as fh:
+        json.dump(man, fh)
+    rep = validate_checkpoint(path)
+    assert not rep.ok and any("model.0.weight" in r and ".metadata" in r for r in rep.reasons)
     c.finalize()

@@ -649,7 +649,10 @@ class Checkpointer:
         if self.distributed:
             flags = self._all_gather(use_shm)
             use_shm = all(flags)
-        if use_shm and self._load_shm(sd, path):
+        loaded = use_shm and self._load_shm_safe(sd, path)
+        if use_shm and self.distributed:  # all from shm, or all through DCP (collective)
+            loaded = all(self._all_gather(loaded))
+        if loaded:
             source = "shm"
         else:
             import torch.distributed.checkpoint as dcp
@@ -688,6 +691,13 @@ class Checkpointer:
                            optim_state_dict=sd["optimizer"])
 
     def _shm_eligible(self, path: str, choice: dict) -> bool:
+        try:
+            return self._shm_check(path, choice)
+        except Exception:  # noqa: BLE001 - anything odd: load from disk instead
+            log.debug("staged copy not usable", exc_info=True)
+            return False
+
+    def _shm_check(self, path: str, choice: dict) -> bool:
         """This rank's staged copy holds exactly the chosen checkpoint's bytes for every item
         of its local state, and the world is the one that saved it."""
         if not self.config.restore_from_shm or choice["world_size"] != self.world_size:
@@ -713,6 +723,14 @@ class Checkpointer:
                 return False
         self._shm_cache = (spath, meta, data, m)
         return True
+
+    def _load_shm_safe(self, sd: dict[str, Any], path: str) -> bool:
+        try:
+            return self._load_shm(sd, path)
+        except Exception:  # noqa: BLE001 - fall back to DCP from disk
+            log.debug("restore from the staged copy failed", exc_info=True)
+            self._shm_cache = None
+            return False
 
     def _load_shm(self, sd: dict[str, Any], path: str) -> bool:
         """Fill ``sd`` from the verified staged copy; byte items come from the manifest'd

@@ -19,6 +19,7 @@ never restored.
     loss          float | null — the loss recorded at save time (post-recovery verification)
     created_ns    Unix ns of the commit
     checksum      "xxh3_64" — algorithm of every checksum below (16 lowercase hex digits)
+    manifest_checksum  xxh3_64 of the manifest itself (``manifest_body_checksum``)
     files         [{"name", "bytes", "checksum", "rank"}]  — rank is null for ".metadata"
     keys          {state key: {"shape": [int], "dtype": "float32"} | {"type": "bytes"}}
                   — the global state dict (model and optimizer), flattened DCP keys
@@ -109,6 +110,16 @@ def read_manifest(path: str) -> dict[str, Any]:
         if k not in m:
             raise ValueError(f"{path}: manifest lacks {k!r}")
     return m
+
+
+def manifest_body_checksum(m: dict[str, Any]) -> str:
+    """xxh3_64 of the manifest's canonical JSON (sorted keys, no spaces) without its own
+    ``manifest_checksum`` field: any change to the manifest, a flipped digit included, shows."""
+    import xxhash
+
+    body = {k: v for k, v in m.items() if k != "manifest_checksum"}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True,
+                                               separators=(",", ":")).encode())
 
 
 def fsync_dir(path: str) -> None:

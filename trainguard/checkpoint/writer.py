@@ -258,6 +258,7 @@ class _Serve:
                     "items": items}
         for r in range(world):
             os.unlink(os.path.join(tmp, fmt.result_file(r)))
+        manifest["manifest_checksum"] = fmt.manifest_body_checksum(manifest)
         fmt.write_file_durable(os.path.join(tmp, fmt.MANIFEST),
                                json.dumps(manifest, separators=(",", ":")).encode())
         fmt.fsync_dir(tmp)
