@@ -415,13 +415,16 @@ class TorchftRunner(Runner):
         self.lh_port = free_port()
         lh = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
         self.lighthouse = subprocess.Popen(
-            [lh, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
+            [lh, "--min_replicas", "2", "--quorum_tick_ms", "100", "--join_timeout_ms", "5000",
              "--bind", f"127.0.0.1:{self.lh_port}"],
             stdout=self.log("lighthouse.log"), stderr=subprocess.STDOUT, start_new_session=True)
         time.sleep(0.3)
         self.launchers: list[subprocess.Popen] = []
         for g in range(c.world_size):
             env = self.env()
+            # torchft's Manager needs the launcher's TCPStore shared with the workers (it connects
+            # to MASTER_ADDR:MASTER_PORT), so the torchrun store fix is not applied here.
+            env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
             env.update({"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.lh_port}",
                         "REPLICA_GROUP_ID": str(g), "NUM_REPLICA_GROUPS": str(c.world_size)})
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
