@@ -187,8 +187,6 @@ class Demo:
                 return None
             time.sleep(0.01)
             return int(open(marker).read().strip())
-        if f["kind"] == "node_loss":
-            f.setdefault("rank", f["node"] * cfg.nproc_per_node)
         hb = self.wait_step(f["rank"], f["step"], cfg.recovery_timeout_s)
         if hb is None:
             return None
@@ -231,12 +229,16 @@ class Demo:
                 out["verdict"] = {"fault_class": v.fault_class, "layer": v.layer,
                                   "culprit_ranks": v.culprit.ranks, "action": v.action}
             decisions = self.rec.of(schemas.Decision, injected)
-            if decisions and decision is None:
-                decision = decisions[0]
+            if decisions and (decision is None or decisions[-1].generation > decision.generation):
+                # the newest decision is the one recovery follows (a node loss is first seen as
+                # its ranks falling silent, then excluded when the node's heartbeats are gone)
+                decision = max(decisions, key=lambda d: (d.generation, d.ts))
                 out["decided_ns"] = decision.ts
                 out["decision"] = {"action": decision.action, "ranks": decision.ranks,
-                                   "generation": decision.generation,
+                                   "nodes": decision.nodes, "generation": decision.generation,
+                                   "world_size": decision.world_size,
                                    "executed": decision.execute, "reason": decision.reason}
+                out["decisions"] = [d.action for d in decisions]
             if cfg.mode == "observe" and not full_restart_done and (
                     decision is not None or all(p.poll() is not None for p in self.launchers)):
                 self.say(f"observe mode: decision would be "
@@ -322,6 +324,8 @@ class Demo:
             stop_progress = threading.Event()
             threading.Thread(target=self._progress, args=(stop_progress,), daemon=True).start()
             for f in cfg.faults:
+                if f["kind"] == "node_loss":
+                    f.setdefault("rank", f["node"] * cfg.nproc_per_node)
                 if f["kind"] != "exception":
                     self.say(f"will inject {f['kind']} into rank {f['rank']} at step {f['step']}")
                 injected = self.inject(f)
@@ -402,7 +406,11 @@ class Demo:
         print("-" * len(hdr))
         for r in rep["faults"]:
             d = r.get("decision") or {}
-            act = d.get("action", "-") + ("" if d.get("executed", True) else " (observe)")
+            act = d.get("action", "-")
+            if d.get("action") == "none":
+                act += " (flagged)"
+            elif not d.get("executed", True):
+                act += " (observe)"
             print(f"{r['kind']:<10} {r['rank']:>4} {r['node']:<6} {r['step']:>5} "
                   f"{self._s(r['injected_ns'], r['detected_ns']):>9} "
                   f"{self._s(r['injected_ns'], r['decided_ns']):>9} "
