@@ -19,9 +19,10 @@ pytestmark = pytest.mark.slow
 def stack(tmp_path_factory):
     from trainguard.stack import Stack
 
-    st = Stack(services=("detector", "attributor", "remediator", "checkpoint_validator"),
-               agent_nodes=(), rendezvous=True,
-               log_dir=str(tmp_path_factory.mktemp("stack-logs")))
+    logs = tmp_path_factory.mktemp("stack-logs")
+    st = Stack(services=("agent", "detector", "attributor", "remediator", "checkpoint_validator"),
+               agent_nodes=("node0", "node1"), rendezvous=True, log_dir=str(logs),
+               kernel_log_dir=str(logs))
     st.start(timeout=120)
     yield st
     st.stop()
@@ -120,3 +121,36 @@ def test_observe_mode_executes_nothing(stack, tmp_path):
     finally:
         demo.stop_launchers()
         demo.rec.close()
+
+
+def test_xid79_on_one_node_excludes_that_node(stack, tmp_path):
+    rep = _demo(stack, tmp_path, "e2e-xid", [{"id": 1, "kind": "xid", "xid": 79, "node": 1,
+                                              "step": 50}])
+    (f,) = rep["faults"]
+    assert f["recovered"], f
+    assert f["verdict"]["layer"] == "hardware"
+    d = f["decision"]
+    assert d["action"] == "exclude_node_and_requeue" and d["nodes"] == ["node1"]
+    assert d["world_size"] == 2
+    # training went on on node0 alone, from a checkpoint resharded onto 2 ranks
+    assert f["resumed_step"] == f["restored_step"] + 1
+    assert rep["accuracy"] is not None
+
+
+def test_straggler_is_flagged_and_named(stack, tmp_path):
+    rep = _demo(stack, tmp_path, "e2e-slow", [{"id": 1, "kind": "straggler", "rank": 2,
+                                               "step": 40, "factor": 3}], steps=200)
+    (f,) = rep["faults"]
+    assert f["recovered"], f  # here: a verdict naming the slowed rank
+    assert f["verdict"]["fault_class"] == "straggler"
+    assert f["verdict"]["culprit_ranks"] == [2]
+
+
+def test_exception_repeating_at_the_same_step_stops_the_job(stack, tmp_path):
+    rep = _demo(stack, tmp_path, "e2e-loop", [{"id": 1, "kind": "exception", "rank": 2,
+                                               "step": 45, "repeat": True}])
+    (f,) = rep["faults"]
+    assert f.get("stopped"), f
+    assert f["decisions"][0] == "restart_in_process"
+    assert f["decisions"][-1] == "stop_job_notify_user"
+    assert rep["accuracy"] is None  # it did not train on in a loop

@@ -122,14 +122,17 @@ class Stack:
       ``trainguard.rendezvous`` is not installed);
     * ``log_dir`` — one ``<name>.log`` per child (default: a new temporary directory);
     * ``env`` — extra environment for the children;
-    * ``grace_s`` — seconds between SIGTERM and SIGKILL when stopping.
+    * ``grace_s`` — seconds between SIGTERM and SIGKILL when stopping;
+    * ``kernel_log_dir`` — when set, each agent follows ``<dir>/kernel-<node>.log`` instead of
+      the host's kernel log (simulated nodes on one machine: the demo and tests append real
+      ``NVRM: Xid`` lines there).
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
                  services: Sequence[str] = DEFAULT_SERVICES,
                  agent_nodes: Sequence[str] | None = None, rendezvous: bool = True,
                  log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 grace_s: float = 5.0):
+                 grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None):
         unknown = [s for s in services if s not in SERVICE_SPECS]
         if unknown:
             raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
@@ -141,6 +144,7 @@ class Stack:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="trainguard-up-"))
         self.env = dict(env or {})
         self.grace_s = grace_s
+        self.kernel_log_dir = Path(kernel_log_dir) if kernel_log_dir else None
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}
         self.rdzv_endpoint = ""
@@ -197,12 +201,23 @@ class Stack:
         for s in self.services:
             spec = SERVICE_SPECS[s]
             if spec.per_node and name.startswith(f"{s}-"):
-                return [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
-                        "--redis-url", self.redis_url, "--node", name[len(s) + 1:]]
+                node = name[len(s) + 1:]
+                cmd = [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
+                       "--redis-url", self.redis_url, "--node", node]
+                if self.kernel_log_dir is not None:
+                    cmd += ["--kmsg", str(self.kernel_log_path(node))]
+                return cmd
             if name == s:
                 return [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
                         "--redis-url", self.redis_url]
         raise KeyError(f"no service process named {name!r}; running: {', '.join(self.procs)}")
+
+    def kernel_log_path(self, node: str) -> Path:
+        """The kernel-log file the agent of ``node`` follows (needs ``kernel_log_dir``)."""
+        if self.kernel_log_dir is None:
+            raise ValueError("this stack's agents follow the host kernel log: pass "
+                             "kernel_log_dir to give each simulated node its own file")
+        return self.kernel_log_dir / f"kernel-{node}.log"
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> "Stack":

@@ -126,7 +126,8 @@ class Demo:
 
         nodes = tuple(f"node{i}" for i in range(self.cfg.nnodes))
         self.stack = Stack(agent_nodes=nodes, rendezvous=True,
-                           log_dir=os.path.join(self.cfg.run_dir, "logs"))
+                           log_dir=os.path.join(self.cfg.run_dir, "logs"),
+                           kernel_log_dir=self.cfg.run_dir)
         self.stack.start()
         self.say(f"stack up: NATS {self.stack.nats_url}, Valkey {self.stack.redis_url}, "
                  f"rendezvous {self.stack.rdzv_endpoint}")
@@ -196,6 +197,15 @@ class Demo:
             self.launchers[f["node"]].kill()
             self.stack.kill_service(f"agent-node{f['node']}")
             return ts
+        if f["kind"] == "xid":
+            # a real-format driver line in the node's kernel log, as the agent reads it
+            node = f.get("node", f["rank"] // cfg.nproc_per_node)
+            xid = int(f.get("xid", 79))
+            ts = time.time_ns()
+            with open(self.stack.kernel_log_path(f"node{node}"), "a") as fh:
+                fh.write(f"[{time.monotonic():12.6f}] NVRM: Xid (PCI:0000:3b:00): {xid}, "
+                         f"pid={hb.pid}, name=python, GPU has fallen off the bus.\n")
+            return ts
         if f["kind"] == "straggler":
             node, local = f["rank"] // cfg.nproc_per_node, f["rank"] % cfg.nproc_per_node
             path = os.path.join(cfg.run_dir, f"slow-node{node}-{local}")
@@ -239,6 +249,9 @@ class Demo:
                                    "world_size": decision.world_size,
                                    "executed": decision.execute, "reason": decision.reason}
                 out["decisions"] = [d.action for d in decisions]
+            if decision is not None and decision.action == "stop_job_notify_user":
+                out["stopped"] = True  # the job was stopped on purpose: nothing to resume
+                break
             if cfg.mode == "observe" and not full_restart_done and (
                     decision is not None or all(p.poll() is not None for p in self.launchers)):
                 self.say(f"observe mode: decision would be "
@@ -324,7 +337,7 @@ class Demo:
             stop_progress = threading.Event()
             threading.Thread(target=self._progress, args=(stop_progress,), daemon=True).start()
             for f in cfg.faults:
-                if f["kind"] == "node_loss":
+                if f["kind"] in ("node_loss", "xid"):
                     f.setdefault("rank", f["node"] * cfg.nproc_per_node)
                 if f["kind"] != "exception":
                     self.say(f"will inject {f['kind']} into rank {f['rank']} at step {f['step']}")
