@@ -327,6 +327,7 @@ class Demo:
         t_start = time.monotonic()
         self.say(f"run directory {cfg.run_dir} (logs in {self.log_dir}); mode {cfg.mode}")
         results: list[dict[str, Any]] = []
+        decisions: list[dict[str, Any]] = []
         try:
             if self.stack is None:
                 self.start_stack()
@@ -358,6 +359,9 @@ class Demo:
             while any(p.poll() is None for p in self.launchers) and time.monotonic() < deadline:
                 time.sleep(0.1)
             stop_progress.set()
+            decisions = [{"action": d.action, "generation": d.generation, "ts": d.ts,
+                          "executed": d.execute, "reason": d.reason}
+                         for d in self.rec.of(schemas.Decision)]
         finally:
             self.stop_launchers()
             if self.rec is not None:
@@ -373,7 +377,7 @@ class Demo:
         baseline = train_reference(cfg.steps, cfg.seed)
         report = {"mode": cfg.mode, "job": cfg.job, "steps": cfg.steps, "seed": cfg.seed,
                   "world_size": cfg.world_size, "accuracy": acc, "baseline_accuracy": baseline,
-                  "faults": results, "wall_s": round(time.monotonic() - t_start, 2),
+                  "faults": results, "decisions": decisions, "wall_s": round(time.monotonic() - t_start, 2),
                   "run_dir": cfg.run_dir}
         self.print_report(report)
         if cfg.report:
