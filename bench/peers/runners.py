@@ -170,6 +170,7 @@ class Runner:
         open(self.progress, "a").close()
         self.tail = ProgressTail(self.progress)
         self.outcome = RunOutcome(progress=self.progress, launched_ns=time.time_ns())
+        self.hung_pids: set[int] = set()
 
     # -- to implement --
     def start(self) -> None: ...
@@ -239,6 +240,8 @@ class Runner:
                 os.kill(rec[4], signal.SIGKILL if f["kind"] == "sigkill" else signal.SIGSTOP)
             except ProcessLookupError:
                 return
+            if f["kind"] == "hang":
+                self.hung_pids.add(rec[4])
             ranks, step = [f["rank"]], rec[2]
         pending.pop(0)
         for r in ranks or [-1]:
@@ -412,6 +415,7 @@ class TorchftRunner(Runner):
 
     def start(self) -> None:
         c = self.cfg
+        self.lost: set[int] = set()
         self.lh_port = free_port()
         lh = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
         self.lighthouse = subprocess.Popen(
@@ -437,16 +441,29 @@ class TorchftRunner(Runner):
                 stderr=subprocess.STDOUT, start_new_session=True))
 
     def done(self) -> bool | None:
-        codes = [p.poll() for p in self.launchers]
-        if any(c is None for c in codes):
-            return None
-        return all(c == 0 for c in codes)
+        # Replica groups lost with their node, or holding a hung (stopped) process, are not
+        # waited for: torchft trains on without them and nothing in it ends them.
+        live = []
+        for g, p in enumerate(self.launchers):
+            if g in self.lost:
+                continue
+            if p.poll() is None:
+                try:
+                    kids = {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+                except psutil.NoSuchProcess:
+                    kids = set()
+                if kids & self.hung_pids:
+                    continue
+                return None
+            live.append(p.returncode)
+        return bool(live) and all(c == 0 for c in live)
 
     def kill_node(self, node: int) -> list[int]:
         n = self.cfg.nproc_per_node
         ranks = list(range(node * n, (node + 1) * n))
         for r in ranks:
             kill_tree(self.launchers[r].pid)
+            self.lost.add(r)
         return ranks
 
     def stop(self) -> None:

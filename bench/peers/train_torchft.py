@@ -3,8 +3,10 @@ one-process torchrun with restarts (torchft's usage: every replica group is kept
 launcher), a lighthouse forms a quorum every step, a restarted replica fetches the live state from
 a healthy peer, the quorum goes on without a dead or hung one.
 
-The progress record's rank is the replica group id and its world size the number of replica
-groups (4): "every rank trained again" means every replica is back in the quorum. The demo model's global batch is
+The progress record's rank is the replica group id and its world size the number of replicas
+in the step's quorum: after a fault, "every rank trained again" means every member of the new,
+smaller quorum committed a step (torchft trains on without the failed replica; a restarted one
+rejoins later). The demo model's global batch is
 split over the 4 replica groups by ``REPLICA_GROUP_ID``. Rank 0 of the quorum saves a
 ``torch.save`` checkpoint (model, optimizer, manager state) every ``--ckpt-every`` steps; a
 (re)started replica loads it, then torchft brings it to the quorum's step.
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
             opt.step()
             prank = manager.participating_rank()
             if prank is not None:
-                progress.step(gid, step, loss.item(), inc, ngroups)
+                progress.step(gid, step, loss.item(), inc, manager.num_participants())
             if prank == 0 and step > 0 and step % args.ckpt_every == 0:
                 tmp = f"{ckpt}.tmp{os.getpid()}"
                 torch.save({"user": state_dict(), "torchft": manager.state_dict()}, tmp)
