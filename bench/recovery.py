@@ -410,7 +410,12 @@ def _harness_fallback(res: dict[str, Any], out) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     s = settings_from(a)
+    import signal
+
     import runners
+
+    # A SIGTERM (e.g. from `timeout`) unwinds normally, so every runner stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     cmd = "python bench/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"recovery benchmark: systems {','.join(a.systems)}; faults {','.join(a.faults)}; "
