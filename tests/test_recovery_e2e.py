@@ -154,3 +154,19 @@ def test_exception_repeating_at_the_same_step_stops_the_job(stack, tmp_path):
     assert actions[-1] == "stop_job_notify_user", rep["decisions"]
     assert "loop" in rep["decisions"][-1]["reason"] or "same" in rep["decisions"][-1]["reason"]
     assert rep["accuracy"] is None  # it did not train on in a loop
+
+
+def test_node_loss_continues_on_the_remaining_node(stack, tmp_path):
+    try:
+        rep = _demo(stack, tmp_path, "e2e-node", [{"id": 1, "kind": "node_loss", "node": 1,
+                                                   "step": 50}])
+    finally:
+        stack.restart_service("agent-node1")  # the simulated node comes back for later tests
+    (f,) = rep["faults"]
+    assert f["recovered"], f
+    d = f["decision"]
+    assert d["action"] == "exclude_node_and_requeue" and d["nodes"] == ["node1"]
+    assert d["world_size"] == 2
+    assert f["resumed_step"] == f["restored_step"] + 1
+    assert rep["accuracy"] is not None
+    assert abs(rep["accuracy"] - rep["baseline_accuracy"]) <= 0.01
