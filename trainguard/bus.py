@@ -271,6 +271,8 @@ class ThreadedBus:
         """Wait until queued messages are handed to the server (bounded by ``timeout``)."""
         import time
 
+        if not self._connected.is_set():
+            return  # nothing can be handed over now; queued messages are dropped at close
         deadline = time.monotonic() + timeout
         while self._pending and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -283,14 +285,21 @@ class ThreadedBus:
     def close(self, timeout: float = 2.0) -> None:
         self.flush(timeout)
         if self.loop.is_running():
-            try:
-                self.call(self.bus.close(), timeout)
-            except Exception:  # noqa: BLE001
-                pass
+            if self._connected.is_set():
+                try:
+                    self.call(self.bus.close(), timeout)
+                except Exception:  # noqa: BLE001
+                    pass
             self.loop.call_soon_threadsafe(self._shutdown)
             self._thread.join(timeout)
 
     def _shutdown(self) -> None:
-        for task in asyncio.all_tasks(self.loop):
+        tasks = list(asyncio.all_tasks(self.loop))
+        for task in tasks:
             task.cancel()
-        self.loop.stop()
+
+        async def _drain() -> None:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.loop.stop()
+
+        self.loop.create_task(_drain())

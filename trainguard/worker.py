@@ -157,8 +157,7 @@ class _Runtime:
 
             self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
             self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision)
-            self.bus.start()
-            self.bus.wait_connected(2.0)
+            self.bus.start()  # connects in the background: training never waits for the bus
         threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
 
     def publish(self, subject: str, event: schemas.Event) -> None:
