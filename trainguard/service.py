@@ -22,6 +22,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import tracing
 from .bus import Bus, Handler
 from .state import StateStore
 
@@ -86,8 +87,10 @@ class Service:
             self.state = StateStore(self.config.redis_url)
             await self.state.ping()
         await self.setup()
+        tracing.configure_from_env(self.name)
         for subject, handler in self.subscriptions():
-            await self.bus.subscribe(subject, handler, queue=self.config.queue)
+            await self.bus.subscribe(subject, tracing.traced(self.name, handler),
+                                     queue=self.config.queue)
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
         await self.bus.flush()
         log.info("%s ready (nats=%s)", self.name, self.config.nats_url)
