@@ -167,6 +167,7 @@ class Launcher:
         self.generation = 0
         self._stop = threading.Event()
         self.exit_status: int | None = None
+        self.hosted_ranks: set[int] = set()
 
     # ---- environment --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
@@ -195,6 +196,7 @@ class Launcher:
         proc.assign(local_rank, rank, generation, env, [self.cfg.script, *self.cfg.script_args],
                     self.cfg.module)
         self.workers[local_rank] = proc
+        self.hosted_ranks.add(rank)
         self.bus.publish(subjects.job(self.cfg.job, "worker"), schemas.WorkerStarted(
             job=self.cfg.job, node=self.cfg.node, rank=rank, local_rank=local_rank, pid=proc.pid,
             generation=generation, world_size=world_size, spare=True))
@@ -355,6 +357,19 @@ class Launcher:
         for proc in list(self.workers.values()):
             proc.kill()
 
+    def _release_staging(self) -> None:
+        """Remove the /dev/shm staging buffers of the ranks this node hosted (the job is over
+        here: nothing will restore from them)."""
+        from .checkpoint.config import CheckpointConfig, staging_path
+
+        shm = CheckpointConfig.shm_dir
+        for rank in self.hosted_ranks:
+            for suffix in ("", ".meta"):
+                try:
+                    os.unlink(staging_path(shm, self.cfg.job, rank) + suffix)
+                except (FileNotFoundError, OSError):
+                    pass
+
     def shutdown(self) -> None:
         self._stop.set()
         self._kill_all()
@@ -369,6 +384,8 @@ class Launcher:
                 proc.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        if self.exit_status in (0, EXIT_STOPPED):
+            self._release_staging()
         self.bus.close(timeout=2.0)
 
     def request_stop(self, status: int = 1) -> None:

@@ -1,7 +1,14 @@
 """Configuration of the Checkpointer (torch-free)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+
+def staging_path(shm_dir: str, job: str, rank: int) -> str:
+    """The staging buffer of one rank: ``<shm_dir>/trainguard-<job>-r<rank>.stage`` (plus a
+    ``.meta`` file beside it). Torch-free, so the launcher can clean up without importing torch."""
+    return os.path.join(shm_dir, f"trainguard-{job}-r{rank}.stage")
 
 OVERLAP_POLICIES = ("wait", "skip")
 CHECKSUMS = ("xxh3_64",)

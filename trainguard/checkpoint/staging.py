@@ -18,15 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import staging_path  # noqa: F401 - re-exported: the checkpointer imports it here
+
 ALIGN = 64
 
 
 def align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-def staging_path(shm_dir: str, job: str, rank: int) -> str:
-    return os.path.join(shm_dir, f"trainguard-{job}-r{rank}.stage")
 
 
 class Staging:
