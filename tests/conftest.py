@@ -71,3 +71,18 @@ def redis_db(servers):
     r.flushall()
     r.close()
     return servers.redis_url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_staging_left_behind():
+    """Checkpoint staging buffers live in /dev/shm (node-local shared memory): remove the ones
+    this test run created, so tests leave nothing behind."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/trainguard-*"))
+    yield
+    for path in set(glob.glob("/dev/shm/trainguard-*")) - before:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
