@@ -407,35 +407,12 @@ def _harness_fallback(res: dict[str, Any], out) -> None:
             smp["steps_rolled_back"] = h.get("steps_rolled_back")
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    s = settings_from(a)
-    import signal
-
-    import runners
-
-    # A SIGTERM (e.g. from `timeout`) unwinds normally, so every runner stops its processes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-    cmd = "python bench/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"recovery benchmark: systems {','.join(a.systems)}; faults {','.join(a.faults)}; "
-          f"{s.runs} run(s) each; {asdict(s)}", flush=True)
-    missing = {}
-    for system in a.systems:
-        why = runners.available(system)
-        if why:
-            missing[system] = why
-            print(f"  {system}: not available here — {why}", flush=True)
-    root = a.keep or tempfile.mkdtemp(prefix="tg-bench-recovery-")
-    os.makedirs(root, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    detail: dict[str, list[dict[str, Any]]] = {}
-    t_start = time.monotonic()
+def _passes(a: argparse.Namespace, s: BenchSettings, missing: dict[str, str], root: str,
+            detail: dict[str, list[dict[str, Any]]], t_start: float) -> None:
+    """Run the jobs pass by pass into ``detail``; later passes only while the budget lasts."""
     budget_s = a.budget_min * 60
     longest: dict[tuple[str, str], float] = {}
     skipped = 0
-    # Passes: every (system, fault) gets its first run before any gets its second, so a time
-    # budget that runs out leaves fewer runs everywhere rather than missing rows.
     for i in range(s.runs):
         for fault in a.faults:
             for system in a.systems:
@@ -468,6 +445,39 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"  time budget of {a.budget_min:g} min reached: {skipped} run(s) not started "
               f"(see each row's runs)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    s = settings_from(a)
+    import signal
+
+    import runners
+
+    # A SIGTERM (e.g. from `timeout`) unwinds normally, so every runner stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    cmd = "python bench/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"recovery benchmark: systems {','.join(a.systems)}; faults {','.join(a.faults)}; "
+          f"{s.runs} run(s) each; {asdict(s)}", flush=True)
+    missing = {}
+    for system in a.systems:
+        why = runners.available(system)
+        if why:
+            missing[system] = why
+            print(f"  {system}: not available here — {why}", flush=True)
+    root = a.keep or tempfile.mkdtemp(prefix="tg-bench-recovery-")
+    os.makedirs(root, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    detail: dict[str, list[dict[str, Any]]] = {}
+    t_start = time.monotonic()
+    # Passes: every (system, fault) gets its first run before any gets its second, so a time
+    # budget that runs out leaves fewer runs everywhere rather than missing rows. An interrupt
+    # (Ctrl-C, SIGTERM) ends the passes; what ran so far is still tabled and written.
+    try:
+        _passes(a, s, missing, root, detail, t_start)
+    except (KeyboardInterrupt, SystemExit):
+        print("  interrupted: tabling the runs done so far", flush=True)
     for fault in a.faults:
         for system in a.systems:
             if system in missing:
