@@ -28,7 +28,9 @@ class DetectorConfig:
     Hang (heartbeat silence): a rank's heartbeat thread beats every 0.1 s whatever the step
     length, even while the rank is blocked in a collective, so silence does not scale with step
     time: ``silence_timeout_s`` = 1.5 s (15 missed beats; a GC pause or a loaded host delays a
-    beat by tens of ms, not a second); for a rank that beats slower, ``silence_beats`` (15)
+    beat by tens of ms, not a second — but in the phases of ``SLOW_PHASES`` (start-up, compile,
+    checkpoint, recovery) a live rank can stall longer, so there it is ``silence_phase_s``
+    = 10 s); for a rank that beats slower, ``silence_beats`` (15)
     × its own ``interval_s`` when that is longer. A job's ``hang_timeout_s`` overrides both.
 
     Hang (no progress while beating): ``step_timeout = clamp(step_timeout_factor × p99 step
@@ -71,6 +73,7 @@ class DetectorConfig:
     """
 
     silence_timeout_s: float = 1.5
+    silence_phase_s: float = 10.0
     silence_beats: int = 15
     step_window: int = 256
     min_step_samples: int = 8
@@ -376,6 +379,12 @@ def phase_timeout(phases: Iterable[str], job: JobState, cfg: DetectorConfig,
     return out
 
 
+#: Phases in which a live rank may fall briefly silent (imports holding the GIL, process-group
+#: formation, a large synchronous serialisation, an overloaded host): silence there needs
+#: ``silence_phase_s``.
+SLOW_PHASES = ("startup", "compile", "checkpoint", "recovery")
+
+
 def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
                  jc: JobConfig | None = None) -> list[Finding]:
     """Hang (a): ranks whose heartbeats stopped for longer than the silence timeout while not
@@ -391,6 +400,8 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
         silent = now - rs.last_hb
         if silent > base:
             timeout = explicit or max(base, cfg.silence_beats * rs.interval)
+            if rs.phase in SLOW_PHASES:
+                timeout = max(timeout, cfg.silence_phase_s)
             if silent <= timeout:
                 continue
             out.append(Finding(

@@ -64,6 +64,10 @@ class DemoConfig:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    def __post_init__(self) -> None:
+        for i, f in enumerate(self.faults):
+            f.setdefault("id", i + 1)  # names the marker file of an in-rank fault
+
 
 class Recorder:
     """Collects the job's events from the bus (a ``ThreadedBus`` subscription to
@@ -234,10 +238,13 @@ class Demo:
             if anomalies and out["detected_ns"] is None:
                 out["detected_ns"] = min(a.ts for a in anomalies)
             verdicts = self.rec.of(schemas.Verdict, injected)
-            if verdicts and out["verdict"] is None:
-                v = verdicts[0]
+            if verdicts:
+                # the verdict behind the newest decision (else the first one)
+                v = next((x for x in verdicts if decision is not None
+                          and x.event_id == decision.verdict_id), None) or verdicts[0]
                 out["verdict"] = {"fault_class": v.fault_class, "layer": v.layer,
-                                  "culprit_ranks": v.culprit.ranks, "action": v.action}
+                                  "culprit_ranks": v.culprit.ranks,
+                                  "culprit_nodes": v.culprit.nodes, "action": v.action}
             decisions = self.rec.of(schemas.Decision, injected)
             if decisions and (decision is None or decisions[-1].generation > decision.generation):
                 # the newest decision is the one recovery follows (a node loss is first seen as
