@@ -190,6 +190,8 @@ class Launcher:
         self.spares.append(_Proc(self, self._base_env()))
 
     def _spawn(self, local_rank: int, rank: int, generation: int, world_size: int) -> _Proc:
+        while self.spares and not self.spares[0].alive():
+            self.spares.pop(0)  # a spare that died (e.g. killed by hand) is no use
         proc = self.spares.pop(0) if self.spares else _Proc(self, self._base_env())
         env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
                "GROUP_RANK": str(self.cfg.node_rank), "TG_GENERATION": str(generation)}
@@ -200,7 +202,9 @@ class Launcher:
         self.bus.publish(subjects.job(self.cfg.job, "worker"), schemas.WorkerStarted(
             job=self.cfg.job, node=self.cfg.node, rank=rank, local_rank=local_rank, pid=proc.pid,
             generation=generation, world_size=world_size, spare=True))
-        threading.Thread(target=self._start_spare, daemon=True).start()  # refill the pool
+        # refill the pool. On this (the main) thread: the children get PR_SET_PDEATHSIG, which
+        # the kernel fires when the *thread* that forked them exits, not the process.
+        self._start_spare()
         return proc
 
     # ---- bus ----------------------------------------------------------------------------------
@@ -316,6 +320,10 @@ class Launcher:
         if d.world_size:
             self.world_size = d.world_size
         self.generation = max(self.generation, d.generation)
+        for proc in self.workers.values():
+            # every executed decision moves the whole job to its generation (in-process
+            # restarts too): a later exit must be reported in the generation the rank was in
+            proc.generation = max(proc.generation, d.generation)
         if d.action == "stop_job_notify_user":
             self._kill_all()
             self.exit_status = EXIT_STOPPED
@@ -326,26 +334,21 @@ class Launcher:
             detail = f"node {cfg.node} excluded: workers stopped"
         else:
             by_rank = {p.rank: lr for lr, p in self.workers.items()}
-            if d.members:  # re-rank what runs here; start what is assigned here but not running
-                for m in d.members:
-                    if m.node != cfg.node:
-                        continue
-                    proc = self.workers.get(m.local_rank)
-                    if proc is not None and proc.alive():
-                        proc.rank = m.rank
-                    else:
-                        self._spawn(m.local_rank, m.rank, d.generation, self.world_size)
-                        detail += f"started rank {m.rank}; "
-            if d.action == "restart_workers":
+            if d.action == "restart_workers":  # stop the named ranks (hung, or already dead)
                 for rank in d.ranks:
                     lr = by_rank.get(rank)
-                    if lr is None:
-                        continue
-                    old = self.workers[lr]
-                    old.kill()
-                    self._spawn(lr, old.rank if old.rank is not None else rank, d.generation,
-                                self.world_size)
-                    detail += f"restarted rank {rank} (local {lr}); "
+                    if lr is not None:
+                        self.workers[lr].kill()
+            # the ranks this node must run now: re-rank the live ones, start the others
+            wanted = ([(m.local_rank, m.rank) for m in d.members if m.node == cfg.node]
+                      if d.members else [(lr, p.rank) for lr, p in self.workers.items()])
+            for lr, rank in wanted:
+                proc = self.workers.get(lr)
+                if proc is not None and proc.alive() and not proc.expected_exit:
+                    proc.rank = rank
+                    continue
+                self._spawn(lr, rank, d.generation, self.world_size)
+                detail += f"started rank {rank} (local {lr}); "
             if not detail:
                 return  # nothing for this node
         self.bus.publish(subjects.job(cfg.job, "action"), schemas.ActionResult(
