@@ -71,7 +71,9 @@ class Attributor(Service):
             inc = self.incidents[key] = Incident(job, gen, now)
         inc.anomalies.append(ev)
         if ev.symptom:
-            if inc.action is None and inc.hold_until is None:
+            # a flag (action "none", e.g. a straggler) does not settle an incident: symptoms
+            # that follow still wait for their root cause
+            if inc.action in (None, "none") and inc.hold_until is None:
                 inc.hold_until = now + self.ac.symptom_hold_s
             return
         await self._attribute(inc)
@@ -79,7 +81,8 @@ class Attributor(Service):
     async def tick(self) -> None:
         now = time.monotonic()
         for key, inc in list(self.incidents.items()):
-            if inc.action is None and inc.hold_until is not None and now >= inc.hold_until:
+            if inc.action in (None, "none") and inc.hold_until is not None \
+                    and now >= inc.hold_until:
                 await self._attribute(inc)
             elif now - inc.started > 2 * self.ac.incident_window_s:
                 del self.incidents[key]

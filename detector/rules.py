@@ -27,8 +27,10 @@ class DetectorConfig:
 
     Hang (heartbeat silence): a rank's heartbeat thread beats every 0.1 s whatever the step
     length, even while the rank is blocked in a collective, so silence does not scale with step
-    time: ``silence_timeout_s`` = 1.5 s (15 missed beats; a GC pause or a loaded host delays a
-    beat by tens of ms, not a second — but in the phases of ``SLOW_PHASES`` (start-up, compile,
+    time: ``silence_timeout_s`` = 5 s (50 missed beats: a GC pause delays a beat by tens of ms,
+    but an overloaded host — seen on the 2-core CI machine at load 9 — can starve a live rank's
+    beat thread for over a second, and a false hang kills a healthy rank; jobs that want faster
+    hang detection set ``hang_timeout_s``, e.g. 2 s in the demo — but in the phases of ``SLOW_PHASES`` (start-up, compile,
     checkpoint, recovery) a live rank can stall longer, so there it is ``silence_phase_s``
     = 10 s); for a rank that beats slower, ``silence_beats`` (15)
     × its own ``interval_s`` when that is longer. A job's ``hang_timeout_s`` overrides both.
@@ -36,9 +38,9 @@ class DetectorConfig:
     Hang (no progress while beating): ``step_timeout = clamp(step_timeout_factor × p99 step
     time, step_timeout_floor_s, step_timeout_ceiling_s)`` over the job's last
     ``step_window`` step times. Factor 5: a healthy job's p99 step is rarely exceeded by 2× (data
-    loader hiccups, eval steps), 5× leaves room without waiting minutes. Floor 3 s: below that,
-    ordinary noise of a loaded host (findings: steps slowed 0.28 → 0.42 s while a checkpoint was
-    staged) would trip it. Ceiling 600 s: NCCL's default collective timeout in recent PyTorch is
+    loader hiccups, eval steps), 5× leaves room without waiting minutes. Floor 10 s: below that,
+    ordinary noise of a loaded host (steps slowed 0.28 → 0.42 s while a checkpoint was staged;
+    multi-second stalls of every rank at load 9 on 2 cores) would trip it. Ceiling 600 s: NCCL's default collective timeout in recent PyTorch is
     10 min; beyond it the collective itself fails. Until ``min_step_samples`` step times are
     known the floor is not trusted and ``unlearned_timeout_s`` (120 s) applies. Phases get
     their own, longer allowances (``phase_timeout_s``): startup 300 s (interpreter + torch import
@@ -72,13 +74,13 @@ class DetectorConfig:
     reason.
     """
 
-    silence_timeout_s: float = 1.5
+    silence_timeout_s: float = 5.0
     silence_phase_s: float = 10.0
     silence_beats: int = 15
     step_window: int = 256
     min_step_samples: int = 8
     step_timeout_factor: float = 5.0
-    step_timeout_floor_s: float = 3.0
+    step_timeout_floor_s: float = 10.0
     step_timeout_ceiling_s: float = 600.0
     unlearned_timeout_s: float = 120.0
     phase_timeout_s: dict[str, float] = field(default_factory=lambda: {

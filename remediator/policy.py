@@ -76,7 +76,7 @@ class Rule:
 
 #: fault class (+ layer) → cheapest surviving action. Sources: the recovery layers of
 #: docs/protocol.md and the design; the corpus of real failures (shared/corpus, field
-#: ``recommended_action``) for the hardware rows; measured behaviour of gloo (findings.md) for
+#: ``recommended_action``) for the hardware rows; measured behaviour of gloo on the CI machine for
 #: why a hang or a crash needs the process replaced rather than an in-process restart.
 TABLE: tuple[Rule, ...] = (
     Rule("app_exception", None, "restart_in_process",
@@ -96,7 +96,7 @@ TABLE: tuple[Rule, ...] = (
          "a fresh process frees the caching allocator; a deterministic OOM is caught by loop "
          "detection"),
     Rule("hang", None, "restart_workers",
-         "a stuck gloo collective cannot be aborted (findings.md): the hung rank is killed and "
+         "a stuck gloo collective cannot be aborted from another thread: the hung rank is killed and "
          "restarted"),
     Rule("hang", "hardware", "exclude_node_and_requeue",
          "a hang attributed to the node's hardware recurs on that node"),

@@ -51,7 +51,7 @@ class RemediatorConfig:
     * ``decision_timeout_s`` — seconds an executed recovery decision may wait for
       ``recovery.resumed`` before the watchdog escalates (env ``TG_DECISION_TIMEOUT_S``,
       default 60 s: well above the worst measured full restart on CPU, ≈ 11 s to spawn 4 gloo
-      ranks, findings.md);
+      ranks, as measured with gloo);
     * ``controller`` — node controller for exclusions: ``local`` (state store only), ``slurm``
       or ``kubernetes`` (env ``TG_NODE_CONTROLLER``, default ``local``);
     * ``policy`` — the ``remediator.policy.Policy`` (default ``DEFAULT_POLICY``).
@@ -117,6 +117,10 @@ class Remediator(Service):
             await self._fold(v, None, "this verdict was already handled")
             return
         state = await st.job(job)
+        if state.get("status") in ("stopped", "finished"):
+            # a stopped job's lingering anomalies (silence of its dead ranks…) decide nothing
+            await self._fold(v, None, f"job is {state['status']}: no further decisions")
+            return
         dec = pol.decide(v, state, self.rconfig.policy)
         if dec is None:
             self.counts["ignored"] += 1

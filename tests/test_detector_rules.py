@@ -41,10 +41,11 @@ def test_silence_names_the_silent_rank_only():
     js = JobState("j")
     for r in range(4):
         beat(js, r, 10, now=100.0)
+    T = CFG.silence_timeout_s
     for r in (0, 1, 3):  # rank 2 stopped (SIGSTOP): its heartbeat thread stops too
-        beat(js, r, 10, now=101.4)
-    assert rules.silence_rule(js, 101.45, CFG) == []
-    found = rules.silence_rule(js, 101.6, CFG)
+        beat(js, r, 10, now=100.0 + T - 0.1)
+    assert rules.silence_rule(js, 100.0 + T - 0.05, CFG) == []
+    found = rules.silence_rule(js, 100.0 + T + 0.1, CFG)
     assert [f.ranks for f in found] == [[2]]
     assert found[0].detail["rule"] == "silence"
 
@@ -74,11 +75,12 @@ def test_stall_names_the_rank_behind():
     timeout = rules.learned_step_timeout(js, CFG)
     assert timeout == CFG.step_timeout_floor_s  # 5 × 0.2 s is below the floor
     # everyone keeps beating, nobody advances
-    for k in range(1, 40):
+    floor = CFG.step_timeout_floor_s
+    for k in range(1, int(floor * 10) + 10):
         for r in range(4):
             beat(js, r, 19, t + 0.1 * k, seq=20 if r != 1 else 19)
-    assert rules.stall_rule(js, t + 3.0, CFG) == []
-    f = rules.stall_rule(js, t + 3.95, CFG)
+    assert rules.stall_rule(js, t + floor, CFG) == []
+    f = rules.stall_rule(js, t + floor + 0.95, CFG)
     assert len(f) == 1 and f[0].ranks == [1] and f[0].detail["collective_seq"] == 19
 
 

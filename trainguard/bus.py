@@ -82,7 +82,7 @@ class Bus:
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
                 if not retry or loop.time() >= deadline:
                     raise ConnectionError(
-                        f"cannot reach NATS at {self.url} ({exc or type(exc).__name__}): start "
+                        f"cannot reach NATS at {self.url} ({str(exc) or type(exc).__name__}): start "
                         f"one with `trainguard up` or set NATS_URL to a running server") from None
                 await asyncio.sleep(0.2)
         return self

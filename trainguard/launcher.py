@@ -244,6 +244,18 @@ class Launcher:
 
         self.bus.call(_reg(), timeout=15.0)
 
+    def _check_rendezvous(self, timeout_s: float = 5.0) -> None:
+        """Fail before starting any rank when the rendezvous store does not answer."""
+        host, _, port = self.cfg.rdzv_endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+                pass
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"trainguard launch: the rendezvous store at "
+                             f"{self.cfg.rdzv_endpoint} does not answer ({exc}): start it with "
+                             f"`trainguard up` (it prints TG_RDZV_ENDPOINT) or "
+                             f"`python -m trainguard.rendezvous --port N`") from None
+
     def _heartbeat(self) -> None:
         seq = 0
         while not self._stop.is_set():
@@ -260,6 +272,7 @@ class Launcher:
         self.bus.start()
         if not self.bus.wait_connected(15.0):
             raise SystemExit(f"trainguard launch: cannot reach NATS at {cfg.nats_url}")
+        self._check_rendezvous()
         self._register()
         threading.Thread(target=self._heartbeat, daemon=True).start()
         n_first = 0 if cfg.spare_node else cfg.nproc_per_node
@@ -299,6 +312,10 @@ class Launcher:
             expected=proc.expected_exit or rc in (0, EXIT_STOPPED)))
         if self.workers.get(proc.local_rank) is not proc or proc.expected_exit:
             return  # replaced or killed on purpose: its exit is not a new fault
+        if rc not in (0, EXIT_STOPPED):
+            print(f"trainguard launch [{cfg.node}]: rank {proc.rank} (pid {proc.pid}) exited "
+                  f"with {'signal ' + str(sig) if sig else 'status ' + str(code)}",
+                  file=sys.stderr, flush=True)
         if rc in (0, EXIT_STOPPED):
             del self.workers[proc.local_rank]
             if not self.workers:
@@ -312,10 +329,16 @@ class Launcher:
             self.exit_status = 1
 
     def _on_decision_event(self, d: schemas.Decision) -> None:
-        if not d.execute or d.idempotency_key in self.seen_keys:
+        if d.idempotency_key in self.seen_keys:
             return
         self.seen_keys.add(d.idempotency_key)
         cfg = self.cfg
+        print(f"trainguard launch [{cfg.node}]: decision {d.action} "
+              f"{'(executing)' if d.execute else '(observe mode: not executed)'} "
+              f"generation {d.generation} ranks {d.ranks} nodes {d.nodes}: {d.reason}",
+              file=sys.stderr, flush=True)
+        if not d.execute:
+            return
         ok, detail = True, ""
         if d.world_size:
             self.world_size = d.world_size

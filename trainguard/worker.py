@@ -277,6 +277,10 @@ class _Runtime:
             m in str(exc) for m in COLLECTIVE_ERROR_MARKERS)
         if not isinstance(exc, RestartRequested):
             text = "".join(traceback.format_exception(exc)).strip()
+            # on the rank's stderr too (the launcher shows it), not only on the bus
+            print(f"trainguard: rank {cfg.rank} generation {cfg.generation} step {self.p.step}: "
+                  f"{'collective failed (a peer faulted)' if symptom else 'fault'}:\n{text}",
+                  file=sys.stderr, flush=True)
             self.publish(subjects.job(cfg.job, "log"), schemas.LogLine(
                 **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
                 step=self.p.step, generation=cfg.generation, source="shim"))
@@ -286,8 +290,9 @@ class _Runtime:
             raise exc
         d = self.newer_decision() or self.await_decision(cfg.decision_timeout_s)
         if d is None:
-            log.warning("no decision within %.0fs (bus gone?): restarting in process at "
-                        "generation %d on our own", cfg.decision_timeout_s, cfg.generation + 1)
+            log.warning("no decision arrived within %.0f s (is the remediator running, and "
+                        "the bus reachable?): restarting in process at generation %d on this "
+                        "rank's own authority", cfg.decision_timeout_s, cfg.generation + 1)
             cfg.generation += 1
         else:
             self._apply(d)

@@ -185,14 +185,17 @@ class Demo:
         cfg = self.cfg
         if f["kind"] == "exception":
             marker = os.path.join(cfg.run_dir, f"fault-{f['id']}.injected")
-            deadline = time.monotonic() + cfg.recovery_timeout_s
+            deadline = time.monotonic() + cfg.recovery_timeout_s + 240
             while time.monotonic() < deadline and not os.path.exists(marker):
+                if all(p.poll() is not None for p in self.launchers):
+                    break
                 time.sleep(0.005)
             if not os.path.exists(marker):
                 return None
             time.sleep(0.01)
             return int(open(marker).read().strip())
-        hb = self.wait_step(f["rank"], f["step"], cfg.recovery_timeout_s)
+        # the first fault also waits for the job to start (slow on a loaded host)
+        hb = self.wait_step(f["rank"], f["step"], cfg.recovery_timeout_s + 240)
         if hb is None:
             return None
         if f["kind"] == "node_loss":
