@@ -28,11 +28,11 @@ def stack(tmp_path_factory):
     st.stop()
 
 
-def _demo(stack, tmp_path, job, faults, mode="action", steps=160):
+def _demo(stack, tmp_path, job, faults, mode="action", steps=160, **kw):
     from trainguard.demo.harness import Demo, DemoConfig
 
     cfg = DemoConfig(mode=mode, job=job, steps=steps, faults=faults, run_dir=str(tmp_path),
-                     ckpt_every=10, step_sleep_s=0.01, recovery_timeout_s=60, quiet=True)
+                     ckpt_every=10, step_sleep_s=0.01, recovery_timeout_s=60, quiet=True, **kw)
     return Demo(cfg, stack=stack).run()
 
 
@@ -169,4 +169,19 @@ def test_node_loss_continues_on_the_remaining_node(stack, tmp_path):
     assert d["world_size"] == 2
     assert f["resumed_step"] == f["restored_step"] + 1
     assert rep["accuracy"] is not None
+    assert abs(rep["accuracy"] - rep["baseline_accuracy"]) <= 0.01
+
+
+def test_node_loss_moves_the_ranks_to_a_registered_spare_node(stack, tmp_path):
+    try:
+        rep = _demo(stack, tmp_path, "e2e-spare", [{"id": 1, "kind": "node_loss", "node": 1,
+                                                    "step": 50}], spare_nodes=1)
+    finally:
+        stack.restart_service("agent-node1")
+    (f,) = rep["faults"]
+    assert f["recovered"], f
+    d = f["decision"]
+    assert d["action"] == "exclude_node_and_requeue" and d["nodes"] == ["node1"]
+    assert d["world_size"] == 4  # node2 took node1's ranks: the world did not shrink
+    assert f["resumed_step"] == f["restored_step"] + 1
     assert abs(rep["accuracy"] - rep["baseline_accuracy"]) <= 0.01

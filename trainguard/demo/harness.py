@@ -56,6 +56,7 @@ class DemoConfig:
     node_timeout_s: float = 3.0
     recovery_timeout_s: float = 90.0
     faults: list[dict[str, Any]] = field(default_factory=lambda: [dict(f) for f in DEFAULT_FAULTS])
+    spare_nodes: int = 0
     run_dir: str = ""
     report: str = ""
     quiet: bool = False
@@ -141,8 +142,13 @@ class Demo:
         script = os.path.join(os.path.dirname(__file__), "train.py")
         exc_faults = [f for f in cfg.faults if f["kind"] == "exception"]
         self.launchers = []
-        for nr in range(cfg.nnodes):
-            cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nnodes", str(cfg.nnodes),
+        for nr in range(cfg.nnodes + cfg.spare_nodes):
+            # nodes past nnodes are registered spares: they start warm processes and wait to
+            # replace an excluded node
+            spare = ["--spare-node", "--spares", str(cfg.nproc_per_node)] \
+                if nr >= cfg.nnodes else []
+            cmd = [sys.executable, "-m", "trainguard.cli", "launch", *spare,
+                   "--nnodes", str(cfg.nnodes),
                    "--nproc-per-node", str(cfg.nproc_per_node), "--node-rank", str(nr),
                    "--node", f"node{nr}", "--job", cfg.job, "--mode", cfg.mode,
                    "--nats-url", self.stack.nats_url, "--redis-url", self.stack.redis_url,
