@@ -372,7 +372,13 @@ class Demo:
                 results.append(r)
                 self.say(self._fault_line(r))
             deadline = time.monotonic() + 600
+            result_path = os.path.join(cfg.run_dir, "result.json")
+            done_at = None
             while any(p.poll() is None for p in self.launchers) and time.monotonic() < deadline:
+                if done_at is None and os.path.exists(result_path):
+                    done_at = time.monotonic()
+                if done_at is not None and time.monotonic() - done_at > 10:
+                    break  # trained to the end; an unused spare node has nothing left to do
                 time.sleep(0.1)
             stop_progress.set()
             decisions = [{"action": d.action, "generation": d.generation, "ts": d.ts,
