@@ -196,15 +196,15 @@ class _Runtime:
             self.socks.abort()
 
     def newer_decision(self) -> schemas.Decision | None:
+        """The newest executed decision for a generation after ours, if any."""
         with self._cond:
-            live = [d for d in self.decisions if d.generation > self.cfg.generation]
-            return max(live, key=lambda d: d.generation) if live else None
+            return self._newer_decision_locked()
 
     def await_decision(self, timeout_s: float) -> schemas.Decision | None:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                d = self.newer_decision_locked()
+                d = self._newer_decision_locked()
                 if d is not None:
                     return d
                 left = deadline - time.monotonic()
@@ -212,7 +212,7 @@ class _Runtime:
                     return None
                 self._cond.wait(min(left, 0.05))
 
-    def newer_decision_locked(self) -> schemas.Decision | None:
+    def _newer_decision_locked(self) -> schemas.Decision | None:
         live = [d for d in self.decisions if d.generation > self.cfg.generation]
         return max(live, key=lambda d: d.generation) if live else None
 
