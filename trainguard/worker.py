@@ -277,10 +277,11 @@ class _Runtime:
             m in str(exc) for m in COLLECTIVE_ERROR_MARKERS)
         if not isinstance(exc, RestartRequested):
             text = "".join(traceback.format_exception(exc)).strip()
-            # on the rank's stderr too (the launcher shows it), not only on the bus
+            # shown in the launcher's output too — on stdout: the launcher republishes a rank's
+            # stderr lines on the bus, and this fault is already there (with its generation)
             print(f"trainguard: rank {cfg.rank} generation {cfg.generation} step {self.p.step}: "
                   f"{'collective failed (a peer faulted)' if symptom else 'fault'}:\n{text}",
-                  file=sys.stderr, flush=True)
+                  file=sys.stdout, flush=True)
             self.publish(subjects.job(cfg.job, "log"), schemas.LogLine(
                 **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
                 step=self.p.step, generation=cfg.generation, source="shim"))
