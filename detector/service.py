@@ -177,6 +177,12 @@ class Detector(Service):
         job = self._job_of(subject, ev)
         self._job(job)
         f = rules.log_rule(ev.line, ev.stream, ev.rank, ev.node, ev.generation, ev.ts, ev.step)
+        if f and f.symptom and ev.source == "launcher":
+            # a rank's stderr as the launcher relays it carries no reliable generation: a
+            # peer's collective error printed during a recovery would open a new incident.
+            # The shim reports those itself, with its generation; relayed lines count for
+            # root causes only (a CUDA error or segfault printed as a process dies)
+            return
         if f:
             f.detail["stream"] = ev.stream
             await self.emit(job, f, ev)
