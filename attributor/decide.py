@@ -232,6 +232,14 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
             notes.append(why)
         elif root.fault_class == "hang":
             ranks = []  # every reporter is a blocked victim; the hung peer is not among them
+        elif root.fault_class == "network":
+            # "connection reset/closed by peer" names the reporter, a victim of its peer: with
+            # no root cause seen the culprit is unknown, and the cheapest survivable action is
+            # to re-form the group in place (a rank or node that is really gone shows up as a
+            # crash or node loss, which is stronger and supersedes this)
+            ranks, nodes, gpus = [], [], []
+            action = "restart_in_process"
+            notes.append("the reporters of a connection reset are its victims: culprit unknown")
     elif symptoms:
         victims = sorted({r for s in symptoms for r in s.culprit.ranks} - set(ranks))
         notes.append(f"{len(symptoms)} symptom(s) folded into the root cause"

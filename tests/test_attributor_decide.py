@@ -38,7 +38,9 @@ def test_death_cascade_names_the_dead_rank_not_the_victims():
 def test_symptoms_alone_are_attributed_with_low_confidence():
     v = decide([reset(1, 10), reset(3, 11)])
     assert v.fault_class == "network" and v.confidence == "low" and v.detail["symptom_only"]
-    assert v.ranks == [1, 3] or v.ranks == [1]   # the reporters, never more
+    # the reporters of a reset are its victims: no culprit, re-form the group in place
+    assert v.ranks == [] and v.nodes == []
+    assert v.action == "restart_in_process"
 
 
 def test_hardware_explains_the_crash_of_its_rank():

@@ -204,7 +204,10 @@ class Launcher:
             generation=generation, world_size=world_size, spare=True))
         # refill the pool. On this (the main) thread: the children get PR_SET_PDEATHSIG, which
         # the kernel fires when the *thread* that forked them exits, not the process.
-        self._start_spare()
+        if len(self.spares) < self.cfg.spares:
+            self._start_spare()
+        print(f"trainguard launch [{self.cfg.node}]: rank {rank} (local {local_rank}) started "
+              f"as pid {proc.pid} at generation {generation}", file=sys.stderr, flush=True)
         return proc
 
     # ---- bus ----------------------------------------------------------------------------------
@@ -255,6 +258,23 @@ class Launcher:
                              f"{self.cfg.rdzv_endpoint} does not answer ({exc}): start it with "
                              f"`trainguard up` (it prints TG_RDZV_ENDPOINT) or "
                              f"`python -m trainguard.rendezvous --port N`") from None
+
+    def _mark_finished(self) -> None:
+        """Every local rank finished: record it, so late anomalies (a node lost after the end)
+        decide nothing for this job."""
+        async def _mark() -> None:
+            st = StateStore(self.cfg.redis_url)
+            try:
+                job = await st.job(self.cfg.job)
+                if job.get("status") != "stopped":
+                    await st.update_job(self.cfg.job, status="finished")
+            finally:
+                await st.close()
+
+        try:
+            self.bus.call(_mark(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            pass
 
     def _heartbeat(self) -> None:
         seq = 0
@@ -412,6 +432,8 @@ class Launcher:
                 pass
         if self.exit_status in (0, EXIT_STOPPED):
             self._release_staging()
+        if self.exit_status == 0 and not self.cfg.spare_node:
+            self._mark_finished()
         self.bus.close(timeout=2.0)
 
     def request_stop(self, status: int = 1) -> None:
