@@ -454,8 +454,16 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
     world = job.world_size
     if action in ("restart_in_process", "restart_workers"):
         if not ranks:
+            if action == "restart_workers" and verdict.fault_class == "network":
+                # a reset with no culprit: no process is known to be bad, and killing every
+                # rank would be a full restart;
+                # re-forming the group in place is the cheaper layer that survives a transient
+                # fault, and a rank that is really gone shows up as a crash or node loss
+                action = "restart_in_process"
+                reasons.append("no culprit rank named: re-form the group in place")
+            else:
+                reasons.append("no culprit rank named: every rank restarts")
             ranks = sorted(int(m["rank"]) for m in job.members) or list(range(job.world_size))
-            reasons.append("no culprit rank named: every rank restarts")
         nodes = _nodes_of(ranks, job.members) or nodes
     elif action == "exclude_node_and_requeue":
         nodes = nodes or _nodes_of(ranks, job.members)

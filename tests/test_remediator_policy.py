@@ -218,3 +218,9 @@ def test_node_already_out_of_the_job_is_not_excluded_again():
     assert d.nodes == ["n1", "n2"]
     d = decide(verdict("node_lost", "infrastructure", nodes=["n1", "n9"]), job())
     assert d.nodes == ["n1"] and d.world_size == 2
+
+
+def test_reset_without_culprit_reforms_in_place():
+    d = decide(verdict("network", "infrastructure"), job())
+    assert d.action == "restart_in_process"
+    assert "in place" in d.reason
