@@ -18,11 +18,13 @@ async def test_delivery_and_dead_letter(servers):
     async def _dl(m):
         dlq.append(m)
     await raw.nc.subscribe("tg.dlq.testsvc", cb=_dl)
+    await bus.flush()  # both subscriptions are registered at the server before anything is sent
+    await raw.flush()
     await raw.nc.publish("tg.job.t1.log", b"garbage\xc1")
     await raw.nc.publish("tg.job.t1.log", msgpack.packb({"schema": "log.line", "v": 9}))
     await raw.publish("tg.job.t1.log", schemas.LogLine(job="t1", line="hello"))
     await raw.flush()
-    for _ in range(100):
+    for _ in range(250):
         if got and len(dlq) >= 2:
             break
         await asyncio.sleep(0.02)
@@ -44,10 +46,11 @@ async def test_handler_error_does_not_stop_subscription(servers):
 
     bus = await Bus(servers.nats_url, "svc2").connect()
     await bus.subscribe("tg.job.t2.log", handler)
+    await bus.flush()
     for line in ("a", "boom", "b"):
         await bus.publish("tg.job.t2.log", schemas.LogLine(line=line))
     await bus.flush()
-    for _ in range(100):
+    for _ in range(250):
         if len(seen) == 3:
             break
         await asyncio.sleep(0.02)
