@@ -336,7 +336,6 @@ class Demo:
     # ---- main ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        own_dir = not cfg.run_dir
         cfg.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="trainguard-demo-")
         self.log_dir = os.path.join(cfg.run_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -406,8 +405,6 @@ class Demo:
             with open(cfg.report, "w") as fh:
                 json.dump(report, fh, indent=2)
             self.say(f"report written to {cfg.report}")
-        if own_dir and not cfg.report:
-            pass  # keep the run directory: its logs are what a user reads after a failure
         return report
 
     def _progress(self, stop: threading.Event) -> None:
