@@ -270,3 +270,26 @@ def test_manifest_tampering_is_caught(root):
     rep = validate_checkpoint(path)
     assert not rep.ok and any("model.0.weight" in r and ".metadata" in r for r in rep.reasons)
     c.finalize()
+
+
+def test_abandoned_inflight_save_is_cancelled_not_committed(root):
+    """A save of an ended generation waits for a shard that will never come (world of 2, rank 1
+    gone): abandoning it frees the coordinator at once instead of after the commit timeout."""
+    import time
+
+    from trainguard.checkpoint.checkpointer import abandon_inflight
+
+    m, o = _model()
+    c = Checkpointer(m, o, config=CheckpointConfig(root=root, commit_timeout_s=300), job="t-ab",
+                     rank=0, world_size=2)
+    assert c.save(3)
+    assert not c.wait(1.0)  # rank 1's shard never comes: the commit waits
+    t0 = time.monotonic()
+    assert abandon_inflight("t-ab") is True
+    assert c.wait(10.0), "the cancelled save did not finish"
+    assert time.monotonic() - t0 < 10.0
+    assert c.stats["failed"] == 1 and "cancelled" in c.stats["last_error"]
+    assert fmt.list_checkpoints(root) == []
+    assert not [n for n in os.listdir(root) if n.startswith(fmt.TMP_PREFIX)]
+    assert abandon_inflight("t-ab") is False  # nothing in flight any more
+    c.finalize()

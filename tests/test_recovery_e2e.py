@@ -122,7 +122,7 @@ def test_observe_mode_executes_nothing(stack, tmp_path):
     demo.rec = Recorder(stack.nats_url, cfg.job)
     demo.start_launchers()
     try:
-        hb = demo.wait_step(1, 30, 60)
+        hb = demo.wait_step(1, 30, 120)
         assert hb is not None
         t0 = time.time_ns()
         os.kill(hb.pid, signal.SIGKILL)

@@ -158,6 +158,8 @@ async def _crash_chain(nats_url, redis_url):
 def test_full_default_stack(tmp_path, monkeypatch):
     monkeypatch.delenv("NATS_URL", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)
+    # a log directory reused from an earlier run: its store's address must not be taken
+    (tmp_path / "rendezvous.log").write_text("ready 127.0.0.1:9\n")
     with Stack(nats_url="", redis_url="", agent_nodes=("node-a", "node-b"),
                log_dir=tmp_path) as stack:
         names = stack.service_names()
@@ -167,7 +169,10 @@ def test_full_default_stack(tmp_path, monkeypatch):
             assert stack.health(name)["ok"] is True, name
         pids = [p.pid for p in stack.procs.values()]
         pids += [s.proc.pid for s in stack._servers.servers]
-        assert stack.rdzv_endpoint
+        assert stack.rdzv_endpoint and stack.rdzv_endpoint != "127.0.0.1:9"
+        from trainguard.rendezvous import connect_store
+
+        connect_store(stack.rdzv_endpoint, timeout_s=5).set("probe", "1")
         decisions, trail = asyncio.run(_crash_chain(stack.nats_url, stack.redis_url))
         assert [(d.action, d.ranks, d.generation, d.execute) for d in decisions] == [
             ("restart_workers", [1], 1, True)], decisions

@@ -147,12 +147,37 @@ def form_groups(store, job: str, generation: int, rank: int, world_size: int,
     return ckpt_group, socks
 
 
+#: Process groups retired by the last ``destroy_groups`` call, released one call later.
+_RETIRED: list = []
+
+
 def destroy_groups() -> None:
-    """Destroy every process group of this process (< 3 ms, findings); never raises."""
+    """Destroy every process group of this process (< 3 ms, findings); never raises.
+
+    The groups are retired rather than dropped: a ``ProcessGroupGloo`` destructor joins its
+    worker threads, and a worker that is still releasing a finished collective needs the GIL.
+    When the last reference to a group is held by a DDP ``Reducer`` (still alive in the failed
+    step's traceback), that reference is dropped with the GIL held and the process deadlocks
+    (pytorch/pytorch#56297; seen here: a warm spare stuck for good in ``~ProcessGroupGloo`` →
+    ``thread::join`` while its gloo worker waited for the GIL in ``~ThreadLocalState``). Holding
+    our own reference until the next generation is torn down — after a garbage collection, so
+    the old ``Reducer`` is gone — makes the last reference ours, dropped through the Python
+    binding, whose destructor releases the GIL (torch ≥ 2.8, pytorch/pytorch#154976).
+    """
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
+    _RETIRED.clear()
     try:
         if dist.is_initialized():
+            try:
+                from torch.distributed.distributed_c10d import _world
+
+                _RETIRED.extend(_world.pg_map.keys())
+            except Exception:  # noqa: BLE001 - private API: fall back to the default group
+                _RETIRED.append(dist.group.WORLD)
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may be half-broken after an abort
         pass

@@ -148,6 +148,7 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}
         self.rdzv_endpoint = ""
+        self._rdzv_log_offset = 0
         self._started = False
 
     # ---- URLs ------------------------------------------------------------------------------------
@@ -258,13 +259,19 @@ class Stack:
                   file=sys.stderr)
             return None
         port = free_port()
+        log = self.log_dir / "rendezvous.log"
+        # logs are appended across runs: only what this store prints counts as its answer
+        self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
         return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
                                           "--host", "127.0.0.1", "--port", str(port)])
 
     def _wait_rendezvous(self, proc: subprocess.Popen, deadline: float) -> None:
         log = self.log_dir / "rendezvous.log"
         while time.monotonic() < deadline:
-            for line in _tail(log, 10000).splitlines():
+            with open(log, "rb") as fh:
+                fh.seek(self._rdzv_log_offset)
+                text = fh.read().decode(errors="replace")
+            for line in text.splitlines():
                 if line.startswith("ready "):
                     self.rdzv_endpoint = line.split()[1]
                     return

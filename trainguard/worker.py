@@ -20,6 +20,7 @@ Environment (set by ``trainguard launch``; torchrun's variables work too): ``RAN
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -286,6 +287,9 @@ class _Runtime:
                 **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
                 step=self.p.step, generation=cfg.generation, source="shim"))
         self.abort()  # after the report: the root cause goes on the bus first
+        if "trainguard.checkpoint.checkpointer" in sys.modules:
+            # a save of the ended generation may wait for a dead rank's shard: drop it
+            sys.modules["trainguard.checkpoint.checkpointer"].abandon_inflight(cfg.job)
         self.p.phase = "recovery"
         if cfg.mode != "action":
             raise exc
@@ -408,6 +412,13 @@ class Context:
         net.register_comm_hook(None, _arrival)
         return net
 
+    def _checkpoint_wait(self) -> None:
+        """Called while a save waits for the previous one: the rank is busy, not hung; a
+        decision that ends this generation ends the wait too."""
+        self._rt.p.phase = "checkpoint"
+        if self._rt.abort_requested.is_set():
+            raise RestartRequested("a decision asked this rank to restart")
+
     def phase(self, name: str) -> None:
         """Tell the detector what the rank is doing (``schemas.PHASES``): e.g. ``"checkpoint"``
         or ``"compile"`` get longer hang allowances."""
@@ -424,7 +435,8 @@ class Context:
         self._ckpt = Checkpointer(model, optimizer, config=CheckpointConfig(**config),
                                   job=cfg.job, rank=cfg.rank, world_size=cfg.world_size,
                                   generation=cfg.generation, group=rt.ckpt_group, bus=rt.bus,
-                                  redis_url=cfg.redis_url or None)
+                                  redis_url=cfg.redis_url or None,
+                                  interrupt=self._checkpoint_wait)
         return self._ckpt
 
     def log(self, line: str, stream: str = "stdout") -> None:
@@ -444,6 +456,9 @@ def run(train_fn: Callable[[Context], Any], config: WorkerConfig | None = None) 
     ``JobStopped`` (exit status 3) when the job is stopped; in observe mode re-raises the fault.
     """
     cfg = config or WorkerConfig.from_env()
+    # imports are loaded for good: freezing them keeps the full garbage collection of each
+    # in-process restart (see rendezvous.destroy_groups) at ≈ 0.2 ms instead of ≈ 180 ms
+    gc.freeze()
     rt = _Runtime(cfg)
     rt.start()
     while True:

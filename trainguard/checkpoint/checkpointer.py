@@ -132,6 +132,29 @@ def _resources(job: str) -> _Resources:
         return _REGISTRY.setdefault(job, _Resources())
 
 
+def abandon_inflight(job: str) -> bool:
+    """Cancel this process's in-flight save of ``job``, if any. Returns True when one was.
+
+    Called when a fault ends the generation (``trainguard.run`` does): a save of the old
+    generation may wait for a shard a dead rank will never write, and the coordinator would hold
+    it until the commit timeout, blocking the next save of the new generation for that long
+    (seen here: rank 0 stuck in ``save`` for 120 s after a SIGKILL during a save, the job
+    escalated by the watchdog). The coordinator's writer drops the temporary directory; a
+    shard already written by another rank is swept with it. Never raises.
+    """
+    with _REG_LOCK:
+        res = _REGISTRY.get(job)
+    p = res.inflight if res is not None else None
+    if p is None or p.event.is_set():
+        return False
+    if res.writer is not None and not res.writer.dead:
+        try:
+            res.writer.send({"op": "cancel", "id": p.id})
+        except OSError:
+            pass
+    return True
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -169,13 +192,14 @@ class Checkpointer:
     (float | None), ``restore_source`` ("disk" | "shm" | "none"), ``restore_reason`` (why
     newer checkpoints were passed over, "" if none were), ``restored_path``.
     ``stats``: counters (saves, skipped, failed, committed) and the last ``blocking_s`` /
-    ``durable_s`` in seconds.
+    ``durable_s`` in seconds. ``interrupt``: optional callable, called every 50 ms while a
+    save waits for the previous one; it may raise to abandon the wait.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, config: CheckpointConfig, job: str, rank: int, world_size: int,
                  generation: int = 0, group: Any = None, bus: Any = None,
-                 redis_url: str | None = None):
+                 redis_url: str | None = None, interrupt: Any = None):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.job, self.rank, self.world_size = job, int(rank), int(world_size)
         self.generation, self.group, self.bus, self.redis_url = int(generation), group, bus, \
@@ -189,6 +213,7 @@ class Checkpointer:
         self.stats: dict[str, Any] = {"saves": 0, "skipped": 0, "failed": 0, "committed": 0,
                                       "blocking_s": None, "durable_s": None, "last_error": ""}
         self._res = _resources(job)
+        self._interrupt = interrupt
         self._plan: dict[str, Any] | None = None
         self._verdicts: dict[str, str] = {}
 
@@ -400,7 +425,7 @@ class Checkpointer:
                           f"or use overlap_policy='wait'"))
                 return False
             if busy:
-                res.inflight.event.wait()
+                self._wait_inflight()
         if any(i["changed"] for i in infos):
             self._make_plan(sd)
             plan = self._plan
@@ -443,6 +468,15 @@ class Checkpointer:
         self.stats["blocking_s"] = time.perf_counter() - t0
         pending.blocking_s = self.stats["blocking_s"]
         return True
+
+    def _wait_inflight(self) -> None:
+        """Wait for the previous save (policy ``"wait"``), calling ``interrupt`` every 50 ms: it
+        may raise to leave (``trainguard.run`` passes one that reports the ``checkpoint`` phase
+        and raises ``RestartRequested`` when a decision ends this generation)."""
+        p = self._res.inflight
+        while p is not None and not p.event.wait(0.05):
+            if self._interrupt is not None:
+                self._interrupt()
 
     def _byte_blobs(self, sd: dict[str, Any]) -> list[bytes]:
         plan = self._plan
