@@ -153,12 +153,13 @@ class StateStore:
         """All indexed checkpoints of ``job``, newest step first:
         ``[{"path", "step", "status", "reasons"}]``."""
         paths = await self.r.zrevrange(f"tg:ckpt:{job}", 0, -1, withscores=True)
-        out = []
-        for path, step in paths:
-            h = await self.r.hgetall(f"tg:ckpt:{job}:{path}")
-            out.append({"path": path, "step": int(step), "status": h.get("status", "pending"),
-                        "reasons": json.loads(h.get("reasons", "[]"))})
-        return out
+        pipe = self.r.pipeline(transaction=False)  # one round trip, not one per checkpoint
+        for path, _ in paths:
+            pipe.hgetall(f"tg:ckpt:{job}:{path}")
+        hashes = await pipe.execute() if paths else []
+        return [{"path": path, "step": int(step), "status": h.get("status", "pending"),
+                 "reasons": json.loads(h.get("reasons", "[]"))}
+                for (path, step), h in zip(paths, hashes)]
 
     async def forget_checkpoint(self, job: str, path: str) -> None:
         pipe = self.r.pipeline()
