@@ -166,6 +166,7 @@ def rank_main(a) -> None:
     # does that in its own process)
     out["peak_rss_self_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["children_uss_bytes"] = _children_uss()  # writer / DCP checkpoint processes
+    out["memory_now"] = _smaps_rollup()
     if ck is not None and a.rank == 0:
         ck.wait()
         from checkpoint_validator.validate import validate_checkpoint
@@ -183,6 +184,32 @@ def rank_main(a) -> None:
     if pending[0] is not None:
         pending[0].result()
     _finish(a, out)
+
+
+def _smaps_rollup() -> dict[str, int]:
+    """This process's memory now, by kind (bytes): ``rss``, ``anonymous`` (private heap: tensors,
+    Python objects), ``shmem`` (shared memory mapped in: the /dev/shm staging buffer),
+    ``file`` (mapped files: libraries, page cache of mapped checkpoints)."""
+    want = {"Rss": "rss", "Anonymous": "anonymous", "Shared_Clean": "shared_clean",
+            "Shared_Dirty": "shared_dirty", "Private_Dirty": "private_dirty"}
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            for line in fh:
+                k, _, v = line.partition(":")
+                if k in want:
+                    out[want[k]] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(("RssShmem:", "RssFile:", "RssAnon:")):
+                    k, _, v = line.partition(":")
+                    out[k.lower()] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _children_uss() -> int:

@@ -342,19 +342,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "again, steps rolled back, goodput and culprit attribution.")
     p.add_argument("--json", required=True, metavar="PATH", help="write the result rows here")
     p.add_argument("--quick", action="store_true",
-                   help=f"shorter jobs, 1 run, trainguard and torchrun only, 5 min budget ({QUICK})")
+                   help=f"shorter jobs, 1 run, trainguard on every fault and torchrun on "
+                        f"{','.join(QUICK_PEER_FAULTS)} only (unless --faults is given), 5 min "
+                        f"budget ({QUICK})")
     p.add_argument("--systems", type=_csv(SYSTEMS), default=None,
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all; "
                         f"--quick: trainguard,torchrun)")
-    p.add_argument("--faults", type=_csv(FAULTS), default=list(FAULTS),
+    p.add_argument("--faults", type=_csv(FAULTS), default=None,
                    help=f"comma-separated subset of {','.join(FAULTS)} (default: all)")
     p.add_argument("--runs", type=int, default=None, help="runs per (system, fault) (default 3; "
                                                          "--quick 1); medians are over these")
     p.add_argument("--steps", type=int, default=None, help="steps of a single-fault job")
     p.add_argument("--budget-min", type=float, default=None,
-                   help="stop starting further runs of the peers after this many minutes "
-                        "(default 20; --quick 5); every (system, fault) gets its first run "
-                        "and trainguard all of its runs regardless")
+                   help="stop starting further peer runs after this many minutes (default "
+                        "20; --quick 5); trainguard's runs and every peer's first SIGKILL run "
+                        "start regardless")
     p.add_argument("--markdown", metavar="PATH", default="",
                    help="also write the table and the command as markdown")
     p.add_argument("--keep", metavar="DIR", default="",
@@ -362,6 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.runs is not None and a.runs < 1:
         p.error("--runs must be ≥ 1")
+    a.faults_given = a.faults is not None
+    if a.faults is None:
+        a.faults = list(FAULTS)
     if a.systems is None:
         a.systems = ["trainguard", "torchrun"] if a.quick else list(SYSTEMS)
     if a.budget_min is None:
@@ -408,45 +413,72 @@ def _harness_fallback(res: dict[str, Any], out) -> None:
             smp["steps_rolled_back"] = h.get("steps_rolled_back")
 
 
+#: The peers' faults in the order their runs are started while the time budget lasts: SIGKILL
+#: first (the headline ratio), the long five-fault jobs last.
+PEER_ORDER = ("sigkill", "exception", "hang", "node_loss", "straggler", "five_faults")
+#: ``--quick`` runs the peers on these faults only (trainguard runs every fault).
+QUICK_PEER_FAULTS = ("sigkill",)
+
+
+def plan(a: argparse.Namespace, s: BenchSettings, missing: dict[str, str]
+         ) -> list[tuple[str, str, int, bool]]:
+    """The runs in the order they start: ``(system, fault, run index, budgeted)``.
+
+    1. trainguard's first run of every fault, each peer's first SIGKILL run beside it;
+    2. trainguard's other runs (never cut: its medians are what the targets are about);
+    3. the peers' other first runs (``PEER_ORDER``), then their further runs — these only
+       while ``--budget-min`` lasts (``budgeted``)."""
+    peers = [x for x in a.systems if x != "trainguard" and x not in missing]
+    tg = "trainguard" in a.systems and "trainguard" not in missing
+    peer_faults = [f for f in PEER_ORDER if f in a.faults and
+                   (not a.quick or a.faults_given or f in QUICK_PEER_FAULTS)]
+    out: list[tuple[str, str, int, bool]] = []
+    for fault in a.faults:
+        if tg:
+            out.append(("trainguard", fault, 0, False))
+        if fault == "sigkill" and fault in peer_faults:
+            out += [(x, fault, 0, False) for x in peers]
+    if tg:
+        out += [("trainguard", f, i, False) for i in range(1, s.runs) for f in a.faults]
+    out += [(x, f, 0, True) for f in peer_faults if f != "sigkill" for x in peers]
+    out += [(x, f, i, True) for i in range(1, s.runs) for f in peer_faults for x in peers]
+    return out
+
+
 def _passes(a: argparse.Namespace, s: BenchSettings, missing: dict[str, str], root: str,
             detail: dict[str, list[dict[str, Any]]], t_start: float) -> None:
-    """Run the jobs pass by pass into ``detail``; later passes only while the budget lasts."""
+    """Run the planned jobs into ``detail``; budgeted ones only while the budget lasts."""
     budget_s = a.budget_min * 60
     longest: dict[tuple[str, str], float] = {}
     skipped = 0
-    for i in range(s.runs):
-        for fault in a.faults:
-            for system in a.systems:
-                if system in missing:
-                    continue
-                elapsed = time.monotonic() - t_start
-                need = longest.get((system, fault), 30.0)
-                # trainguard's runs are never cut: its medians are what the targets are about
-                if i > 0 and system != "trainguard" and elapsed + need > budget_s:
-                    skipped += 1
-                    continue
-                d = os.path.join(root, f"{system}-{fault}-{i}")
-                shutil.rmtree(d, ignore_errors=True)
-                os.makedirs(d)
-                t0 = time.monotonic()
-                try:
-                    res = run_one(system, fault, s, d)
-                except Exception as exc:  # noqa: BLE001 - one failed run must not end the bench
-                    res = {"faults": [], "training_goodput": None, "infra_goodput": None,
-                           "notes": [f"runner error: {type(exc).__name__}: {exc}"],
-                           "finished": False}
-                dur = time.monotonic() - t0
-                longest[(system, fault)] = max(dur, longest.get((system, fault), 0.0))
-                detail.setdefault(f"{system}/{fault}", []).append(res)
-                print(f"  {system:<12} {fault:<11} run {i + 1}/{s.runs}: recovery "
-                      f"{[smp['recovery_s'] for smp in res['faults']]} s, rolled back "
-                      f"{[smp['steps_rolled_back'] for smp in res['faults']]}, goodput "
-                      f"{res['training_goodput']}/{res['infra_goodput']}, finished "
-                      f"{res['finished']} ({dur:.0f} s)"
-                      + (f" — {'; '.join(res['notes'])}" if res["notes"] else ""), flush=True)
+    for system, fault, i, budgeted in plan(a, s, missing):
+        elapsed = time.monotonic() - t_start
+        need = longest.get((system, fault), 40.0)
+        if budgeted and elapsed + need > budget_s:
+            skipped += 1
+            continue
+        d = os.path.join(root, f"{system}-{fault}-{i}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        t0 = time.monotonic()
+        try:
+            res = run_one(system, fault, s, d)
+        except Exception as exc:  # noqa: BLE001 - one failed run must not end the bench
+            res = {"faults": [], "training_goodput": None, "infra_goodput": None,
+                   "notes": [f"runner error: {type(exc).__name__}: {exc}"],
+                   "finished": False}
+        dur = time.monotonic() - t0
+        longest[(system, fault)] = max(dur, longest.get((system, fault), 0.0))
+        detail.setdefault(f"{system}/{fault}", []).append(res)
+        print(f"  {system:<12} {fault:<11} run {i + 1}/{s.runs}: recovery "
+              f"{[smp['recovery_s'] for smp in res['faults']]} s, rolled back "
+              f"{[smp['steps_rolled_back'] for smp in res['faults']]}, goodput "
+              f"{res['training_goodput']}/{res['infra_goodput']}, finished "
+              f"{res['finished']} ({dur:.0f} s)"
+              + (f" — {'; '.join(res['notes'])}" if res["notes"] else ""), flush=True)
     if skipped:
-        print(f"  time budget of {a.budget_min:g} min reached: {skipped} run(s) not started "
-              f"(see each row's runs)", flush=True)
+        print(f"  time budget of {a.budget_min:g} min reached: {skipped} peer run(s) not "
+              f"started (see each row's runs)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
             runs = detail.get(f"{system}/{fault}", [])
             row = aggregate(system, fault, runs, names_culprit=(system == "trainguard"))
             notes = sorted({n for r in runs for n in r["notes"]})
+            if not runs:
+                notes = ["not run: --quick runs this peer on " + ",".join(QUICK_PEER_FAULTS)
+                         + " only" if a.quick and not a.faults_given else
+                         "not run: the time budget (--budget-min) ran out"]
             if notes:
                 row["notes"] = notes
             rows.append(row)

@@ -154,3 +154,23 @@ def test_aggregate_ratio_json_and_table(R):
         assert keys <= set(r)
     md = R.markdown_table(rows)
     assert md.count("\n") == 3 and "| trainguard | sigkill | 0.60 |" in md
+
+
+def test_plan_puts_trainguard_and_the_sigkill_ratio_first(R):
+    a = R.parse_args(["--json", "x.json"])
+    s = R.settings_from(a)
+    p = R.plan(a, s, missing={"nvrx": "not installed"})
+    # the first pass: trainguard on every fault, each available peer's SIGKILL beside it
+    first = p[:len(R.FAULTS) + 3]
+    assert [x for x in first if x[0] == "trainguard"] == [
+        ("trainguard", f, 0, False) for f in R.FAULTS]
+    assert {x[0] for x in first if x[0] != "trainguard"} == {"torchrun", "full_restart",
+                                                              "torchft"}
+    # trainguard's 3 runs are never budgeted; nvrx (missing) never planned
+    assert sum(1 for x in p if x[0] == "trainguard") == 3 * len(R.FAULTS)
+    assert not any(x[3] for x in p if x[0] == "trainguard")
+    assert not any(x[0] == "nvrx" for x in p)
+    assert all(x[3] for x in p[len(first) + 2 * len(R.FAULTS):])
+    q = R.parse_args(["--json", "x.json", "--quick"])
+    qp = R.plan(q, R.settings_from(q), missing={})
+    assert [x for x in qp if x[0] == "torchrun"] == [("torchrun", "sigkill", 0, False)]
