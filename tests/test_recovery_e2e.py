@@ -167,6 +167,20 @@ def test_straggler_is_flagged_and_named(stack, tmp_path):
     assert f["verdict"]["culprit_ranks"] == [2]
 
 
+def test_straggler_with_a_spare_node_is_excluded_and_replaced(stack, tmp_path):
+    rep = _tried(stack, tmp_path, "e2e-slow-spare", [{"id": 1, "kind": "straggler", "rank": 2,
+                                                     "step": 40, "factor": 3}],
+                 steps=200, spare_nodes=1)
+    (f,) = rep["faults"]
+    assert f["recovered"], f
+    assert f["verdict"]["fault_class"] == "straggler" and f["verdict"]["culprit_ranks"] == [2]
+    d = f["decision"]
+    assert d["action"] == "exclude_node_and_requeue" and d["nodes"] == ["node1"], d
+    assert d["world_size"] == 4  # the spare node took the slow node's ranks
+    assert f["resumed_step"] == f["restored_step"] + 1
+    assert rep["accuracy"] is not None
+
+
 def test_exception_repeating_at_the_same_step_stops_the_job(stack, tmp_path):
     def stopped_by_loop(rep):
         return bool(rep["decisions"]) and "stop_job_notify_user" in rep["decisions"][-1]["action"] \

@@ -283,9 +283,12 @@ class Demo:
                 resumed = self.rec.of(schemas.TrainingResumed, since)
             else:
                 resumed = []
-            if f["kind"] == "straggler":
+            replaceable = cfg.spare_nodes > 0 and cfg.mode == "action"
+            if f["kind"] == "straggler" and not replaceable:
                 # a straggler is flagged (replaced only where a spare node exists): the figure
-                # is the time to the verdict naming it; then the rank is made fast again
+                # is the time to the verdict naming it; then the rank is made fast again.
+                # With a spare node it is timed like a node loss: until the job trains again
+                # on the spare (the slow rank's node excluded).
                 named = [v for v in verdicts if f["rank"] in v.culprit.ranks]
                 if named or time.monotonic() > deadline - 1:
                     out["recovered"] = bool(named)
