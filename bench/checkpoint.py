@@ -323,6 +323,8 @@ def main() -> None:
                             "durable_s": r["durable_s"], "efficiency": r["efficiency"],
                             "validation_gbps": r.get("validation_gbps"),
                             "peak_rss_bytes": r["peak_rss_bytes"],
+                            "children_uss_bytes": r.get("children_uss_bytes"),
+                            "memory_at_end": r.get("memory_now"),
                             "first_blocking_s": r["first_blocking_s"]}
                            for s, r in results.items()]}
         tg = results.get("trainguard")
