@@ -194,14 +194,16 @@ class JobState:
 
 @dataclass
 class JobConfig:
-    """Per-job overrides from the job hash in the state store (None = use the default), and
-    the members list ``[{"rank", "node", "local_rank"}]``."""
+    """Per-job overrides from the job hash in the state store (None = use the default), the
+    members list ``[{"rank", "node", "local_rank"}]`` and ``runs`` (launches of the job so
+    far: a new run starts its detection state afresh, ``StateStore.begin_run``)."""
 
     hang_timeout_s: float | None = None
     startup_timeout_s: float | None = None
     node_timeout_s: float | None = None
     generation: int = 0
     members: list[dict] = field(default_factory=list)
+    runs: int = 0
 
     @classmethod
     def from_hash(cls, h: dict) -> "JobConfig":
@@ -220,8 +222,12 @@ class JobConfig:
             gen = int(h.get("generation") or 0)
         except (TypeError, ValueError):
             gen = 0
+        try:
+            runs = int(h.get("runs") or 0)
+        except (TypeError, ValueError):
+            runs = 0
         return cls(num("hang_timeout_s"), num("startup_timeout_s"), num("node_timeout_s"), gen,
-                   [m for m in members if isinstance(m, dict)])
+                   [m for m in members if isinstance(m, dict)], runs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -286,6 +286,12 @@ class Detector(Service):
             except Exception as exc:  # noqa: BLE001 - keep the last known config
                 log.warning("job %s: cannot read its config (%s); keeping the last one", name, exc)
                 jc = self.job_cfg.get(name) or JobConfig()
+            old = self.job_cfg.get(name)
+            if old is not None and jc.runs > old.runs:
+                # the job was launched again: the old run's ranks, progress and step times
+                # are not this run's (a finished rank would otherwise be judged stalled)
+                self.jobs[name] = JobState(name, self.cfg.step_window)
+                self.job_seen[name] = time.monotonic()
             self.job_cfg[name] = jc
             for m in jc.members:
                 if m.get("node"):

@@ -181,6 +181,26 @@ def test_straggler_with_a_spare_node_is_excluded_and_replaced(stack, tmp_path):
     assert rep["accuracy"] is not None
 
 
+def test_a_job_launched_again_under_its_name_is_a_new_run(stack, tmp_path):
+    """Resuming by launching the same job again: the new run meets at a fresh generation (the
+    first run's rendezvous keys stay in the store) and trains to the end."""
+    from trainguard.state import StateStore
+
+    async def _job():
+        st = StateStore(stack.redis_url)
+        try:
+            return await st.job("e2e-again")
+        finally:
+            await st.close()
+
+    first = _demo(stack, tmp_path / "a", "e2e-again", [], steps=40)
+    gen1 = asyncio.run(_job())["generation"]
+    second = _demo(stack, tmp_path / "b", "e2e-again", [], steps=40)
+    job = asyncio.run(_job())
+    assert first["accuracy"] is not None and second["accuracy"] is not None
+    assert job["generation"] == gen1 + 1 and job["status"] == "finished"
+
+
 def test_exception_repeating_at_the_same_step_stops_the_job(stack, tmp_path):
     def stopped_by_loop(rep):
         return bool(rep["decisions"]) and "stop_job_notify_user" in rep["decisions"][-1]["action"] \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import logging
 import os
 import queue
 import signal
@@ -25,11 +26,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from redis.exceptions import RedisError
+
 import schemas
 from schemas import subjects
 
 from .bus import ThreadedBus
 from .state import StateStore
+
+log = logging.getLogger("trainguard.launcher")
 
 #: Exit status of a rank stopped by a decision (``trainguard.worker.JobStopped``).
 EXIT_STOPPED = 3
@@ -162,6 +167,9 @@ class Launcher:
             if not val:
                 raise SystemExit(f"trainguard launch: no {name}: pass it or set {env} "
                                  f"(`trainguard up` prints all three)")
+        if not cfg.module and not os.path.isfile(cfg.script):
+            raise SystemExit(f"trainguard launch: no such training script: {cfg.script!r} "
+                             f"(give a path to a .py file, or -m for a module)")
         self.cfg = cfg
         self.events: queue.Queue = queue.Queue()
         self.bus = ThreadedBus(cfg.nats_url, f"launcher-{cfg.node}")
@@ -174,6 +182,7 @@ class Launcher:
         self.exit_status: int | None = None
         self.hosted_ranks: set[int] = set()
         self._started = False
+        self._st: StateStore | None = None  # the lease's connection, on the bus thread
 
     # ---- environment --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
@@ -235,18 +244,30 @@ class Launcher:
         if isinstance(ev, schemas.Decision):
             self.events.put(("decision", ev))
 
+    #: Seconds a launcher's lease on its job's run lasts without renewal (renewed every 2 s):
+    #: a launch more than this after the last launcher of a run died is a new run.
+    LEASE_S = 10.0
+
     def _register(self) -> None:
         cfg = self.cfg
+        settings = dict(mode=cfg.mode, world_size=cfg.world_size,
+                        min_world_size=cfg.min_world_size, retry_budget=cfg.retry_budget,
+                        nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
+                        hang_timeout_s=cfg.hang_timeout_s,
+                        startup_timeout_s=cfg.startup_timeout_s,
+                        node_timeout_s=cfg.node_timeout_s)
 
         async def _reg() -> None:
             st = StateStore(cfg.redis_url)
             try:
-                await st.register_job(
-                    cfg.job, mode=cfg.mode, world_size=cfg.world_size, generation=0,
-                    min_world_size=cfg.min_world_size, retry_budget=cfg.retry_budget,
-                    retries_used=0, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
-                    hang_timeout_s=cfg.hang_timeout_s, startup_timeout_s=cfg.startup_timeout_s,
-                    node_timeout_s=cfg.node_timeout_s, status="running")
+                await st.register_job(cfg.job, generation=0, retries_used=0, status="running",
+                                      **settings)
+                self.generation, new_run = await st.begin_run(cfg.job, cfg.node, self.LEASE_S,
+                                                              **settings)
+                if new_run:
+                    print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ran before: this "
+                          f"is a new run of it, at generation {self.generation} (it resumes "
+                          f"from its newest valid checkpoint)", file=sys.stderr, flush=True)
                 if cfg.spare_node:
                     job = await st.job(cfg.job)
                     spares = sorted(set(job.get("spare_nodes") or []) | {cfg.node})
@@ -255,12 +276,24 @@ class Launcher:
                     await st.add_members(cfg.job, [
                         {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
                          "local_rank": lr} for lr in range(cfg.nproc_per_node)])
-                    job = await st.job(cfg.job)
-                    self.generation = int(job.get("generation", 0))
             finally:
                 await st.close()
 
-        self.bus.call(_reg(), timeout=15.0)
+        try:
+            self.bus.call(_reg(), timeout=15.0)
+        except (ConnectionError, OSError, RedisError, TimeoutError) as exc:
+            raise SystemExit(f"trainguard launch: cannot register job {cfg.job!r} in the state "
+                             f"store at {cfg.redis_url} ({type(exc).__name__}: {exc}): start "
+                             f"one with `trainguard up` or set REDIS_URL / --redis-url") from None
+
+    async def _lease(self, end: bool = False) -> None:
+        if self._st is None:
+            self._st = StateStore(self.cfg.redis_url)
+        if end:
+            await self._st.end_launcher(self.cfg.job, self.cfg.node)
+            await self._st.close()
+        else:
+            await self._st.renew_launcher(self.cfg.job, self.cfg.node, self.LEASE_S)
 
     def _check_rendezvous(self, timeout_s: float = 5.0) -> None:
         """Fail before starting any rank when the rendezvous store does not answer."""
@@ -293,8 +326,16 @@ class Launcher:
 
     def _heartbeat(self) -> None:
         seq = 0
+        last_lease = time.monotonic()
         while not self._stop.is_set():
             seq += 1
+            if time.monotonic() - last_lease >= 2.0:
+                last_lease = time.monotonic()
+                try:
+                    self.bus.call(self._lease(), timeout=5.0)
+                except Exception as exc:  # noqa: BLE001 - the store may be briefly away
+                    log.warning("cannot renew this launcher's lease on job %s: %s",
+                                self.cfg.job, exc)
             self.bus.publish(subjects.node(self.cfg.node, "heartbeat"), schemas.NodeHeartbeat(
                 node=self.cfg.node, job=self.cfg.job, role="launcher", seq=seq, pid=os.getpid(),
                 interval_s=self.cfg.heartbeat_interval_s))
@@ -373,8 +414,9 @@ class Launcher:
             return
         self.seen_keys.add(d.idempotency_key)
         cfg = self.cfg
-        print(f"trainguard launch [{cfg.node}]: decision {d.action} "
-              f"{'(executing)' if d.execute else '(observe mode: not executed)'} "
+        how = "(executing)" if d.execute else "(flag only)" if d.action == "none" else \
+            "(observe mode: not executed)"
+        print(f"trainguard launch [{cfg.node}]: decision {d.action} {how} "
               f"generation {d.generation} ranks {d.ranks} nodes {d.nodes}: {d.reason}",
               file=sys.stderr, flush=True)
         if not d.execute:
@@ -454,6 +496,10 @@ class Launcher:
             self._release_staging()
         if self.exit_status == 0 and not self.cfg.spare_node:
             self._mark_finished()
+        try:
+            self.bus.call(self._lease(end=True), timeout=5.0)
+        except Exception:  # noqa: BLE001 - the lease then expires on its own
+            pass
         self.bus.close(timeout=2.0)
 
     def request_stop(self, status: int = 1) -> None:

@@ -59,6 +59,55 @@ class StateStore:
             pipe.hsetnx(f"tg:job:{job}", k, _enc(v))
         await pipe.execute()
 
+    async def begin_run(self, job: str, node: str, lease_s: float, **fields: Any
+                        ) -> tuple[int, bool]:
+        """A launcher of ``node`` joins the job's current run, or starts a new one.
+
+        A run is live while any of its launchers holds a lease (renewed by ``renew_launcher``,
+        dropped by ``end_launcher``). When none does and the job ran before, this launch is a
+        new run of it (a resume): its generation moves past every generation used so far — the
+        rendezvous keys of the old run's generations stay in the store, and ranks meeting under
+        them would connect to dead peers — the status becomes ``running``, the retry budget
+        starts afresh, the members are registered anew and ``fields`` (the launch settings)
+        replace the old run's. Atomic, so the
+        launchers of one new run agree. Returns ``(generation, new_run)``.
+        """
+        script = """
+        local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])
+        redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+        local live = redis.call('ZCARD', KEYS[2])
+        local runs = tonumber(redis.call('HGET', KEYS[1], 'runs') or '0')
+        local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
+        local new_run = 0
+        if live == 0 then
+            if runs > 0 then
+                gen = gen + 1
+                new_run = 1
+                local f = cjson.decode(ARGV[4])
+                for k, v in pairs(f) do redis.call('HSET', KEYS[1], k, v) end
+                redis.call('HSET', KEYS[1], 'generation', cjson.encode(gen), 'status',
+                           cjson.encode('running'), 'retries_used', '0')
+                redis.call('HDEL', KEYS[1], 'members', 'spare_nodes')
+            end
+            redis.call('HSET', KEYS[1], 'runs', tostring(runs + 1))
+        end
+        redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
+        return {gen, new_run}"""
+        now_ms = int(time.time() * 1000)
+        gen, new_run = await self.r.eval(
+            script, 2, f"tg:job:{job}", f"tg:job:{job}:launchers", node, now_ms,
+            int(lease_s * 1000), json.dumps({k: _enc(v) for k, v in fields.items()}))
+        return int(gen), bool(new_run)
+
+    async def renew_launcher(self, job: str, node: str, lease_s: float) -> None:
+        """Extend the lease of ``node``'s launcher in the job's live run."""
+        await self.r.zadd(f"tg:job:{job}:launchers",
+                          {node: int(time.time() * 1000 + lease_s * 1000)})
+
+    async def end_launcher(self, job: str, node: str) -> None:
+        """``node``'s launcher is gone: a launch after the last one is a new run."""
+        await self.r.zrem(f"tg:job:{job}:launchers", node)
+
     async def update_job(self, job: str, **fields: Any) -> None:
         await self.r.hset(f"tg:job:{job}", mapping={k: _enc(v) for k, v in fields.items()})
 

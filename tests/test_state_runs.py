@@ -1,0 +1,48 @@
+"""Runs of a job in the state store (``StateStore.begin_run``): a launch while the job's
+launchers hold leases joins that run; a launch after they are gone is a new run, at a generation
+past every one used before (the old run's rendezvous keys stay in the store). Real Valkey."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from trainguard.state import StateStore
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _scenario(url: str):
+    st = StateStore(url)
+    try:
+        await st.register_job("j", generation=0, status="running", mode="observe",
+                              retries_used=0)
+        first = [await st.begin_run("j", "n0", 10.0, mode="observe"),
+                 await st.begin_run("j", "n1", 10.0, mode="observe")]
+        await st.add_members("j", [{"rank": 0, "node": "n0", "local_rank": 0}])
+        # the run goes on: decisions move it to generation 4, spend retries, then it finishes
+        await st.update_job("j", generation=4, retries_used=3, status="finished")
+        await st.end_launcher("j", "n0")
+        await st.end_launcher("j", "n1")
+        second = [await st.begin_run("j", "n0", 10.0, mode="action"),
+                  await st.begin_run("j", "n1", 10.0, mode="action")]
+        job = await st.job("j")
+        # a launcher that died without ending its lease: the lease runs out
+        await st.begin_run("k", "n0", 0.2)
+        await st.begin_run("k", "n0", 0.2)  # (joins its own live run)
+        time.sleep(0.3)
+        k_again = await st.begin_run("k", "n0", 10.0)
+        return first, second, job, k_again
+    finally:
+        await st.close()
+
+
+def test_a_launch_after_the_last_launcher_left_is_a_new_run(redis_db):
+    first, second, job, k_again = _run(_scenario(redis_db))
+    assert first == [(0, False), (0, False)]  # the first run: generation 0, both join it
+    assert second == [(5, True), (5, False)]  # past generation 4; the second launcher joins
+    assert job["generation"] == 5 and job["status"] == "running"
+    assert job["retries_used"] == 0 and job["mode"] == "action"
+    assert not job.get("members")  # the new run's launchers register their ranks again
+    assert k_again == (1, True)
