@@ -13,6 +13,7 @@ started after each use, so a respawn costs no interpreter or torch start-up.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import json
 import logging
@@ -258,26 +259,23 @@ class Launcher:
                         node_timeout_s=cfg.node_timeout_s)
 
         async def _reg() -> None:
-            st = StateStore(cfg.redis_url)
-            try:
-                await st.register_job(cfg.job, generation=0, retries_used=0, status="running",
-                                      **settings)
-                self.generation, new_run = await st.begin_run(cfg.job, cfg.node, self.LEASE_S,
-                                                              **settings)
-                if new_run:
-                    print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ran before: this "
-                          f"is a new run of it, at generation {self.generation} (it resumes "
-                          f"from its newest valid checkpoint)", file=sys.stderr, flush=True)
-                if cfg.spare_node:
-                    job = await st.job(cfg.job)
-                    spares = sorted(set(job.get("spare_nodes") or []) | {cfg.node})
-                    await st.update_job(cfg.job, spare_nodes=spares)
-                else:
-                    await st.add_members(cfg.job, [
-                        {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
-                         "local_rank": lr} for lr in range(cfg.nproc_per_node)])
-            finally:
-                await st.close()
+            st = self._store()
+            await st.register_job(cfg.job, generation=0, retries_used=0, status="running",
+                                  **settings)
+            self.generation, new_run = await st.begin_run(cfg.job, cfg.node, self.LEASE_S,
+                                                          **settings)
+            if new_run:
+                print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ran before: this "
+                      f"is a new run of it, at generation {self.generation} (it resumes "
+                      f"from its newest valid checkpoint)", file=sys.stderr, flush=True)
+            if cfg.spare_node:
+                job = await st.job(cfg.job)
+                spares = sorted(set(job.get("spare_nodes") or []) | {cfg.node})
+                await st.update_job(cfg.job, spare_nodes=spares)
+            else:
+                await st.add_members(cfg.job, [
+                    {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
+                     "local_rank": lr} for lr in range(cfg.nproc_per_node)])
 
         try:
             self.bus.call(_reg(), timeout=15.0)
@@ -286,14 +284,25 @@ class Launcher:
                              f"store at {cfg.redis_url} ({type(exc).__name__}: {exc}): start "
                              f"one with `trainguard up` or set REDIS_URL / --redis-url") from None
 
-    async def _lease(self, end: bool = False) -> None:
+    def _store(self) -> StateStore:
+        """The launcher's one state-store connection; used on the bus thread only."""
         if self._st is None:
             self._st = StateStore(self.cfg.redis_url)
-        if end:
-            await self._st.end_launcher(self.cfg.job, self.cfg.node)
-            await self._st.close()
-        else:
-            await self._st.renew_launcher(self.cfg.job, self.cfg.node, self.LEASE_S)
+        return self._st
+
+    def _renew_lease(self) -> None:
+        """Renew this launcher's lease without waiting: a slow state store must not delay the
+        node heartbeat sent from the same thread."""
+        fut = asyncio.run_coroutine_threadsafe(
+            self._store().renew_launcher(self.cfg.job, self.cfg.node, self.LEASE_S),
+            self.bus.loop)
+
+        def _done(f) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("cannot renew this launcher's lease on job %s: %s", self.cfg.job,
+                            f.exception())
+
+        fut.add_done_callback(_done)
 
     def _check_rendezvous(self, timeout_s: float = 5.0) -> None:
         """Fail before starting any rank when the rendezvous store does not answer."""
@@ -311,13 +320,10 @@ class Launcher:
         """Every local rank finished: record it, so late anomalies (a node lost after the end)
         decide nothing for this job."""
         async def _mark() -> None:
-            st = StateStore(self.cfg.redis_url)
-            try:
-                job = await st.job(self.cfg.job)
-                if job.get("status") != "stopped":
-                    await st.update_job(self.cfg.job, status="finished")
-            finally:
-                await st.close()
+            st = self._store()
+            job = await st.job(self.cfg.job)
+            if job.get("status") != "stopped":
+                await st.update_job(self.cfg.job, status="finished")
 
         try:
             self.bus.call(_mark(), timeout=5.0)
@@ -331,11 +337,7 @@ class Launcher:
             seq += 1
             if time.monotonic() - last_lease >= 2.0:
                 last_lease = time.monotonic()
-                try:
-                    self.bus.call(self._lease(), timeout=5.0)
-                except Exception as exc:  # noqa: BLE001 - the store may be briefly away
-                    log.warning("cannot renew this launcher's lease on job %s: %s",
-                                self.cfg.job, exc)
+                self._renew_lease()
             self.bus.publish(subjects.node(self.cfg.node, "heartbeat"), schemas.NodeHeartbeat(
                 node=self.cfg.node, job=self.cfg.job, role="launcher", seq=seq, pid=os.getpid(),
                 interval_s=self.cfg.heartbeat_interval_s))
@@ -353,7 +355,7 @@ class Launcher:
         threading.Thread(target=self._heartbeat, daemon=True).start()
         # the pool warms beside the first ranks: a slower start (on 2 cores, 6 processes
         # importing torch: ≈ 20 s instead of ≈ 13 s) buys a warm spare for an early fault
-        # (measured: a SIGKILL 2 s into training took 7-10 s with the pool warmed afterwards)
+        # (measured: a SIGKILL 2 s into training took 6-12 s with the pool warmed afterwards)
         if not cfg.spare_node:
             for lr in range(cfg.nproc_per_node):
                 self._spawn(lr, cfg.node_rank * cfg.nproc_per_node + lr, self.generation,
@@ -496,8 +498,15 @@ class Launcher:
             self._release_staging()
         if self.exit_status == 0 and not self.cfg.spare_node:
             self._mark_finished()
+        async def _end() -> None:
+            st = self._store()
+            try:
+                await st.end_launcher(self.cfg.job, self.cfg.node)
+            finally:
+                await st.close()
+
         try:
-            self.bus.call(self._lease(end=True), timeout=5.0)
+            self.bus.call(_end(), timeout=5.0)
         except Exception:  # noqa: BLE001 - the lease then expires on its own
             pass
         self.bus.close(timeout=2.0)

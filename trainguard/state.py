@@ -69,8 +69,8 @@ class StateStore:
         rendezvous keys of the old run's generations stay in the store, and ranks meeting under
         them would connect to dead peers — the status becomes ``running``, the retry budget
         starts afresh, the members are registered anew and ``fields`` (the launch settings)
-        replace the old run's. Atomic, so the
-        launchers of one new run agree. Returns ``(generation, new_run)``.
+        replace the old run's. Atomic, so the launchers of one new run agree. Returns
+        ``(generation, new_run)``.
         """
         script = """
         local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])

@@ -245,6 +245,11 @@ class _Runtime:
             except rendezvous.Superseded:
                 self._apply(self.newer_decision())
 
+    def check_abort(self) -> None:
+        """Raise ``RestartRequested`` when a decision asked this rank to leave its generation."""
+        if self.abort_requested.is_set():
+            raise RestartRequested("a decision asked this rank to restart")
+
     def abort(self) -> None:
         if self.socks is not None:
             self.socks.abort()
@@ -347,8 +352,7 @@ class Context:
         Raises ``RestartRequested`` when a decision asked this rank to leave the generation.
         """
         rt = self._rt
-        if rt.abort_requested.is_set():
-            raise RestartRequested("a decision asked this rank to restart")
+        rt.check_abort()
         p = rt.p
         now = time.monotonic()
         if p._last_mono and p.phase == "train":
@@ -416,8 +420,7 @@ class Context:
         """Called while a save waits for the previous one: the rank is busy, not hung; a
         decision that ends this generation ends the wait too."""
         self._rt.p.phase = "checkpoint"
-        if self._rt.abort_requested.is_set():
-            raise RestartRequested("a decision asked this rank to restart")
+        self._rt.check_abort()
 
     def phase(self, name: str) -> None:
         """Tell the detector what the rank is doing (``schemas.PHASES``): e.g. ``"checkpoint"``
