@@ -198,6 +198,62 @@ def test_retention_keeps_k_valid(root):
     assert steps == [3, 4], steps
 
 
+def test_retention_counts_nan_checkpoints_as_invalid(root):
+    """No state store: the writers' NaN count is the verdict. Steps 3 and 4 hold NaN, so the
+    newest two valid ones (1, 2) stay, with everything newer; 0 goes."""
+    m, o = _model()
+    c = _ckpt(m, o, root, "t-keep-nan", keep=2)
+    for s in range(5):
+        _train(m, o, 1, start=s)
+        if s == 3:
+            with torch.no_grad():
+                m[0].weight[0, :3] = float("nan")
+        c.save(s)
+        c.wait(30)
+    c.finalize()
+    steps = sorted(e.step for e in fmt.list_checkpoints(root))
+    assert steps == [1, 2, 3, 4], steps
+    nan_path = os.path.join(root, fmt.checkpoint_name(4, 0))
+    assert c._verdicts[nan_path] == "invalid"
+    assert not validate_checkpoint(nan_path).ok  # the validator agrees
+
+
+def test_retention_treats_an_earlier_process_checkpoints_as_pending(root):
+    m, o = _model()
+    first = _ckpt(m, o, root, "t-keep-old", keep=5)
+    for s in range(2):
+        first.save(s)
+        first.wait(30)
+    first.finalize()
+    second = _ckpt(m, o, root, "t-keep-new", keep=2)
+    second.save(2)
+    second.wait(30)
+    # one valid checkpoint known: the earlier ones (unknown verdict) are not deleted yet
+    assert sorted(e.step for e in fmt.list_checkpoints(root)) == [0, 1, 2]
+    for s in (3, 4):
+        second.save(s)
+        second.wait(30)
+    second.finalize()
+    assert sorted(e.step for e in fmt.list_checkpoints(root)) == [3, 4]
+
+
+@pytest.mark.parametrize("dtype", sorted(fmt.NONFINITE_BITS))
+def test_count_nonfinite_agrees_with_torch(dtype):
+    tdt = getattr(torch, dtype, None)
+    if tdt is None:
+        pytest.skip(f"torch has no {dtype}")
+    vals = torch.tensor([1.0, -2.0, float("nan"), float("inf"), -float("inf"), 0.5, 0.0] * 3)
+    try:
+        t = vals.to(tdt)
+    except (RuntimeError, TypeError) as exc:
+        pytest.skip(f"cannot make {dtype} here: {exc}")
+    real = torch.view_as_real(t).flatten() if t.is_complex() else t
+    want = int((~torch.isfinite(real.to(torch.float64))).sum())
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    assert fmt.count_nonfinite(raw, dtype, chunk_bytes=8) == want
+    assert fmt.count_nonfinite(raw, "int64") == 0
+
+
 def test_missing_directory_reports_and_training_goes_on(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -528,6 +528,14 @@ class Checkpointer:
             if not msg.get("committed"):
                 return
             self.stats["committed"] += 1
+            bad = msg.get("nonfinite") or []
+            # the writers' own verdict, for retention when no validator's verdict is at hand
+            self._verdicts[msg["path"]] = "invalid" if bad else "valid"
+            if bad:
+                log.warning("checkpoint of step %s holds NaN/Inf (%s): the validator will mark "
+                            "it invalid and restore will pass it over; check the loss and the "
+                            "learning rate", step, ", ".join(
+                                f"{b['key']}: {b['count']}" for b in bad[:5]))
             self._publish(schemas.CheckpointSaved(
                 job=self.job, rank=self.rank, path=msg["path"], step=step,
                 world_size=self.world_size, generation=self.generation,
@@ -573,6 +581,14 @@ class Checkpointer:
         return {c["path"]: c for c in box["v"]}
 
     def _retention(self) -> None:
+        """Delete what ``fmt.plan_retention`` dooms (by the writer, off the training process).
+
+        A checkpoint's status is the validator's verdict from the state store; where there is
+        none yet (or no state store), the verdict of the writers that wrote it: sizes and
+        checksums are theirs, and they counted NaN/Inf in every tensor while writing. Nothing is
+        read back here: a validation in the training process would take the CPU and the GIL
+        from the training loop. A checkpoint with neither (written by an earlier process) counts
+        as pending: kept while newer than the K-th newest valid one, deleted once older."""
         entries = [e for e in fmt.list_checkpoints(self.root) if e.committed]
         if len(entries) <= self.config.keep:
             return
@@ -582,11 +598,6 @@ class Checkpointer:
             st = (index or {}).get(e.path, {}).get("status") if index is not None else None
             if st is None or st == "pending":
                 st = self._verdicts.get(e.path)
-                if st is None and index is None:
-                    from checkpoint_validator.validate import validate_checkpoint
-
-                    st = "valid" if validate_checkpoint(e.path).ok else "invalid"
-                    self._verdicts[e.path] = st
             rows.append((e.path, e.step, e.generation, st or "pending"))
         doomed = fmt.plan_retention(rows, self.config.keep)
         if doomed:

@@ -45,6 +45,54 @@ TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{10})_g(\d{4,})$")
 
 
+# Bit patterns of the values that are not finite, per floating dtype: an element is NaN or ±Inf
+# exactly when ``bits & mask == value`` (bits read as an unsigned integer of ``width`` bytes,
+# little-endian). IEEE 754 binary16/32/64 and bfloat16: the exponent field all ones. float8
+# formats from "FP8 Formats for Deep Learning" (Micikevicius et al., 2022): e5m2 follows IEEE;
+# e4m3fn has no Inf and one NaN per sign (S.1111.111); the *fnuz variants have a single NaN,
+# 0x80. Complex dtypes are checked as their real components.
+NONFINITE_BITS: dict[str, tuple[int, int, int]] = {
+    "float64": (8, 0x7FF0000000000000, 0x7FF0000000000000),
+    "complex128": (8, 0x7FF0000000000000, 0x7FF0000000000000),
+    "float32": (4, 0x7F800000, 0x7F800000),
+    "complex64": (4, 0x7F800000, 0x7F800000),
+    "float16": (2, 0x7C00, 0x7C00),
+    "complex32": (2, 0x7C00, 0x7C00),
+    "bfloat16": (2, 0x7F80, 0x7F80),
+    "float8_e5m2": (1, 0x7C, 0x7C),
+    "float8_e4m3fn": (1, 0x7F, 0x7F),
+    "float8_e4m3fnuz": (1, 0xFF, 0x80),
+    "float8_e5m2fnuz": (1, 0xFF, 0x80),
+}
+
+
+def count_nonfinite(data, dtype: str, chunk_bytes: int = 8 << 20) -> int:
+    """Number of NaN/±Inf elements in the raw little-endian bytes ``data`` (a buffer) of a
+    tensor of ``dtype`` (a name such as ``"bfloat16"``); 0 for dtypes that are not floating.
+    Torch-free (numpy, imported on first use); reads ``data`` in chunks of ``chunk_bytes`` into
+    reused scratch arrays (≈ 4 GB/s per core here). Rules: ``NONFINITE_BITS``."""
+    rule = NONFINITE_BITS.get(dtype)
+    if rule is None:
+        return 0
+    import numpy as np
+
+    width, mask, value = rule
+    ut = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    words = np.frombuffer(data, dtype=ut, count=len(memoryview(data).cast("B")) // width)
+    step = max(1, chunk_bytes // width)
+    scratch = np.empty(min(step, len(words)), dtype=ut)
+    hits = np.empty(len(scratch), dtype=bool)
+    bad = 0
+    for o in range(0, len(words), step):
+        c = words[o:o + step]
+        n = len(c)
+        np.bitwise_and(c, ut(mask), out=scratch[:n])
+        np.equal(scratch[:n], ut(value), out=hits[:n])
+        if hits[:n].any():
+            bad += int(np.count_nonzero(hits[:n]))
+    return bad
+
+
 def shard_file(rank: int) -> str:
     """Name of the DCP data file written by ``rank`` (DCP's own naming: ``__<rank>_0.distcp``)."""
     return f"__{rank}_0.distcp"

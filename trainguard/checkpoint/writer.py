@@ -1,6 +1,6 @@
 """The background checkpoint writer: a separate process (never a thread of the training process)
 that turns a rank's staged state (a file in node-local shared memory) into its DCP shard file,
-checksums it, fsyncs it and — on the coordinator (rank 0) — commits the checkpoint directory.
+checksums it, counts NaN/±Inf values in it, fsyncs it and — on the coordinator (rank 0) — commits the checkpoint directory.
 
 This module does not import torch: a writer starts in ≈ 50 ms and costs ≈ 15 MB of memory.
 
@@ -24,7 +24,9 @@ sent once per state-dict structure), ``{"op": "save", "id", "plan_id", "shm_path
 "commit_timeout_s", "fsync"}``, ``{"op": "cancel", "id"}`` (abort a commit waiting for shards),
 ``{"op": "prune", "paths"}`` (retention: delete these checkpoint directories),
 ``{"op": "ping"}``.
-Writer → client ``{"op": "done", "id", "path", "bytes", "committed"}`` |
+Writer → client ``{"op": "done", "id", "path", "bytes", "committed", "nonfinite"}`` (``nonfinite``:
+``[{"key", "offsets", "count"}]``, the tensors holding NaN/±Inf, found while writing: this rank's,
+or on the coordinator every rank's) |
 ``{"op": "failed", "id", "error", "errno"}`` | ``{"op": "pong", "pid"}``.
 """
 from __future__ import annotations
@@ -148,10 +150,11 @@ class _Serve:
                                    json.dumps(result).encode())
             if not req.get("coordinator"):
                 return {"op": "done", "id": req["id"], "path": req["final_dir"],
-                        "bytes": result["bytes"], "committed": False}
-            total = self._commit(req)
+                        "bytes": result["bytes"], "committed": False,
+                        "nonfinite": result["nonfinite"]}
+            total, nonfinite = self._commit(req)
             return {"op": "done", "id": req["id"], "path": req["final_dir"], "bytes": total,
-                    "committed": True}
+                    "committed": True, "nonfinite": nonfinite}
         except SaveAborted as exc:
             if req.get("coordinator"):
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -185,7 +188,8 @@ class _Serve:
         name = fmt.shard_file(req["rank"])
         path = os.path.join(req["tmp_dir"], name)
         fh = xxhash.xxh3_64()
-        out_items = []
+        out_items: list[dict] = []
+        nonfinite: list[dict] = []
         pos = 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -212,15 +216,21 @@ class _Serve:
                                   "length": len(pre) + n + len(suf),
                                   "data_offset": pos + len(pre), "nbytes": n,
                                   "checksum": xxhash.xxh3_64_hexdigest(data)})
+                bad = fmt.count_nonfinite(data, it.get("dtype", ""))
+                if bad:
+                    nonfinite.append({"key": it["key"], "offsets": it.get("offsets"),
+                                      "count": bad})
                 pos += len(pre) + n + len(suf)
             if req.get("fsync", True):
                 os.fsync(fd)
         finally:
             os.close(fd)
         return {"rank": req["rank"], "file": name, "bytes": pos, "checksum": fh.hexdigest(),
-                "items": out_items}
+                "items": out_items, "nonfinite": nonfinite}
 
-    def _commit(self, req: dict) -> int:
+    def _commit(self, req: dict) -> tuple[int, list[dict]]:
+        """Wait for every rank's shard, write ``.metadata`` and the manifest, rename into place.
+        Returns (bytes of the checkpoint, the NaN/Inf items every rank's writer found)."""
         tmp, world = req["tmp_dir"], req["world_size"]
         deadline = time.monotonic() + float(req.get("commit_timeout_s", 120.0))
         results: dict[int, dict] = {}
@@ -269,7 +279,8 @@ class _Serve:
         os.rename(tmp, final)
         fmt.fsync_dir(os.path.dirname(final))
         self._sweep_tmp(os.path.dirname(final), float(req.get("commit_timeout_s", 120.0)))
-        return sum(f["bytes"] for f in files)
+        return (sum(f["bytes"] for f in files),
+                [bad for _, res in sorted(results.items()) for bad in res.get("nonfinite", [])])
 
     def _poll_cancel(self, save_id: int, wait_s: float) -> None:
         r, _, _ = select.select([self.sock], [], [], wait_s)
