@@ -1,17 +1,26 @@
 """Checkpoint cost, side by side: torch.save (sync), DCP save (sync), DCP async_save (thread and
-process), trainguard — 2 ranks with gloo, a state of ``--mb`` MB per rank (default 200).
+process), trainguard, and the disk's own cost — 2 ranks with gloo, a state of ``--mb`` MB per rank
+(default 200).
 
-    python bench/checkpoint.py --json PATH            # ≈ 200 MB per rank (minutes)
+    python bench/checkpoint.py --json PATH            # ≈ 200 MB per rank (≈ 15 minutes)
     python bench/checkpoint.py --quick --json PATH    # 20 MB per rank, fewer steps
 
 Per system, in fresh rank processes: ``blocking_s`` (median seconds the training loop is blocked
 per save, after one warm-up save), ``durable_s`` (median seconds from the call until the
 checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
-steps without saves / with saves; the three intervals are 1×, 3× and 10× trainguard's durable
-time in steps), ``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
+steps without saves / with saves, measured in alternating windows without and with saves, two
+rounds; the three intervals are 1×, 3× and 10× trainguard's durable time in steps, found by the
+first trainguard run), ``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
 (trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference
-copy of the state into reused buffers. A training step here updates every parameter (as an
-optimizer does) and does a fixed matmul workload and a gloo all-reduce.
+copy of the state into reused buffers.
+
+``write_only`` is the floor, not a checkpointer: at each save a helper process that already
+holds the state's bytes in shared memory writes them to a file and fsyncs it, nothing else (no
+staging copy, no checksum, no metadata). Its efficiency is what writing this many bytes to this
+disk costs the training by itself; no checkpointer that writes them can do better.
+
+A training step here updates every parameter (as an optimizer does) and does a fixed matmul
+workload and a gloo all-reduce.
 """
 from __future__ import annotations
 
@@ -28,7 +37,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SYSTEMS = ("torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process", "trainguard")
+SYSTEMS = ("torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process", "trainguard",
+           "write_only")
 
 
 def rank_main(a) -> None:
@@ -79,6 +89,11 @@ def rank_main(a) -> None:
         for _ in range(5):
             step()
         out["step_s"] = (time.perf_counter() - t0) / 5
+        del bufs
+        anon = _smaps_rollup().get("rssanon", 0)
+        import torch.distributed.checkpoint  # noqa: F401 - what any DCP-format saver imports
+
+        out["dcp_import_bytes"] = _smaps_rollup().get("rssanon", 0) - anon
         _finish(a, out)
         return
     import torch.distributed.checkpoint as dcp
@@ -95,6 +110,7 @@ def rank_main(a) -> None:
         ck.job = f"bench{a.port}"
     if a.system == "dcp_async_process":
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    floor = _FloorWriter(params, root, a.rank) if a.system == "write_only" else None
 
     def save() -> tuple[float, callable]:
         """Start a save; returns (blocking seconds, wait-until-durable function)."""
@@ -122,8 +138,21 @@ def rank_main(a) -> None:
                                process_group=ckg, **kw)
             pending[0] = f
             return time.perf_counter() - t0, lambda: f.result()
+        if floor is not None:
+            floor.wait()
+            floor.start(path + f"_r{a.rank}.bin")
+            return time.perf_counter() - t0, floor.wait
         ck.save(seq[0])
         return ck.stats["blocking_s"], lambda: ck.wait()
+
+    def wait_all() -> None:
+        if pending[0] is not None:
+            pending[0].result()
+            pending[0] = None
+        if ck is not None:
+            ck.wait()
+        if floor is not None:
+            floor.wait()
 
     # warm-up, then blocking / durable
     b, wfn = save()
@@ -139,28 +168,37 @@ def rank_main(a) -> None:
         blocks.append(b)
     out["blocking_s"] = statistics.median(blocks)
     out["durable_s"] = statistics.median(durs)
-    # efficiency at the given intervals
+    intervals = a.intervals
+    if not intervals:  # first trainguard run: 1x, 3x, 10x its durable time, in steps
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step()
+        k = torch.tensor([max(1, round(out["durable_s"] / ((time.perf_counter() - t0) / 5)))])
+        dist.broadcast(k, 0)
+        intervals = [int(k), 3 * int(k), 10 * int(k)]
+    out["intervals"] = intervals
+    # efficiency: windows of the same steps without (A) and with (B) saves, A B A B
     eff = {}
-    for interval in a.intervals:
-        n = interval * a.saves_per_interval
-        dist.barrier()
-        t0 = time.perf_counter()
-        for i in range(n):
-            step()
-        base = time.perf_counter() - t0
-        dist.barrier()
-        t0 = time.perf_counter()
-        for i in range(n):
-            if i % interval == 0:
-                save()
-            step()
-        with_saves = time.perf_counter() - t0
+    for interval in intervals:
+        saves = max(1, min(a.saves_per_window, a.max_window_steps // interval))
+        n = interval * saves
+        base = with_saves = 0.0
+        for _round in range(2):
+            wait_all()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(n):
+                step()
+            base += time.perf_counter() - t0
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(n):
+                if i % interval == 0:
+                    save()
+                step()
+            with_saves += time.perf_counter() - t0
         eff[str(interval)] = round(base / with_saves, 4)
-        if pending[0] is not None:
-            pending[0].result()
-            pending[0] = None
-        if ck is not None:
-            ck.wait()
+        wait_all()
     out["efficiency"] = eff
     # memory before the validation below maps the checkpoint files (the validator service
     # does that in its own process)
@@ -181,9 +219,61 @@ def rank_main(a) -> None:
         out["skipped"] = ck.stats["skipped"]
     if ck is not None:
         ck.finalize()
+    if floor is not None:
+        floor.close()
     if pending[0] is not None:
         pending[0].result()
     _finish(a, out)
+
+
+_FLOOR_HELPER = r"""
+import os, sys
+src = sys.argv[1]
+for line in sys.stdin:
+    dst = line.strip()
+    fin = os.open(src, os.O_RDONLY)
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    n = os.fstat(fin).st_size
+    while n > 0:
+        n -= os.sendfile(out, fin, None, min(n, 1 << 30))
+    os.fsync(out)
+    os.close(out)
+    os.close(fin)
+    sys.stdout.write("done\n")
+    sys.stdout.flush()
+"""
+
+
+class _FloorWriter:
+    """The disk's own cost: a helper process that writes the state's bytes (put into a
+    /dev/shm file once, before any measurement) to a file and fsyncs it, per save."""
+
+    def __init__(self, params, root: str, rank: int):
+        import subprocess
+
+        self.src = f"/dev/shm/tg-bench-floor-{os.getpid()}-r{rank}"
+        with open(self.src, "wb") as fh:
+            for p in params:
+                fh.write(p.detach().numpy().tobytes())
+        self.proc = subprocess.Popen([sys.executable, "-c", _FLOOR_HELPER, self.src],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.busy = False
+
+    def start(self, dst: str) -> None:
+        self.proc.stdin.write(dst + "\n")
+        self.proc.stdin.flush()
+        self.busy = True
+
+    def wait(self) -> None:
+        if self.busy:
+            self.proc.stdout.readline()
+            self.busy = False
+
+    def close(self) -> None:
+        self.wait()
+        self.proc.stdin.close()
+        self.proc.wait()
+        os.unlink(self.src)
 
 
 def _smaps_rollup() -> dict[str, int]:
@@ -249,7 +339,8 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--rank-main", "--system", system,
            "--port", str(port), "--mb", str(args.mb), "--dir", tmp, "--out", out,
            "--reps", str(args.reps), "--matmuls", str(args.matmuls),
-           "--saves-per-interval", str(args.saves_per_interval),
+           "--saves-per-window", str(args.saves_per_window),
+           "--max-window-steps", str(args.max_window_steps),
            "--intervals", ",".join(map(str, intervals))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(2)]
@@ -268,9 +359,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="20 MB per rank, fewer repetitions")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--dir", default="", help="checkpoint directory (default: a temporary one)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--matmuls", type=int, default=20)
-    p.add_argument("--saves-per-interval", type=int, default=2)
+    p.add_argument("--saves-per-window", type=int, default=3,
+                   help="saves per measured window (fewer when the window would pass "
+                        "--max-window-steps)")
+    p.add_argument("--max-window-steps", type=int, default=300)
     # internal (rank processes)
     p.add_argument("--rank-main", action="store_true")
     p.add_argument("--system")
@@ -294,22 +388,21 @@ def main() -> None:
               f"{ref['memcpy_s'] * 1e3:.1f} ms; training step {ref['step_s'] * 1e3:.1f} ms",
               flush=True)
         systems = [s for s in a.systems.split(",") if s]
+        unknown = sorted(set(systems) - set(SYSTEMS))
+        if unknown:
+            raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        intervals = [int(x) for x in a.intervals.split(",") if x]
+        if not intervals and "trainguard" not in systems:
+            raise SystemExit("give --intervals (save intervals in steps) or include trainguard, "
+                             "whose durable time sets them")
         results = {}
-        # intervals from trainguard's durable time: 1x, 3x, 10x in steps
-        order = ["trainguard"] + [s for s in systems if s != "trainguard"]
-        intervals: list[int] = []
-        for s in order:
-            if s not in systems:
-                continue
+        # trainguard first: its durable time sets the intervals (1x, 3x, 10x, in steps)
+        for s in sorted(systems, key=lambda x: x != "trainguard"):
+            results[s] = r = run_system(s, a, tmp, intervals)
             if not intervals:
-                probe = run_system("trainguard", argparse.Namespace(**{
-                    **vars(a), "saves_per_interval": 1}), tmp, [1])
-                k = max(1, round(probe["durable_s"] / ref["step_s"]))
-                intervals = [k, 3 * k, 10 * k]
-                print(f"trainguard durable {probe['durable_s']:.2f} s ≈ {k} steps; "
+                intervals = r["intervals"]
+                print(f"trainguard durable {r['durable_s']:.2f} s ≈ {intervals[0]} steps; "
                       f"intervals {intervals}", flush=True)
-            results[s] = run_system(s, a, tmp, intervals)
-            r = results[s]
             print(f"{s:18s} blocking {r['blocking_s'] * 1e3:8.1f} ms  durable "
                   f"{r['durable_s']:6.2f} s  efficiency "
                   f"{ {k: f'{v:.3f}' for k, v in r['efficiency'].items()} }  peak RSS "
@@ -327,14 +420,25 @@ def main() -> None:
                             "memory_at_end": r.get("memory_now"),
                             "first_blocking_s": r["first_blocking_s"]}
                            for s, r in results.items()]}
+        out["dcp_import_bytes"] = ref["dcp_import_bytes"]
         tg = results.get("trainguard")
         if tg:
+            extra = tg["peak_rss_bytes"] - ref["rss_before_copies"]
             out["trainguard_blocking_vs_memcpy"] = tg["blocking_s"] / ref["memcpy_s"]
-            out["trainguard_extra_rss_ratio"] = (tg["peak_rss_bytes"] -
-                                                 ref["rss_before_copies"]) / ref["state_bytes"]
+            out["trainguard_extra_rss_ratio"] = extra / ref["state_bytes"]
+            out["trainguard_extra_rss_ratio_beyond_dcp_import"] = \
+                (extra - ref["dcp_import_bytes"]) / ref["state_bytes"]
             print(f"trainguard blocking / memcpy = {out['trainguard_blocking_vs_memcpy']:.2f}; "
-                  f"extra host memory = {out['trainguard_extra_rss_ratio']:.2f} × state",
-                  flush=True)
+                  f"extra host memory = {out['trainguard_extra_rss_ratio']:.2f} × state "
+                  f"({out['trainguard_extra_rss_ratio_beyond_dcp_import']:.2f} × beyond the "
+                  f"{ref['dcp_import_bytes'] / 1e6:.0f} MB that importing DCP costs)", flush=True)
+        floor = results.get("write_only")
+        if tg and floor:
+            out["trainguard_efficiency_vs_write_only"] = {
+                k: round(tg["efficiency"][k] / floor["efficiency"][k], 4)
+                for k in tg["efficiency"] if k in floor["efficiency"]}
+            print(f"trainguard efficiency / the disk's own (write_only) = "
+                  f"{out['trainguard_efficiency_vs_write_only']}", flush=True)
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(out, fh, indent=2)

@@ -66,31 +66,46 @@ NONFINITE_BITS: dict[str, tuple[int, int, int]] = {
 }
 
 
-def count_nonfinite(data, dtype: str, chunk_bytes: int = 8 << 20) -> int:
-    """Number of NaN/±Inf elements in the raw little-endian bytes ``data`` (a buffer) of a
-    tensor of ``dtype`` (a name such as ``"bfloat16"``); 0 for dtypes that are not floating.
-    Torch-free (numpy, imported on first use); reads ``data`` in chunks of ``chunk_bytes`` into
-    reused scratch arrays (≈ 4 GB/s per core here). Rules: ``NONFINITE_BITS``."""
-    rule = NONFINITE_BITS.get(dtype)
-    if rule is None:
-        return 0
-    import numpy as np
+class NonfiniteCounter:
+    """Counts NaN/±Inf elements in the raw little-endian bytes of one tensor of ``dtype`` (a
+    name such as ``"bfloat16"``), fed in chunks with ``update``; ``count`` is the total so far.
+    Dtypes that are not floating count 0. Torch-free (numpy, imported on first use); scratch
+    arrays are sized by the first chunk and reused. Chunks must hold whole elements.
+    Rules: ``NONFINITE_BITS``."""
 
-    width, mask, value = rule
-    ut = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
-    words = np.frombuffer(data, dtype=ut, count=len(memoryview(data).cast("B")) // width)
-    step = max(1, chunk_bytes // width)
-    scratch = np.empty(min(step, len(words)), dtype=ut)
-    hits = np.empty(len(scratch), dtype=bool)
-    bad = 0
-    for o in range(0, len(words), step):
-        c = words[o:o + step]
-        n = len(c)
-        np.bitwise_and(c, ut(mask), out=scratch[:n])
-        np.equal(scratch[:n], ut(value), out=hits[:n])
-        if hits[:n].any():
-            bad += int(np.count_nonzero(hits[:n]))
-    return bad
+    def __init__(self, dtype: str):
+        self.count = 0
+        self._rule = NONFINITE_BITS.get(dtype)
+        self._scratch = None
+
+    def update(self, chunk) -> None:
+        if self._rule is None:
+            return
+        import numpy as np
+
+        width, mask, value = self._rule
+        ut = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+        words = np.frombuffer(chunk, dtype=ut)
+        n = len(words)
+        if self._scratch is None or len(self._scratch[0]) < n:
+            self._scratch = (np.empty(n, dtype=ut), np.empty(n, dtype=bool))
+        tmp, hits = self._scratch[0][:n], self._scratch[1][:n]
+        np.bitwise_and(words, ut(mask), out=tmp)
+        np.equal(tmp, ut(value), out=hits)
+        if hits.any():
+            self.count += int(np.count_nonzero(hits))
+
+
+def count_nonfinite(data, dtype: str, chunk_bytes: int = 1 << 20) -> int:
+    """Number of NaN/±Inf elements in the raw bytes ``data`` (a buffer) of a tensor of
+    ``dtype``, read in chunks of ``chunk_bytes`` (see ``NonfiniteCounter``)."""
+    mv = memoryview(data).cast("B")
+    width = NONFINITE_BITS.get(dtype, (1,))[0]
+    step = max(width, chunk_bytes // width * width)
+    counter = NonfiniteCounter(dtype)
+    for o in range(0, len(mv) - len(mv) % width, step):
+        counter.update(mv[o:min(o + step, len(mv) - len(mv) % width)])
+    return counter.count
 
 
 def shard_file(rank: int) -> str:
