@@ -194,13 +194,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name, fsync, rename (atomic)."""
+def write_file_atomic(path: str, data: bytes, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary name and a rename, so that a reader sees
+    the whole file or none; ``fsync=True`` also makes it durable before the rename (files of a
+    checkpoint). ``fsync=False`` is for transient notes that a crash makes moot anyway (each
+    fsync is a journal commit on the checkpoint disk, which the training pays for here)."""
     tmp = path + ".part"
     with open(tmp, "wb") as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 

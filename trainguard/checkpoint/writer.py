@@ -162,8 +162,9 @@ class _Serve:
         rank, tmp = req["rank"], req["tmp_dir"]
         try:
             result = self._write_shard(req)
-            fmt.write_file_durable(os.path.join(tmp, fmt.result_file(rank)),
-                                   json.dumps(result).encode())
+            # a note for the coordinator, deleted before the commit: atomic, not durable
+            fmt.write_file_atomic(os.path.join(tmp, fmt.result_file(rank)),
+                                  json.dumps(result).encode(), fsync=False)
             if not req.get("coordinator"):
                 return {"op": "done", "id": req["id"], "path": req["final_dir"],
                         "bytes": result["bytes"], "committed": False,
@@ -178,8 +179,8 @@ class _Serve:
         except OSError as exc:
             msg = _explain(exc, tmp)
             try:  # tell the coordinator at once (may fail too when the disk is full)
-                fmt.write_file_durable(os.path.join(tmp, fmt.result_file(rank)),
-                                       json.dumps({"error": msg}).encode())
+                fmt.write_file_atomic(os.path.join(tmp, fmt.result_file(rank)),
+                                      json.dumps({"error": msg}).encode(), fsync=False)
             except OSError:
                 pass
             if req.get("coordinator"):
@@ -282,9 +283,10 @@ class _Serve:
                 missing = sorted(set(range(world)) - set(results))
                 raise SaveAborted(f"ranks {missing} did not write their shard within "
                                   f"{req.get('commit_timeout_s')} s; checkpoint abandoned")
-            self._poll_cancel(req["id"], 0.002)
+            self._poll_cancel(req["id"], 0.005)
         meta = req["metadata"]
-        fmt.write_file_durable(os.path.join(tmp, fmt.METADATA), meta)
+        durable = bool(req.get("fsync", True))
+        fmt.write_file_atomic(os.path.join(tmp, fmt.METADATA), meta, fsync=durable)
         files = [{"name": res["file"], "bytes": res["bytes"], "checksum": res["checksum"],
                   "rank": r} for r, res in sorted(results.items())]
         files.append({"name": fmt.METADATA, "bytes": len(meta),
@@ -296,15 +298,17 @@ class _Serve:
         for r in range(world):
             os.unlink(os.path.join(tmp, fmt.result_file(r)))
         manifest["manifest_checksum"] = fmt.manifest_body_checksum(manifest)
-        fmt.write_file_durable(os.path.join(tmp, fmt.MANIFEST),
-                               json.dumps(manifest, separators=(",", ":")).encode())
-        fmt.fsync_dir(tmp)
+        fmt.write_file_atomic(os.path.join(tmp, fmt.MANIFEST),
+                              json.dumps(manifest, separators=(",", ":")).encode(), fsync=durable)
+        if durable:
+            fmt.fsync_dir(tmp)
         final = req["final_dir"]
         if os.path.exists(final):
             raise SaveAborted(f"{final} already exists (a checkpoint of this step and "
                               f"generation was committed before); this save was dropped")
         os.rename(tmp, final)
-        fmt.fsync_dir(os.path.dirname(final))
+        if durable:
+            fmt.fsync_dir(os.path.dirname(final))
         self._sweep_tmp(os.path.dirname(final), float(req.get("commit_timeout_s", 120.0)))
         return (sum(f["bytes"] for f in files),
                 [bad for _, res in sorted(results.items()) for bad in res.get("nonfinite", [])])
