@@ -245,6 +245,33 @@ class Checkpointer:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    _SMALL = 1024  # bytes per rank of the one-collective exchange in save()
+
+    def _all_gather_small(self, obj: Any) -> list[Any]:
+        """``_all_gather`` in one collective for a small object (save()'s agreement, which
+        ``all_gather_object`` does in two plus tensor conversions: ≈ 3 ms of the blocking time
+        here). A rank whose pickle does not fit says so in its slot, and then every rank
+        exchanges the objects with ``all_gather_object`` (all ranks take the same path)."""
+        if not self.distributed:
+            return [obj]
+        import pickle
+
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        slot = torch.zeros(self._SMALL, dtype=torch.uint8)
+        fits = len(data) <= self._SMALL - 4
+        if fits:
+            slot[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+            slot[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            slot[:4] = 0xFF  # length 2**32 - 1: "does not fit"
+        slots = [torch.empty_like(slot) for _ in range(self.world_size)]
+        dist.all_gather(slots, slot, group=self.group)
+        raw = [bytes(t.numpy()) for t in slots]
+        lens = [int.from_bytes(b[:4], "little") for b in raw]
+        if any(n > self._SMALL - 4 for n in lens):
+            return self._all_gather(obj)
+        return [pickle.loads(b[4:4 + n]) for b, n in zip(raw, lens)]
+
     def _broadcast(self, obj: Any) -> Any:
         if not self.distributed:
             return obj
@@ -403,7 +430,7 @@ class Checkpointer:
         info = {"busy": busy, "changed": changed, "failed": failed, "step": step,
                 "nonce": random.getrandbits(40),
                 "byte_lens": [len(b) for b in byte_blobs] if byte_blobs is not None else None}
-        infos = self._all_gather(info)
+        infos = self._all_gather_small(info)
         nonce = int(infos[0]["nonce"])
         steps = {i["step"] for i in infos}
         if len(steps) != 1:
