@@ -6,14 +6,15 @@ process), trainguard, and the disk's own cost — 2 ranks with gloo, a state of 
     python bench/checkpoint.py --quick --json PATH    # 20 MB per rank, fewer steps
 
 Per system, in fresh rank processes: ``blocking_s`` (median seconds the training loop is blocked
-per save, after one warm-up save), ``durable_s`` (median seconds from the call until the
+per save, each save right after a reference copy of the state in the same processes),
+``durable_s`` (median seconds from the call until the
 checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
 steps without saves / with saves, measured in alternating windows without and with saves, two
 rounds; the three intervals are 1×, 3× and 10× trainguard's durable time in steps, found by the
 first trainguard run), ``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
 (trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference copy of the state into reused buffers, in a run of its own;
-each system's run copies again at its end (``memcpy_in_run_s``), and trainguard's blocking ratio
-divides by that one (same processes, same minute).
+``memcpy_in_run_s`` the same copy made just before each measured save of a system's run (its
+median), which trainguard's blocking ratio divides by.
 
 ``write_only`` is the floor, not a checkpointer: at each save a helper process that already
 holds the state's bytes in shared memory writes them to a file and fsyncs it, nothing else (no
@@ -160,19 +161,17 @@ def rank_main(a) -> None:
         if floor is not None:
             floor.wait()
 
-    # warm-up, then blocking / durable
+    # warm-up, then durable (blocking is measured at the end, each save beside a reference copy)
     b, wfn = save()
     wfn()
     out["first_blocking_s"] = b
-    blocks, durs = [], []
+    durs = []
     for _ in range(a.reps):
         dist.barrier(group=ckg)
         t0 = time.perf_counter()
         b, wfn = save()
         wfn()
         durs.append(time.perf_counter() - t0)
-        blocks.append(b)
-    out["blocking_s"] = statistics.median(blocks)
     out["durable_s"] = statistics.median(durs)
     intervals = a.intervals
     if not intervals:  # first trainguard run: 1x, 3x, 10x its durable time, in steps
@@ -224,10 +223,24 @@ def rank_main(a) -> None:
         out["validation_gbps"] = rep.gbps
         out["skipped"] = ck.stats["skipped"]
     wait_all()
-    # the reference copy again, in these processes and now (after the peak RSS was taken):
-    # the blocking ratio compares the two in the same run, which the machine's drift between
-    # runs (±30 % here) would otherwise swamp
-    out["memcpy_in_run_s"] = memcpy_s()
+    # blocking: each save right after the reference copy of the same state in these processes
+    # (both ranks at once, after the peak RSS was taken), so that the ratio compares the two at
+    # the same moment; the machine's drift between runs (±30 % here) would otherwise swamp it
+    bufs = [torch.empty_like(p) for p in params]
+    copies, blocks = [], []
+    for _ in range(a.reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for buf, p in zip(bufs, params):
+            buf.copy_(p.detach())
+        copies.append(time.perf_counter() - t0)
+        dist.barrier(group=ckg)
+        b, wfn = save()
+        wfn()
+        blocks.append(b)
+    del bufs
+    out["memcpy_in_run_s"] = statistics.median(copies[1:])
+    out["blocking_s"] = statistics.median(blocks[1:])
     if ck is not None:
         ck.finalize()
     if floor is not None:

@@ -377,8 +377,15 @@ class Checkpointer:
             self._res.staging = Staging(path, off)
 
     def _metadata_bytes(self, byte_lens: list[list[int]]) -> bytes:
-        """DCP ``.metadata`` for this save: storage locations of every rank's items."""
+        """DCP ``.metadata`` for this save: storage locations of every rank's items. The same
+        plan with the same byte-item sizes gives the same bytes: cached on the plan (≈ 1 ms of
+        blocking per save otherwise)."""
         import pickle
+
+        cache_key = tuple(tuple(lens) for lens in byte_lens)
+        cached = self._plan.get("metadata_bytes")
+        if cached is not None and cached[0] == cache_key:
+            return cached[1]
 
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -401,7 +408,9 @@ class Checkpointer:
                                  storage_meta=StorageMeta())
         if version is not None:
             md.version = version
-        return pickle.dumps(md)
+        data = pickle.dumps(md)
+        self._plan["metadata_bytes"] = (cache_key, data)
+        return data
 
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, loss: float | None = None) -> bool:
