@@ -6,7 +6,8 @@ Save path (every rank calls ``save`` collectively)::
     save(step) ─ one all_gather on the checkpoint group (agree: step, overlap, plan, nonce)
                ─ copy every local tensor into the reused /dev/shm staging buffer   ← blocks here
                ─ hand the request to the writer process                            ─ returns
-    writer     ─ writes __<rank>_0.distcp (torch.save blobs DCP can read), xxh3_64, fsync
+    writer     ─ writes __<rank>_0.distcp (torch.save blobs DCP can read), xxh3_64 and NaN/Inf
+                 count in the same pass, fsync
     rank 0's   ─ waits for every rank's shard, writes .metadata, manifest.json (last), fsyncs,
     writer       renames .tmp-… → step_…_g…  (the commit), fsyncs the root
     rank 0     ─ publishes ckpt.saved; retention; the validator marks it valid / invalid
