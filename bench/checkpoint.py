@@ -7,14 +7,14 @@ process), trainguard, and the disk's own cost — 2 ranks with gloo, a state of 
 
 Per system, in fresh rank processes: ``blocking_s`` (median seconds the training loop is blocked
 per save, each save right after a reference copy of the state in the same processes),
-``durable_s`` (median seconds from the call until the
-checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
-steps without saves / with saves, measured in alternating windows without and with saves, two
-rounds; the three intervals are 1×, 3× and 10× trainguard's durable time in steps, found by the
+``durable_s`` (median seconds from the call until the checkpoint is durable / committed),
+``efficiency`` (save interval in steps → time of the same steps without saves / with saves,
+measured in alternating windows without and with saves, two rounds; the three intervals are 1×, 3× and 10× trainguard's durable time in steps, found by the
 first trainguard run), ``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
-(trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference copy of the state into reused buffers, in a run of its own;
-``memcpy_in_run_s`` the same copy made just before each measured save of a system's run (its
-median), which trainguard's blocking ratio divides by.
+(trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference
+copy of the state into reused buffers, in a run of its own; ``memcpy_in_run_s`` the same copy
+made just before each measured save of a system's run (its median), which trainguard's blocking
+ratio divides by.
 
 ``write_only`` is the floor, not a checkpointer: at each save a helper process that already
 holds the state's bytes in shared memory writes them to a file and fsyncs it, nothing else (no

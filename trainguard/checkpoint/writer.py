@@ -1,6 +1,7 @@
 """The background checkpoint writer: a separate process (never a thread of the training process)
 that turns a rank's staged state (a file in node-local shared memory) into its DCP shard file,
-checksums it, counts NaN/±Inf values in it, fsyncs it and — on the coordinator (rank 0) — commits the checkpoint directory.
+checksums it, counts NaN/±Inf values in it, fsyncs it and — on the coordinator (rank 0) —
+commits the checkpoint directory.
 
 This module does not import torch: a writer starts in ≈ 50 ms and costs ≈ 15 MB of memory.
 
@@ -99,9 +100,10 @@ def _write_all(fd: int, data) -> None:
 
 
 def _send_all(fd: int, src_fd: int, offset: int, n: int) -> None:
-    """Copy ``n`` bytes of ``src_fd`` from ``offset`` to ``fd`` inside the kernel (sendfile:
-    page cache to page cache; measured here ≈ 30 % less system CPU per byte than ``write``
-    from the mapping, which the training pays for on shared cores)."""
+    """Copy ``n`` bytes of ``src_fd`` from ``offset`` to ``fd`` inside the kernel (sendfile,
+    page cache to page cache: the chunk the checksums just read, still in the cache). Raises
+    OSError (EIO) when the source ends early. Measured here: the same system CPU per byte as
+    ``write`` from the mapping, within noise."""
     while n:
         k = os.sendfile(fd, src_fd, offset, n)
         if k == 0:
