@@ -81,6 +81,11 @@ def validate_checkpoint(path: str, *, quick: bool = False, expected_step: int | 
         rep = Report(path=path, ok=False)
         rep.reasons.append(f"manifest malformed ({type(exc).__name__}: {exc})")
         return _done(rep, t0, max_reasons)
+    except OSError as exc:  # a file vanished or became unreadable while it was being read
+        rep = Report(path=path, ok=False)
+        gone = "" if os.path.isdir(path) else " (the directory is gone: deleted while validated)"
+        rep.reasons.append(f"cannot read the checkpoint: {exc}{gone}")
+        return _done(rep, t0, max_reasons)
 
 
 def _validate(path: str, t0: float, quick: bool, expected_step: int | None,
@@ -89,7 +94,11 @@ def _validate(path: str, t0: float, quick: bool, expected_step: int | None,
     try:
         m = fmt.read_manifest(path)
     except FileNotFoundError:
-        rep.reasons.append("no manifest: the checkpoint was never committed (partial)")
+        if not os.path.isdir(path):
+            rep.reasons.append("the checkpoint directory does not exist (never saved there, or "
+                               "deleted by retention before it was validated)")
+        else:
+            rep.reasons.append("no manifest: the checkpoint was never committed (partial)")
         return _done(rep, t0)
     except (ValueError, OSError) as exc:
         rep.reasons.append(f"manifest unreadable: {exc}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import schemas
 from checkpoint_validator.service import CheckpointValidator
+from checkpoint_validator.validate import validate_checkpoint
 from schemas import subjects
 from trainguard.bus import Bus, ThreadedBus
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
@@ -121,8 +123,41 @@ async def test_bad_message_does_not_kill_validator(servers, redis_db, tmp_path):
     await b.publish(subjects.job("bad", "ckpt"), schemas.CheckpointSaved(
         job="bad", path=str(tmp_path / "nowhere"), step=1, world_size=1))
     await _wait_for(got, 1)
-    assert "never committed" in got[0].reasons[0]
+    assert "does not exist" in got[0].reasons[0]
     assert svc.bus.stats.bad["malformed"] == 1
     await b.close()
     svc.stop()
     await asyncio.wait_for(task, 10)
+
+
+def test_retention_waits_for_the_validator(servers, redis_db, tmp_path):
+    """With a state store, checkpoints the validator has not judged are pending: retention
+    deletes none of them (seen in CI: deleting them early made a lagging validator find them
+    gone and mark them invalid, the restored one included)."""
+    root = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 8)
+    c = Checkpointer(m, None, config=CheckpointConfig(root=root, keep=2), job="vsvc-keep",
+                     rank=0, world_size=1, redis_url=redis_db)  # no validator running
+    for step in range(1, 5):
+        c.save(step)
+        c.wait(30)
+    c.finalize()
+    assert sorted(e.step for e in fmt.list_checkpoints(root)) == [1, 2, 3, 4]
+
+
+def test_validating_a_deleted_checkpoint_reports_instead_of_raising(tmp_path):
+    root = str(tmp_path / "ckpt")
+    m = torch.nn.Linear(4, 4)
+    c = Checkpointer(m, None, config=CheckpointConfig(root=root), job="vsvc-gone", rank=0,
+                     world_size=1)
+    c.save(1)
+    c.wait(30)
+    c.finalize()
+    path = fmt.list_checkpoints(root)[0].path
+    os.unlink(os.path.join(path, "__0_0.distcp"))
+    rep = validate_checkpoint(path)
+    assert not rep.ok and any("__0_0.distcp" in r for r in rep.reasons), rep.reasons
+    shutil.rmtree(path)
+    rep = validate_checkpoint(path)
+    assert not rep.ok and "does not exist" in rep.reasons[0]

@@ -620,20 +620,22 @@ class Checkpointer:
     def _retention(self) -> None:
         """Delete what ``fmt.plan_retention`` dooms (by the writer, off the training process).
 
-        A checkpoint's status is the validator's verdict from the state store; where there is
-        none yet (or no state store), the verdict of the writers that wrote it: sizes and
-        checksums are theirs, and they counted NaN/Inf in every tensor while writing. Nothing is
-        read back here: a validation in the training process would take the CPU and the GIL
-        from the training loop. A checkpoint with neither (written by an earlier process) counts
-        as pending: kept while newer than the K-th newest valid one, deleted once older."""
+        With a state store, a checkpoint's status is the validator's verdict there; one it has
+        not judged yet is pending (kept while newer than the K-th newest valid one), so that
+        nothing is deleted before the validator has seen it. Without a state store, the verdict
+        of the writers that wrote it: sizes and checksums are theirs, and they counted NaN/Inf
+        in every tensor while writing. Nothing is read back here: a validation in the training
+        process would take the CPU and the GIL from the training loop. A checkpoint with no
+        verdict (written by an earlier process) counts as pending."""
         entries = [e for e in fmt.list_checkpoints(self.root) if e.committed]
         if len(entries) <= self.config.keep:
             return
         index = self._index()
         rows = []
         for e in entries:
-            st = (index or {}).get(e.path, {}).get("status") if index is not None else None
-            if st is None or st == "pending":
+            if index is not None:
+                st = index.get(e.path, {}).get("status")
+            else:
                 st = self._verdicts.get(e.path)
             rows.append((e.path, e.step, e.generation, st or "pending"))
         doomed = fmt.plan_retention(rows, self.config.keep)
