@@ -9,8 +9,9 @@ Per system, in fresh rank processes: ``blocking_s`` (median seconds the training
 per save, each save right after a reference copy of the state in the same processes),
 ``durable_s`` (median seconds from the call until the checkpoint is durable / committed),
 ``efficiency`` (save interval in steps → time of the same steps without saves / with saves,
-measured in alternating windows without and with saves, two rounds; the three intervals are 1×, 3× and 10× trainguard's durable time in steps, found by the
-first trainguard run), ``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
+measured in alternating windows without and with saves, two rounds; the three intervals are
+1×, 3× and 10× trainguard's durable time in steps, found by the first trainguard run),
+``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
 (trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference
 copy of the state into reused buffers, in a run of its own; ``memcpy_in_run_s`` the same copy
 made just before each measured save of a system's run (its median), which trainguard's blocking
@@ -73,18 +74,19 @@ def rank_main(a) -> None:
                 x = torch.tanh(x @ w)
             dist.all_reduce(red)
 
+    def timed_copy(bufs) -> float:
+        """Seconds to copy the state into ``bufs`` (reused buffers), both ranks at once."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b, p in zip(bufs, params):
+            b.copy_(p.detach())
+        return time.perf_counter() - t0
+
     def memcpy_s() -> float:
-        """Median seconds to copy the state into reused buffers (the first copy, which
-        faults the buffers in, is left out); both ranks copy at the same time."""
+        """Median seconds of the reference copy (the first copy, which faults the buffers in,
+        is left out)."""
         bufs = [torch.empty_like(p) for p in params]
-        times = []
-        for _ in range(6):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for b, p in zip(bufs, params):
-                b.copy_(p.detach())
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        return statistics.median([timed_copy(bufs) for _ in range(6)][1:])
 
     root = os.path.join(a.dir, a.system)
     os.makedirs(root, exist_ok=True)
@@ -117,7 +119,7 @@ def rank_main(a) -> None:
         ck.job = f"bench{a.port}"
     if a.system == "dcp_async_process":
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    floor = _FloorWriter(params, root, a.rank) if a.system == "write_only" else None
+    floor = _FloorWriter(params, a.rank) if a.system == "write_only" else None
 
     def save() -> tuple[float, callable]:
         """Start a save; returns (blocking seconds, wait-until-durable function)."""
@@ -203,7 +205,6 @@ def rank_main(a) -> None:
                 step()
             with_saves += time.perf_counter() - t0
         eff[str(interval)] = round(base / with_saves, 4)
-        wait_all()
     out["efficiency"] = eff
     # memory before the validation below maps the checkpoint files (the validator service
     # does that in its own process)
@@ -229,11 +230,7 @@ def rank_main(a) -> None:
     bufs = [torch.empty_like(p) for p in params]
     copies, blocks = [], []
     for _ in range(a.reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for buf, p in zip(bufs, params):
-            buf.copy_(p.detach())
-        copies.append(time.perf_counter() - t0)
+        copies.append(timed_copy(bufs))
         dist.barrier(group=ckg)
         b, wfn = save()
         wfn()
@@ -270,9 +267,7 @@ class _FloorWriter:
     """The disk's own cost: a helper process that writes the state's bytes (put into a
     /dev/shm file once, before any measurement) to a file and fsyncs it, per save."""
 
-    def __init__(self, params, root: str, rank: int):
-        import subprocess
-
+    def __init__(self, params, rank: int):
         self.src = f"/dev/shm/tg-bench-floor-{os.getpid()}-r{rank}"
         with open(self.src, "wb") as fh:
             for p in params:

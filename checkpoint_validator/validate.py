@@ -83,8 +83,7 @@ def validate_checkpoint(path: str, *, quick: bool = False, expected_step: int | 
         return _done(rep, t0, max_reasons)
     except OSError as exc:  # a file vanished or became unreadable while it was being read
         rep = Report(path=path, ok=False)
-        gone = "" if os.path.isdir(path) else " (the directory is gone: deleted while validated)"
-        rep.reasons.append(f"cannot read the checkpoint: {exc}{gone}")
+        rep.reasons.append(f"cannot read the checkpoint: {exc}")
         return _done(rep, t0, max_reasons)
 
 

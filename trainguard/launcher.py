@@ -498,6 +498,7 @@ class Launcher:
             self._release_staging()
         if self.exit_status == 0 and not self.cfg.spare_node:
             self._mark_finished()
+
         async def _end() -> None:
             st = self._store()
             try:

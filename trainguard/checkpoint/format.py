@@ -69,13 +69,19 @@ NONFINITE_BITS: dict[str, tuple[int, int, int]] = {
 class NonfiniteCounter:
     """Counts NaN/±Inf elements in the raw little-endian bytes of one tensor of ``dtype`` (a
     name such as ``"bfloat16"``), fed in chunks with ``update``; ``count`` is the total so far.
-    Dtypes that are not floating count 0. Torch-free (numpy, imported on first use); scratch
-    arrays are sized by the first chunk and reused. Chunks must hold whole elements.
-    Rules: ``NONFINITE_BITS``."""
+    Dtypes that are not floating count 0. Torch-free (numpy, imported on the first floating
+    tensor); scratch arrays are sized by the largest chunk and reused. Chunks must hold whole
+    elements. Rules: ``NONFINITE_BITS``."""
 
     def __init__(self, dtype: str):
         self.count = 0
         self._rule = NONFINITE_BITS.get(dtype)
+        if self._rule is not None:
+            import numpy as np
+
+            width, mask, value = self._rule
+            self._ut = np.dtype(f"<u{width}")
+            self._mask, self._value = self._ut.type(mask), self._ut.type(value)
         self._scratch = None
 
     def update(self, chunk) -> None:
@@ -83,29 +89,15 @@ class NonfiniteCounter:
             return
         import numpy as np
 
-        width, mask, value = self._rule
-        ut = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
-        words = np.frombuffer(chunk, dtype=ut)
+        words = np.frombuffer(chunk, dtype=self._ut)
         n = len(words)
         if self._scratch is None or len(self._scratch[0]) < n:
-            self._scratch = (np.empty(n, dtype=ut), np.empty(n, dtype=bool))
+            self._scratch = (np.empty(n, dtype=self._ut), np.empty(n, dtype=bool))
         tmp, hits = self._scratch[0][:n], self._scratch[1][:n]
-        np.bitwise_and(words, ut(mask), out=tmp)
-        np.equal(tmp, ut(value), out=hits)
+        np.bitwise_and(words, self._mask, out=tmp)
+        np.equal(tmp, self._value, out=hits)
         if hits.any():
             self.count += int(np.count_nonzero(hits))
-
-
-def count_nonfinite(data, dtype: str, chunk_bytes: int = 1 << 20) -> int:
-    """Number of NaN/±Inf elements in the raw bytes ``data`` (a buffer) of a tensor of
-    ``dtype``, read in chunks of ``chunk_bytes`` (see ``NonfiniteCounter``)."""
-    mv = memoryview(data).cast("B")
-    width = NONFINITE_BITS.get(dtype, (1,))[0]
-    step = max(width, chunk_bytes // width * width)
-    counter = NonfiniteCounter(dtype)
-    for o in range(0, len(mv) - len(mv) % width, step):
-        counter.update(mv[o:min(o + step, len(mv) - len(mv) % width)])
-    return counter.count
 
 
 def shard_file(rank: int) -> str:
