@@ -11,7 +11,9 @@ per save, each save right after a reference copy of the state in the same proces
 ``efficiency`` (save interval in steps → time of the same steps without saves / with saves,
 measured in alternating windows without and with saves, two rounds; the three intervals are
 1×, 3× and 10× trainguard's durable time in steps, found by the first trainguard run),
-``peak_rss_bytes`` (rank 0 and its child processes), ``validation_gbps``
+``peak_rss_bytes`` (rank 0 and its child processes; for trainguard, which writes through a node
+writer daemon as ``trainguard launch`` runs it, rank 0's share of the daemon and its writers:
+their unique memory divided by the 2 ranks they serve), ``validation_gbps``
 (trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference
 copy of the state into reused buffers, in a run of its own; ``memcpy_in_run_s`` the same copy
 made just before each measured save of a system's run (its median), which trainguard's blocking
@@ -21,6 +23,12 @@ ratio divides by.
 holds the state's bytes in shared memory writes them to a file and fsyncs it, nothing else (no
 staging copy, no checksum, no metadata). Its efficiency is what writing this many bytes to this
 disk costs the training by itself; no checkpointer that writes them can do better.
+
+``efficiency_ceiling`` (top level): at each interval, the efficiency a checkpointer would reach
+if a save cost the training nothing but one copy of the state into reused buffers (the
+issue's staging requirement): interval time / (interval time + the same-run copy). No system
+that stages the state can do better; the 99 % target is above it when the copy takes more than
+1 % of the interval.
 
 A training step here updates every parameter (as an optimizer does) and does a fixed matmul
 workload and a gloo all-reduce.
@@ -209,7 +217,10 @@ def rank_main(a) -> None:
     # memory before the validation below maps the checkpoint files (the validator service
     # does that in its own process)
     out["peak_rss_self_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out["children_uss_bytes"] = _children_uss()  # writer / DCP checkpoint processes
+    out["children_uss_bytes"] = _tree_uss(os.getpid(), False)  # private writer, DCP process
+    if a.node_writer_pid and a.rank == 0:  # trainguard: this rank's share of the node writer
+        out["node_writer_uss_bytes"] = _tree_uss(a.node_writer_pid, True)
+        out["children_uss_bytes"] += out["node_writer_uss_bytes"] // a.world
     out["memory_now"] = _smaps_rollup()
     if ck is not None and a.rank == 0:
         ck.wait()
@@ -319,13 +330,16 @@ def _smaps_rollup() -> dict[str, int]:
     return out
 
 
-def _children_uss() -> int:
-    """Unique memory of this rank's helper processes (the writer, DCP's checkpoint process);
-    shared pages (the /dev/shm staging buffer, counted in the rank's own RSS) are left out."""
+def _tree_uss(pid: int, include_root: bool) -> int:
+    """Unique memory (bytes) of the descendants of process ``pid`` (and of ``pid`` itself when
+    ``include_root``): a private writer, DCP's checkpoint process, a node writer and its
+    writers. Shared pages (the /dev/shm staging buffer, counted in the rank's own RSS; the
+    imports a node writer's children share with it) are left out."""
     import psutil
 
+    root = psutil.Process(pid)
     total = 0
-    for c in psutil.Process().children(recursive=True):
+    for c in root.children(recursive=True) + ([root] if include_root else []):
         try:
             total += c.memory_full_info().uss
         except psutil.Error:
@@ -360,9 +374,22 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
            "--max-window-steps", str(args.max_window_steps),
            "--intervals", ",".join(map(str, intervals))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(2)]
-    for p in procs:
-        p.wait(timeout=1800)
+    env.pop("TG_CKPT_WRITER", None)
+    nw = None
+    if system == "trainguard" and not args.private_writer:  # as `trainguard launch` runs it
+        from trainguard.checkpoint import NodeWriter
+
+        nw = NodeWriter(os.path.join(tmp, "node-writer.sock")).start()
+        env["TG_CKPT_WRITER"] = nw.socket_path
+        cmd += ["--node-writer-pid", str(nw.proc.pid)]
+    try:
+        procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(2)]
+        for p in procs:
+            p.wait(timeout=1800)
+    finally:
+        if nw is not None:
+            nw.close()
+            nw.proc.wait(60)
     with open(out) as fh:
         res = json.load(fh)
     shutil.rmtree(os.path.join(tmp, system), ignore_errors=True)
@@ -382,6 +409,8 @@ def main() -> None:
                    help="saves per measured window (fewer when the window would pass "
                         "--max-window-steps)")
     p.add_argument("--max-window-steps", type=int, default=300)
+    p.add_argument("--private-writer", action="store_true",
+                   help="trainguard: a writer process per rank instead of the node writer")
     # internal (rank processes)
     p.add_argument("--rank-main", action="store_true")
     p.add_argument("--system")
@@ -390,6 +419,7 @@ def main() -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--out")
     p.add_argument("--intervals", default="")
+    p.add_argument("--node-writer-pid", type=int, default=0)
     a = p.parse_args()
     if a.rank_main:
         a.intervals = [int(x) for x in a.intervals.split(",") if x]
@@ -446,6 +476,20 @@ def main() -> None:
             out["trainguard_extra_rss_ratio"] = extra / ref["state_bytes"]
             out["trainguard_extra_rss_ratio_beyond_dcp_import"] = \
                 (extra - ref["dcp_import_bytes"]) / ref["state_bytes"]
+            staging = (tg.get("memory_now") or {}).get("rssshmem", 0)
+            writer = tg.get("children_uss_bytes") or 0
+            out["trainguard_memory"] = {  # rank 0's extra host memory, by part (bytes)
+                "staging": staging, "dcp_import": ref["dcp_import_bytes"],
+                "writer_share": writer,
+                "rest": extra - staging - ref["dcp_import_bytes"] - writer}
+            out["efficiency_ceiling"] = {
+                str(i): round(i * ref["step_s"] / (i * ref["step_s"] + tg["memcpy_in_run_s"]), 4)
+                for i in intervals}
+            print(f"trainguard extra memory by part: " + ", ".join(
+                f"{k} {v / 1e6:.0f} MB" for k, v in out["trainguard_memory"].items()),
+                flush=True)
+            print(f"efficiency ceiling of any staging checkpointer (interval / (interval + one "
+                  f"copy)) = {out['efficiency_ceiling']}", flush=True)
             print(f"trainguard blocking / memcpy in the same processes "
                   f"({tg['memcpy_in_run_s'] * 1e3:.1f} ms) = "
                   f"{out['trainguard_blocking_vs_memcpy']:.2f}; "

@@ -33,3 +33,9 @@ def test_checkpoint_bench_reports_every_system(tmp_path):
     assert by["write_only"]["validation_gbps"] is None
     assert d["dcp_import_bytes"] >= 0
     assert set(d["trainguard_efficiency_vs_write_only"]) == set(tg["efficiency"])
+    # trainguard wrote through a node writer: rank 0's share of it is counted
+    assert tg["children_uss_bytes"] > 0
+    mem = d["trainguard_memory"]
+    assert mem["staging"] >= 2_000_000 and mem["writer_share"] == tg["children_uss_bytes"]
+    assert set(d["efficiency_ceiling"]) == set(tg["efficiency"])
+    assert all(0 < v < 1 for v in d["efficiency_ceiling"].values())

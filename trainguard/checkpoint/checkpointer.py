@@ -36,9 +36,6 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-import schemas
-from schemas import subjects
-
 from . import format as fmt
 from .config import CheckpointConfig
 from .staging import Staging, align, read_meta, staging_path, template
@@ -57,14 +54,19 @@ class _Pending:
 
 
 class _WriterClient:
-    """Connection to this rank's writer (own process, or the node writer of TG_CKPT_WRITER);
-    a reader thread receives the replies and runs the completion callbacks."""
+    """Connection to this rank's writer: a writer forked by the node writer named by
+    ``TG_CKPT_WRITER`` (the launcher's), or, without one or when it does not answer, a writer
+    process of its own; a reader thread receives the replies and runs the completion callbacks."""
 
     def __init__(self, nice: int):
         addr = os.environ.get("TG_CKPT_WRITER", "")
+        self.sock, self.proc = None, None
         if addr:
-            self.sock, self.proc = connect_writer(addr), None
-        else:
+            try:
+                self.sock = connect_writer(addr)
+            except ConnectionError as exc:  # the node writer is gone: saving goes on alone
+                log.warning("%s; this rank starts a writer of its own", exc)
+        if self.sock is None:
             self.sock, self.proc = spawn_writer(nice)
         self.lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
@@ -280,12 +282,19 @@ class Checkpointer:
         dist.broadcast_object_list(lst, group=self.group, group_src=0)
         return lst[0]
 
-    def _publish(self, event: schemas.Event) -> None:
-        if self.bus is not None:
-            try:
-                self.bus.publish(subjects.job(self.job, "ckpt"), event)
-            except Exception:  # noqa: BLE001 - a bus problem never stops checkpointing
-                log.debug("publish failed", exc_info=True)
+    def _publish(self, kind: str, **fields: Any) -> None:
+        """Publish ``schemas.<kind>(**fields)`` on ``tg.job.<job>.ckpt`` when there is a bus.
+        The event schemas (pydantic, ≈ 6 MB) are imported only then: a Checkpointer without a
+        bus does not load them into the training process. Never raises."""
+        if self.bus is None:
+            return
+        try:
+            import schemas
+            from schemas import subjects
+
+            self.bus.publish(subjects.job(self.job, "ckpt"), getattr(schemas, kind)(**fields))
+        except Exception:  # noqa: BLE001 - a bus problem never stops checkpointing
+            log.warning("could not publish %s", kind, exc_info=True)
 
     # ---- planning ------------------------------------------------------------------------------
     @staticmethod
@@ -455,11 +464,11 @@ class Checkpointer:
         if any(i["busy"] for i in infos):
             if self.config.overlap_policy == "skip":
                 self.stats["skipped"] += 1
-                self._publish(schemas.CheckpointSaveFailed(
-                    job=self.job, rank=self.rank, step=step,
+                self._publish(
+                    "CheckpointSaveFailed", job=self.job, rank=self.rank, step=step,
                     error=f"skipped: the previous save (step {res.inflight.step if busy else '?'}"
                           f") is still being written (overlap_policy='skip'); save less often "
-                          f"or use overlap_policy='wait'"))
+                          f"or use overlap_policy='wait'")
                 return False
             if busy:
                 self._wait_inflight()
@@ -550,8 +559,8 @@ class Checkpointer:
         self.stats["failed"] += 1
         self.stats["last_error"] = error
         log.warning("checkpoint of step %s failed: %s", step, error)
-        self._publish(schemas.CheckpointSaveFailed(job=self.job, rank=self.rank, step=step,
-                                                   path=path, error=error, errno=errno))
+        self._publish("CheckpointSaveFailed", job=self.job, rank=self.rank, step=step,
+                      path=path, error=error, errno=errno)
 
     def _on_done_factory(self, step: int, loss: float | None):
         def on_done(p: _Pending, msg: dict) -> None:
@@ -573,11 +582,10 @@ class Checkpointer:
                             "it invalid and restore will pass it over; check the loss and the "
                             "learning rate", step, ", ".join(
                                 f"{b['key']}: {b['count']}" for b in bad[:5]))
-            self._publish(schemas.CheckpointSaved(
-                job=self.job, rank=self.rank, path=msg["path"], step=step,
-                world_size=self.world_size, generation=self.generation,
-                bytes=int(msg.get("bytes", 0)), loss=loss,
-                blocking_s=getattr(p, "blocking_s", None), durable_s=durable))
+            self._publish("CheckpointSaved", job=self.job, rank=self.rank, path=msg["path"],
+                          step=step, world_size=self.world_size, generation=self.generation,
+                          bytes=int(msg.get("bytes", 0)), loss=loss,
+                          blocking_s=getattr(p, "blocking_s", None), durable_s=durable)
             try:
                 self._retention()
             except Exception:  # noqa: BLE001 - retention problems never stop training

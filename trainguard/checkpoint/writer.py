@@ -3,7 +3,8 @@ that turns a rank's staged state (a file in node-local shared memory) into its D
 checksums it, counts NaN/±Inf values in it, fsyncs it and — on the coordinator (rank 0) —
 commits the checkpoint directory.
 
-This module does not import torch: a writer starts in ≈ 50 ms and costs ≈ 15 MB of memory.
+This module does not import torch: a writer starts in ≈ 50 ms and costs ≈ 16 MB of unique
+memory when started alone (≈ 4 MB when forked by a node writer, below).
 
 Two ways to run it:
 
@@ -11,11 +12,15 @@ Two ways to run it:
   ``python -m trainguard.checkpoint.writer --fd N`` on one end of a socket pair. It serves that
   one training process and exits when the connection closes — after finishing (and committing)
   the save it is working on, so a save that was fully staged survives the death of its rank.
-* **One per node, held by the launcher**: ``NodeWriter(socket_path).start()`` listens on a Unix
-  socket (mode 0600) and forks one writer per connecting rank; ranks find it through the
-  environment variable ``TG_CKPT_WRITER=<socket_path>``. ``stop()`` stops it and removes the
-  staging files of the ranks it served. Run it alone with
-  ``python -m trainguard.checkpoint.writer --listen PATH``.
+* **One per node, held by the launcher** (``trainguard launch`` does this):
+  ``NodeWriter(socket_path).start()`` listens on a Unix socket (mode 0600) and forks one writer
+  per connecting rank; ranks find it through the environment variable
+  ``TG_CKPT_WRITER=<socket_path>``. The daemon imports what a writer needs (numpy included)
+  before it forks, so its writers share those pages: ≈ 4 MB of unique memory per rank instead of
+  ≈ 16 MB for a private writer (measured here with psutil's USS after three 200 MB saves).
+  ``close()`` (or the death of the process that started it) lets it finish the saves in flight
+  and exit; ``stop()`` stops it at once and removes the staging files of the ranks it served.
+  Run it alone with ``python -m trainguard.checkpoint.writer --listen PATH``.
 
 Wire protocol (trusted local peers only): 4-byte big-endian length + pickle of a dict.
 
@@ -411,10 +416,15 @@ class NodeWriter:
 
     ``socket_path``: Unix socket to listen on (created mode 0600; a stale file is replaced).
     ``nice``: niceness of the writer processes (≥ 0 keeps them out of the training's way).
-    ``start()`` forks the daemon and returns once it listens; export
-    ``TG_CKPT_WRITER=<socket_path>`` to the ranks. ``stop()`` ends the daemon and its per-rank
-    writers (SIGTERM) and removes the staging files they served. The staging files live in
-    /dev/shm, so the state a rank staged survives that rank's death while the node writer runs.
+    ``start()`` starts the daemon and returns once it answers; export
+    ``TG_CKPT_WRITER=<socket_path>`` to the ranks. Lifecycle: the daemon holds a pipe from this
+    object; ``close()`` closes it (so does the death of this process): the daemon stops
+    accepting, its writers finish the saves they hold (each exits when its rank disconnects),
+    then it exits — a fully staged save survives its launcher as it survives its rank.
+    ``stop()`` ends the daemon and its writers at once (SIGTERM) and removes the staging files
+    they served. The staging files live in /dev/shm, so the state a rank staged survives that
+    rank's death while the node writer runs. Raises RuntimeError from ``start()`` when the
+    daemon exits or does not answer within ``timeout`` seconds.
     """
 
     def __init__(self, socket_path: str, nice: int = 0):
@@ -433,7 +443,7 @@ class NodeWriter:
             pass
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.checkpoint.writer", "--listen", self.socket_path,
-             "--nice", str(self.nice)], env=env, stdin=subprocess.DEVNULL,
+             "--nice", str(self.nice), "--until-stdin-closes"], env=env, stdin=subprocess.PIPE,
             start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -450,7 +460,16 @@ class NodeWriter:
         self.stop()
         raise RuntimeError(f"node writer did not listen on {self.socket_path} within {timeout} s")
 
+    def close(self) -> None:
+        """Let the daemon finish the saves in flight and exit (does not wait; never raises)."""
+        if self.proc is not None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the daemon and its writers now (SIGTERM, then SIGKILL after ``timeout`` s)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -458,6 +477,7 @@ class NodeWriter:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.close()
         self.proc = None
         try:
             os.unlink(self.socket_path)
@@ -465,7 +485,25 @@ class NodeWriter:
             pass
 
 
-def _listen(path: str) -> None:
+def _preload() -> None:
+    """Import what a writer uses before the daemon forks (numpy for the NaN count), then freeze
+    the heap out of the cyclic GC, so that the forked writers share these pages instead of
+    each importing its own copy."""
+    import gc
+
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # pragma: no cover - numpy is a dependency; the count then fails alone
+        pass
+    gc.collect()
+    gc.freeze()
+
+
+def _listen(path: str, until_stdin_closes: bool = False) -> None:
+    """The node writer daemon: accept ranks on ``path`` and fork one writer per connection.
+    With ``until_stdin_closes``, end of file on stdin (its starter closed the pipe or died) ends
+    it gracefully: no new connections, the writers finish, the daemon exits."""
+    _preload()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
@@ -497,10 +535,19 @@ def _listen(path: str) -> None:
 
     signal.signal(signal.SIGTERM, _term)
     signal.signal(signal.SIGCHLD, lambda *_: _reap(children))
+    watch = [srv, sys.stdin] if until_stdin_closes else [srv]
     while True:
         try:
-            conn, _ = srv.accept()
+            ready, _, _ = select.select(watch, [], [])
         except InterruptedError:
+            continue
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
+            break
+        if srv not in ready:
+            continue
+        try:
+            conn, _ = srv.accept()
+        except (InterruptedError, BlockingIOError):
             continue
         pid = os.fork()
         if pid == 0:
@@ -520,6 +567,25 @@ def _listen(path: str) -> None:
             os._exit(0)
         children.append(pid)
         conn.close()
+    # graceful end: refuse new ranks, let every writer finish its saves, then leave
+    srv.close()
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    while children:
+        _reap(children)
+        for pid in list(children):  # one reaped before it was listed (SIGCHLD came first)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                children.remove(pid)
+        time.sleep(0.05)
+    try:  # the staging files stay: the launcher removes them when the job is over
+        os.unlink(staging_log)
+    except OSError:
+        pass
+    os._exit(0)
 
 
 def _reap(children: list[int]) -> None:
@@ -539,6 +605,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, help="serve the socket inherited on this descriptor")
     p.add_argument("--listen", help="run a node writer on this Unix socket path")
     p.add_argument("--nice", type=int, default=0)
+    p.add_argument("--until-stdin-closes", action="store_true",
+                   help="with --listen: finish the saves in flight and exit at end of file on "
+                        "stdin (NodeWriter passes a pipe)")
     a = p.parse_args(argv)
     if a.nice:
         try:
@@ -549,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.fd is not None:
         serve_connection(socket.socket(fileno=a.fd))
     elif a.listen:
-        _listen(a.listen)
+        _listen(a.listen, a.until_stdin_closes)
     else:
         p.error("give --fd or --listen")
 
