@@ -66,9 +66,23 @@ def rank_main(a) -> None:
     n_t = 16
     per = a.mb * 1_000_000 // 4 // n_t
     model = torch.nn.Module()
-    for i in range(n_t):  # rank-specific keys: each rank owns its 200 MB (like a shard)
-        model.register_parameter(f"r{a.rank}_p{i}", torch.nn.Parameter(torch.randn(per)))
-    params = list(model.parameters())
+    if a.fsdp:  # the same bytes per rank as FSDP2 shards of a model world-size times larger
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):  # no full-size copy ever exists (it would set the peak RSS)
+            for i in range(n_t):
+                model.register_parameter(f"p{i}", torch.nn.Parameter(torch.empty(per * a.world)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (a.world,)))
+        model.to_empty(device="cpu")
+        params = [p.to_local() for p in model.parameters()]
+        with torch.no_grad():
+            for p in params:
+                p.normal_()
+    else:
+        for i in range(n_t):  # rank-specific keys: each rank owns its 200 MB (like a shard)
+            model.register_parameter(f"r{a.rank}_p{i}", torch.nn.Parameter(torch.randn(per)))
+        params = list(model.parameters())
     state_bytes = sum(p.numel() * 4 for p in params)
     w = torch.randn(256, 256)
     red = torch.zeros(1024)
@@ -372,7 +386,7 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
            "--reps", str(args.reps), "--matmuls", str(args.matmuls),
            "--saves-per-window", str(args.saves_per_window),
            "--max-window-steps", str(args.max_window_steps),
-           "--intervals", ",".join(map(str, intervals))]
+           "--intervals", ",".join(map(str, intervals))] + (["--fsdp"] if args.fsdp else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("TG_CKPT_WRITER", None)
     nw = None
@@ -409,6 +423,8 @@ def main() -> None:
                    help="saves per measured window (fewer when the window would pass "
                         "--max-window-steps)")
     p.add_argument("--max-window-steps", type=int, default=300)
+    p.add_argument("--fsdp", action="store_true",
+                   help="the state as FSDP2 shards (fully_shard) instead of plain tensors")
     p.add_argument("--private-writer", action="store_true",
                    help="trainguard: a writer process per rank instead of the node writer")
     # internal (rank processes)
@@ -456,7 +472,7 @@ def main() -> None:
                   f"{r['peak_rss_bytes'] / 1e6:6.0f} MB"
                   + (f"  validation {r['validation_gbps']:.2f} GB/s"
                      if "validation_gbps" in r else ""), flush=True)
-        out = {"mb_per_rank": a.mb, "world_size": 2, "memcpy_s": ref["memcpy_s"],
+        out = {"mb_per_rank": a.mb, "world_size": 2, "fsdp": a.fsdp, "memcpy_s": ref["memcpy_s"],
                "step_s": ref["step_s"], "intervals": intervals,
                "baseline_peak_rss_bytes": ref["rss_before_copies"],
                "systems": [{"system": s, "blocking_s": r["blocking_s"],

@@ -81,3 +81,29 @@ def test_threaded_round_trip(servers):
         time.sleep(0.01)
     assert got == ["x"]
     tb.close()
+
+
+def test_unreachable_server_says_why_and_what_to_do():
+    """A refused connection names the refusal (not a bare timeout) and the way out; a service
+    started against it exits with that one line instead of a traceback."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ConnectionError) as err:
+        asyncio.run(Bus(url, "t").connect(timeout=1.0))
+    msg = str(err.value)
+    assert "Connect call failed" in msg and "trainguard up" in msg and "TimeoutError" not in msg
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "detector", "--nats-url", url, "--redis-url",
+                        "redis://127.0.0.1:1"], capture_output=True, text=True, timeout=60,
+                       cwd=root)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"detector: cannot reach NATS at {url}")

@@ -66,7 +66,10 @@ class Bus:
         self._logged: set[str] = set()
 
     async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
+        last: list[str] = []  # the client's own last error: why the attempts timed out
+
         async def _err(e: Exception) -> None:
+            last[:] = [str(e) or type(e).__name__]
             self._log_once(f"conn:{type(e).__name__}", "bus %s: %s", self.url, e)
 
         loop = asyncio.get_running_loop()
@@ -81,9 +84,10 @@ class Bus:
                 break
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
                 if not retry or loop.time() >= deadline:
+                    why = last[0] if last else str(exc) or type(exc).__name__
                     raise ConnectionError(
-                        f"cannot reach NATS at {self.url} ({str(exc) or type(exc).__name__}): start "
-                        f"one with `trainguard up` or set NATS_URL to a running server") from None
+                        f"cannot reach NATS at {self.url} ({why}): start one with "
+                        f"`trainguard up` or set NATS_URL to a running server") from None
                 await asyncio.sleep(0.2)
         return self
 

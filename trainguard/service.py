@@ -149,4 +149,7 @@ def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = N
             loop.add_signal_handler(sig, svc.stop)
         await svc.run()
 
-    asyncio.run(_amain())
+    try:
+        asyncio.run(_amain())
+    except ConnectionError as exc:  # NATS or Valkey unreachable: say so, no traceback
+        raise SystemExit(f"{svc.name}: {exc}") from None
