@@ -100,3 +100,30 @@ def test_unreachable_node_writer_falls_back_to_a_writer_of_its_own(tmp_path, mon
         assert newest.step == 5 and validate_checkpoint(newest.path).ok
     finally:
         ck.finalize()
+
+
+def test_launcher_holds_a_node_writer_for_its_ranks(tmp_path):
+    """``trainguard launch`` starts the daemon before any rank and hands its socket to every
+    rank and spare it starts; its end lets the daemon go."""
+    from trainguard.checkpoint.writer import connect_writer, recv_msg, send_msg
+    from trainguard.launcher import LaunchConfig, Launcher
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    launcher = Launcher(LaunchConfig(script=str(script), nats_url="nats://127.0.0.1:1",
+                                     redis_url="redis://127.0.0.1:1",
+                                     rdzv_endpoint="127.0.0.1:1"))
+    launcher._start_node_writer()
+    nw = launcher.node_writer
+    try:
+        sock = launcher._base_env()["TG_CKPT_WRITER"]
+        assert sock == nw.socket_path
+        conn = connect_writer(sock)
+        send_msg(conn, {"op": "ping"})
+        pid = recv_msg(conn)["pid"]
+        assert psutil.Process(pid).ppid() == nw.proc.pid  # a writer forked for this rank
+        conn.close()
+    finally:
+        nw.close()
+    assert nw.proc.wait(10) == 0
+    assert not os.path.exists(nw.socket_path)
