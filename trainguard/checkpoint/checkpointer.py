@@ -158,6 +158,21 @@ def abandon_inflight(job: str) -> bool:
     return True
 
 
+def _trim_heap() -> None:
+    """Give heap memory freed during planning back to the operating system (glibc's
+    ``malloc_trim``; nothing elsewhere). DCP's planning of a DTensor calls torch's
+    ``compute_local_shape_and_global_offset``, which (torch 2.13) builds an int64 index as long
+    as the shard (8 bytes per element) to read one offset from it; glibc keeps the freed blocks,
+    so a rank stayed 24-47 MB larger after planning 200 MB of FSDP2 shards (measured here; the
+    trim takes ≈ 7 ms and runs only when the plan is made)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -379,6 +394,7 @@ class Checkpointer:
                       "metadata": metadata, "shm_items": shm_items, "shm_size": off,
                       "writer_items": writer_items, "keys": keys, "plan_id": plan_id,
                       "sig": self._signature(planner.state_dict), "key": key}
+        _trim_heap()  # before the staging buffer is faulted in: the peak stays low
         st = self._res.staging
         path = staging_path(self.config.shm_dir, self.job, self.rank)
         if st is None or st.path != path or st.size < off:
