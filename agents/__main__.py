@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
+from schemas import subjects
 from trainguard.service import ServiceConfig, main
 
 from .agent import AgentConfig, NodeAgent
@@ -29,8 +29,7 @@ def parse_agent_args(argv: list[str]) -> tuple[AgentConfig, str]:
     """``(AgentConfig, node)`` from the agent's own options; unknown options are left for the
     common service parser. Exits with a usage message on a bad value."""
     p = argparse.ArgumentParser(prog="python -m agents", description="trainguard node agent")
-    p.add_argument("--node", default=os.environ.get("TG_NODE")
-                   or socket.gethostname().split(".")[0])
+    p.add_argument("--node", default=subjects.default_node())
     p.add_argument("--interval", type=float, default=1.0, help="telemetry period, seconds")
     p.add_argument("--heartbeat-interval", type=float, default=0.5,
                    help="node heartbeat period, seconds")

@@ -35,7 +35,7 @@ PRIORITY: dict[str, int] = {
     "gpu_xid": 90, "ecc": 92, "nvlink": 91, "node_lost": 88, "thermal": 40,
     "oom_host": 80, "oom_gpu": 80, "filesystem": 78, "checkpoint_corrupt": 77,
     "nan_loss": 72, "network": 70, "rendezvous": 65, "app_exception": 60,
-    "crash": 50, "hang": 45, "straggler": 30,
+    "crash": 50, "hang": 45, "checkpoint_save": 35, "straggler": 30,
 }
 
 #: Default (layer, action) per fault class when the anomaly carries no hint.
@@ -56,6 +56,7 @@ DEFAULTS: dict[str, tuple[str, str]] = {
     "straggler": ("unknown", "none"),
     "thermal": ("hardware", "exclude_node_and_requeue"),
     "rendezvous": ("infrastructure", "fix_config"),
+    "checkpoint_save": ("infrastructure", "none"),
 }
 
 #: Actions from weakest to strongest (a later verdict for the same incident is published only

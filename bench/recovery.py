@@ -340,7 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Run the demo job under trainguard and its peers with one deterministic "
                     "fault schedule; print and write (JSON) seconds from fault to training "
                     "again, steps rolled back, goodput and culprit attribution.")
-    p.add_argument("--json", required=True, metavar="PATH", help="write the result rows here")
+    p.add_argument("--json", default="", metavar="PATH",
+                   help="also write the result rows here (the table is always printed)")
     p.add_argument("--quick", action="store_true",
                    help=f"shorter jobs, 1 run, trainguard on every single fault (no "
                         f"five_faults unless --faults asks) and torchrun on "
@@ -538,11 +539,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     for system, why in missing.items():
         print(f"\n{system}: not run — {why}")
-    with open(a.json, "w") as fh:
-        json.dump(rows, fh, indent=2)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
     with open(os.path.join(root, "detail.json"), "w") as fh:
         json.dump({"settings": asdict(s), "rows": rows, "runs": detail}, fh, indent=2)
-    print(f"\nrows written to {a.json}; per-run detail in {os.path.join(root, 'detail.json')}")
+    print(f"\n{'rows written to ' + a.json + '; ' if a.json else ''}per-run detail in "
+          f"{os.path.join(root, 'detail.json')}")
     if a.markdown:
         with open(a.markdown, "w") as fh:
             fh.write(f"Command: `{cmd}`\n\n{markdown_table(rows)}\n")

@@ -772,3 +772,18 @@ def pat_xid(line: str, node: str | None, ts: int) -> Finding | None:
 
     m = parse_xid_line(line)
     return xid_finding_from_match(m, node, ts) if m else None
+
+
+def save_failed_finding(rank: int | None, node: str | None, step: int, error: str,
+                        errno: int | None, generation: int | None, ts: int) -> Finding:
+    """A checkpoint save that failed (schema ``ckpt.save_failed``). Its own fault class,
+    ``checkpoint_save``: the Checkpointer keeps training going and the last valid checkpoint in
+    place, so the policy flags it (policy table) instead of stopping the job the way the
+    ``filesystem`` class does for a rank that crashed on a full disk. One anomaly per rank and
+    generation (the dedup key)."""
+    return Finding("log_pattern", "checkpoint_save", ranks=[rank] if rank is not None else [],
+                   nodes=[node] if node else [],
+                   evidence=[f"checkpoint save at step {step} failed: {error}"[:500]],
+                   detail={"pattern": "checkpoint_save_failed", "layer": "infrastructure",
+                           "action": "none", "weight": 0.8, "errno": errno, "step": step},
+                   ts=ts, generation=generation)

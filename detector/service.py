@@ -191,16 +191,10 @@ class Detector(Service):
         if not isinstance(ev, schemas.CheckpointSaveFailed):
             return
         job = self._job_of(subject, ev)
-        f = rules.log_rule(ev.error, "stderr", ev.rank, ev.node, ev.generation, ev.ts)
-        if f is None or f.fault_class not in ("filesystem", "checkpoint_corrupt"):
-            f = Finding("log_pattern", "filesystem", ranks=[ev.rank] if ev.rank is not None
-                        else [], nodes=[ev.node] if ev.node else [],
-                        evidence=[f"checkpoint save at step {ev.step} failed: {ev.error}"],
-                        detail={"pattern": "checkpoint_save_failed", "layer": "infrastructure",
-                                "action": "stop_job_notify_user", "weight": 0.8,
-                                "errno": ev.errno},
-                        ts=ev.ts, generation=ev.generation)
-        await self.emit(job, f, ev)
+        if ev.error.startswith("skipped:"):
+            return  # overlap_policy="skip" did what it was asked to: nothing failed
+        await self.emit(job, rules.save_failed_finding(
+            ev.rank, ev.node, ev.step, ev.error, ev.errno, ev.generation, ev.ts), ev)
 
     async def on_node_heartbeat(self, subject: str, ev: schemas.Event) -> None:
         if isinstance(ev, schemas.NodeHeartbeat):

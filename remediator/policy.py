@@ -108,6 +108,10 @@ TABLE: tuple[Rule, ...] = (
          "a failing NIC or link stays broken: corpus (IB/RoCE completion errors)"),
     Rule("filesystem", None, "stop_job_notify_user",
          "a full or failing file system fails every retry: corpus (disk full, write errors)"),
+    Rule("checkpoint_save", None, "none",
+         "a failed save leaves the ranks training and the last valid checkpoint in place "
+         "(the Checkpointer's contract): flag it so that someone frees the disk or fixes the "
+         "directory", overridable=False),
     Rule("node_lost", None, "exclude_node_and_requeue",
          "the node is gone: continue on the remaining nodes or a spare"),
     Rule("gpu_xid", None, "exclude_node_and_requeue",

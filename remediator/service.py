@@ -117,8 +117,8 @@ class Remediator(Service):
             await self._fold(v, None, "this verdict was already handled")
             return
         state = await st.job(job)
-        if state.get("status") in ("stopped", "finished"):
-            # a stopped job's lingering anomalies (silence of its dead ranks…) decide nothing
+        if state.get("status") in ("stopped", "finished", "failed"):
+            # an ended job's lingering anomalies (silence of its dead ranks…) decide nothing
             await self._fold(v, None, f"job is {state['status']}: no further decisions")
             return
         dec = pol.decide(v, state, self.rconfig.policy)

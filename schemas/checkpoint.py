@@ -48,10 +48,12 @@ class CheckpointInvalid(Event):
 
 class CheckpointSaveFailed(Event):
     """A save failed (disk full, permission denied …); training goes on, the last valid
-    checkpoint stays. ``error`` is the message, ``errno`` the OS error number when there is one."""
+    checkpoint stays. ``error`` is the message, ``errno`` the OS error number when there is one,
+    ``generation`` the restart generation of the rank that reports it."""
 
     SCHEMA = "ckpt.save_failed"
     step: int
     path: str = ""
     error: str
     errno: int | None = None
+    generation: int = 0

@@ -8,11 +8,12 @@ from pydantic import BaseModel, Field
 
 from .base import Event
 
-#: Fault classes (shared/corpus/README.md vocabulary).
+#: Fault classes (shared/corpus/README.md vocabulary, plus ``checkpoint_save``: a checkpoint
+#: save failed while training went on, which the corpus has no class for).
 FAULT_CLASSES = (
     "crash", "hang", "oom_gpu", "oom_host", "gpu_xid", "ecc", "nvlink", "network", "filesystem",
     "checkpoint_corrupt", "node_lost", "app_exception", "nan_loss", "straggler", "thermal",
-    "rendezvous",
+    "rendezvous", "checkpoint_save",
 )
 #: Layers of attribution.
 LAYERS = ("hardware", "system_software", "application", "infrastructure", "unknown")

@@ -6,7 +6,9 @@ Names must be NATS tokens: no ``.``, ``*``, ``>`` or whitespace.
 """
 from __future__ import annotations
 
+import os
 import re
+import socket
 
 PREFIX = "tg"
 DEAD_LETTER = "tg.dlq"
@@ -21,6 +23,12 @@ def token(name: str | int) -> str:
             f"{s!r} cannot be a NATS subject token: use letters, digits, '_', '-' or ':' only"
         )
     return s
+
+
+def default_node() -> str:
+    """This host's node name, the same for the agent, the launcher, the ranks and the services:
+    env ``TG_NODE``, else the short host name (a subject token has no dots)."""
+    return os.environ.get("TG_NODE") or socket.gethostname().split(".")[0]
 
 
 def node(node_name: str, kind: str) -> str:

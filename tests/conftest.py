@@ -52,9 +52,7 @@ def servers():
         return
     from trainguard.embedded import EmbeddedServers
 
-    s = EmbeddedServers(nats_url="", redis_url="")
-    # ignore NATS_URL/REDIS_URL from the environment: tests are hermetic
-    s.nats_url = s.redis_url = ""
+    s = EmbeddedServers()  # its own servers: it never reads NATS_URL/REDIS_URL
     s.start()
     try:
         yield _Servers(s.nats_url, s.redis_url)

@@ -107,3 +107,35 @@ def test_unreachable_server_says_why_and_what_to_do():
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"detector: cannot reach NATS at {url}")
+
+
+async def test_late_subscriber_gets_the_last_stored_decision(servers):
+    """A rank that subscribes after a decision was published (a spare still warming) learns it
+    from JetStream: ``last_stored`` hands the newest stored message on the subject over."""
+    pub = await Bus(servers.nats_url, "decider").connect()
+    await pub.ensure_streams()
+    for gen in (1, 2):
+        await pub.publish("tg.job.late.decision", schemas.Decision(
+            job="late", action="restart_workers", mode="action", execute=True, generation=gen,
+            idempotency_key=f"k{gen}"))
+    await pub.flush()
+    await asyncio.sleep(0.2)  # stored by the stream
+    got, nothing = [], []
+    late = await Bus(servers.nats_url, "late-rank").connect()
+    await late.subscribe("tg.job.late.decision", lambda s, e: got.append(e), last_stored=True)
+    await late.subscribe("tg.job.quiet.decision", lambda s, e: nothing.append(e),
+                         last_stored=True)
+    assert [(d.generation, d.idempotency_key) for d in got] == [(2, "k2")]
+    assert nothing == []
+    # live messages still arrive after the replayed one
+    await pub.publish("tg.job.late.decision", schemas.Decision(
+        job="late", action="restart_workers", mode="action", execute=True, generation=3,
+        idempotency_key="k3"))
+    await pub.flush()
+    for _ in range(100):
+        if len(got) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert [d.generation for d in got] == [2, 3]
+    await late.close()
+    await pub.close()

@@ -152,3 +152,28 @@ async def test_bad_message_goes_to_dead_letter_and_service_goes_on(servers, redi
         assert await st.wait(lambda: st.verdicts)
         assert st.verdicts[0].culprit.ranks == [0]
         assert st.det.bus.stats.bad["malformed"] == 1
+
+
+async def test_failed_save_is_flagged_and_training_goes_on(servers, redis_db):
+    """A ``ckpt.save_failed`` (disk full) becomes a ``checkpoint_save`` anomaly and a verdict
+    whose action is ``none``: the Checkpointer keeps training and the last valid checkpoint, so
+    the job is flagged, not stopped. A skipped save (overlap_policy="skip") is no fault."""
+    from remediator.policy import rule_for
+
+    job = "savefail"
+    async with Stack(servers, job) as st:
+        await st.pub(subjects.job(job, "ckpt"), schemas.CheckpointSaveFailed(
+            job=job, node="n0", rank=1, step=40, generation=2, errno=28,
+            error="[Errno 28] No space left on device: '/ckpt/.tmp-step_40/__1_0.distcp'"))
+        await st.pub(subjects.job(job, "ckpt"), schemas.CheckpointSaveFailed(
+            job=job, node="n0", rank=0, step=60, generation=2,
+            error="skipped: the previous save (step 40) is still being written"))
+        assert await st.wait(lambda: st.verdicts)
+        await asyncio.sleep(0.5)
+        (a,) = st.anomalies
+        assert (a.fault_class, a.rank, a.generation) == ("checkpoint_save", 1, 2)
+        assert a.detail["errno"] == 28 and "No space left" in a.evidence[0]
+        (v,) = st.verdicts
+        assert (v.fault_class, v.action, v.culprit.ranks) == ("checkpoint_save", "none", [1])
+        assert rule_for(v.fault_class, v.layer).action == "none"
+        assert not st.dlq

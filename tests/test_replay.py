@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import schemas
 from schemas import LogLine, Verdict, subjects
 from trainguard.bus import Bus
@@ -45,7 +47,10 @@ async def test_record_then_play_keeps_bytes_and_spacing(servers):
         got.append((asyncio.get_running_loop().time(), msg.subject, msg.data))
     await pub.nc.subscribe("replayed.tg.job.rp.>", cb=on)
     await pub.flush()
-    assert await play(servers.nats_url, recs, speed=1.0, subject_prefix="replayed.") == 3
+    with pytest.raises(ValueError, match="cannot be a NATS subject token"):
+        await play(servers.nats_url, recs, subject_prefix="bad prefix")
+    # the prefix is subject tokens: "replayed" puts the events under replayed.tg.…
+    assert await play(servers.nats_url, recs, speed=1.0, subject_prefix="replayed") == 3
     for _ in range(100):
         if len(got) == 3:
             break

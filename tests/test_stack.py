@@ -223,3 +223,24 @@ def test_slurm_example_is_valid_bash():
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     with open(path) as fh:
         assert "trainguard launch" in fh.read()
+
+
+def test_embedded_servers_never_take_urls_from_the_environment(monkeypatch):
+    """A NATS_URL/REDIS_URL left in the shell (`source tg.env`, a shared bus) must not receive
+    the demo's injected faults or the tests' events: the embedded stack starts its own."""
+    from trainguard.embedded import EmbeddedServers
+
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1")
+    with EmbeddedServers() as srv:
+        assert srv.nats_url.startswith("nats://127.0.0.1:") and srv.nats_url != "nats://127.0.0.1:1"
+        assert srv.redis_url != "redis://127.0.0.1:1"
+
+        async def _ping():
+            bus = await Bus(srv.nats_url, "env-test").connect(timeout=5.0)
+            await bus.close()
+            st = StateStore(srv.redis_url)
+            await st.ping()
+            await st.close()
+
+        asyncio.run(_ping())

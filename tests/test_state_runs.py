@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from trainguard.state import StateStore
+from trainguard.state import LauncherConflict, StateStore
 
 
 def _run(coro):
@@ -28,21 +28,28 @@ async def _scenario(url: str):
         second = [await st.begin_run("j", "n0", 10.0, mode="action"),
                   await st.begin_run("j", "n1", 10.0, mode="action")]
         job = await st.job("j")
+        # a second launcher on a node whose launcher holds a live lease is refused
+        await st.begin_run("k", "n0", 0.5)
+        try:
+            await st.begin_run("k", "n0", 10.0)
+            conflict = None
+        except LauncherConflict as exc:
+            conflict = exc
         # a launcher that died without ending its lease: the lease runs out
-        await st.begin_run("k", "n0", 0.2)
-        await st.begin_run("k", "n0", 0.2)  # (joins its own live run)
-        time.sleep(0.3)
+        time.sleep(0.6)
         k_again = await st.begin_run("k", "n0", 10.0)
-        return first, second, job, k_again
+        return first, second, job, k_again, conflict
     finally:
         await st.close()
 
 
 def test_a_launch_after_the_last_launcher_left_is_a_new_run(redis_db):
-    first, second, job, k_again = _run(_scenario(redis_db))
+    first, second, job, k_again, conflict = _run(_scenario(redis_db))
     assert first == [(0, False), (0, False)]  # the first run: generation 0, both join it
     assert second == [(5, True), (5, False)]  # past generation 4; the second launcher joins
     assert job["generation"] == 5 and job["status"] == "running"
     assert job["retries_used"] == 0 and job["mode"] == "action"
     assert not job.get("members")  # the new run's launchers register their ranks again
     assert k_again == (1, True)
+    assert conflict is not None and (conflict.job, conflict.node) == ("k", "n0")
+    assert 0 < conflict.remaining_s <= 0.5 and "live launcher on node 'n0'" in str(conflict)

@@ -113,11 +113,15 @@ class Bus:
             self.stats.dropped += 1
             self._log_once(f"pub:{type(exc).__name__}", "publish to %s dropped: %s", subject, exc)
 
-    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Any:
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "",
+                        last_stored: bool = False) -> Any:
         """Subscribe ``handler(subject, event)`` (sync or async) to ``subject``.
 
         Undecodable messages go to the dead-letter subject; handler errors are logged and
-        counted. Returns the nats-py subscription.
+        counted. ``last_stored`` (an exact subject kept by a JetStream stream, e.g. a job's
+        decisions): once subscribed, the newest stored message is handed to ``handler`` too, so
+        that a process that subscribes late still learns what was decided before it listened
+        (the handler must ignore what it has already seen). Returns the nats-py subscription.
         """
         assert self.nc is not None, "call connect() first"
 
@@ -139,7 +143,23 @@ class Bus:
                                ev.SCHEMA, exc, )
                 log.debug("handler error", exc_info=True)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=_cb)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=_cb)
+        if last_stored:
+            raw = await self.last_stored(subject)
+            if raw is not None:
+                await _cb(raw)
+        return sub
+
+    async def last_stored(self, subject: str) -> Any | None:
+        """The newest message a JetStream stream keeps on exact ``subject`` (``.subject``,
+        ``.data``), or None: none stored, no stream holds the subject, or no JetStream."""
+        assert self.nc is not None, "call connect() first"
+        try:
+            js = self.nc.jetstream()
+            stream = await js.find_stream_name_by_subject(subject)
+            return await js.get_last_msg(stream, subject)
+        except Exception:  # noqa: BLE001 - nothing stored (or no JetStream): nothing to replay
+            return None
 
     async def dead_letter(self, subject: str, data: bytes, exc: DecodeError) -> None:
         """Count, log once per kind, and republish a bad message to ``tg.dlq.<name>``."""
@@ -200,7 +220,7 @@ class ThreadedBus:
         self._pending = 0
         self._lock = threading.Lock()
         self._connected = threading.Event()
-        self._subs: list[tuple[str, Handler, str]] = []
+        self._subs: list[tuple[str, Handler, str, bool]] = []
 
     @property
     def stats(self) -> BusStats:
@@ -223,8 +243,8 @@ class ThreadedBus:
             except ConnectionError as exc:
                 self.bus._log_once("threaded-connect", "%s", exc)
                 await asyncio.sleep(0.5)
-        for subject, handler, queue in self._subs:
-            await self.bus.subscribe(subject, handler, queue)
+        for subject, handler, queue, last in self._subs:
+            await self.bus.subscribe(subject, handler, queue, last_stored=last)
         self._connected.set()
 
     def wait_connected(self, timeout: float) -> bool:
@@ -259,13 +279,16 @@ class ThreadedBus:
         while not self._connected.is_set():
             await asyncio.sleep(0.05)
 
-    def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
-        """Subscribe now if connected, else as soon as the connection is made."""
+    def subscribe(self, subject: str, handler: Handler, queue: str = "",
+                  last_stored: bool = False) -> None:
+        """Subscribe now if connected, else as soon as the connection is made.
+        ``last_stored``: see ``Bus.subscribe``."""
         if self._connected.is_set():
-            asyncio.run_coroutine_threadsafe(self.bus.subscribe(subject, handler, queue),
-                                             self.loop).result(5.0)
+            asyncio.run_coroutine_threadsafe(
+                self.bus.subscribe(subject, handler, queue, last_stored=last_stored),
+                self.loop).result(5.0)
         else:
-            self._subs.append((subject, handler, queue))
+            self._subs.append((subject, handler, queue, last_stored))
 
     def call(self, coro: Awaitable[Any], timeout: float = 5.0) -> Any:
         """Run ``coro`` on the bus loop; wait at most ``timeout`` seconds (TimeoutError)."""

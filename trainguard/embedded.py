@@ -139,13 +139,15 @@ class EmbeddedServer:
 class EmbeddedServers:
     """nats-server + valkey-server on free loopback ports, or the given URLs.
 
-    ``nats_url``/``redis_url`` (or env ``NATS_URL``/``REDIS_URL``) make it use existing servers
-    instead of starting its own. Context manager; ``stop()`` is idempotent.
+    ``nats_url``/``redis_url`` make it use existing servers instead of starting its own. The
+    environment is never read here (a ``NATS_URL`` left in a shell must not send the demo's
+    injected faults, or the tests' events, to somebody's bus). Context manager; ``stop()`` is
+    idempotent.
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None):
-        self.nats_url = nats_url or os.environ.get("NATS_URL") or ""
-        self.redis_url = redis_url or os.environ.get("REDIS_URL") or ""
+        self.nats_url = nats_url or ""
+        self.redis_url = redis_url or ""
         self.servers: list[EmbeddedServer] = []
 
     def start(self) -> "EmbeddedServers":

@@ -35,7 +35,7 @@ import schemas
 from schemas import subjects
 
 from .bus import ThreadedBus
-from .state import StateStore
+from .state import LauncherConflict, StateStore
 
 if TYPE_CHECKING:
     from .checkpoint.writer import NodeWriter
@@ -72,7 +72,7 @@ class LaunchConfig:
     nnodes: int = 1
     nproc_per_node: int = 1
     node_rank: int = 0
-    node: str = field(default_factory=socket.gethostname)
+    node: str = field(default_factory=subjects.default_node)
     job: str = "default"
     mode: str = "observe"
     rdzv_endpoint: str = ""
@@ -275,8 +275,21 @@ class Launcher:
             st = self._store()
             await st.register_job(cfg.job, generation=0, retries_used=0, status="running",
                                   **settings)
-            self.generation, new_run = await st.begin_run(cfg.job, cfg.node, self.LEASE_S,
-                                                          **settings)
+            # a launcher of this node that died keeps its lease for up to LEASE_S: wait that
+            # out; a live one renews it, and this launch is refused (LauncherConflict)
+            deadline = time.monotonic() + self.LEASE_S + 2.0
+            while True:
+                try:
+                    self.generation, new_run = await st.begin_run(
+                        cfg.job, cfg.node, self.LEASE_S, **settings)
+                    break
+                except LauncherConflict as exc:
+                    if time.monotonic() + exc.remaining_s > deadline:
+                        raise
+                    print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} has a launcher "
+                          f"on this node whose lease runs out in {exc.remaining_s:.1f} s; "
+                          f"waiting for it", file=sys.stderr, flush=True)
+                    await asyncio.sleep(min(max(exc.remaining_s, 0.05), 1.0))
             if new_run:
                 print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ran before: this "
                       f"is a new run of it, at generation {self.generation} (it resumes "
@@ -291,7 +304,9 @@ class Launcher:
                      "local_rank": lr} for lr in range(cfg.nproc_per_node)])
 
         try:
-            self.bus.call(_reg(), timeout=15.0)
+            self.bus.call(_reg(), timeout=self.LEASE_S + 20.0)
+        except LauncherConflict as exc:
+            raise SystemExit(f"trainguard launch: {exc}") from None
         except (ConnectionError, OSError, RedisError, TimeoutError) as exc:
             raise SystemExit(f"trainguard launch: cannot register job {cfg.job!r} in the state "
                              f"store at {cfg.redis_url} ({type(exc).__name__}: {exc}): start "
@@ -329,14 +344,16 @@ class Launcher:
                              f"`trainguard up` (it prints TG_RDZV_ENDPOINT) or "
                              f"`python -m trainguard.rendezvous --port N`") from None
 
-    def _mark_finished(self) -> None:
-        """Every local rank finished: record it, so late anomalies (a node lost after the end)
-        decide nothing for this job."""
+    def _mark_status(self, status: str) -> None:
+        """Record how the job ended here: ``finished`` (every local rank finished, so late
+        anomalies such as a node lost after the end decide nothing) or ``failed`` (this node
+        stopped on a failure it did not recover from in action mode). A job
+        already ``stopped`` by a decision keeps that status."""
         async def _mark() -> None:
             st = self._store()
             job = await st.job(self.cfg.job)
             if job.get("status") != "stopped":
-                await st.update_job(self.cfg.job, status="finished")
+                await st.update_job(self.cfg.job, status=status)
 
         try:
             self.bus.call(_mark(), timeout=5.0)
@@ -527,10 +544,16 @@ class Launcher:
                 pass
         if self.node_writer is not None:
             self.node_writer.close()  # it finishes the saves in flight on its own, then exits
-        if self.exit_status in (0, EXIT_STOPPED):
+        if self.exit_status in (0, EXIT_STOPPED, 1):
+            # the job is over here (finished, stopped, or failed for good: a new launch
+            # restores from disk): the staging buffers would only hold shared memory
             self._release_staging()
-        if self.exit_status == 0 and not self.cfg.spare_node:
-            self._mark_finished()
+        if not self.cfg.spare_node and self.exit_status == 0:
+            self._mark_status("finished")
+        elif not self.cfg.spare_node and self.exit_status == 1 and self.cfg.mode == "action":
+            # (observe mode leaves the status: the decision that would have been taken for
+            # this failure is still to be published, and an ended job decides nothing)
+            self._mark_status("failed")
 
         async def _end() -> None:
             st = self._store()
@@ -549,12 +572,39 @@ class Launcher:
         self.events.put(("stop", status))
 
 
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse settings that cannot describe a job (argparse's usage error, exit status 2)."""
+    for name, val in (("--job", a.job), ("--node", a.node)):
+        try:
+            subjects.token(val)
+        except ValueError as exc:
+            p.error(f"{name}: {exc}")
+    if a.nnodes < 1 or a.nproc_per_node < 1:
+        p.error(f"--nnodes and --nproc-per-node must be ≥ 1 (got {a.nnodes} and "
+                f"{a.nproc_per_node})")
+    if not 0 <= a.node_rank < a.nnodes and not a.spare_node:
+        p.error(f"--node-rank must be in [0, {a.nnodes - 1}] for --nnodes {a.nnodes} (got "
+                f"{a.node_rank}); a node that only waits to replace another takes --spare-node")
+    world = a.nnodes * a.nproc_per_node
+    if not 1 <= a.min_world_size <= world:
+        p.error(f"--min-world-size must be in [1, {world}] (the world size), got "
+                f"{a.min_world_size}")
+    for name, val in (("--spares", a.spares), ("--retry-budget", a.retry_budget),
+                      ("--hang-timeout", a.hang_timeout)):
+        if val < 0:
+            p.error(f"{name} must be ≥ 0, got {val}")
+    for name, val in (("--startup-timeout", a.startup_timeout),
+                      ("--node-timeout", a.node_timeout)):
+        if val <= 0:
+            p.error(f"{name} must be > 0 seconds, got {val}")
+
+
 def parse_args(argv: list[str]) -> LaunchConfig:
     p = argparse.ArgumentParser(prog="trainguard launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--node", default=os.environ.get("TG_NODE", socket.gethostname()),
+    p.add_argument("--node", default=subjects.default_node(),
                    help="this node's name (default: $TG_NODE or the hostname)")
     p.add_argument("--job", default=os.environ.get("TG_JOB", "default"))
     p.add_argument("--mode", choices=("observe", "action"),
@@ -579,6 +629,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
+    _check_args(p, a)
     return LaunchConfig(
         script=a.script, script_args=a.script_args, module=a.module, nnodes=a.nnodes,
         nproc_per_node=a.nproc_per_node, node_rank=a.node_rank, node=a.node, job=a.job,

@@ -26,6 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+#: The traceback hook before any process group (``form_groups`` restores it first).
+_BASE_EXCEPTHOOK = sys.excepthook
+
 
 class RendezvousError(RuntimeError):
     """The barrier or store failed; the message says which generation and who was missing."""
@@ -140,6 +143,10 @@ def form_groups(store, job: str, generation: int, rank: int, world_size: int,
     socks = GroupSockets()
     socks.begin()
     prefix = dist.PrefixStore(f"{job}/g{generation}/pg", store)
+    # init_process_group wraps sys.excepthook to prefix tracebacks with "[rank<r>]"; it wraps
+    # the wrapper of the last generation (or of the spare's warm-up) too, which stacked stale
+    # labels ("[rank2]: [rank0]: …"): wrap the hook that was there before trainguard's groups
+    sys.excepthook = _BASE_EXCEPTHOOK
     dist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None

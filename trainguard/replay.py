@@ -117,10 +117,20 @@ async def record(nats_url: str, out: IO[str], subject: str = "tg.>",
 async def play(nats_url: str, records: Iterator[Record] | list[Record], speed: float = 1.0,
                subject_prefix: str = "") -> int:
     """Publish ``records`` keeping their original spacing divided by ``speed`` (0 = no
-    waiting); ``subject_prefix`` is put in front of each subject (e.g. to replay into a
-    separate namespace). Returns the number published."""
+    waiting); ``subject_prefix`` (subject tokens, e.g. ``"test"`` or ``"a.b"``) is put in front
+    of each subject, joined with a dot (e.g. to replay into a separate namespace: ``test.tg.…``).
+    Returns the number published. Raises ValueError for a negative speed or a prefix that is
+    not subject tokens."""
     if speed < 0:
         raise ValueError("speed must be >= 0 (0 = as fast as possible)")
+    prefix = subject_prefix.strip(".")
+    if prefix:
+        for tok in prefix.split("."):
+            try:
+                schemas.subjects.token(tok)
+            except ValueError as exc:
+                raise ValueError(f"--subject-prefix {subject_prefix!r}: {exc}") from None
+        prefix += "."
     bus = await Bus(nats_url, "trainguard-replay").connect()
     assert bus.nc is not None
     n, t0_rec, t0 = 0, None, time.monotonic()
@@ -133,7 +143,7 @@ async def play(nats_url: str, records: Iterator[Record] | list[Record], speed: f
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
-            await bus.nc.publish(subject_prefix + rec.subject, rec.data, headers=rec.headers)
+            await bus.nc.publish(prefix + rec.subject, rec.data, headers=rec.headers)
             n += 1
         await bus.flush()
     finally:
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("file")
     pl.add_argument("--speed", type=float, default=1.0,
                     help="time scale: 2 = twice as fast, 0 = as fast as possible")
-    pl.add_argument("--subject-prefix", default="", help="prefix put before every subject")
+    pl.add_argument("--subject-prefix", default="",
+                    help="subject tokens put before every subject: 'test' → test.tg.…")
     pl.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     args = p.parse_args(argv)
     if not args.nats_url:

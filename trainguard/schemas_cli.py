@@ -8,8 +8,15 @@ import schemas
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trainguard schemas")
-    p.add_argument("--out", default="schemas/json", help="directory to write <schema>.json into")
+    # not "schemas/": a folder of that name in a job's directory would shadow the package
+    p.add_argument("--out", default="trainguard-schemas",
+                   help="directory to write <schema>.json into (default: ./trainguard-schemas)")
     args = p.parse_args(argv)
-    for path in schemas.export_json_schemas(args.out):
+    try:
+        paths = schemas.export_json_schemas(args.out)
+    except OSError as exc:
+        raise SystemExit(f"trainguard schemas: cannot write to {args.out!r}: {exc.strerror or exc}"
+                         f"; give --out a writable directory") from None
+    for path in paths:
         print(path)
     return 0

@@ -18,9 +18,10 @@ import json
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from schemas import subjects
 
 from . import tracing
 from .bus import Bus, Handler
@@ -45,7 +46,7 @@ class ServiceConfig:
 
     nats_url: str = field(default_factory=lambda: os.environ.get("NATS_URL", ""))
     redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", ""))
-    node: str = field(default_factory=lambda: os.environ.get("TG_NODE", socket.gethostname()))
+    node: str = field(default_factory=subjects.default_node)
     tick_s: float = 0.05
     queue: str = ""
 
@@ -133,7 +134,7 @@ def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = N
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
-    p.add_argument("--node", default=os.environ.get("TG_NODE", socket.gethostname()))
+    p.add_argument("--node", default=subjects.default_node())
     p.add_argument("--queue", default=os.environ.get("TG_QUEUE", ""))
     p.add_argument("--log-level", default=os.environ.get("TG_LOG_LEVEL", "INFO"))
     args, _ = p.parse_known_args(argv)

@@ -39,6 +39,7 @@ def warm() -> None:
             importlib.import_module(name.strip())
         except ImportError as exc:
             print(f"trainguard.spare: cannot pre-import {name}: {exc}", file=sys.stderr)
+    hook = sys.excepthook  # init_process_group labels tracebacks "[rank0]": not this rank's
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     model = DDP(torch.nn.Linear(4, 4))
@@ -51,9 +52,28 @@ def warm() -> None:
     del model, opt
     gc.collect()  # DDP's hooks form reference cycles: free its Reducer now, not later
     dist.destroy_process_group()
+    sys.excepthook = hook
+
+
+def _working_dir_off_path() -> bool:
+    """Take the working directory off ``sys.path`` (``python -m`` put it first) unless
+    trainguard itself lives there, so that trainguard's top-level packages (``schemas``,
+    ``checkpoint_validator``) load from its installation even when the job's directory holds a
+    folder of the same name (seen: ``./schemas/json`` written by ``trainguard schemas`` made every
+    rank fail with ``cannot import name 'DecodeError' from 'schemas'``). The rank's script gets
+    its own directory on the path as with torchrun. Returns True when it was taken off."""
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cwd = os.getcwd()
+    if cwd == home:
+        return False
+    keep = [p for p in sys.path if os.path.abspath(p or ".") != cwd]
+    dropped = len(keep) != len(sys.path)
+    sys.path[:] = keep
+    return dropped
 
 
 def main() -> None:
+    cwd_dropped = _working_dir_off_path()
     warm()
     # what is loaded now lives as long as the process: keep it out of the collector's scans,
     # so that the full collection of an in-process restart costs ≈ 0.2 ms, not ≈ 180 ms
@@ -70,6 +90,8 @@ def main() -> None:
     script = sys.argv[0]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     if assignment.get("module"):
+        if cwd_dropped:  # `python -m` semantics for the job's module: its directory first
+            sys.path.insert(0, os.getcwd())
         runpy.run_module(script, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(script, run_name="__main__")

@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from schemas import subjects
 
 from .embedded import EmbeddedServers, _die_with_parent, free_port
 from .service import health_subject
@@ -65,9 +66,8 @@ class StackError(RuntimeError):
 
 
 def default_node() -> str:
-    """This host's node name as the agent uses it (short host name: a subject token has no
-    dots)."""
-    return os.environ.get("TG_NODE") or socket.gethostname().split(".")[0]
+    """This host's node name (``schemas.subjects.default_node``)."""
+    return subjects.default_node()
 
 
 def service_available(name: str) -> bool:
@@ -114,8 +114,9 @@ def _run_async(fn: Callable[[], Any]) -> Any:
 class Stack:
     """NATS + Valkey + rendezvous store + services, as child processes (see module docstring).
 
-    * ``nats_url``/``redis_url`` — servers to use; None → env ``NATS_URL``/``REDIS_URL``, else
-      embedded servers on free loopback ports;
+    * ``nats_url``/``redis_url`` — servers to use; None or "" → embedded servers on free
+      loopback ports (the environment is not read here: ``trainguard up`` passes
+      ``NATS_URL``/``REDIS_URL`` itself; the demo and the tests always start their own);
     * ``services`` — names from ``SERVICE_SPECS``; ``agent_nodes`` — one agent per simulated
       node name;
     * ``rendezvous`` — also host the rendezvous store (skipped, with ``rdzv_endpoint = ""``, when
@@ -463,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
         print("trainguard up: all services healthy; Ctrl-C stops everything", file=sys.stderr)
         while True:
             time.sleep(0.5)
+            for srv in stack._servers.servers:  # the embedded NATS / Valkey this stack runs
+                rc = srv.proc.poll() if srv.proc is not None else None
+                if rc is not None:
+                    print(f"trainguard up: the embedded {srv.kind} server at {srv.url} exited "
+                          f"({rc}); every service and launcher depends on it: stopping "
+                          f"(start `trainguard up` again)", file=sys.stderr)
+                    return 1
             for name in stack.dead():
                 n = restarts.get(name, 0)
                 if n >= args.max_restarts:
@@ -480,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     except StackError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
+        return 1
+    except ConnectionError as exc:  # a --nats-url / --redis-url (or NATS_URL ...) that is down
+        print(f"trainguard up: {str(exc).split(': start one')[0]}: it was given by --nats-url/"
+              f"--redis-url or NATS_URL/REDIS_URL; point them at a running server, or unset "
+              f"them and `trainguard up` starts its own", file=sys.stderr)
         return 1
     finally:
         for s in old:

@@ -30,6 +30,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 IDEMPOTENCY_TTL_S = 7 * 86400
 
 
+class LauncherConflict(RuntimeError):
+    """A launcher of the same job already holds a live lease on this node
+    (``StateStore.begin_run``). ``remaining_s``: seconds until that lease runs out."""
+
+    def __init__(self, job: str, node: str, remaining_s: float):
+        self.job, self.node, self.remaining_s = job, node, remaining_s
+        super().__init__(
+            f"job {job!r} already has a live launcher on node {node!r} (its lease runs out in "
+            f"{remaining_s:.0f} s): stop that launcher first, give this launch another --job "
+            f"(or --node), or, if that launcher died, launch again once its lease ran out")
+
+
 class StateStore:
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``)."""
 
@@ -70,11 +82,17 @@ class StateStore:
         them would connect to dead peers — the status becomes ``running``, the retry budget
         starts afresh, the members are registered anew and ``fields`` (the launch settings)
         replace the old run's. Atomic, so the launchers of one new run agree. Returns
-        ``(generation, new_run)``.
+        ``(generation, new_run)``. Raises ``LauncherConflict`` when a launcher of ``node``
+        already holds a live lease on the job (a second launch of a running job on one node
+        would start a second set of the same ranks and break the first run).
         """
         script = """
         local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])
         redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+        local mine = redis.call('ZSCORE', KEYS[2], ARGV[1])
+        if mine then
+            return {-1, -1, tonumber(mine) - now}
+        end
         local live = redis.call('ZCARD', KEYS[2])
         local runs = tonumber(redis.call('HGET', KEYS[1], 'runs') or '0')
         local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
@@ -92,11 +110,13 @@ class StateStore:
             redis.call('HSET', KEYS[1], 'runs', tostring(runs + 1))
         end
         redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
-        return {gen, new_run}"""
+        return {gen, new_run, 0}"""
         now_ms = int(time.time() * 1000)
-        gen, new_run = await self.r.eval(
+        gen, new_run, left_ms = await self.r.eval(
             script, 2, f"tg:job:{job}", f"tg:job:{job}:launchers", node, now_ms,
             int(lease_s * 1000), json.dumps({k: _enc(v) for k, v in fields.items()}))
+        if int(new_run) < 0:
+            raise LauncherConflict(job, node, int(left_ms) / 1000.0)
         return int(gen), bool(new_run)
 
     async def renew_launcher(self, job: str, node: str, lease_s: float) -> None:

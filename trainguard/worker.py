@@ -24,7 +24,6 @@ import gc
 import logging
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -74,7 +73,7 @@ class WorkerConfig:
     """
 
     job: str = "default"
-    node: str = field(default_factory=socket.gethostname)
+    node: str = field(default_factory=subjects.default_node)
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -98,7 +97,7 @@ class WorkerConfig:
             f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}" if "MASTER_ADDR" in e and "MASTER_PORT" in e
             else "")
         return cls(
-            job=e.get("TG_JOB", "default"), node=e.get("TG_NODE", socket.gethostname()),
+            job=e.get("TG_JOB", "default"), node=e.get("TG_NODE") or subjects.default_node(),
             rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
             world_size=int(e.get("WORLD_SIZE", 1)),
             local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)),
@@ -157,7 +156,10 @@ class _Runtime:
             from .bus import ThreadedBus
 
             self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
-            self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision)
+            # last_stored: a rank that starts late (a spare still warming when the decision
+            # came) learns from the stream the generation the job moved to while it started
+            self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision,
+                               last_stored=True)
             self.bus.start()  # connects in the background: training never waits for the bus
         threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
 

@@ -482,6 +482,7 @@ class Checkpointer:
                 self.stats["skipped"] += 1
                 self._publish(
                     "CheckpointSaveFailed", job=self.job, rank=self.rank, step=step,
+                    generation=self.generation,
                     error=f"skipped: the previous save (step {res.inflight.step if busy else '?'}"
                           f") is still being written (overlap_policy='skip'); save less often "
                           f"or use overlap_policy='wait'")
@@ -576,7 +577,7 @@ class Checkpointer:
         self.stats["last_error"] = error
         log.warning("checkpoint of step %s failed: %s", step, error)
         self._publish("CheckpointSaveFailed", job=self.job, rank=self.rank, step=step,
-                      path=path, error=error, errno=errno)
+                      path=path, error=error, errno=errno, generation=self.generation)
 
     def _on_done_factory(self, step: int, loss: float | None):
         def on_done(p: _Pending, msg: dict) -> None:

@@ -471,6 +471,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hang-timeout", type=float, default=2.0)
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    last = max(f["step"] for f in DEFAULT_FAULTS)
+    if a.steps <= last + 20:
+        p.error(f"--steps must be more than {last + 20}: the faults are injected at steps "
+                f"{', '.join(str(f['step']) for f in DEFAULT_FAULTS)} and training must go on "
+                f"after the last one (got {a.steps})")
+    if a.hang_timeout <= 0:
+        p.error(f"--hang-timeout must be > 0 seconds, got {a.hang_timeout}")
     cfg = DemoConfig(mode=a.mode, steps=a.steps, seed=a.seed, run_dir=a.run_dir,
                      report=a.report, hang_timeout_s=a.hang_timeout, quiet=a.quiet)
     rep = Demo(cfg).run()
