@@ -244,3 +244,66 @@ def test_node_loss_moves_the_ranks_to_a_registered_spare_node(stack, tmp_path):
     assert d["world_size"] == 4  # node2 took node1's ranks: the world did not shrink
     assert f["resumed_step"] == f["restored_step"] + 1
     assert abs(rep["accuracy"] - rep["baseline_accuracy"]) <= 0.01
+
+
+_STARTUP_SCRIPT = '''
+import time, torch, trainguard
+
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = ctx.checkpointer(model, opt)
+    start = ckpt.restore()
+    net = ctx.ddp(model)
+    for step in range(start, 60):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = net(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.progress(step, loss=float(loss))
+        time.sleep(0.02)
+    if ctx.rank == 0:
+        print(f"finished at step {step} generation {ctx.generation}", flush=True)
+
+trainguard.run(train)
+'''
+
+
+def test_rank_killed_while_starting_recovers(stack, tmp_path):
+    """SIGKILL of rank 1 while its process is still starting (the spare importing torch): the
+    decision that moves the job to generation 1 is published before rank 0 listens; rank 0
+    learns it from the stream and meets the replacement there, and the job finishes (it used
+    to wait at generation 0 until the watchdog stopped the job)."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(_STARTUP_SCRIPT)
+    out = tmp_path / "launch.out"
+    cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nproc-per-node", "2",
+           "--job", "e2e-startkill", "--mode", "action", "--nats-url", stack.nats_url,
+           "--redis-url", stack.redis_url, "--rdzv-endpoint", stack.rdzv_endpoint,
+           "--ckpt-dir", str(tmp_path / "ckpt"), str(script)]
+    with open(out, "w") as fh:
+        launcher = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        pid = None
+        for _ in range(600):
+            m = re.search(r"rank 1 \(local 1\) started as pid (\d+)", out.read_text())
+            if m:
+                pid = int(m.group(1))
+                break
+            time.sleep(0.05)
+        assert pid is not None, out.read_text()[-3000:]
+        time.sleep(1.0)  # still warming: spares take several seconds to import torch here
+        os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(240) == 0, out.read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = out.read_text()
+    assert "decision restart_workers (executing) generation 1" in text, text[-3000:]
+    assert re.search(r"finished at step 59 generation [1-9]", text), text[-3000:]
