@@ -310,15 +310,22 @@ def _conf(c: str) -> int:
 
 # ---- escalation checks (pure predicates; facts for the reason, or None) ------------------------
 def _would_loop(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | None:
+    """The same fault (signature) at the same step as the last one, after a restart. A fault
+    without a step counts only for an application exception whose last occurrence had none
+    either: a script that fails the same way before its first step (seen: every restart of a
+    rank whose script raised at import failed alike until the retry budget was spent)."""
     last, step = job.last_fault, fault_step(v)
-    if not last or step is None or last.get("step") != step:
+    if not last or last.get("step") != step:
+        return None
+    if step is None and v.fault_class != "app_exception":
         return None
     if last.get("signature") != fault_signature(v):
         return None
     last_gen = _int(last.get("generation"), -1)
     if last_gen >= fault_gen:  # the same incident, not a repeat after a restart
         return None
-    return {"fault_class": v.fault_class, "step": step, "last_generation": last_gen}
+    return {"fault_class": v.fault_class, "step": step if step is not None else "start-up",
+            "last_generation": last_gen}
 
 
 def _budget_spent(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | None:

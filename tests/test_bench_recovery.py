@@ -53,8 +53,7 @@ def test_help_and_arguments(R):
     assert s.runs == 2 and s.steps == R.QUICK["steps"]
     with pytest.raises(SystemExit):
         R.parse_args(["--json", "x.json", "--systems", "slurm"])
-    with pytest.raises(SystemExit):
-        R.parse_args(["--systems", "torchrun"])  # --json is required
+    assert R.parse_args(["--systems", "torchrun"]).json == ""  # the table alone (make bench)
 
 
 def test_schedule(R):

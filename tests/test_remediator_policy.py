@@ -97,6 +97,21 @@ def test_same_fault_same_step_after_restart_is_a_loop():
     assert pol.fault_signature(v2) == pol.fault_signature(v)
 
 
+def test_same_exception_before_the_first_step_again_is_a_loop():
+    """A script that raises before its first step fails alike after every restart: the second
+    time is a loop (no step to compare: both have none); a crash without a step is not."""
+    v = verdict("app_exception", ranks=[1], evidence=["RuntimeError: no such dataset /data/x"])
+    last = {"fault_class": "app_exception", "step": None, "signature": pol.fault_signature(v),
+            "generation": 0}
+    d = decide(v, job(last_fault=last))
+    assert d.action == "stop_job_notify_user" and "at step start-up again" in d.reason
+    assert decide(v, job(last_fault={**last, "step": 12})).action == "restart_in_process"
+    c = verdict("crash", "unknown", ranks=[1], evidence=["rank 1 exited with signal 9"])
+    assert decide(c, job(last_fault={**last, "fault_class": "crash",
+                                     "signature": pol.fault_signature(c)})).action \
+        == "restart_workers"
+
+
 def test_exclude_renumbers_members():
     d = decide(verdict("node_lost", "infrastructure", nodes=["n1"]), job())
     assert d.action == "exclude_node_and_requeue"

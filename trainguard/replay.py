@@ -8,6 +8,11 @@
     Health requests (``tg.svc.*``) are not recorded. Stops at Ctrl-C/SIGTERM, after
     ``--duration`` seconds or ``--count`` messages.
 
+``trainguard replay record --history --out FILE [--subject 'tg.>'] [--count N]``
+    writes what the JetStream streams kept on ``--subject`` instead (events 7 days, telemetry
+    and heartbeats 1 hour: ``trainguard.bus.STREAMS``), oldest first across the streams, with
+    ``recv_ns`` the time the server stored each message; it ends when the history is written.
+
 ``trainguard replay play FILE [--speed X] [--subject-prefix P]``
     republishes every line with the original spacing divided by ``--speed`` (2 = twice as fast,
     0 = as fast as possible), so a service under a debugger sees what it saw live.
@@ -151,6 +156,80 @@ async def play(nats_url: str, records: Iterator[Record] | list[Record], speed: f
     return n
 
 
+async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
+                  count: int | None = None, batch: int = 512) -> int:
+    """Write what the JetStream streams of ``trainguard.bus.STREAMS`` keep on ``subject``
+    (wildcards allowed) to ``out``, oldest first: the streams are read side by side in batches
+    of ``batch`` and merged by the time the server stored each message (``recv_ns``), so a
+    recording of events and heartbeats interleaves as it happened. Stops after ``count``
+    messages when given. Returns the number written. Raises ConnectionError when NATS cannot be
+    reached; a stream that does not exist or holds nothing of ``subject`` is skipped."""
+    import heapq
+
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from .bus import STREAMS
+
+    bus = await Bus(nats_url, "trainguard-replay").connect()
+    assert bus.nc is not None
+    js = bus.nc.jetstream()
+    readers = []
+    try:
+        for name, _subjects, _age in STREAMS:
+            try:
+                psub = await js.pull_subscribe(subject, stream=name, config=ConsumerConfig(
+                    deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
+                    inactive_threshold=30.0))
+                left = (await psub.consumer_info()).num_pending
+            except Exception:  # noqa: BLE001 - no such stream, or nothing of subject in it
+                continue
+            if left:
+                readers.append([psub, left])
+
+        async def pull(i: int) -> list[Any]:
+            psub, left = readers[i]
+            if left <= 0:
+                return []
+            msgs = await psub.fetch(min(batch, left), timeout=5.0)
+            readers[i][1] = left - len(msgs)
+            return msgs
+
+        heap: list[tuple[int, int, int, Any]] = []
+        buffers: list[list[Any]] = []
+        for i in range(len(readers)):
+            buffers.append(await pull(i))
+            if buffers[i]:
+                m = buffers[i].pop(0)
+                heapq.heappush(heap, (_stored_ns(m), i, m.metadata.sequence.stream, m))
+        written = 0
+        while heap and (count is None or written < count):
+            ts, i, _seq, m = heapq.heappop(heap)
+            if not m.subject.startswith("tg.svc."):
+                out.write(Record(ts, m.subject, m.data, dict(m.headers or {}) or None)
+                          .to_json() + "\n")
+                written += 1
+            if not buffers[i]:
+                buffers[i] = await pull(i)
+            if buffers[i]:
+                n = buffers[i].pop(0)
+                heapq.heappush(heap, (_stored_ns(n), i, n.metadata.sequence.stream, n))
+        out.flush()
+        return written
+    finally:
+        for psub, _left in readers:
+            try:
+                await psub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the ephemeral consumer expires on its own
+                pass
+        await bus.close()
+
+
+def _stored_ns(msg: Any) -> int:
+    """Unix ns at which the JetStream server stored ``msg`` (microsecond resolution)."""
+    ts = msg.metadata.timestamp
+    return int(ts.timestamp() * 1_000_000) * 1000
+
+
 def summarize(records: list[Record]) -> dict[str, int]:
     """Count of records per event schema (``<malformed>`` for undecodable ones)."""
     out: dict[str, int] = {}
@@ -172,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--subject", default="tg.>", help="NATS subject (wildcards allowed)")
     r.add_argument("--duration", type=float, default=None, help="stop after S seconds")
     r.add_argument("--count", type=int, default=None, help="stop after N messages")
+    r.add_argument("--history", action="store_true",
+                   help="write what JetStream kept on --subject (oldest first), then exit")
     r.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     pl = sub.add_parser("play", help="publish a recording with its original spacing")
     pl.add_argument("file")
@@ -200,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _record_cli(args: argparse.Namespace) -> int:
     async def run(out: IO[str]) -> int:
+        if args.history:
+            return await history(args.nats_url, out, args.subject, args.count)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for s in (signal.SIGINT, signal.SIGTERM):
