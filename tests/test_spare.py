@@ -51,3 +51,24 @@ def test_a_script_failing_at_start_prints_an_unlabelled_traceback(tmp_path):
     assert p.returncode == 1
     assert "RuntimeError: boom at start" in p.stderr
     assert "[rank" not in p.stderr, p.stderr[-2000:]
+
+
+def test_unwrapping_rank_labels_keeps_the_programs_own_hook():
+    import torch.distributed as dist
+
+    from trainguard.rendezvous import unwrap_rank_excepthook
+
+    def mine(*exc_info):
+        pass
+
+    old = sys.excepthook
+    sys.excepthook = mine
+    try:
+        for _ in range(2):  # two generations: two stacked "[rank0]" wrappers
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.destroy_process_group()
+        assert sys.excepthook is not mine
+        unwrap_rank_excepthook()
+        assert sys.excepthook is mine
+    finally:
+        sys.excepthook = old

@@ -26,8 +26,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-#: The traceback hook before any process group (``form_groups`` restores it first).
-_BASE_EXCEPTHOOK = sys.excepthook
+
+def unwrap_rank_excepthook() -> None:
+    """Remove the traceback hooks ``init_process_group`` stacked on ``sys.excepthook``.
+
+    Each ``init_process_group`` (torch 2.13) wraps the current hook in one that prefixes every
+    traceback line with ``[rank<r>]`` of that group: a spare's one-rank warm-up group labelled a
+    later rank's traceback ``[rank0]``, and every generation of in-process restarts added a
+    label (``[rank2]: [rank0]: …``). Hooks the program installed itself are kept; a torch whose
+    wrapper looks different is left alone."""
+    hook = sys.excepthook
+    while getattr(hook, "__name__", "") == "_distributed_excepthook" and hook.__closure__:
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__))
+        if "old_hook" not in cells:
+            break
+        hook = cells["old_hook"].cell_contents
+    sys.excepthook = hook
 
 
 class RendezvousError(RuntimeError):
@@ -143,10 +157,7 @@ def form_groups(store, job: str, generation: int, rank: int, world_size: int,
     socks = GroupSockets()
     socks.begin()
     prefix = dist.PrefixStore(f"{job}/g{generation}/pg", store)
-    # init_process_group wraps sys.excepthook to prefix tracebacks with "[rank<r>]"; it wraps
-    # the wrapper of the last generation (or of the spare's warm-up) too, which stacked stale
-    # labels ("[rank2]: [rank0]: …"): wrap the hook that was there before trainguard's groups
-    sys.excepthook = _BASE_EXCEPTHOOK
+    unwrap_rank_excepthook()  # then init_process_group labels tracebacks with this rank only
     dist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None

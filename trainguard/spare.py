@@ -26,7 +26,7 @@ def warm() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import trainguard.worker  # noqa: F401
-    import trainguard.rendezvous  # noqa: F401
+    import trainguard.rendezvous
 
     for name in ("trainguard.checkpoint.checkpointer", "torch.distributed.checkpoint",
                  "trainguard.state", "trainguard.bus", "checkpoint_validator.validate"):
@@ -39,7 +39,6 @@ def warm() -> None:
             importlib.import_module(name.strip())
         except ImportError as exc:
             print(f"trainguard.spare: cannot pre-import {name}: {exc}", file=sys.stderr)
-    hook = sys.excepthook  # init_process_group labels tracebacks "[rank0]": not this rank's
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     model = DDP(torch.nn.Linear(4, 4))
@@ -52,7 +51,7 @@ def warm() -> None:
     del model, opt
     gc.collect()  # DDP's hooks form reference cycles: free its Reducer now, not later
     dist.destroy_process_group()
-    sys.excepthook = hook
+    trainguard.rendezvous.unwrap_rank_excepthook()  # its "[rank0]" label is no rank's
 
 
 def _working_dir_off_path() -> bool:
