@@ -208,7 +208,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|"
        r"rendezvous.{0,40}(?:timed? ?out|failed)|Timed out (?:after \d+ seconds )?waiting for "
        r"(?:clients|all \d* ?processes|workers)|DistStoreError|TCPStore.{0,40}(?:timed? ?out|"
-       r"refused)|init_process_group.{0,40}timed? ?out",
+       r"refused)|init_process_group.{0,40}timed? ?out|RendezvousError: rendezvous of generation",
        "rendezvous", "infrastructure", "fix_config", weight=0.85,
        why="the ranks never all met: a node missing, a wrong endpoint or run id"),
     _p("rendezvous_config_hint",
@@ -247,6 +247,11 @@ PATTERNS: tuple[LogPattern, ...] = (
 
 #: Lines that are never faults on their own (they would otherwise match a generic row).
 IGNORE = re.compile(r"^\s*(?:Traceback \(most recent call last\)|File \"|frame #\d+|\^+$)")
+#: trainguard's own reports of a failed or NaN checkpoint save, logged by the rank (anywhere in
+#: the line: after a logging prefix). Their event (``ckpt.save_failed``, fault class
+#: ``checkpoint_save``: flagged, training goes on) is what counts; read as a log line, "Read-only
+#: file system" in it would make a ``filesystem`` fault that stops the job.
+OWN_REPORTS = re.compile(r"checkpoint of step \d+ (?:failed|holds NaN)")
 
 # Rank in a line's own prefix, in the forms launchers and PyTorch print.
 _RANK_RE = (
@@ -267,7 +272,7 @@ def match_line(line: str) -> PatternMatch | None:
     """First row of ``PATTERNS`` that matches ``line`` (stripped), with its named groups;
     None for an uninteresting line. Never raises."""
     s = line.strip()
-    if not s or IGNORE.match(s):
+    if not s or IGNORE.match(s) or OWN_REPORTS.search(s):
         return None
     for p in PATTERNS:
         m = p.regex.search(s)

@@ -219,6 +219,8 @@ LINES = [
      "checkpoint_corrupt", False),
     ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
      "rendezvous_timeout", "rendezvous", False),
+    ("trainguard.rendezvous.RendezvousError: rendezvous of generation 2: 1/2 ranks arrived "
+     "after 120s", "rendezvous_timeout", "rendezvous", False),
     ("iteration 1200 | lm loss: nan | grad norm: nan", "nan_loss", "nan_loss", False),
     ("[deepspeed] OVERFLOW! Current loss scale already at minimum - cannot decrease scale anymore",
      "loss_scale_collapse", "nan_loss", False),
@@ -243,7 +245,10 @@ def test_watchdog_groups_and_rank():
 def test_benign_lines_do_not_match():
     for line in ("step 100 loss 2.31 lr 3e-4", "Saving checkpoint to /ckpt/step_100",
                  "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, "
-                 "reducing to 32768", "INFO: information about inference"):
+                 "reducing to 32768", "INFO: information about inference",
+                 # the Checkpointer's own report: its ckpt.save_failed event is what counts
+                 "2026-11-30 15:50:01,123 trainguard.checkpoint WARNING checkpoint of step 40 "
+                 "failed: [Errno 30] Read-only file system: '/ckpt/.tmp-step_40'"):
         assert pat.match_line(line) is None, line
 
 

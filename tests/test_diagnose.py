@@ -54,3 +54,15 @@ def test_clean_log_and_missing_file():
     assert p.returncode == 1 and json.loads(p.stdout)["fault_class"] is None
     p = run(str(LOGS / "no_such_file.log"))
     assert p.returncode == 2 and "cannot read" in p.stderr
+
+
+def test_trainguard_launch_log_names_the_rank_of_its_tag(tmp_path):
+    """A saved ``trainguard launch`` log: every rank line carries ``[node rank r] ``."""
+    log = tmp_path / "launch.log"
+    log.write_text("[vm rank 0] step 40 loss 0.12\n"
+                   "[vm rank 1] Traceback (most recent call last):\n"
+                   '[vm rank 1]   File "train.py", line 20, in train\n'
+                   "[vm rank 1] ValueError: bad batch shape (4, 3)\n")
+    v = json.loads(run(str(log), "--json").stdout)
+    assert v["fault_class"] == "app_exception" and v["culprit"]["ranks"] == [1]
+    assert v["culprit"]["nodes"] == ["vm"]

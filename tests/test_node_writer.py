@@ -66,7 +66,9 @@ def test_saves_go_through_the_node_writer_and_close_lets_them_finish(tmp_path, m
     assert not os.path.exists(sock + ".staging")
 
 
-def test_node_writer_exits_when_its_owner_is_killed(tmp_path):
+def test_node_writer_exits_when_its_owner_is_killed(tmp_path, monkeypatch):
+    """The launcher is SIGKILLed while a rank is connected: the daemon refuses new ranks, its
+    writer serves the rank until it goes, then the staged copy is freed and the daemon exits."""
     sock = str(tmp_path / "owner.sock")
     owner = subprocess.Popen(
         [sys.executable, "-c",
@@ -76,10 +78,21 @@ def test_node_writer_exits_when_its_owner_is_killed(tmp_path):
     try:
         daemon = int(owner.stdout.readline())
         assert psutil.pid_exists(daemon) and os.path.exists(sock)
+        monkeypatch.setenv("TG_CKPT_WRITER", sock)
+        ck = Checkpointer(_model(), None, config=CheckpointConfig(root=str(tmp_path / "ck")),
+                          job="nw-owner", rank=0, world_size=1)
+        assert ck.save(3)
+        ck.wait()
+        staged = ck._res.staging.path
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
-        assert _gone(daemon, 10.0), "node writer outlived its killed owner"
-        assert not os.path.exists(sock)
+        time.sleep(0.3)
+        assert not os.path.exists(sock)  # no new ranks
+        assert psutil.pid_exists(daemon) and os.path.exists(staged)  # the rank still lives
+        ck._res.writer.close()  # the rank goes (as if killed: no finalize)
+        assert _gone(daemon, 10.0), "node writer outlived its killed owner and its rank"
+        assert not os.path.exists(staged) and not os.path.exists(staged + ".meta")
+        assert validate_checkpoint(fmt.list_checkpoints(str(tmp_path / "ck"))[0].path).ok
     finally:
         owner.kill()
 

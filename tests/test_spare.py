@@ -72,3 +72,15 @@ def test_unwrapping_rank_labels_keeps_the_programs_own_hook():
         assert sys.excepthook is mine
     finally:
         sys.excepthook = old
+
+
+@pytest.mark.parametrize("service", ["agents", "detector", "attributor", "remediator",
+                                     "checkpoint_validator"])
+def test_services_start_in_a_directory_holding_a_schemas_folder(tmp_path, service):
+    """``python -m <service>`` (what ``trainguard up`` runs, in the user's directory) loads
+    trainguard's own ``schemas`` even when the directory holds a ``schemas/`` folder."""
+    (tmp_path / "schemas").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-m", service, "--help"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "usage" in p.stdout, p.stderr[-2000:]

@@ -41,6 +41,8 @@ _HOST_LINE = re.compile(r"^\s*host\s*:\s*(?P<node>\S+)\s*$")
 _SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)")
 #: how many lines a torchrun summary's rank/host applies to
 _CONTEXT_LINES = 8
+#: The tag ``trainguard launch`` puts before every line of a rank or spare (``[node rank 3] ``).
+_LAUNCH_TAG = re.compile(r"^\[(?P<node>[\w:-]+) (?:rank (?P<rank>\d+)|spare)\] ")
 
 
 def findings_from_lines(lines: Iterable[str], source: str = "", ts0: int = 0
@@ -59,6 +61,11 @@ def findings_from_lines(lines: Iterable[str], source: str = "", ts0: int = 0
         if not line.strip():
             continue
         ts = ts0 + i
+        tag = _LAUNCH_TAG.match(line)
+        if tag:  # a `trainguard launch` log: the tag names the node and rank of the line
+            line = line[tag.end():]
+            ctx_node, ctx_left = tag.group("node"), 1
+            ctx_rank = int(tag.group("rank")) if tag.group("rank") is not None else None
         sm = _SUMMARY_RANK.match(line)
         if sm:
             ctx_rank, ctx_left = int(sm.group("rank")), _CONTEXT_LINES

@@ -276,20 +276,24 @@ class Launcher:
             await st.register_job(cfg.job, generation=0, retries_used=0, status="running",
                                   **settings)
             # a launcher of this node that died keeps its lease for up to LEASE_S: wait that
-            # out; a live one renews it, and this launch is refused (LauncherConflict)
-            deadline = time.monotonic() + self.LEASE_S + 2.0
+            # out; a live one renews it (its expiry moves), and this launch is refused
+            expiry = None
             while True:
                 try:
                     self.generation, new_run = await st.begin_run(
                         cfg.job, cfg.node, self.LEASE_S, **settings)
                     break
                 except LauncherConflict as exc:
-                    if time.monotonic() + exc.remaining_s > deadline:
-                        raise
-                    print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} has a launcher "
-                          f"on this node whose lease runs out in {exc.remaining_s:.1f} s; "
-                          f"waiting for it", file=sys.stderr, flush=True)
-                    await asyncio.sleep(min(max(exc.remaining_s, 0.05), 1.0))
+                    now = time.monotonic()
+                    if expiry is not None and now + exc.remaining_s > expiry + 0.5:
+                        raise  # renewed: that launcher is alive
+                    if expiry is None:
+                        expiry = now + exc.remaining_s
+                        print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} has a "
+                              f"launcher on this node (lease runs out in "
+                              f"{exc.remaining_s:.1f} s); waiting to see whether it is alive",
+                              file=sys.stderr, flush=True)
+                    await asyncio.sleep(min(max(exc.remaining_s, 0.05), 2.5))
             if new_run:
                 print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ran before: this "
                       f"is a new run of it, at generation {self.generation} (it resumes "
@@ -426,6 +430,9 @@ class Launcher:
                 elif kind == "fill_pool":
                     self._fill_pool()
                 elif kind == "stop":
+                    print(f"trainguard launch [{self.cfg.node}]: stopping (exit status {obj}): "
+                          f"ranks and spares stopped, staging buffers freed; launch the job "
+                          f"again under its name to resume", file=sys.stderr, flush=True)
                     self._kill_all()
                     self.exit_status = obj
         finally:
@@ -464,6 +471,13 @@ class Launcher:
             return
         self.seen_keys.add(d.idempotency_key)
         cfg = self.cfg
+        if d.execute and d.generation <= self.generation:
+            # decided for a generation this run is already past: e.g. the hang of the ranks of
+            # a launcher that was killed, decided while this launch waited out its lease
+            print(f"trainguard launch [{cfg.node}]: ignoring a decision for generation "
+                  f"{d.generation} ({d.action}): this run is at generation {self.generation}",
+                  file=sys.stderr, flush=True)
+            return
         how = "(executing)" if d.execute else "(flag only)" if d.action == "none" else \
             "(observe mode: not executed)"
         print(f"trainguard launch [{cfg.node}]: decision {d.action} {how} "
@@ -544,10 +558,12 @@ class Launcher:
                 pass
         if self.node_writer is not None:
             self.node_writer.close()  # it finishes the saves in flight on its own, then exits
-        if self.exit_status in (0, EXIT_STOPPED, 1):
-            # the job is over here (finished, stopped, or failed for good: a new launch
-            # restores from disk): the staging buffers would only hold shared memory
-            self._release_staging()
+            if self.node_writer.proc is not None and self.node_writer.proc.poll() is not None:
+                self.node_writer.stop()  # it died: remove the socket it left
+        # the job is over on this node (finished, stopped, failed, or stopped by hand: a new
+        # launch restores from disk): the staging buffers would only hold shared memory. A
+        # writer still finishing a save keeps reading its open file.
+        self._release_staging()
         if not self.cfg.spare_node and self.exit_status == 0:
             self._mark_status("finished")
         elif not self.cfg.spare_node and self.exit_status == 1 and self.cfg.mode == "action":
@@ -593,6 +609,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                       ("--hang-timeout", a.hang_timeout)):
         if val < 0:
             p.error(f"{name} must be ≥ 0, got {val}")
+    if a.ckpt_dir and os.path.exists(a.ckpt_dir) and not os.path.isdir(a.ckpt_dir):
+        p.error(f"--ckpt-dir {a.ckpt_dir!r} is a file: give a directory (created if missing)")
     for name, val in (("--startup-timeout", a.startup_timeout),
                       ("--node-timeout", a.node_timeout)):
         if val <= 0:

@@ -17,6 +17,8 @@ import os
 import runpy
 import sys
 
+from trainguard.syspath import working_dir_off_path
+
 
 def warm() -> None:
     import datetime
@@ -54,25 +56,10 @@ def warm() -> None:
     trainguard.rendezvous.unwrap_rank_excepthook()  # its "[rank0]" label is no rank's
 
 
-def _working_dir_off_path() -> bool:
-    """Take the working directory off ``sys.path`` (``python -m`` put it first) unless
-    trainguard itself lives there, so that trainguard's top-level packages (``schemas``,
-    ``checkpoint_validator``) load from its installation even when the job's directory holds a
-    folder of the same name (seen: ``./schemas/json`` written by ``trainguard schemas`` made every
-    rank fail with ``cannot import name 'DecodeError' from 'schemas'``). The rank's script gets
-    its own directory on the path as with torchrun. Returns True when it was taken off."""
-    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cwd = os.getcwd()
-    if cwd == home:
-        return False
-    keep = [p for p in sys.path if os.path.abspath(p or ".") != cwd]
-    dropped = len(keep) != len(sys.path)
-    sys.path[:] = keep
-    return dropped
-
-
 def main() -> None:
-    cwd_dropped = _working_dir_off_path()
+    # the job directory must not shadow trainguard's packages (a ./schemas folder did); the
+    # rank's script gets its own directory on the path, as with torchrun
+    cwd_dropped = working_dir_off_path()
     warm()
     # what is loaded now lives as long as the process: keep it out of the collector's scans,
     # so that the full collection of an in-process restart costs ≈ 0.2 ms, not ≈ 180 ms

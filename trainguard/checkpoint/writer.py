@@ -18,8 +18,9 @@ Two ways to run it:
   ``TG_CKPT_WRITER=<socket_path>``. The daemon imports what a writer needs (numpy included)
   before it forks, so its writers share those pages: ≈ 4 MB of unique memory per rank instead of
   ≈ 16 MB for a private writer (measured here with psutil's USS after three 200 MB saves).
-  ``close()`` (or the death of the process that started it) lets it finish the saves in flight
-  and exit; ``stop()`` stops it at once and removes the staging files of the ranks it served.
+  ``close()`` (or the death of the process that started it) lets it finish the saves in flight,
+  remove the staging files of the ranks it served and exit; ``stop()`` does the same at once,
+  cutting saves short.
   Run it alone with ``python -m trainguard.checkpoint.writer --listen PATH``.
 
 Wire protocol (trusted local peers only): 4-byte big-endian length + pickle of a dict.
@@ -420,7 +421,8 @@ class NodeWriter:
     ``TG_CKPT_WRITER=<socket_path>`` to the ranks. Lifecycle: the daemon holds a pipe from this
     object; ``close()`` closes it (so does the death of this process): the daemon stops
     accepting, its writers finish the saves they hold (each exits when its rank disconnects),
-    then it exits — a fully staged save survives its launcher as it survives its rank.
+    then it removes the staging files its writers served and exits — a fully staged save
+    survives its launcher as it survives its rank, and no staged state outlives both.
     ``stop()`` ends the daemon and its writers at once (SIGTERM) and removes the staging files
     they served. The staging files live in /dev/shm, so the state a rank staged survives that
     rank's death while the node writer runs. Raises RuntimeError from ``start()`` when the
@@ -479,10 +481,11 @@ class NodeWriter:
                 self.proc.wait()
         self.close()
         self.proc = None
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        for leftover in (self.socket_path, self.socket_path + ".staging"):  # if it was killed
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
 
 
 def _preload() -> None:
@@ -502,7 +505,8 @@ def _preload() -> None:
 def _listen(path: str, until_stdin_closes: bool = False) -> None:
     """The node writer daemon: accept ranks on ``path`` and fork one writer per connection.
     With ``until_stdin_closes``, end of file on stdin (its starter closed the pipe or died) ends
-    it gracefully: no new connections, the writers finish, the daemon exits."""
+    it gracefully: no new connections, the writers finish, their staging files are removed,
+    the daemon exits."""
     _preload()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
@@ -520,17 +524,7 @@ def _listen(path: str, until_stdin_closes: bool = False) -> None:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        try:  # remove the staging files the ranks of this node registered
-            with open(staging_log) as fh:
-                for line in fh:
-                    for suffix in ("", ".meta"):
-                        try:
-                            os.unlink(line.strip() + suffix)
-                        except OSError:
-                            pass
-            os.unlink(staging_log)
-        except OSError:
-            pass
+        _remove_staged(staging_log)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, _term)
@@ -581,11 +575,26 @@ def _listen(path: str, until_stdin_closes: bool = False) -> None:
             except ProcessLookupError:
                 children.remove(pid)
         time.sleep(0.05)
-    try:  # the staging files stay: the launcher removes them when the job is over
+    # its owner (the launcher) is gone or done and every save is finished: nothing will
+    # restore from the staged copies now (a new launch restores from disk); free them
+    _remove_staged(staging_log)
+    os._exit(0)
+
+
+def _remove_staged(staging_log: str) -> None:
+    """Remove the staging files (and sidecars) the node's writers registered in
+    ``staging_log``, then the log itself. Never raises."""
+    try:
+        with open(staging_log) as fh:
+            for line in fh:
+                for suffix in ("", ".meta"):
+                    try:
+                        os.unlink(line.strip() + suffix)
+                    except OSError:
+                        pass
         os.unlink(staging_log)
     except OSError:
         pass
-    os._exit(0)
 
 
 def _reap(children: list[int]) -> None:

@@ -478,6 +478,14 @@ def main(argv: list[str]) -> int:
                 f"after the last one (got {a.steps})")
     if a.hang_timeout <= 0:
         p.error(f"--hang-timeout must be > 0 seconds, got {a.hang_timeout}")
+    if a.seed < 0:
+        p.error(f"--seed must be ≥ 0, got {a.seed}")
+    if a.run_dir and os.path.exists(a.run_dir) and not os.path.isdir(a.run_dir):
+        p.error(f"--run-dir {a.run_dir!r} is a file: give a directory (created if missing)")
+    if a.report:
+        parent = os.path.dirname(os.path.abspath(a.report))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            p.error(f"--report {a.report!r}: {parent} is not a writable directory")
     cfg = DemoConfig(mode=a.mode, steps=a.steps, seed=a.seed, run_dir=a.run_dir,
                      report=a.report, hang_timeout_s=a.hang_timeout, quiet=a.quiet)
     rep = Demo(cfg).run()
