@@ -321,12 +321,17 @@ class ThreadedBus:
             self._thread.join(timeout)
 
     def _shutdown(self) -> None:
-        tasks = list(asyncio.all_tasks(self.loop))
-        for task in tasks:
-            task.cancel()
-
         async def _drain() -> None:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # cancel until none is left: a publish queued just before close() schedules its
+            # task after a first sweep (left pending, it was reported at interpreter exit)
+            while True:
+                tasks = [t for t in asyncio.all_tasks(self.loop)
+                         if t is not asyncio.current_task()]
+                if not tasks:
+                    break
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             self.loop.stop()
 
         self.loop.create_task(_drain())
