@@ -501,7 +501,7 @@ def main() -> None:
             out["efficiency_ceiling"] = {
                 str(i): round(i * ref["step_s"] / (i * ref["step_s"] + tg["memcpy_in_run_s"]), 4)
                 for i in intervals}
-            print(f"trainguard extra memory by part: " + ", ".join(
+            print("trainguard extra memory by part: " + ", ".join(
                 f"{k} {v / 1e6:.0f} MB" for k, v in out["trainguard_memory"].items()),
                 flush=True)
             print(f"efficiency ceiling of any staging checkpointer (interval / (interval + one "

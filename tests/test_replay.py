@@ -119,7 +119,7 @@ async def test_history_reads_what_jetstream_kept_across_streams(servers):
     await pub.ensure_streams()
     sent = []
     for i in range(3):
-        for subj, ev in ((f"tg.job.hist.log", LogLine(job="hist", line=f"line {i}")),
+        for subj, ev in (("tg.job.hist.log", LogLine(job="hist", line=f"line {i}")),
                          (subjects.rank_hb("hist", 0), schemas.RankHeartbeat(
                              job="hist", rank=0, local_rank=0, world_size=1, step=i))):
             await pub.publish(subj, ev)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import schemas
-from schemas import subjects
 
 #: The default fault schedule: (id, kind, global rank, step).
 DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
