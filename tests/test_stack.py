@@ -244,3 +244,14 @@ def test_embedded_servers_never_take_urls_from_the_environment(monkeypatch):
             await st.close()
 
         asyncio.run(_ping())
+
+
+def test_a_dead_embedded_server_is_reported():
+    """`trainguard up` stops when the NATS it runs dies: ``Stack.dead_servers`` names it."""
+    with Stack(services=(), rendezvous=False) as stack:
+        assert stack.dead_servers() == []
+        nats = next(s for s in stack._servers.servers if s.kind == "nats")
+        nats.proc.kill()
+        nats.proc.wait(10)
+        (dead,) = stack.dead_servers()
+        assert f"embedded nats server at {stack.nats_url} exited" in dead

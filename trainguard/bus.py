@@ -24,6 +24,8 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 import schemas
 from schemas import DecodeError, Event, subjects
 
+from .errors import ServerUnreachable
+
 log = logging.getLogger("trainguard.bus")
 
 Handler = Callable[[str, Event], Awaitable[None] | None]
@@ -54,8 +56,8 @@ class Bus:
     """Asyncio NATS client for trainguard events.
 
     ``url`` is a NATS URL (``nats://host:port``); ``name`` identifies the client and names the
-    dead-letter subject. ``connect`` raises ``ConnectionError`` with what to do when the server
-    cannot be reached within ``timeout`` seconds.
+    dead-letter subject. ``connect`` raises ``ServerUnreachable`` (a ``ConnectionError``) with
+    what to do when the server cannot be reached within ``timeout`` seconds.
     """
 
     def __init__(self, url: str, name: str):
@@ -85,9 +87,7 @@ class Bus:
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
                 if not retry or loop.time() >= deadline:
                     why = last[0] if last else str(exc) or type(exc).__name__
-                    raise ConnectionError(
-                        f"cannot reach NATS at {self.url} ({why}): start one with "
-                        f"`trainguard up` or set NATS_URL to a running server") from None
+                    raise ServerUnreachable("NATS", self.url, why, "NATS_URL") from None
                 await asyncio.sleep(0.2)
         return self
 

@@ -623,7 +623,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)
     p.add_argument("--node", default=subjects.default_node(),
-                   help="this node's name (default: $TG_NODE or the hostname)")
+                   help="this node's name (default: $TG_NODE or the short host name)")
     p.add_argument("--job", default=os.environ.get("TG_JOB", "default"))
     p.add_argument("--mode", choices=("observe", "action"),
                    default=os.environ.get("TG_MODE", "observe"))

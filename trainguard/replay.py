@@ -165,6 +165,7 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
     messages when given. Returns the number written. Raises ConnectionError when NATS cannot be
     reached; a stream that does not exist or holds nothing of ``subject`` is skipped."""
     import heapq
+    from collections import deque
 
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -186,21 +187,22 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
             if left:
                 readers.append([psub, left])
 
-        async def pull(i: int) -> list[Any]:
-            psub, left = readers[i]
-            if left <= 0:
-                return []
-            msgs = await psub.fetch(min(batch, left), timeout=5.0)
-            readers[i][1] = left - len(msgs)
-            return msgs
-
         heap: list[tuple[int, int, int, Any]] = []
-        buffers: list[list[Any]] = []
-        for i in range(len(readers)):
-            buffers.append(await pull(i))
+        buffers: list[deque] = [deque() for _ in readers]
+
+        async def push_next(i: int) -> None:
+            """Put stream ``i``'s next message on the merge heap (fetching a batch if needed)."""
+            psub, left = readers[i]
+            if not buffers[i] and left > 0:
+                msgs = await psub.fetch(min(batch, left), timeout=5.0)
+                readers[i][1] = left - len(msgs)
+                buffers[i].extend(msgs)
             if buffers[i]:
-                m = buffers[i].pop(0)
+                m = buffers[i].popleft()
                 heapq.heappush(heap, (_stored_ns(m), i, m.metadata.sequence.stream, m))
+
+        for i in range(len(readers)):
+            await push_next(i)
         written = 0
         while heap and (count is None or written < count):
             ts, i, _seq, m = heapq.heappop(heap)
@@ -208,11 +210,7 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
                 out.write(Record(ts, m.subject, m.data, dict(m.headers or {}) or None)
                           .to_json() + "\n")
                 written += 1
-            if not buffers[i]:
-                buffers[i] = await pull(i)
-            if buffers[i]:
-                n = buffers[i].pop(0)
-                heapq.heappush(heap, (_stored_ns(n), i, n.metadata.sequence.stream, n))
+            await push_next(i)
         out.flush()
         return written
     finally:

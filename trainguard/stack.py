@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 from schemas import subjects
 
 from .embedded import EmbeddedServers, _die_with_parent, free_port
+from .errors import ServerUnreachable
 from .service import health_subject
 
 #: The services of the design, in start order.
@@ -63,11 +64,6 @@ SERVICE_SPECS: dict[str, ServiceSpec] = {
 
 class StackError(RuntimeError):
     """The stack could not start; the message names the process and has the tail of its log."""
-
-
-def default_node() -> str:
-    """This host's node name (``schemas.subjects.default_node``)."""
-    return subjects.default_node()
 
 
 def service_available(name: str) -> bool:
@@ -140,7 +136,7 @@ class Stack:
                              f"{', '.join(SERVICE_SPECS)}")
         self._servers = EmbeddedServers(nats_url, redis_url)
         self.services = tuple(services)
-        self.agent_nodes = tuple(agent_nodes or (default_node(),))
+        self.agent_nodes = tuple(agent_nodes or (subjects.default_node(),))
         self.rendezvous = rendezvous
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="trainguard-up-"))
         self.env = dict(env or {})
@@ -333,6 +329,12 @@ class Stack:
         """Names of child processes that have exited."""
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
+    def dead_servers(self) -> list[str]:
+        """The embedded NATS / Valkey servers this stack started that have exited, as
+        ``"the embedded <kind> server at <url> exited (<status>)"``."""
+        return [f"the embedded {s.kind} server at {s.url} exited ({s.proc.returncode})"
+                for s in self._servers.servers if s.proc is not None and s.proc.poll() is not None]
+
     def kill_service(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Send ``sig`` to the process group of child ``name`` and wait until it exited."""
         proc = self.procs[name]
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="use this Redis/Valkey instead of starting one (env REDIS_URL)")
     p.add_argument("--services", default=",".join(DEFAULT_SERVICES),
                    help=f"comma-separated services (default {','.join(DEFAULT_SERVICES)})")
-    p.add_argument("--nodes", default=default_node(),
+    p.add_argument("--nodes", default=subjects.default_node(),
                    help="comma-separated node names: one agent each (default this host)")
     p.add_argument("--no-rendezvous", action="store_true", help="do not host a rendezvous store")
     p.add_argument("--log-dir", default=os.environ.get("TG_LOG_DIR") or None,
@@ -464,13 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         print("trainguard up: all services healthy; Ctrl-C stops everything", file=sys.stderr)
         while True:
             time.sleep(0.5)
-            for srv in stack._servers.servers:  # the embedded NATS / Valkey this stack runs
-                rc = srv.proc.poll() if srv.proc is not None else None
-                if rc is not None:
-                    print(f"trainguard up: the embedded {srv.kind} server at {srv.url} exited "
-                          f"({rc}); every service and launcher depends on it: stopping "
-                          f"(start `trainguard up` again)", file=sys.stderr)
-                    return 1
+            for what in stack.dead_servers():
+                print(f"trainguard up: {what}; every service and launcher depends on it: "
+                      f"stopping (start `trainguard up` again)", file=sys.stderr)
+                return 1
             for name in stack.dead():
                 n = restarts.get(name, 0)
                 if n >= args.max_restarts:
@@ -489,10 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     except StackError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 1
-    except ConnectionError as exc:  # a --nats-url / --redis-url (or NATS_URL ...) that is down
-        print(f"trainguard up: {str(exc).split(': start one')[0]}: it was given by --nats-url/"
-              f"--redis-url or NATS_URL/REDIS_URL; point them at a running server, or unset "
-              f"them and `trainguard up` starts its own", file=sys.stderr)
+    except ServerUnreachable as exc:  # a --nats-url / --redis-url (or its env) that is down
+        print(f"trainguard up: cannot reach {exc.what} at {exc.url} ({exc.reason}): it was "
+              f"given by --nats-url/--redis-url or NATS_URL/REDIS_URL; point them at a running "
+              f"server, or unset them and `trainguard up` starts its own", file=sys.stderr)
         return 1
     finally:
         for s in old:

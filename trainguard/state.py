@@ -27,6 +27,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from .errors import ServerUnreachable
+
 IDEMPOTENCY_TTL_S = 7 * 86400
 
 
@@ -51,12 +53,12 @@ class StateStore:
                                          socket_timeout=5.0, health_check_interval=10)
 
     async def ping(self) -> None:
-        """Raises ConnectionError with what to do when Redis/Valkey cannot be reached."""
+        """Raises ``ServerUnreachable`` (a ConnectionError) with what to do when Redis/Valkey
+        cannot be reached."""
         try:
             await self.r.ping()
         except (RedisConnectionError, OSError) as exc:
-            raise ConnectionError(f"cannot reach Redis/Valkey at {self.url} ({exc}): start one "
-                                  f"with `trainguard up` or set REDIS_URL") from None
+            raise ServerUnreachable("Redis/Valkey", self.url, str(exc), "REDIS_URL") from None
 
     async def close(self) -> None:
         await self.r.aclose()

@@ -1,0 +1,15 @@
+"""Errors shared by trainguard's clients of its servers (the bus and the state store)."""
+from __future__ import annotations
+
+
+class ServerUnreachable(ConnectionError):
+    """NATS or Redis/Valkey did not answer. ``what`` ("NATS" or "Redis/Valkey"), ``url``,
+    ``reason`` (the client's own last error); ``str()`` adds what to do next: start one with
+    ``trainguard up`` or point ``env`` (the URL's environment variable) at a running server.
+    A caller for whom that advice is wrong (``trainguard up`` itself) words its own from the
+    attributes."""
+
+    def __init__(self, what: str, url: str, reason: str, env: str):
+        self.what, self.url, self.reason, self.env = what, url, reason, env
+        super().__init__(f"cannot reach {what} at {url} ({reason}): start one with "
+                         f"`trainguard up` or set {env} to a running server")
