@@ -1,18 +1,24 @@
-"""``trainguard launch``: start the ranks of one node with the torchrun environment contract,
-keep warm spares, report worker lifecycle on the bus, and execute the remediator's decisions
-for this node.
+"""``trainguard launch``: a drop-in for ``torchrun`` that starts the ranks of one node, keeps
+warm spares, reports worker lifecycle on the bus, and executes the remediator's decisions for
+this node.
 
     trainguard launch --nnodes 2 --nproc-per-node 2 --node-rank 0 --job demo train.py [args]
+    trainguard launch --standalone --nproc-per-node 2 train.py      # torchrun's command line
 
-Every rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` (torchrun's contract) plus ``TG_JOB``, ``TG_NODE``, ``TG_GENERATION``, ``TG_MODE``,
-``TG_RDZV_ENDPOINT``, ``NATS_URL``, ``REDIS_URL``, ``TG_CKPT_DIR``. Ranks start from warm spare
-processes (``trainguard.spare``) that have torch imported and warmed, and a replacement spare is
-started after each use, so a respawn costs no interpreter or torch start-up.
+The command line is torchrun's (``trainguard.launch_args``). Every rank gets torchrun's
+environment contract — ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_NAME``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` (the rendezvous store), ``TORCHELASTIC_USE_AGENT_STORE=True``,
+``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``,
+``TORCHELASTIC_ERROR_FILE``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``OMP_NUM_THREADS=1`` with more
+than one rank per node unless set — plus ``TG_JOB``, ``TG_NODE``, ``TG_GENERATION``,
+``TG_MODE``, ``TG_RDZV_ENDPOINT``, ``NATS_URL``, ``REDIS_URL``, ``TG_CKPT_DIR``. Ranks start
+from warm spare processes (``trainguard.spare``) that have torch imported and warmed, and a
+replacement spare is started after each use, so a respawn costs no interpreter or torch
+start-up. What a decision means for each rank is ``trainguard.executor.plan_node``.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ctypes
 import json
@@ -27,7 +33,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
@@ -35,15 +41,14 @@ import schemas
 from schemas import subjects
 
 from .bus import ThreadedBus
+from .executor import EXIT_STOPPED, LocalRank, plan_node
+from .launch_args import StdSpec
 from .state import LauncherConflict, StateStore
 
 if TYPE_CHECKING:
     from .checkpoint.writer import NodeWriter
 
 log = logging.getLogger("trainguard.launcher")
-
-#: Exit status of a rank stopped by a decision (``trainguard.worker.JobStopped``).
-EXIT_STOPPED = 3
 
 
 @dataclass
@@ -64,6 +69,12 @@ class LaunchConfig:
     (``trainguard.checkpoint.NodeWriter``, exported as ``TG_CKPT_WRITER``); its writers share
     the daemon's imports, ≈ 4 MB per rank instead of ≈ 16 MB for a writer per rank. A rank falls
     back to a writer of its own when the daemon does not answer.
+    torchrun's settings (``trainguard.launch_args``): ``max_restarts`` [0] (observe mode: group
+    restarts after a failure), ``role`` ["default"], ``log_dir`` [""], ``redirects``/``tee``
+    (which local ranks' stdout/stderr go to files), ``local_ranks_filter`` [all] (console),
+    ``no_python`` [False] (run the program itself: no spare, no hooks),
+    ``monitor_interval_s`` [0.5], ``standalone`` [False] (start an embedded stack when none is
+    configured).
     """
 
     script: str
@@ -91,10 +102,34 @@ class LaunchConfig:
     warm_imports: str = ""
     node_writer: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    role: str = "default"
+    log_dir: str = ""
+    redirects: StdSpec = field(default_factory=StdSpec)
+    tee: StdSpec = field(default_factory=StdSpec)
+    local_ranks_filter: frozenset[int] = frozenset()
+    no_python: bool = False
+    monitor_interval_s: float = 0.5
+    standalone: bool = False
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+
+def _is_local(host: str) -> bool:
+    """True when ``host`` names this machine (loopback, its host name, or one of its
+    addresses)."""
+    if host in ("localhost", "0.0.0.0", "::1") or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+    if host in names:
+        return True
+    try:
+        mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        return bool(mine & {a[4][0] for a in socket.getaddrinfo(host, None)})
+    except OSError:
+        return False
 
 
 def _pdeathsig_kill() -> None:
@@ -105,21 +140,42 @@ def _pdeathsig_kill() -> None:
 
 
 class _Proc:
-    """A spare or worker process with its output pumps."""
+    """A spare or worker process with its output pumps.
 
-    def __init__(self, launcher: "Launcher", env: dict[str, str]):
+    ``argv`` None: a warm spare (``trainguard.spare``), assigned a rank later; else the program
+    itself (``--no-python``), started with its rank's environment. ``in_process`` becomes True
+    when the rank says on its launcher pipe (``TG_LAUNCHER_FD``) that it runs ``trainguard.run``
+    and so rejoins in process (``trainguard.executor``)."""
+
+    def __init__(self, launcher: "Launcher", env: dict[str, str],
+                 argv: list[str] | None = None):
         self.launcher = launcher
+        rfd, wfd = os.pipe()
+        self.direct = argv is not None
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.spare"], env=env, stdin=subprocess.PIPE,
+            argv or [sys.executable, "-m", "trainguard.spare"],
+            env={**env, "TG_LAUNCHER_FD": str(wfd)},
+            stdin=subprocess.DEVNULL if self.direct else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_pdeathsig_kill,
-            text=True, bufsize=1)
+            text=True, bufsize=1, pass_fds=(wfd,))
+        os.close(wfd)
         self.local_rank: int | None = None
         self.rank: int | None = None
         self.generation = 0
         self.expected_exit = False
         self.started_ns = 0
+        self.in_process = False
+        self.files: dict[str, Any] = {}   # "stdout"/"stderr" → per-rank log file
+        self.console = {"stdout": True, "stderr": True}
+        threading.Thread(target=self._control, args=(rfd,), daemon=True).start()
         for stream, name in ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")):
             threading.Thread(target=self._pump, args=(stream, name), daemon=True).start()
+
+    def _control(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as fh:
+            for line in fh:
+                if line.strip() == b"restart in_process":
+                    self.in_process = True
 
     @property
     def pid(self) -> int:
@@ -129,23 +185,39 @@ class _Proc:
         return self.popen.poll() is None
 
     def assign(self, local_rank: int, rank: int, generation: int, env: dict[str, str],
-               argv: list[str], module: bool) -> None:
+               argv: list[str], module: bool, log_dir: str = "") -> None:
+        """Make this process rank ``rank``; with ``log_dir``, its output goes to
+        ``<log_dir>/{stdout,stderr}.log`` as ``--redirects``/``--tee`` say."""
+        cfg = self.launcher.cfg
+        for name, bit in (("stdout", 1), ("stderr", 2)):
+            to_file = bool((cfg.redirects.of(local_rank) | cfg.tee.of(local_rank)) & bit)
+            if to_file and log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+                self.files[name] = open(os.path.join(log_dir, f"{name}.log"), "a")
+            self.console[name] = not (cfg.redirects.of(local_rank) & bit) and (
+                not cfg.local_ranks_filter or local_rank in cfg.local_ranks_filter)
         self.local_rank, self.rank, self.generation = local_rank, rank, generation
         self.started_ns = time.time_ns()
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(),
-                                           "module": module}) + "\n")
-        self.popen.stdin.flush()
+        if not self.direct:
+            assert self.popen.stdin is not None
+            self.popen.stdin.write(json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(),
+                                               "module": module}) + "\n")
+            self.popen.stdin.flush()
         threading.Thread(target=self._wait, daemon=True).start()
 
     def _pump(self, stream, name: str) -> None:
         out = sys.stdout if name == "stdout" else sys.stderr
         budget, window = 50, time.monotonic()
         for line in stream:
-            tag = f"[{self.launcher.cfg.node} rank {self.rank}]" if self.rank is not None \
-                else f"[{self.launcher.cfg.node} spare]"
-            out.write(f"{tag} {line}")
-            out.flush()
+            fh = self.files.get(name)
+            if fh is not None:
+                fh.write(line)
+                fh.flush()
+            if self.console[name]:
+                tag = f"[{self.launcher.cfg.node} rank {self.rank}]" if self.rank is not None \
+                    else f"[{self.launcher.cfg.node} spare]"
+                out.write(f"{tag} {line}")
+                out.flush()
             if name == "stderr" and self.rank is not None:
                 now = time.monotonic()
                 if now - window > 1.0:
@@ -156,6 +228,11 @@ class _Proc:
 
     def _wait(self) -> None:
         self.popen.wait()
+        for fh in self.files.values():
+            try:
+                fh.close()
+            except OSError:
+                pass
         self.launcher.events.put(("exited", self))
 
     def kill(self) -> None:
@@ -195,9 +272,16 @@ class Launcher:
         self._started = False
         self._st: StateStore | None = None  # the lease's connection, on the bus thread
         self.node_writer: NodeWriter | None = None
+        self.restart_count = 0   # TORCHELASTIC_RESTART_COUNT: group restarts of this node
+        self.attempt = 0         # observe-mode group restarts (part of the store prefix)
+        self.rdzv_proc: subprocess.Popen | None = None
 
     # ---- environment --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
+        """Every process's environment: torchrun's per-node contract (``MASTER_ADDR`` and
+        ``MASTER_PORT`` name the rendezvous store, which ranks join as clients:
+        ``TORCHELASTIC_USE_AGENT_STORE=True``) and trainguard's. ``OMP_NUM_THREADS`` is set
+        here, not at assignment: a spare's torch sizes its thread pool when it warms up."""
         cfg = self.cfg
         env = dict(os.environ)
         host, _, port = cfg.rdzv_endpoint.rpartition(":")
@@ -206,8 +290,16 @@ class Launcher:
             "TG_RDZV_ENDPOINT": cfg.rdzv_endpoint, "MASTER_ADDR": host or "127.0.0.1",
             "MASTER_PORT": port, "NATS_URL": cfg.nats_url, "REDIS_URL": cfg.redis_url,
             "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "PYTHONUNBUFFERED": "1",
-            "TG_WARM_IMPORTS": cfg.warm_imports,
+            "TG_WARM_IMPORTS": cfg.warm_imports, "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts if cfg.mode != "action"
+                                             else cfg.retry_budget),
+            "TORCHELASTIC_RUN_ID": cfg.job, "GROUP_WORLD_SIZE": str(cfg.nnodes),
+            "ROLE_NAME": cfg.role,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                              "1"),
         })
+        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: oversubscribed cores stall collectives
         if cfg.ckpt_dir:
             env["TG_CKPT_DIR"] = cfg.ckpt_dir
         if self.node_writer is not None:
@@ -221,19 +313,42 @@ class Launcher:
     def _fill_pool(self) -> None:
         """Top the pool up to ``cfg.spares`` warm spares. Runs on the main thread: the children
         get PR_SET_PDEATHSIG, which the kernel fires when the *thread* that forked them exits."""
-        if self.cfg.mode != "action":
-            return  # observe mode never restarts a rank: a spare would only cost memory
+        if self.cfg.no_python:
+            return  # the program is not Python: there is nothing to warm
+        if self.cfg.mode != "action" and not self.cfg.max_restarts:
+            return  # observe mode without restarts: a spare would only cost memory
         while len(self.spares) < self.cfg.spares:
             self._start_spare()
 
-    def _spawn(self, local_rank: int, rank: int, generation: int, world_size: int) -> _Proc:
-        while self.spares and not self.spares[0].alive():
-            self.spares.pop(0)  # a spare that died (e.g. killed by hand) is no use
-        proc = self.spares.pop(0) if self.spares else _Proc(self, self._base_env())
+    def _rank_dir(self, local_rank: int) -> str:
+        """torchrun's per-rank directory: ``<log dir>/<job>/attempt_<n>/<local rank>``
+        (the log dir defaults to a temporary one, as torchrun's)."""
+        if not self.cfg.log_dir:
+            self.cfg.log_dir = tempfile.mkdtemp(prefix=f"trainguard-{self.cfg.job}-")
+        return os.path.join(self.cfg.log_dir, self.cfg.job, f"attempt_{self.restart_count}",
+                            str(local_rank))
+
+    def _spawn(self, local_rank: int, rank: int, generation: int, world_size: int,
+               decision: schemas.Decision | None = None) -> _Proc:
+        cfg = self.cfg
+        rank_dir = self._rank_dir(local_rank)
         env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-               "GROUP_RANK": str(self.cfg.node_rank), "TG_GENERATION": str(generation)}
-        proc.assign(local_rank, rank, generation, env, [self.cfg.script, *self.cfg.script_args],
-                    self.cfg.module)
+               "GROUP_RANK": str(cfg.node_rank), "ROLE_RANK": str(rank),
+               "ROLE_WORLD_SIZE": str(world_size), "TG_GENERATION": str(generation),
+               "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+               "TG_ATTEMPT": str(self.attempt),
+               "TORCHELASTIC_ERROR_FILE": os.path.join(rank_dir, "error.json"),
+               "TG_FAULT_TS": str(decision.fault_ts if decision else 0),
+               "TG_DECISION_ID": decision.event_id if decision else ""}
+        if cfg.no_python:
+            proc = _Proc(self, {**self._base_env(), **env}, [cfg.script, *cfg.script_args])
+        else:
+            while self.spares and not self.spares[0].alive():
+                self.spares.pop(0)  # a spare that died (e.g. killed by hand) is no use
+            proc = self.spares.pop(0) if self.spares else _Proc(self, self._base_env())
+        os.makedirs(rank_dir, exist_ok=True)
+        proc.assign(local_rank, rank, generation, env, [cfg.script, *cfg.script_args],
+                    cfg.module, log_dir=rank_dir)
         self.workers[local_rank] = proc
         self.hosted_ranks.add(rank)
         self.bus.publish(subjects.job(self.cfg.job, "worker"), schemas.WorkerStarted(
@@ -337,16 +452,40 @@ class Launcher:
         fut.add_done_callback(_done)
 
     def _check_rendezvous(self, timeout_s: float = 5.0) -> None:
-        """Fail before starting any rank when the rendezvous store does not answer."""
+        """Fail before starting any rank when the rendezvous store does not answer. A store
+        endpoint on this machine that nothing serves yet is hosted here, as torchrun's c10d
+        backend hosts its store (``python -m trainguard.rendezvous``, dies with the launcher);
+        another node waits up to ``startup_timeout_s`` for its host."""
         host, _, port = self.cfg.rdzv_endpoint.rpartition(":")
-        try:
-            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-                pass
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"trainguard launch: the rendezvous store at "
-                             f"{self.cfg.rdzv_endpoint} does not answer ({exc}): start it with "
-                             f"`trainguard up` (it prints TG_RDZV_ENDPOINT) or "
-                             f"`python -m trainguard.rendezvous --port N`") from None
+        host = host or "127.0.0.1"
+        hosting = _is_local(host) and self.cfg.node_rank == 0 and not self.cfg.spare_node
+        deadline = time.monotonic() + (timeout_s if hosting else self.cfg.startup_timeout_s)
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=timeout_s):
+                    return
+            except ValueError as exc:
+                raise SystemExit(f"trainguard launch: bad rendezvous endpoint "
+                                 f"{self.cfg.rdzv_endpoint!r} ({exc}): give host:port") from None
+            except OSError as exc:
+                if hosting and self.rdzv_proc is None:
+                    self._host_rendezvous(host, int(port))
+                    deadline = time.monotonic() + 60.0  # its torch import takes seconds
+                elif time.monotonic() >= deadline or (
+                        self.rdzv_proc is not None and self.rdzv_proc.poll() is not None):
+                    raise SystemExit(
+                        f"trainguard launch: the rendezvous store at {self.cfg.rdzv_endpoint} "
+                        f"does not answer ({exc}): start it with `trainguard up` (it prints "
+                        f"TG_RDZV_ENDPOINT) or `python -m trainguard.rendezvous --port N`"
+                    ) from None
+            time.sleep(0.1)
+
+    def _host_rendezvous(self, host: str, port: int) -> None:
+        print(f"trainguard launch [{self.cfg.node}]: nothing serves the rendezvous store at "
+              f"{host}:{port}: hosting it in this launcher", file=sys.stderr, flush=True)
+        self.rdzv_proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.rendezvous", "--host", host, "--port",
+             str(port)], stdout=subprocess.DEVNULL, preexec_fn=_pdeathsig_kill)
 
     def _mark_status(self, status: str) -> None:
         """Record how the job ended here: ``finished`` (every local rank finished, so late
@@ -420,7 +559,7 @@ class Launcher:
         try:
             while self.exit_status is None:
                 try:
-                    kind, obj = self.events.get(timeout=0.5)
+                    kind, obj = self.events.get(timeout=self.cfg.monitor_interval_s)
                 except queue.Empty:
                     continue
                 if kind == "exited":
@@ -460,11 +599,36 @@ class Launcher:
                 self.exit_status = 0 if rc == 0 else EXIT_STOPPED
             return
         if cfg.mode != "action":
-            # observe mode: behave like a launcher without restarts
+            # observe mode: what torchrun does — restart the worker group up to --max-restarts
+            # times, then stop; the decisions trainguard would take are published meanwhile
+            if self.attempt < cfg.max_restarts:
+                print(f"trainguard launch [{cfg.node}]: rank {proc.rank} failed (exit={code} "
+                      f"signal={sig}); observe mode: restarting the worker group (restart "
+                      f"{self.attempt + 1} of --max-restarts {cfg.max_restarts})",
+                      file=sys.stderr, flush=True)
+                self._restart_group()
+                return
             print(f"trainguard launch: rank {proc.rank} failed (exit={code} signal={sig}); "
                   f"observe mode: stopping this node", file=sys.stderr)
             self._kill_all()
             self.exit_status = 1
+
+    def _restart_group(self) -> None:
+        """Observe mode's torchrun-style restart: stop every local rank, then start them all
+        again (from warm spares) at the next attempt, a new store prefix."""
+        old = list(self.workers.values())
+        for p in old:
+            p.kill()
+        for p in old:
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.attempt += 1
+        self.restart_count += 1
+        for lr, p in sorted(self.workers.items()):
+            self._spawn(lr, p.rank if p.rank is not None else lr, self.generation,
+                        self.world_size)
 
     def _on_decision_event(self, d: schemas.Decision) -> None:
         if d.idempotency_key in self.seen_keys:
@@ -485,7 +649,6 @@ class Launcher:
               file=sys.stderr, flush=True)
         if not d.execute:
             return
-        ok, detail = True, ""
         if d.world_size:
             self.world_size = d.world_size
         self.generation = max(self.generation, d.generation)
@@ -493,37 +656,31 @@ class Launcher:
             # every executed decision moves the whole job to its generation (in-process
             # restarts too): a later exit must be reported in the generation the rank was in
             proc.generation = max(proc.generation, d.generation)
-        if d.action == "stop_job_notify_user":
+        plan = plan_node(d, cfg.node, [
+            LocalRank(lr, p.rank if p.rank is not None else lr,
+                      p.alive() and not p.expected_exit, p.in_process)
+            for lr, p in self.workers.items()])
+        if plan.empty:
+            return  # nothing for this node
+        for lr in plan.kill:
+            self.workers[lr].kill()
+        if plan.exit_status is not None:
             self._kill_all()
-            self.exit_status = EXIT_STOPPED
-            detail = "workers stopped"
-        elif d.action == "exclude_node_and_requeue" and cfg.node in d.nodes:
-            self._kill_all()
-            self.exit_status = 0
-            detail = f"node {cfg.node} excluded: workers stopped"
+            self.exit_status = plan.exit_status
         else:
-            by_rank = {p.rank: lr for lr, p in self.workers.items()}
-            if d.action == "restart_workers":  # stop the named ranks (hung, or already dead)
-                for rank in d.ranks:
-                    lr = by_rank.get(rank)
-                    if lr is not None:
-                        self.workers[lr].kill()
-            # the ranks this node must run now: re-rank the live ones, start the others
-            wanted = ([(m.local_rank, m.rank) for m in d.members if m.node == cfg.node]
-                      if d.members else [(lr, p.rank) for lr, p in self.workers.items()])
-            for lr, rank in wanted:
-                proc = self.workers.get(lr)
-                if proc is not None and proc.alive() and not proc.expected_exit:
-                    proc.rank = rank
-                    continue
-                self._spawn(lr, rank, d.generation, self.world_size)
-                detail += f"started rank {rank} (local {lr}); "
-            if not detail:
-                return  # nothing for this node
+            for lr, rank in plan.rerank.items():
+                self.workers[lr].rank = rank
+            for lr in [lr for lr in self.workers if lr not in {x for x, _ in plan.start}
+                       and lr in plan.kill]:
+                del self.workers[lr]  # re-ranked away from this node
+            if plan.start:
+                self.restart_count += 1
+            for lr, rank in plan.start:
+                self._spawn(lr, rank, d.generation, self.world_size, decision=d)
         self.bus.publish(subjects.job(cfg.job, "action"), schemas.ActionResult(
             job=cfg.job, node=cfg.node, decision_id=d.event_id,
             idempotency_key=d.idempotency_key, executor=f"launcher-{cfg.node}", action=d.action,
-            ok=ok, detail=detail.strip(), trace=d.child_trace()))
+            ok=True, detail=plan.why, trace=d.child_trace()))
 
     def _kill_all(self) -> None:
         for proc in list(self.workers.values()):
@@ -583,85 +740,48 @@ class Launcher:
         except Exception:  # noqa: BLE001 - the lease then expires on its own
             pass
         self.bus.close(timeout=2.0)
+        if self.rdzv_proc is not None:
+            self.rdzv_proc.kill()
+            self.rdzv_proc.wait()
 
     def request_stop(self, status: int = 1) -> None:
         self.events.put(("stop", status))
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Refuse settings that cannot describe a job (argparse's usage error, exit status 2)."""
-    for name, val in (("--job", a.job), ("--node", a.node)):
-        try:
-            subjects.token(val)
-        except ValueError as exc:
-            p.error(f"{name}: {exc}")
-    if a.nnodes < 1 or a.nproc_per_node < 1:
-        p.error(f"--nnodes and --nproc-per-node must be ≥ 1 (got {a.nnodes} and "
-                f"{a.nproc_per_node})")
-    if not 0 <= a.node_rank < a.nnodes and not a.spare_node:
-        p.error(f"--node-rank must be in [0, {a.nnodes - 1}] for --nnodes {a.nnodes} (got "
-                f"{a.node_rank}); a node that only waits to replace another takes --spare-node")
-    world = a.nnodes * a.nproc_per_node
-    if not 1 <= a.min_world_size <= world:
-        p.error(f"--min-world-size must be in [1, {world}] (the world size), got "
-                f"{a.min_world_size}")
-    for name, val in (("--spares", a.spares), ("--retry-budget", a.retry_budget),
-                      ("--hang-timeout", a.hang_timeout)):
-        if val < 0:
-            p.error(f"{name} must be ≥ 0, got {val}")
-    if a.ckpt_dir and os.path.exists(a.ckpt_dir) and not os.path.isdir(a.ckpt_dir):
-        p.error(f"--ckpt-dir {a.ckpt_dir!r} is a file: give a directory (created if missing)")
-    for name, val in (("--startup-timeout", a.startup_timeout),
-                      ("--node-timeout", a.node_timeout)):
-        if val <= 0:
-            p.error(f"{name} must be > 0 seconds, got {val}")
-
-
 def parse_args(argv: list[str]) -> LaunchConfig:
-    p = argparse.ArgumentParser(prog="trainguard launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--node", default=subjects.default_node(),
-                   help="this node's name (default: $TG_NODE or the short host name)")
-    p.add_argument("--job", default=os.environ.get("TG_JOB", "default"))
-    p.add_argument("--mode", choices=("observe", "action"),
-                   default=os.environ.get("TG_MODE", "observe"))
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint",
-                   default=os.environ.get("TG_RDZV_ENDPOINT", ""))
-    p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
-    p.add_argument("--ckpt-dir", default=os.environ.get("TG_CKPT_DIR", ""))
-    p.add_argument("--spares", type=int, default=1)
-    p.add_argument("--spare-node", action="store_true",
-                   help="start no ranks; wait to replace an excluded node")
-    p.add_argument("--hang-timeout", type=float, default=0.0)
-    p.add_argument("--startup-timeout", type=float, default=120.0)
-    p.add_argument("--node-timeout", type=float, default=3.0)
-    p.add_argument("--retry-budget", type=int, default=10)
-    p.add_argument("--min-world-size", type=int, default=1)
-    p.add_argument("--warm-import", default="", help="modules the spares import ahead, a,b,c")
-    p.add_argument("--no-node-writer", action="store_true",
-                   help="no checkpoint writer daemon for the node: each rank starts its own")
-    p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
-    _check_args(p, a)
-    return LaunchConfig(
-        script=a.script, script_args=a.script_args, module=a.module, nnodes=a.nnodes,
-        nproc_per_node=a.nproc_per_node, node_rank=a.node_rank, node=a.node, job=a.job,
-        mode=a.mode, rdzv_endpoint=a.rdzv_endpoint, nats_url=a.nats_url, redis_url=a.redis_url,
-        ckpt_dir=a.ckpt_dir, spares=a.spares, spare_node=a.spare_node,
-        hang_timeout_s=a.hang_timeout, startup_timeout_s=a.startup_timeout,
-        node_timeout_s=a.node_timeout, retry_budget=a.retry_budget,
-        min_world_size=a.min_world_size, warm_imports=a.warm_import,
-        node_writer=not a.no_node_writer)
+    """``trainguard launch`` arguments (torchrun's and trainguard's: ``trainguard.launch_args``)
+    → LaunchConfig; a bad argument exits with argparse's usage error (status 2)."""
+    from .launch_args import parse
+
+    return parse(argv, description=__doc__.split("\n\n")[0])
+
+
+def _embedded_stack(cfg: LaunchConfig):
+    """With no NATS, state store and rendezvous store configured on a single-node job, start
+    an embedded stack for this launch (as ``trainguard demo`` does) and point ``cfg`` at it.
+    Returns the stack (stopped by the caller) or None when one is configured."""
+    if cfg.nats_url or cfg.redis_url or cfg.nnodes != 1:
+        return None
+    from .stack import Stack
+
+    stack = Stack(agent_nodes=(cfg.node,), rendezvous=not cfg.rdzv_endpoint)
+    print(f"trainguard launch: no NATS_URL / REDIS_URL given: starting an embedded stack for "
+          f"this job (services' logs in {stack.log_dir}); `trainguard up` runs one to share",
+          file=sys.stderr, flush=True)
+    stack.start(timeout=120)
+    cfg.nats_url, cfg.redis_url = stack.nats_url, stack.redis_url
+    cfg.rdzv_endpoint = cfg.rdzv_endpoint or stack.rdzv_endpoint
+    return stack
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_args(argv)
-    launcher = Launcher(cfg)
-    signal.signal(signal.SIGTERM, lambda *a: launcher.request_stop(143))
-    signal.signal(signal.SIGINT, lambda *a: launcher.request_stop(130))
-    return launcher.run()
+    stack = _embedded_stack(cfg)
+    try:
+        launcher = Launcher(cfg)
+        signal.signal(signal.SIGTERM, lambda *a: launcher.request_stop(143))
+        signal.signal(signal.SIGINT, lambda *a: launcher.request_stop(130))
+        return launcher.run()
+    finally:
+        if stack is not None:
+            stack.stop()

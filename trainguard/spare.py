@@ -5,8 +5,9 @@ warms the lazily-initialised parts (a one-rank gloo group, DDP, an optimizer ste
 process that only imported torch still pays ≈ 2 s on its first optimizer and DDP), then waits for
 an assignment: one JSON line on stdin ``{"env": {...}, "argv": [script, args...], "cwd": …}``.
 It then becomes the rank by running the script as ``__main__`` — so a respawn costs no
-interpreter or torch start-up. Extra modules to import ahead: env ``TG_WARM_IMPORTS``
-(comma-separated).
+interpreter or torch start-up. Before the script runs it installs ``trainguard.hooks`` (progress,
+per-generation rendezvous and fault reports for a script that never calls ``trainguard.run``).
+Extra modules to import ahead: env ``TG_WARM_IMPORTS`` (comma-separated).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def warm() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import trainguard.hooks  # noqa: F401
     import trainguard.worker  # noqa: F401
     import trainguard.rendezvous
 
@@ -74,13 +76,22 @@ def main() -> None:
     sys.argv = list(assignment["argv"])
     sys.stdin = open(os.devnull)
     script = sys.argv[0]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    if assignment.get("module"):
-        if cwd_dropped:  # `python -m` semantics for the job's module: its directory first
-            sys.path.insert(0, os.getcwd())
-        runpy.run_module(script, run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(script, run_name="__main__")
+    if not assignment.get("module"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    elif cwd_dropped:  # `python -m` semantics for the job's module: its directory first
+        sys.path.insert(0, os.getcwd())
+    from trainguard import hooks
+
+    hooks.install()  # rendezvous per generation, progress, the fault first (trainguard.hooks)
+    try:
+        if assignment.get("module"):
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:
+        hooks.finish(exc)
+        raise
+    hooks.finish()
 
 
 if __name__ == "__main__":

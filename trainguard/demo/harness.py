@@ -144,8 +144,9 @@ class Demo:
         for nr in range(cfg.nnodes + cfg.spare_nodes):
             # nodes past nnodes are registered spares: they start warm processes and wait to
             # replace an excluded node
+            # (a trainguard.run job rejoins in process: one warm spare per node is enough)
             spare = ["--spare-node", "--spares", str(cfg.nproc_per_node)] \
-                if nr >= cfg.nnodes else []
+                if nr >= cfg.nnodes else ["--spares", "1"]
             cmd = [sys.executable, "-m", "trainguard.cli", "launch", *spare,
                    "--nnodes", str(cfg.nnodes),
                    "--nproc-per-node", str(cfg.nproc_per_node), "--node-rank", str(nr),

@@ -1,0 +1,93 @@
+"""What an executed decision means for one node's ranks: pure, table-tested (``docs/protocol.md``,
+"Executors").
+
+A rank rejoins in process only when it runs ``trainguard.run`` (``in_process``: it told its
+launcher so). Every other rank — an unmodified torchrun script, Lightning, Hugging Face, or a
+``trainguard.run`` rank that has not reached the shim yet — cannot leave its process group and
+join another one, so any recovery of the job restarts it from a warm spare: the whole worker
+group of such a script restarts together, into the decision's generation, and the script
+resumes from its own checkpoint (as under torchrun, without the interpreter start-up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import schemas
+
+#: Exit status of a launcher (and a rank) stopped by a decision.
+EXIT_STOPPED = 3
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """One live or dead rank of this node, as the launcher knows it."""
+
+    local_rank: int
+    rank: int
+    alive: bool = True
+    in_process: bool = False
+
+
+@dataclass
+class NodePlan:
+    """What the launcher does: SIGKILL ``kill`` (local ranks), then start ``start``
+    (``(local_rank, rank)`` pairs) at the decision's generation, tell the live ranks in
+    ``rerank`` their new rank; with ``exit_status`` set, stop every rank and end with it."""
+
+    kill: list[int] = field(default_factory=list)
+    start: list[tuple[int, int]] = field(default_factory=list)
+    rerank: dict[int, int] = field(default_factory=dict)
+    exit_status: int | None = None
+    why: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.kill or self.start or self.rerank) and self.exit_status is None
+
+
+def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank]) -> NodePlan:
+    """The plan of ``node`` for executed decision ``d`` given its ranks.
+
+    * ``stop_job_notify_user``: stop, exit ``EXIT_STOPPED``.
+    * ``exclude_node_and_requeue`` naming this node: stop, exit 0 (the job goes on elsewhere).
+    * any other recovery: the ranks this node must run are ``d.members`` on it (or the current
+      ones); a named rank (``restart_workers``), a dead one, and every rank that cannot rejoin
+      in process are killed and started again; the others keep running under their new rank.
+    * ``none``: nothing.
+    """
+    if d.action == "none":
+        return NodePlan()
+    if d.action == "stop_job_notify_user":
+        return NodePlan(kill=[r.local_rank for r in ranks if r.alive],
+                        exit_status=EXIT_STOPPED, why="workers stopped")
+    if d.action == "exclude_node_and_requeue" and node in d.nodes:
+        return NodePlan(kill=[r.local_rank for r in ranks if r.alive], exit_status=0,
+                        why=f"node {node} excluded: workers stopped")
+    by_local = {r.local_rank: r for r in ranks}
+    wanted = ([(m.local_rank, m.rank) for m in d.members if m.node == node] if d.members
+              else [(r.local_rank, r.rank) for r in ranks])
+    named = set(d.ranks) if d.action == "restart_workers" else set()
+    plan = NodePlan()
+    keep = {lr for lr, _ in wanted}
+    for r in ranks:  # ranks this node no longer runs (re-ranked away): stop them
+        if r.alive and r.local_rank not in keep:
+            plan.kill.append(r.local_rank)
+    for lr, rank in wanted:
+        cur = by_local.get(lr)
+        if cur is not None and cur.alive and cur.in_process and cur.rank not in named:
+            if cur.rank != rank:
+                plan.rerank[lr] = rank
+            continue
+        if cur is not None and cur.alive:
+            plan.kill.append(lr)
+        plan.start.append((lr, rank))
+    group = [lr for lr, _ in plan.start if lr in by_local and not by_local[lr].in_process
+             and by_local[lr].rank not in named and by_local[lr].alive]
+    parts = []
+    if plan.start:
+        parts.append("started " + ", ".join(f"rank {rk} (local {lr})" for lr, rk in plan.start))
+    if group:
+        parts.append(f"local rank(s) {', '.join(map(str, group))} restarted with the worker "
+                     f"group (no in-process restart)")
+    plan.why = "; ".join(parts)
+    return plan

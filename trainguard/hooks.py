@@ -1,0 +1,293 @@
+"""trainguard inside a rank whose script nobody rewrote (a torchrun script, Lightning, Hugging Face).
+
+The warm spare that becomes a rank calls ``install()`` before it runs the script. From then on:
+
+* **Rendezvous per generation.** ``init_process_group("env://")`` (the default) connects, as under
+  torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True``, to the store at ``MASTER_ADDR:MASTER_PORT``
+  (trainguard's rendezvous store), but under the key prefix ``<job>/g<generation>/a<attempt>/``:
+  a restarted group never reads the addresses of the attempt that died (torchrun's shared store
+  does, pytorch/pytorch#135712; findings), and two jobs on one store never meet.
+* **Progress without code changes.** A global optimizer step hook counts steps and times them;
+  each ``DistributedDataParallel`` forward and each optimizer step advances ``collective_seq``
+  (a hung rank is the one whose count is behind) and the time from the end of the last step to
+  the end of the forward is ``compute_s`` (the straggler signal). A heartbeat thread publishes
+  them (``rank.heartbeat``) every ``TG_HEARTBEAT_INTERVAL_S`` (0.1 s). Frameworks report their
+  own global step and loss through ``report`` (``trainguard.integrations``).
+* **The fault first.** An exception that ends the script is published (``log.line``
+  stream=exception, or stderr for a collective error caused by a peer) before the process exits.
+* **Resumed.** The first step after a group restart publishes ``recovery.resumed``.
+
+Nothing here changes what the script computes; the hooks cost a few microseconds per step.
+When ``trainguard.run`` takes over the rank, it calls ``handover()`` and the shim's own
+heartbeat replaces this one.
+
+Public API for frameworks: ``active()``, ``report(step, loss)``, ``phase(name)``,
+``restart_count()``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+#: The one instance in this process (None when not installed or handed over).
+_RT: "_PlainRuntime | None" = None
+_ENV_HANDLER: Any = None  # torch's own env:// handler, kept to be restored
+
+
+def active() -> bool:
+    """True inside a rank started by ``trainguard launch`` whose hooks are installed."""
+    return _RT is not None
+
+
+def restart_count() -> int:
+    """How many times this rank's worker group was restarted before this start (0 on the
+    first start; ``TORCHELASTIC_RESTART_COUNT`` under torchrun and trainguard)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def report(step: int | None = None, loss: float | None = None) -> None:
+    """Record a framework's own global step (``step``, completed) and loss. Once called with a
+    step, the framework's count replaces the optimizer-hook count. Never blocks; a no-op when
+    not ``active()``."""
+    rt = _RT
+    if rt is not None:
+        rt.progress(step, loss, framework=True)
+
+
+def phase(name: str) -> None:
+    """Tell the detector what the rank does now (``schemas.PHASES``: startup, train, compile,
+    checkpoint, recovery, done); slow phases get longer hang allowances. No-op when inactive."""
+    rt = _RT
+    if rt is not None:
+        rt.p.phase = name
+
+
+def store_prefix(env: dict[str, str] | None = None) -> str:
+    """The rendezvous key prefix of this rank's worker group: ``<job>/g<generation>/a<attempt>/``
+    (``TG_JOB``, ``TG_GENERATION``: the decided generation in action mode; ``TG_ATTEMPT``: the
+    launcher's torchrun-style group restarts in observe mode)."""
+    e = os.environ if env is None else env
+    return (f"{e.get('TG_JOB', 'default')}/g{e.get('TG_GENERATION', '0')}/"
+            f"a{e.get('TG_ATTEMPT', '0')}/")
+
+
+def _prefixed_env_handler(url: str, **kwargs: Any):
+    """torch's env:// rendezvous handler, its store under ``store_prefix()``."""
+    import torch.distributed as dist
+
+    for store, rank, world_size in _ENV_HANDLER(url, **kwargs):
+        yield dist.PrefixStore(store_prefix(), store), rank, world_size
+
+
+def install() -> None:
+    """Install the hooks in this process (idempotent). Reads the launcher's environment
+    (``trainguard.worker.WorkerConfig.from_env``); starts the heartbeat and, with ``NATS_URL``,
+    the bus client in the background."""
+    global _RT, _ENV_HANDLER
+    if _RT is not None:
+        return
+    import importlib
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_post_hook as register_step_post_hook
+
+    from .worker import WorkerConfig
+
+    # (the module, not the function torch.distributed exports under the same name)
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    if _ENV_HANDLER is None:
+        _ENV_HANDLER = rdzv._rendezvous_handlers["env"]
+        rdzv._rendezvous_handlers["env"] = _prefixed_env_handler
+    rt = _PlainRuntime(WorkerConfig.from_env())
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # the spare imported torch before it was assigned
+    _RT = rt
+    if not getattr(DDP, "_tg_hooked", False):
+        DDP.__init__ = _wrap_ddp_init(DDP.__init__)
+        DDP._tg_hooked = True
+    rt.hook_handle = register_step_post_hook(_on_optimizer_step)
+    rt.start()
+
+
+def handover() -> None:
+    """``trainguard.run`` takes this rank over: stop this heartbeat (the shim beats itself) and
+    restore torch's env:// handler. No-op when not installed."""
+    global _RT
+    rt, _RT = _RT, None
+    if rt is None:
+        return
+    if rt.hook_handle is not None:
+        rt.hook_handle.remove()
+    _restore_env_handler()
+    import threading
+
+    # in the background: the shim starts now, and a bus still connecting may take a while
+    threading.Thread(target=rt.close, args=(False,), daemon=True).start()
+
+
+def _restore_env_handler() -> None:
+    global _ENV_HANDLER
+    if _ENV_HANDLER is not None:
+        import importlib
+
+        rdzv = importlib.import_module("torch.distributed.rendezvous")
+        rdzv._rendezvous_handlers["env"] = _ENV_HANDLER
+        _ENV_HANDLER = None
+
+
+def finish(exc: BaseException | None = None) -> None:
+    """The script ended (``exc`` when it raised): publish the fault first, then a last heartbeat
+    (phase done on success), and flush the bus (≤ 2 s). No-op when inactive."""
+    global _RT
+    rt, _RT = _RT, None
+    if rt is None:
+        return
+    if exc is not None and not (isinstance(exc, SystemExit) and not exc.code):
+        rt.report_fault(exc)
+        rt.close(final=False)
+    else:
+        rt.close(final=True)
+
+
+def tell_launcher(line: str) -> None:
+    """Send one line to this rank's launcher over the pipe it passed (``TG_LAUNCHER_FD``); a
+    no-op without one. Used by ``trainguard.run``: ``"restart in_process"`` tells the launcher
+    that this rank rejoins in process, so a peer's fault need not restart it."""
+    fd = os.environ.get("TG_LAUNCHER_FD", "")
+    if fd.isdigit():
+        try:
+            os.write(int(fd), (line.strip() + "\n").encode())
+        except OSError:
+            pass  # the launcher is gone: nothing to tell
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    rt = _RT
+    if rt is not None:
+        rt.progress(None, None, framework=False)
+
+
+def _wrap_ddp_init(init):
+    import torch
+
+    @torch.compiler.disable
+    def _pre(module, inputs):
+        rt = _RT
+        if rt is not None:
+            rt.p.collective_seq += 1
+
+    @torch.compiler.disable
+    def _post(module, inputs, output):
+        rt = _RT
+        if rt is not None and rt.p._last_mono:
+            rt.p.compute_s = time.monotonic() - rt.p._last_mono
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.register_forward_pre_hook(_pre)
+        self.register_forward_hook(_post)
+
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    return __init__
+
+
+from .worker import _Runtime  # noqa: E402 - after the public API: the shim imports this module
+
+
+class _PlainRuntime(_Runtime):
+    """The shim's heartbeat and bus without its in-process restart: a rank of an unmodified
+    script is restarted with its whole worker group by the launcher."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.hook_handle: Any = None
+        self.framework_steps = False
+        self.resume_pending = restart_count() > 0 or cfg.generation > 0
+        self.opt_steps = 0
+
+    def start(self) -> None:
+        if self.cfg.nats_url:
+            from .bus import ThreadedBus
+
+            self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
+            self.bus.start()
+        import threading
+
+        threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
+
+    def progress(self, step: int | None, loss: float | None, framework: bool) -> None:
+        p = self.p
+        if framework:
+            if step is None:
+                if loss is not None:
+                    p.loss = float(loss)
+                return
+            self.framework_steps = True
+        else:
+            self.opt_steps += 1
+            p.collective_seq += 1
+            if self.framework_steps:
+                return  # the framework's own step count is the one reported
+            step = self.opt_steps - 1
+        now = time.monotonic()
+        if p._last_mono and p.phase == "train":
+            p.step_time_s = now - p._last_mono
+        p._last_mono = now
+        p.step = int(step)
+        if loss is not None:
+            p.loss = float(loss)
+        p.progress_ts = time.time_ns()
+        p.phase = "train"
+        if self.resume_pending:
+            self.resume_pending = False
+            self._resumed(int(step))
+
+    def _resumed(self, step: int) -> None:
+        import schemas
+        from schemas import subjects
+
+        cfg, e = self.cfg, os.environ
+        self.publish(subjects.job(cfg.job, "recovery"), schemas.TrainingResumed(
+            **self._ids(), generation=cfg.generation, world_size=cfg.world_size,
+            restored_step=-1, resumed_step=step, fault_ts=int(e.get("TG_FAULT_TS", 0) or 0),
+            restore_source="script", decision_id=e.get("TG_DECISION_ID", "")))
+
+    def report_fault(self, exc: BaseException) -> None:
+        import schemas
+        from schemas import subjects
+
+        from .worker import COLLECTIVE_ERROR_MARKERS
+
+        text = "".join(traceback.format_exception(exc)).strip()
+        symptom = any(m in text for m in COLLECTIVE_ERROR_MARKERS)
+        cfg = self.cfg
+        self.publish(subjects.job(cfg.job, "log"), schemas.LogLine(
+            **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
+            step=self.p.step if self.p.step >= 0 else None, generation=cfg.generation,
+            source="shim"))
+
+    def close(self, final: bool) -> None:
+        import schemas
+        from schemas import subjects
+
+        self._stop.set()
+        if self.bus is None:
+            return
+        if final:
+            self.p.phase = "done"
+            self.publish(subjects.rank_hb(self.cfg.job, self.cfg.rank), schemas.RankHeartbeat(
+                **self._ids(), generation=self.cfg.generation, pid=os.getpid(),
+                step=self.p.step, phase="done", world_size=self.cfg.world_size,
+                local_rank=self.cfg.local_rank))
+        try:
+            self.bus.close(timeout=2.0)
+        except Exception:  # noqa: BLE001 - exiting anyway; the bus may be gone
+            print("trainguard: could not flush the bus at exit", file=sys.stderr)
