@@ -4,7 +4,7 @@ The warm spare that becomes a rank calls ``install()`` before it runs the script
 
 * **Rendezvous per generation.** ``init_process_group("env://")`` (the default) connects, as under
   torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True``, to the store at ``MASTER_ADDR:MASTER_PORT``
-  (trainguard's rendezvous store), but under the key prefix ``<job>/g<generation>/a<attempt>/``:
+  (trainguard's rendezvous store), but under the key prefix ``<job>/g<generation>/a<attempt>``:
   a restarted group never reads the addresses of the attempt that died (torchrun's shared store
   does, pytorch/pytorch#135712; findings), and two jobs on one store never meet.
 * **Progress without code changes.** A global optimizer step hook counts steps and times them;
@@ -69,12 +69,12 @@ def phase(name: str) -> None:
 
 
 def store_prefix(env: dict[str, str] | None = None) -> str:
-    """The rendezvous key prefix of this rank's worker group: ``<job>/g<generation>/a<attempt>/``
+    """The rendezvous key prefix of this rank's worker group: ``<job>/g<generation>/a<attempt>``
     (``TG_JOB``, ``TG_GENERATION``: the decided generation in action mode; ``TG_ATTEMPT``: the
     launcher's torchrun-style group restarts in observe mode)."""
     e = os.environ if env is None else env
     return (f"{e.get('TG_JOB', 'default')}/g{e.get('TG_GENERATION', '0')}/"
-            f"a{e.get('TG_ATTEMPT', '0')}/")
+            f"a{e.get('TG_ATTEMPT', '0')}")
 
 
 def _prefixed_env_handler(url: str, **kwargs: Any):
