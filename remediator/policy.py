@@ -270,6 +270,14 @@ def fault_signature(verdict: Verdict) -> str:
     return f"{verdict.fault_class}:{xxhash.xxh3_64_hexdigest(norm.encode())}"
 
 
+def first_error_line(evidence: str, limit: int = 300) -> str:
+    """The line of an evidence entry that says what went wrong: the last non-empty line of a
+    traceback (``ValueError: …``), without the attributor's ``[tag kind who]`` label."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", evidence.strip())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return (lines[-1] if lines else text)[:limit]
+
+
 def fault_step(verdict: Verdict) -> int | None:
     """``detail["step"]`` as int, or None when the attributor did not give the step."""
     step = verdict.detail.get("step")
@@ -457,6 +465,8 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
         if facts is not None:
             reasons.append(esc.reason.format(**facts))
             action = esc.then
+            if verdict.evidence:  # the user reads why in the decision itself
+                reasons.append(f"the error: {first_error_line(verdict.evidence[0])}")
             break
 
     ranks = sorted(set(verdict.culprit.ranks))

@@ -451,6 +451,23 @@ class Launcher:
 
         fut.add_done_callback(_done)
 
+    def _publish_attempt(self) -> None:
+        key = f"{self.generation}:{self.attempt}"
+        asyncio.run_coroutine_threadsafe(
+            self._store().update_job(self.cfg.job, group_attempt=key), self.bus.loop)
+
+    def _sync_attempt(self) -> None:
+        """Observe mode on several nodes: read the job's group attempt (``<generation>:<n>``);
+        a newer one of this generation means another node restarted its group: so does this
+        one (an event for the main thread)."""
+        async def _read() -> None:
+            job = await self._store().job(self.cfg.job)
+            gen, _, n = str(job.get("group_attempt") or "").partition(":")
+            if gen == str(self.generation) and n.isdigit() and int(n) > self.attempt:
+                self.events.put(("group_restart", int(n)))
+
+        asyncio.run_coroutine_threadsafe(_read(), self.bus.loop)
+
     def _check_rendezvous(self, timeout_s: float = 5.0) -> None:
         """Fail before starting any rank when the rendezvous store does not answer. A store
         endpoint on this machine that nothing serves yet is hosted here, as torchrun's c10d
@@ -511,6 +528,8 @@ class Launcher:
             if time.monotonic() - last_lease >= 2.0:
                 last_lease = time.monotonic()
                 self._renew_lease()
+                if self.cfg.mode != "action" and self.cfg.max_restarts and self.cfg.nnodes > 1:
+                    self._sync_attempt()
             self.bus.publish(subjects.node(self.cfg.node, "heartbeat"), schemas.NodeHeartbeat(
                 node=self.cfg.node, job=self.cfg.job, role="launcher", seq=seq, pid=os.getpid(),
                 interval_s=self.cfg.heartbeat_interval_s))
@@ -568,6 +587,11 @@ class Launcher:
                     self._on_decision_event(obj)
                 elif kind == "fill_pool":
                     self._fill_pool()
+                elif kind == "group_restart" and obj > self.attempt and self.workers:
+                    print(f"trainguard launch [{self.cfg.node}]: another node restarted the "
+                          f"worker group (attempt {obj}): restarting this node's ranks too",
+                          file=sys.stderr, flush=True)
+                    self._restart_group(obj)
                 elif kind == "stop":
                     print(f"trainguard launch [{self.cfg.node}]: stopping (exit status {obj}): "
                           f"ranks and spares stopped, staging buffers freed; launch the job "
@@ -613,9 +637,14 @@ class Launcher:
             self._kill_all()
             self.exit_status = 1
 
-    def _restart_group(self) -> None:
+    def _restart_group(self, attempt: int | None = None) -> None:
         """Observe mode's torchrun-style restart: stop every local rank, then start them all
-        again (from warm spares) at the next attempt, a new store prefix."""
+        again (from warm spares) at ``attempt`` (default: the next one), a new store prefix.
+        The attempt is written to the job record, where every other node's launcher sees it
+        and restarts its group too (``_sync_attempt``), as torchrun's agents all restart."""
+        self.attempt = self.attempt + 1 if attempt is None else attempt
+        if attempt is None and self.cfg.nnodes > 1:
+            self._publish_attempt()
         old = list(self.workers.values())
         for p in old:
             p.kill()
@@ -624,7 +653,6 @@ class Launcher:
                 p.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        self.attempt += 1
         self.restart_count += 1
         for lr, p in sorted(self.workers.items()):
             self._spawn(lr, p.rank if p.rank is not None else lr, self.generation,
