@@ -170,7 +170,7 @@ class JobState:
     and throughput bookkeeping."""
 
     __slots__ = ("name", "ranks", "times", "n_times", "max_step", "tp_mark", "tp_step",
-                 "tp_base", "tp_windows", "dirty", "p99", "p99_n", "gen")
+                 "tp_base", "tp_windows", "dirty", "p99", "p99_n", "gen", "gen_started")
 
     def __init__(self, name: str, window: int = 256):
         self.name = name
@@ -186,6 +186,7 @@ class JobState:
         self.p99 = 0.0
         self.p99_n = -1
         self.gen = 0
+        self.gen_started = 0.0  # monotonic time the job's newest generation was first seen
 
     def add_time(self, t: float) -> None:
         self.times[self.n_times % len(self.times)] = t
@@ -251,6 +252,7 @@ def observe_heartbeat(job: JobState, rank: int, node: str | None, local_rank: in
     if generation > job.gen:
         # the job restarted from a checkpoint: progress and throughput windows start over
         job.gen = generation
+        job.gen_started = now
         job.max_step = -1
         job.tp_mark = 0.0
     if generation != rs.generation:
@@ -461,11 +463,14 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
 def missing_member_rule(job: JobState, jc: JobConfig, started: float, now: float,
                         cfg: DetectorConfig) -> list[Finding]:
     """Registered members that never sent a heartbeat within the startup allowance while
-    others did: they never came up (the rendezvous waits for them)."""
+    others did: they never came up (the rendezvous waits for them). The allowance runs from the
+    job's start or from its newest generation, whichever is later: a rank started again by a
+    decision gets a start-up of its own (without that, a rank slow to come up was "missing"
+    again at once in every generation after the first, until the retry budget was spent)."""
     if not jc.members or not job.ranks:
         return []
     allowance = jc.startup_timeout_s or cfg.phase_timeout_s["startup"]
-    if now - started <= allowance:
+    if now - max(started, job.gen_started) <= allowance:
         return []
     missing = sorted(int(m["rank"]) for m in jc.members
                      if "rank" in m and int(m["rank"]) not in job.ranks)

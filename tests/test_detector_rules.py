@@ -37,6 +37,20 @@ def test_crash_rule_ignores_clean_and_expected_exits():
 
 
 # ---- hang ----------------------------------------------------------------------------------------
+def test_a_member_that_never_beats_is_missing_once_per_generation():
+    """The start-up allowance of a rank that never sent a heartbeat runs from the job's start,
+    and again from each new generation: a rank started again by a decision gets its own."""
+    js, jc = JobState("j"), JobConfig(startup_timeout_s=100.0,
+                                      members=[{"rank": 0, "node": "n0"}, {"rank": 1, "node": "n0"}])
+    beat(js, 0, 1, 5.0, phase="startup")
+    assert rules.missing_member_rule(js, jc, 0.0, 99.0, CFG) == []
+    [f] = rules.missing_member_rule(js, jc, 0.0, 101.0, CFG)
+    assert f.ranks == [1] and f.fault_class == "hang" and f.detail["rule"] == "never_started"
+    beat(js, 0, 1, 102.0, phase="startup", gen=1)  # the job moved on: rank 1 started again
+    assert rules.missing_member_rule(js, jc, 0.0, 150.0, CFG) == []
+    assert [f.ranks for f in rules.missing_member_rule(js, jc, 0.0, 203.0, CFG)] == [[1]]
+
+
 def test_silence_names_the_silent_rank_only():
     js = JobState("j")
     for r in range(4):
