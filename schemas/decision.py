@@ -7,7 +7,6 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from .base import Event
-from .vocabulary import ACTIONS, FAULT_CLASSES, LAYERS  # noqa: F401 - re-exported
 
 
 class Culprit(BaseModel):
