@@ -4,8 +4,8 @@
 
 1. Evidence is ordered in time (``first_ts``, then arrival order).
 2. Root cause: the anomalies that are not symptoms; among them the most telling fault class
-   (``PRIORITY``: a GPU's XID explains the crash of the rank on it, the OOM killer explains the
-   SIGKILL), then the earliest. Only when every anomaly is a symptom (a peer's connection reset,
+   (the priority of ``schemas.vocabulary.VOCABULARY``: a GPU's XID explains the crash of the
+   rank on it, the OOM killer explains the SIGKILL), then the earliest. Only when every anomaly is a symptom (a peer's connection reset,
    a watchdog timeout) is the strongest symptom attributed on its own — at lower confidence.
 3. Cascades: symptoms whose ranks/nodes differ from the root's are the root's victims; they are
    folded into the verdict as evidence (``detail["symptoms"]``), never culprits.
@@ -13,62 +13,29 @@
    timeouts from the blocked ranks are symptoms. Among symptom-only watchdog timeouts, the rank
    with the lowest collective sequence number is named, at low confidence.
 5. Cross-job history (``History``, filled by the service from the state store):
-   * a culprit node with hardware, system-software or infrastructure faults in ``node_repeat_jobs`` (2) or more different
-     jobs within the window is a node fault: exclude it;
+   * a culprit node with hardware, system-software or infrastructure faults in
+     ``node_repeat_jobs`` (2) or more different jobs within the window is a node fault:
+     ``detail["repeat_offender"]`` names it (and an unknown or application layer becomes
+     hardware);
    * the same failure signature on ``app_repeat_nodes`` (2) or more different nodes of one job
-     is an application fault: stop and tell the user (a restart elsewhere would repeat it);
+     is an application fault: layer ``application``, ``detail["systematic"]`` names the nodes
+     (a restart elsewhere would repeat it);
    * XIDs 13/31/43 (the catalog's application XIDs) from ``app_xid_pids`` (3) or more
-     different processes on one GPU make that GPU suspect hardware.
+     different processes on one GPU make that GPU suspect hardware (``gpu_xid``/``hardware``,
+     ``detail["suspect_gpu"]``).
+
+The verdict names no action: the remediator's policy turns fault class, layer and these facts
+into one.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from schemas import Anomaly
+from schemas.vocabulary import FaultClass, Layer, default_layer, priority, signature, spec
 
-#: Fault class -> how much it explains (higher wins as root cause). A hardware fault explains the
-#: crash of the process on it; a named cause (OOM, disk full, NaN) explains a bare crash; a crash
-#: explains a hang of the same rank.
-PRIORITY: dict[str, int] = {
-    "gpu_xid": 90, "ecc": 92, "nvlink": 91, "node_lost": 88, "thermal": 40,
-    "oom_host": 80, "oom_gpu": 80, "filesystem": 78, "checkpoint_corrupt": 77,
-    "nan_loss": 72, "network": 70, "rendezvous": 65, "app_exception": 60,
-    "crash": 50, "hang": 45, "checkpoint_save": 35, "straggler": 30,
-}
-
-#: Default (layer, action) per fault class when the anomaly carries no hint.
-DEFAULTS: dict[str, tuple[str, str]] = {
-    "crash": ("unknown", "restart_workers"),
-    "hang": ("unknown", "restart_workers"),
-    "oom_gpu": ("application", "fix_config"),
-    "oom_host": ("application", "stop_job_notify_user"),
-    "gpu_xid": ("hardware", "exclude_node_and_requeue"),
-    "ecc": ("hardware", "exclude_node_and_requeue"),
-    "nvlink": ("hardware", "exclude_node_and_requeue"),
-    "network": ("infrastructure", "restart_workers"),
-    "filesystem": ("infrastructure", "stop_job_notify_user"),
-    "checkpoint_corrupt": ("infrastructure", "restart_workers"),
-    "node_lost": ("infrastructure", "exclude_node_and_requeue"),
-    "app_exception": ("application", "stop_job_notify_user"),
-    "nan_loss": ("application", "restart_in_process"),
-    "straggler": ("unknown", "none"),
-    "thermal": ("hardware", "exclude_node_and_requeue"),
-    "rendezvous": ("infrastructure", "fix_config"),
-    "checkpoint_save": ("infrastructure", "none"),
-}
-
-#: Actions from weakest to strongest (a later verdict for the same incident is published only
-#: when it needs a stronger one).
-ACTION_STRENGTH: dict[str, int] = {
-    "none": 0, "restart_in_process": 1, "restart_workers": 2, "fix_config": 3, "reset_gpu": 4,
-    "exclude_node_and_requeue": 5, "stop_job_notify_user": 6,
-}
-
-#: Fault classes that a history rule may not turn into an application fault (they name hardware
-#: or the cluster, not the program).
-NOT_APPLICATION = {"gpu_xid", "ecc", "nvlink", "node_lost", "thermal", "network", "straggler"}
+#: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
 APP_XIDS = (13, 31, 43)
 
 
@@ -107,11 +74,10 @@ class History:
 
 @dataclass
 class VerdictSpec:
-    """The verdict fields (``schemas.Verdict`` minus the envelope)."""
+    """The verdict fields (``schemas.Verdict`` minus the envelope and the advisory action)."""
 
     fault_class: str
     layer: str
-    action: str
     ranks: list[int]
     nodes: list[str]
     gpus: list[str]
@@ -125,11 +91,11 @@ class VerdictSpec:
     signature: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: fault_class, layer, culprit {ranks, nodes, gpus}, action,
-        confidence, score, evidence, first_ts, generation, detail."""
+        """JSON-ready dict: fault_class, layer, culprit {ranks, nodes, gpus}, confidence, score,
+        evidence, first_ts, generation, detail."""
         return {"fault_class": self.fault_class, "layer": self.layer,
                 "culprit": {"ranks": self.ranks, "nodes": self.nodes, "gpus": self.gpus},
-                "action": self.action, "confidence": self.confidence,
+                "confidence": self.confidence,
                 "score": round(self.score, 3), "evidence": self.evidence,
                 "first_ts": self.first_ts, "generation": self.generation,
                 "detail": self.detail}
@@ -149,29 +115,12 @@ def _weight(a: Anomaly) -> float:
 
 def root_key(a: Anomaly) -> tuple:
     """Sort key of root-cause candidates: non-symptom first, then priority, then earliest."""
-    return (a.symptom, -PRIORITY.get(a.fault_class, 0) - 10 * _weight(a), a.first_ts or a.ts)
+    return (a.symptom, -priority(a.fault_class) - 10 * _weight(a), a.first_ts or a.ts)
 
 
 def choose_root(anomalies: list[Anomaly]) -> Anomaly:
     """The root cause among ``anomalies`` (non-empty); see module docstring."""
     return min(enumerate(anomalies), key=lambda ia: (root_key(ia[1]), ia[0]))[1]
-
-
-_NORM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?|/[\w./-]+|'[^']*'|\"[^\"]*\"")
-
-
-def signature(a: Anomaly) -> str:
-    """Failure signature for cross-job history: fault class, rule/pattern and the evidence text
-    with numbers, addresses, paths and quoted strings masked."""
-    rule = a.detail.get("pattern") or a.detail.get("rule") or a.kind
-    if a.kind == "crash":
-        text = f"signal={a.detail.get('signal')} exit={a.detail.get('exit_code')}"
-    elif a.kind == "gpu_fault":
-        text = f"xid={a.detail.get('xid')}"
-    else:
-        text = _NORM.sub("#", (a.evidence[0] if a.evidence else ""))[:160]
-        text = re.sub(r"\s+", " ", text).strip()
-    return f"{a.fault_class}|{rule}|{text}"
 
 
 def _confidence(score: float) -> str:
@@ -207,12 +156,11 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     root = choose_root(ordered_a)
     roots = [a for a in ordered_a if not a.symptom]
     symptom_only = not roots
-    layer0, action0 = DEFAULTS.get(root.fault_class, ("unknown", "restart_workers"))
     fault_class = root.fault_class
-    layer = _hint(root, "layer", layer0)
-    action = _hint(root, "action", action0)
+    layer = str(_hint(root, "layer", default_layer(root.fault_class)))
     score = _weight(root)
     notes: list[str] = []
+    facts: dict[str, Any] = {}
 
     # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
     # several OOM-killed ranks); symptoms never add culprits.
@@ -235,11 +183,10 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
             ranks = []  # every reporter is a blocked victim; the hung peer is not among them
         elif root.fault_class == "network":
             # "connection reset/closed by peer" names the reporter, a victim of its peer: with
-            # no root cause seen the culprit is unknown, and the cheapest survivable action is
-            # to re-form the group in place (a rank or node that is really gone shows up as a
-            # crash or node loss, which is stronger and supersedes this)
+            # no root cause seen the culprit is unknown (the remediator re-forms the group in
+            # place for a network fault without a culprit; a rank or node that is really gone
+            # shows up as a crash or node loss, which outranks this)
             ranks, nodes, gpus = [], [], []
-            action = "restart_in_process"
             notes.append("the reporters of a connection reset are its victims: culprit unknown")
     elif symptoms:
         victims = sorted({r for s in symptoms for r in s.culprit.ranks} - set(ranks))
@@ -251,8 +198,9 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     if root.kind == "gpu_fault" or any(a.kind == "gpu_fault" for a in roots):
         for g, pids in hist.gpu_app_xid_pids.items():
             if len(pids) >= cfg.app_xid_pids and (not gpus or g in gpus):
-                fault_class, layer, action = "gpu_xid", "hardware", "exclude_node_and_requeue"
+                fault_class, layer = FaultClass.GPU_XID.value, Layer.HARDWARE.value
                 gpus = gpus if g in gpus else gpus + [g]
+                facts["suspect_gpu"] = g
                 score = max(score, 0.75)
                 notes.append(f"application XIDs {APP_XIDS} on GPU {g} from {len(pids)} "
                              f"different processes: the GPU, not the program, is suspect")
@@ -260,23 +208,25 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
 
     sig = signature(root)
     # a node failing across different jobs -> node fault
-    if layer != "application" or root.fault_class in NOT_APPLICATION:
+    program = _program(root.fault_class)
+    if layer != Layer.APPLICATION or not program:
         for n in nodes:
             jobs = hist.node_jobs.get(n, set()) | ({hist.job} if hist.job else set())
             if len(jobs) >= cfg.node_repeat_jobs:
-                action = "exclude_node_and_requeue"
-                if layer in ("unknown", "application"):
-                    layer = "hardware"
+                facts["repeat_offender"] = [n]
+                if layer in (Layer.UNKNOWN, Layer.APPLICATION):
+                    layer = Layer.HARDWARE.value
                 score = max(score, 0.8)
                 notes.append(f"node {n} had faults in {len(jobs)} different jobs "
-                             f"({', '.join(sorted(jobs)[:5])}): a node fault — exclude it")
+                             f"({', '.join(sorted(jobs)[:5])}): a node fault")
                 break
     # the same failure on different nodes of one job -> application fault
-    if root.fault_class not in NOT_APPLICATION and not symptom_only:
+    if root.fault_class in SYSTEMATIC_CLASSES and not symptom_only:
         sig_nodes = set(hist.signature_nodes) | {n for a in roots if signature(a) == sig
                                                  for n in a.culprit.nodes}
         if len(sig_nodes) >= cfg.app_repeat_nodes:
-            layer, action = "application", "stop_job_notify_user"
+            layer = Layer.APPLICATION.value
+            facts["systematic"] = sorted(sig_nodes)
             score = max(score, 0.8)
             notes.append(f"the same failure happened on {len(sig_nodes)} different "
                          f"nodes of this job ({', '.join(sorted(sig_nodes)[:5])}): "
@@ -297,12 +247,12 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     gens = [a.generation for a in ordered_a if a.generation is not None]
     detail = {"root_kind": root.kind, "root_anomaly": root.event_id,
               "pattern": root.detail.get("pattern") or root.detail.get("rule"),
-              "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only}
+              "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only, **facts}
     for k in ("xid", "signal", "step", "seq", "op"):
         if root.detail.get(k) is not None:
             detail[k] = root.detail[k]
     return VerdictSpec(
-        fault_class=fault_class, layer=layer, action=action, ranks=sorted(set(ranks)),
+        fault_class=fault_class, layer=layer, ranks=sorted(set(ranks)),
         nodes=nodes, gpus=gpus, confidence=_confidence(score), score=score, evidence=evidence,
         anomaly_ids=[a.event_id for a in ordered_a], first_ts=first_ts,
         generation=root.generation if root.generation is not None else (max(gens) if gens
@@ -310,13 +260,33 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
         detail=detail, signature=sig)
 
 
-def stronger(action: str, than: str) -> bool:
-    """True when ``action`` is stronger than ``than`` (``ACTION_STRENGTH``)."""
-    return ACTION_STRENGTH.get(action, 0) > ACTION_STRENGTH.get(than, 0)
+def _program(fault_class: str) -> bool:
+    """Whether a history rule may call ``fault_class`` an application fault (the vocabulary's
+    ``program``; a class outside the vocabulary may be)."""
+    s = spec(fault_class)
+    return s.program if s else True
+
+
+#: The facts in a verdict's detail that say more than its fault class and layer: a later verdict
+#: of an incident is published when its conclusion (fault class, layer, facts) changed.
+FACTS = ("repeat_offender", "systematic", "suspect_gpu")
+
+#: Fault classes whose signature carries the program's own error, so that the same signature on
+#: different nodes of a job means the same bug (the ``systematic`` fact, which stops the job). Not
+#: a crash or hang (a signal or silence says nothing about the code: two SIGKILLs on two nodes
+#: are two incidents), not NaN loss (every rank of a data-parallel step sees the same NaN, and a
+#: restore from a valid checkpoint often gets past it), not infrastructure classes.
+SYSTEMATIC_CLASSES = (FaultClass.APP_EXCEPTION.value, FaultClass.OOM_GPU.value)
+
+
+def conclusion(v: VerdictSpec) -> tuple:
+    """What a verdict concludes, for "did a later verdict of the incident change anything":
+    fault class, layer and the facts of ``FACTS``."""
+    return (v.fault_class, v.layer, *(repr(v.detail.get(k)) for k in FACTS))
 
 
 #: Layers whose faults count against a node in cross-job history.
-NODE_LAYERS = ("hardware", "system_software", "infrastructure")
+NODE_LAYERS = (Layer.HARDWARE, Layer.SYSTEM_SOFTWARE, Layer.INFRASTRUCTURE)
 
 
 def history_from_records(job: str, node_records: dict[str, list[dict]],

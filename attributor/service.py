@@ -9,7 +9,12 @@ Subscribes ``tg.job.*.anomaly``; publishes on ``tg.job.<job>.verdict``.
 * A symptom is held for ``symptom_hold_s`` waiting for a root cause; when one comes the symptom
   is folded into its verdict, otherwise the held symptoms are attributed on their own.
 * After a verdict, later anomalies of the same incident are folded in; a new verdict is
-  published only when they call for a stronger action (e.g. node lost after a rank crash).
+  published only when they change its conclusion (``decide.conclusion``: a root that outranks
+  the first, e.g. node lost after a rank crash, or a new fact such as a repeat-offender node).
+  Whether that changes the action is the remediator's call.
+* A verdict whose root is a warning (a straggler, thermal throttling, a failed checkpoint save)
+  is a flag: it does not settle the incident, so symptoms that follow still wait for their root
+  cause.
 * Each verdict is written to the cross-job history (``StateStore.record_fault``): per culprit
   node, with the failure signature, layer, and for GPU faults the XID, GPU and pid.
 """
@@ -24,8 +29,8 @@ import schemas
 from schemas import subjects
 from trainguard.service import Service, ServiceConfig
 
-from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, decide,
-                     history_from_records, signature, stronger)
+from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,
+                     history_from_records, signature)
 
 log = logging.getLogger("trainguard.attributor")
 
@@ -37,7 +42,8 @@ class Incident:
     started: float
     anomalies: list[schemas.Anomaly] = field(default_factory=list)
     hold_until: float | None = None
-    action: str | None = None  # action of the last verdict published, None = none yet
+    concluded: tuple | None = None  # conclusion of the last verdict published, None = none yet
+    settled: bool = False  # a verdict with a root-cause fault (not a warning) was published
     verdicts: int = 0
 
 
@@ -71,9 +77,9 @@ class Attributor(Service):
             inc = self.incidents[key] = Incident(job, gen, now)
         inc.anomalies.append(ev)
         if ev.symptom:
-            # a flag (action "none", e.g. a straggler) does not settle an incident: symptoms
-            # that follow still wait for their root cause
-            if inc.action in (None, "none") and inc.hold_until is None:
+            # a flag (a warning, e.g. a straggler) does not settle an incident: symptoms that
+            # follow still wait for their root cause
+            if not inc.settled and inc.hold_until is None:
                 inc.hold_until = now + self.ac.symptom_hold_s
             return
         await self._attribute(inc)
@@ -81,8 +87,7 @@ class Attributor(Service):
     async def tick(self) -> None:
         now = time.monotonic()
         for key, inc in list(self.incidents.items()):
-            if inc.action in (None, "none") and inc.hold_until is not None \
-                    and now >= inc.hold_until:
+            if not inc.settled and inc.hold_until is not None and now >= inc.hold_until:
                 await self._attribute(inc)
             elif now - inc.started > 2 * self.ac.incident_window_s:
                 del self.incidents[key]
@@ -111,7 +116,7 @@ class Attributor(Service):
         root = choose_root(inc.anomalies)
         hist = await self._history(inc, root)
         spec = decide(inc.anomalies, hist, self.ac)
-        if inc.action is not None and not stronger(spec.action, inc.action):
+        if inc.concluded is not None and conclusion(spec) == inc.concluded:
             return  # folded into the verdict already published
         await self._publish(inc, spec, root)
 
@@ -121,13 +126,14 @@ class Attributor(Service):
             rank=spec.ranks[0] if len(spec.ranks) == 1 else None,
             fault_class=spec.fault_class, layer=spec.layer,
             culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes, gpus=spec.gpus),
-            action=spec.action, confidence=spec.confidence, score=round(spec.score, 3),
+            confidence=spec.confidence, score=round(spec.score, 3),
             evidence=spec.evidence, anomaly_ids=spec.anomaly_ids, first_ts=spec.first_ts,
             generation=inc.generation, detail={**spec.detail, "signature": spec.signature,
                                                "revision": inc.verdicts},
             trace=root.child_trace())
         await self.bus.publish(subjects.job(inc.job, "verdict"), v)
-        inc.action = spec.action
+        inc.concluded = conclusion(spec)
+        inc.settled = inc.settled or root.severity == "error"
         inc.hold_until = None
         inc.verdicts += 1
         self.published += 1
@@ -140,7 +146,7 @@ class Attributor(Service):
             for n in spec.nodes:
                 await self.state.record_fault(n, inc.job, spec.signature, {
                     "fault_class": spec.fault_class, "layer": spec.layer,
-                    "action": spec.action, "generation": inc.generation})
+                    "generation": inc.generation})
             for a in inc.anomalies:
                 xid = a.detail.get("xid")
                 if xid is not None and a.culprit.nodes:

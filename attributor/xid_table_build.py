@@ -5,9 +5,11 @@ Source: NVIDIA "XID Errors" catalog (docs.nvidia.com/deploy/xid-errors), as expo
 immediate_action, investigatory_action, xid154_linkage, nvsentinel_recommended_action).
 
 Run ``python -m attributor.xid_table_build CATALOG.csv > attributor/xid_table.csv`` to
-regenerate. The mapping from NVIDIA's actions to trainguard's vocabulary is the data below:
+regenerate. The table keeps fault class and layer, not actions: what to do about a fault is the
+remediator's policy (``remediator.policy.TABLE``). NVIDIA's immediate action tells the layer and
+the severity; the mapping is the data below:
 
-* ``IMMEDIATE`` maps NVIDIA's immediate action to a trainguard action and a default layer;
+* ``IMMEDIATE`` maps NVIDIA's immediate action to a default layer and a severity;
 * ``INVESTIGATORY_LAYER`` refines the layer from NVIDIA's investigatory action (an XID whose
   investigation is "check the application / CUDA code" is an application fault);
 * ``CLASS_BY_XID`` names the XIDs whose fault class is ``ecc`` or ``nvlink`` instead of the
@@ -15,7 +17,7 @@ regenerate. The mapping from NVIDIA's actions to trainguard's vocabulary is the 
 * ``OVERRIDES`` are the few rows where NVIDIA's text says more than its action column (each has
   its reason next to it).
 
-Output columns: xid, mnemonic, description, fault_class, layer, action, severity
+Output columns: xid, mnemonic, description, fault_class, layer, severity
 (``fatal`` = the job cannot continue on that GPU, ``error`` = the process that hit it fails,
 ``info`` = informational), nvidia_action, source.
 """
@@ -26,24 +28,24 @@ import sys
 
 SOURCE = "NVIDIA XID catalog (docs.nvidia.com/deploy/xid-errors), trainguard mapping"
 
-#: NVIDIA immediate action -> (trainguard action, layer, severity)
-IMMEDIATE: dict[str, tuple[str, str, str]] = {
-    "RESTART_APP": ("restart_workers", "hardware", "error"),
-    "IGNORE": ("none", "hardware", "info"),
-    "RESET_GPU": ("reset_gpu", "hardware", "fatal"),
-    "RESTART_BM": ("exclude_node_and_requeue", "hardware", "fatal"),
-    "RESTART_VM": ("exclude_node_and_requeue", "hardware", "fatal"),
-    "CHECK_MECHANICALS": ("exclude_node_and_requeue", "hardware", "fatal"),
-    "UPDATE_SWFW": ("exclude_node_and_requeue", "system_software", "fatal"),
-    "CHECK_UVM": ("exclude_node_and_requeue", "system_software", "fatal"),
-    "CONTACT_SUPPORT": ("exclude_node_and_requeue", "hardware", "fatal"),
-    "WORKFLOW_NVLINK_ERR": ("exclude_node_and_requeue", "hardware", "fatal"),
-    "WORKFLOW_NVLINK5_ERR": ("exclude_node_and_requeue", "hardware", "fatal"),
-    "WORKFLOW_XID_48": ("reset_gpu", "hardware", "fatal"),
-    "WORKFLOW_XID_45": ("none", "hardware", "info"),
-    "XID_154": ("none", "hardware", "info"),
+#: NVIDIA immediate action -> (layer, severity)
+IMMEDIATE: dict[str, tuple[str, str]] = {
+    "RESTART_APP": ("hardware", "error"),
+    "IGNORE": ("hardware", "info"),
+    "RESET_GPU": ("hardware", "fatal"),
+    "RESTART_BM": ("hardware", "fatal"),
+    "RESTART_VM": ("hardware", "fatal"),
+    "CHECK_MECHANICALS": ("hardware", "fatal"),
+    "UPDATE_SWFW": ("system_software", "fatal"),
+    "CHECK_UVM": ("system_software", "fatal"),
+    "CONTACT_SUPPORT": ("hardware", "fatal"),
+    "WORKFLOW_NVLINK_ERR": ("hardware", "fatal"),
+    "WORKFLOW_NVLINK5_ERR": ("hardware", "fatal"),
+    "WORKFLOW_XID_48": ("hardware", "fatal"),
+    "WORKFLOW_XID_45": ("hardware", "info"),
+    "XID_154": ("hardware", "info"),
     # rows with no catalog action: NVSentinel's parser default is CONTACT_SUPPORT
-    "": ("exclude_node_and_requeue", "hardware", "fatal"),
+    "": ("hardware", "fatal"),
 }
 
 #: NVIDIA investigatory action -> layer (refines the immediate action's layer)
@@ -65,13 +67,13 @@ CLASS_BY_XID: dict[int, str] = {
 OVERRIDES: dict[int, dict[str, str]] = {
     # "GPU stopped processing" after the user's channel was reset: the application's own fault
     # (an illegal access or a kill); NVIDIA lists 13/31/43 together as application XIDs.
-    43: {"layer": "application", "action": "restart_workers", "severity": "error"},
+    43: {"layer": "application", "severity": "error"},
     # Row remapping / page retirement *event*: the bad row is contained; reset to activate.
-    63: {"action": "none", "severity": "info"},
+    63: {"severity": "info"},
     # Contained memory error: only the process that touched it fails.
-    94: {"action": "restart_workers", "severity": "error"},
+    94: {"severity": "error"},
     # Fell off the bus: the GPU is gone until the node is rebooted (RESTART_BM).
-    79: {"action": "exclude_node_and_requeue", "severity": "fatal"},
+    79: {"severity": "fatal"},
 }
 
 
@@ -81,20 +83,19 @@ def derive(rows: list[dict[str, str]]) -> list[dict[str, str]]:
     for r in rows:
         xid = int(r["xid"])
         imm = r.get("immediate_action", "").strip()
-        action, layer, severity = IMMEDIATE.get(imm, IMMEDIATE[""])
+        layer, severity = IMMEDIATE.get(imm, IMMEDIATE[""])
         layer = INVESTIGATORY_LAYER.get(r.get("investigatory_action", "").strip(), layer)
         row = {
             "xid": str(xid), "mnemonic": r["mnemonic"].strip(),
             "description": r["description"].strip(),
-            "fault_class": CLASS_BY_XID.get(xid, "gpu_xid"), "layer": layer, "action": action,
-            "severity": severity, "nvidia_action": imm or "(none)", "source": SOURCE,
+            "fault_class": CLASS_BY_XID.get(xid, "gpu_xid"), "layer": layer, "severity": severity, "nvidia_action": imm or "(none)", "source": SOURCE,
         }
         row.update(OVERRIDES.get(xid, {}))
         out.append(row)
     return sorted(out, key=lambda r: int(r["xid"]))
 
 
-COLUMNS = ["xid", "mnemonic", "description", "fault_class", "layer", "action", "severity",
+COLUMNS = ["xid", "mnemonic", "description", "fault_class", "layer", "severity",
            "nvidia_action", "source"]
 
 

@@ -8,8 +8,8 @@ generic ``RuntimeError``). Each row carries:
 * ``regex`` — Python regex (case-insensitive unless the row says otherwise); named groups
   ``rank``, ``local_rank``, ``seq``, ``op``, ``peer``, ``peer_host``, ``pci``, ``gpu``, ``pid``,
   ``ready`` become facts in the match's ``groups``;
-* ``fault_class`` / ``layer`` / ``action`` — the corpus vocabulary
-  (../shared/corpus/README.md) the line points at, as a hint to the attributor;
+* ``fault_class`` / ``layer`` — the vocabulary (``schemas.vocabulary``) the line points at, the
+  layer as a hint to the attributor (no action: only the remediator chooses one);
 * ``symptom`` — True when the line is what a rank prints *because another fault happened*
   (a peer's connection reset after a death, a watchdog timeout while blocked on a hung peer);
 * ``weight`` — 0..1, how specific the line is for its fault class (1 = unambiguous);
@@ -24,14 +24,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from schemas.vocabulary import FaultClass, Layer
+
 
 @dataclass(frozen=True)
 class LogPattern:
     name: str
     regex: re.Pattern
-    fault_class: str
-    layer: str
-    action: str
+    fault_class: FaultClass
+    layer: Layer
     symptom: bool = False
     weight: float = 0.7
     why: str = ""
@@ -49,10 +50,10 @@ class PatternMatch:
         return self.pattern.name
 
 
-def _p(name: str, regex: str, fault_class: str, layer: str, action: str, symptom: bool = False,
+def _p(name: str, regex: str, fault_class: str, layer: str, symptom: bool = False,
        weight: float = 0.7, why: str = "", flags: int = re.IGNORECASE) -> LogPattern:
-    return LogPattern(name, re.compile(regex, flags), fault_class, layer, action, symptom, weight,
-                      why)
+    return LogPattern(name, re.compile(regex, flags), FaultClass(fault_class), Layer(layer),
+                      symptom, weight, why)
 
 
 _PCI = r"(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)"
@@ -62,145 +63,147 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("gpu_lost",
        r"GPU is lost|fallen off the bus|Unable to determine the device handle for GPU\s*" + _PCI
        + r"?|cudaErrorDevicesUnavailable|CUDA_ERROR_ECC_UNCORRECTABLE_DISABLED",
-       "gpu_xid", "hardware", "exclude_node_and_requeue", weight=0.9,
+       "gpu_xid", "hardware", weight=0.9,
        why="NVML/driver report the GPU gone from the PCIe bus (XID 79): reboot needed"),
     _p("uncorrectable_ecc",
        r"uncorrectable ECC error|ECC error encountered|cudaErrorECCUncorrectable|"
        r"double bit (?:ECC )?error|DBE\)? has been detected",
-       "ecc", "hardware", "exclude_node_and_requeue", weight=0.9,
+       "ecc", "hardware", weight=0.9,
        why="CUDA runtime error 39/214 (cudaErrorECCUncorrectable): GPU memory fault"),
     _p("uncorrectable_nvlink",
        r"uncorrectable NVLink error|cudaErrorNvlinkUncorrectable|NVLink: fatal error",
-       "nvlink", "hardware", "exclude_node_and_requeue", weight=0.9,
+       "nvlink", "hardware", weight=0.9,
        why="CUDA runtime error 220 (cudaErrorNvlinkUncorrectable)"),
     _p("gpu_thermal",
        r"(?:HW|SW) (?:Thermal )?Slowdown\s*:\s*Active|thermal (?:slowdown|throttl\w*)|"
        r"GPU (?:is )?(?:over ?heat\w*|running hot)|clocks? (?:are )?throttled.*therm",
-       "thermal", "hardware", "exclude_node_and_requeue", weight=0.8,
+       "thermal", "hardware", weight=0.8,
        why="NVML clock-event reasons SwThermalSlowdown / HwThermalSlowdown / HwSlowdown"),
     # ---- memory -------------------------------------------------------------------------------
     _p("cuda_oom",
        r"CUDA out of memory|OutOfMemoryError: CUDA|cudaErrorMemoryAllocation|"
        r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_(?:ALLOC_FAILED|NOT_ENOUGH_WORKSPACE)|"
        r"NCCL WARN.*Cuda failure 'out of memory'",
-       "oom_gpu", "application", "fix_config", weight=0.95,
+       "oom_gpu", "application", weight=0.95,
        why="the caching allocator could not get device memory: batch size, model or activation "
            "memory too large for the GPU, or stray processes on it"),
     _p("host_oom_kill",
        r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)|oom-kill:|invoked oom-killer|"
        r"Memory cgroup out of memory|oom_reaper: reaped process (?P<pid2>\d+)|OOMKilled|"
        r"is killed by signal: Killed",
-       "oom_host", "application", "stop_job_notify_user", weight=0.95,
+       "oom_host", "application", weight=0.95,
        why="the Linux OOM killer killed the process (kernel log) or the container (OOMKilled)"),
     # ---- signals --------------------------------------------------------------------------------
     _p("sigbus",
        r"Signal 7 \(SIGBUS\)|exit ?code\s*:\s*-7\b|Caught signal 7\b|\bBus error\b|"
        r"insufficient shared memory|/dev/shm.*(?:No space|too small|full)",
-       "crash", "infrastructure", "fix_config", weight=0.8,
+       "crash", "infrastructure", weight=0.8,
        why="SIGBUS in a training process is nearly always a write past the end of a /dev/shm "
            "mapping (NCCL's intra-node buffers, DataLoader tensors): containers default to a "
            "64 MB /dev/shm — raise it (--shm-size / an emptyDir with medium Memory)"),
     _p("sigsegv",
        r"Signal 11 \(SIGSEGV\)|exit ?code\s*:\s*-11\b|Caught signal 11\b|Segmentation fault|"
        r"SIGSEGV",
-       "crash", "unknown", "restart_workers", weight=0.7,
+       "crash", "unknown", weight=0.7,
        why="native crash in the process: extension, library, driver or memory"),
     _p("sigkill",
        r"Signal 9 \(SIGKILL\)|exit ?code\s*:\s*-9\b|exit(?:ed)? with (?:status|exit) code 137\b|"
        r"exit(?:ed)? with code 137\b|^(?:\[[\d,]+\]<std\w+>:)?Killed\s*$",
-       "oom_host", "application", "stop_job_notify_user", weight=0.45,
+       "oom_host", "application", weight=0.45,
        why="SIGKILL that the launcher did not send: the kernel OOM killer is its usual sender "
            "on a training host (check `dmesg | grep -i oom`); low weight because an operator or "
            "scheduler can send it too"),
     _p("sigabrt",
        r"Signal 6 \(SIGABRT\)|exit ?code\s*:\s*-6\b|Aborted \(core dumped\)|"
        r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)",
-       "crash", "unknown", "restart_workers", symptom=True, weight=0.3,
+       "crash", "unknown", symptom=True, weight=0.3,
        why="abort() after an uncaught C++ exception: the exception printed before it is the cause"),
     # ---- collectives: NCCL / gloo ---------------------------------------------------------------
     _p("nccl_watchdog_timeout",
        r"(?:\[Rank (?P<rank>\d+)\]\s*)?Watchdog caught collective operation timeout:\s*"
        r"Work\w*\(SeqNum=(?P<seq>\d+),\s*OpType=(?P<op>\w+)",
-       "hang", "unknown", "restart_workers", symptom=True, weight=0.6,
+       "hang", "unknown", symptom=True, weight=0.6,
        why="ProcessGroupNCCL's watchdog: this rank waited past the collective timeout — it is "
            "blocked on a peer that is hung, dead or slow (the rank behind is the culprit)"),
     _p("collective_timeout",
        r"Timed out waiting \d+ ?ms for (?:recv|send) operation|Application timeout caused pair "
        r"closure|collective operation timeout|NCCL communicator was aborted.*timeout|"
        r"Socket Timeout|ProcessGroupGloo.*[Tt]imeout",
-       "hang", "unknown", "restart_workers", symptom=True, weight=0.5,
+       "hang", "unknown", symptom=True, weight=0.5,
        why="gloo/NCCL collective timeout: blocked on a peer"),
     _p("remote_peer_closed",
        r"Connection closed by remote peer (?P<peer_host>[A-Za-z][\w.-]*)",
-       "node_lost", "infrastructure", "exclude_node_and_requeue", symptom=True, weight=0.5,
+       "node_lost", "infrastructure", symptom=True, weight=0.5,
        why="NCCL's socket to a named remote host closed: that host's process or the host itself "
            "went away; when nothing else from that host explains it, the host is lost"),
     _p("nccl_remote_error",
        r"ncclRemoteError|remote process exited or there was a network error",
-       "network", "infrastructure", "restart_workers", symptom=True, weight=0.5,
+       "network", "infrastructure", symptom=True, weight=0.5,
        why="NCCL: a remote peer exited or the network failed; a symptom of the peer's fault"),
     _p("ib_completion_error",
        r"NET/IB\s*:\s*Got completion (?:from peer (?P<peer>[\d.]+)\S*\s*)?with (?:error|status=)|"
        r"IBV_WC_\w+_ERR|transport retry counter exceeded|RETRY_EXC_ERR|ibv_poll_cq.*fail|"
        r"NET/IB.*(?:async|fatal) event|mlx5\w*:.*(?:CQE error|syndrome)",
-       "network", "infrastructure", "exclude_node_and_requeue", weight=0.8,
+       "network", "hardware", weight=0.8,
        why="RDMA work completion with an error status (e.g. 12 = IBV_WC_RETRY_EXC_ERR: the "
-           "remote side stopped acknowledging) — link, switch or HCA fault on that path"),
+           "remote side stopped acknowledging) — a link, cable or HCA fault on that path, "
+           "which stays broken until the node is serviced (a hardware layer: the policy's "
+           "network/hardware row moves the job off the node)"),
     _p("nccl_system_error",
        r"unhandled system error|ncclSystemError",
-       "network", "system_software", "restart_workers", weight=0.6,
+       "network", "system_software", weight=0.6,
        why="NCCL: a system call failed (socket, connect, shared memory) — interfaces, "
            "firewall, NCCL_SOCKET_IFNAME or /dev/shm"),
     _p("nccl_socket_error",
        r"NCCL WARN.*(?:Connection reset by peer|Connection refused|Broken pipe|"
        r"Connection timed out|No route to host)|socketProgress.*(?:reset|refused)",
-       "network", "infrastructure", "restart_workers", symptom=True, weight=0.5,
+       "network", "infrastructure", symptom=True, weight=0.5,
        why="NCCL's bootstrap/proxy socket failed; either side can be the cause"),
     _p("gloo_peer_reset",
        r"(?:gloo|pair\.cc).*(?:Connection reset by peer|Connection closed by peer|Read error|"
        r"Write error|Broken pipe)|Connection closed by peer \[|Transport endpoint is not connected",
-       "network", "infrastructure", "restart_workers", symptom=True, weight=0.5,
+       "network", "infrastructure", symptom=True, weight=0.5,
        why="gloo pair lost its peer: after a rank dies its ring neighbours see this within "
            "tens of ms (findings: 20–35 ms) — a symptom of the death"),
     _p("horovod_stall",
        r"Stalled ops:|\[ready ranks: (?P<ready>[\d, ]+)\]|One or more tensors were submitted to "
        r"be reduced, gathered or broadcasted by subset of ranks",
-       "hang", "unknown", "restart_workers", weight=0.6,
+       "hang", "unknown", weight=0.6,
        why="Horovod's stall inspector lists the ranks that are ready; the missing ones are hung"),
     _p("collective_mismatch",
        r"Detected mismatch between collectives|Expected to have finished reduction in the prior "
        r"iteration|Parameters which did not receive grad|find_unused_parameters=True",
-       "app_exception", "application", "stop_job_notify_user", weight=0.9,
+       "app_exception", "application", weight=0.9,
        why="ranks took different code paths (collective fingerprint or DDP unused parameters): "
            "a program error on every rank, restarting repeats it"),
     # ---- CUDA application errors --------------------------------------------------------------
     _p("cuda_illegal_access",
        r"an illegal memory access was encountered|cudaErrorIllegalAddress|"
        r"illegal instruction was encountered|misaligned address|CUDA_ERROR_ILLEGAL_ADDRESS",
-       "app_exception", "application", "restart_workers", weight=0.7,
+       "app_exception", "application", weight=0.7,
        why="a kernel touched memory it does not own (kernel log: XID 13/31); application bug "
            "unless it recurs on one GPU across processes"),
     _p("cuda_device_assert",
        r"device-side assert(?:ion)? triggered|Assertion `.*` failed\.?$",
-       "app_exception", "application", "stop_job_notify_user", weight=0.9,
+       "app_exception", "application", weight=0.9,
        why="a device-side assert (index out of range, bad label): deterministic program error"),
     # ---- storage and checkpoints ----------------------------------------------------------------
     _p("disk_full",
        r"No space left on device|\bENOSPC\b|Disk quota exceeded|\bEDQUOT\b",
-       "filesystem", "infrastructure", "stop_job_notify_user", weight=0.95,
+       "filesystem", "infrastructure", weight=0.95,
        why="the filesystem (or quota) is full"),
     _p("checkpoint_write_failed",
        r"PytorchStreamWriter failed writing|file write failed|Read-only file system|"
        r"(?:failed|unable) to (?:save|write) (?:the )?checkpoint|Input/output error|\bEIO\b|"
        r"Stale file handle",
-       "filesystem", "infrastructure", "stop_job_notify_user", weight=0.85,
+       "filesystem", "infrastructure", weight=0.85,
        why="a write to the checkpoint/output filesystem failed (full, read-only, I/O error)"),
     _p("checkpoint_corrupt",
        r"PytorchStreamReader failed|failed finding central directory|invalid load key|"
        r"UnpicklingError|Ran out of input|safetensors.*(?:invalid|incomplete|HeaderTooLarge)|"
        r"checkpoint (?:is )?(?:corrupt\w*|truncated)|CheckpointException|"
        r"unexpected EOF|checksum mismatch",
-       "checkpoint_corrupt", "infrastructure", "restart_workers", weight=0.9,
+       "checkpoint_corrupt", "infrastructure", weight=0.9,
        why="a checkpoint file cannot be read back (truncated zip, bad pickle): written while the "
            "disk filled or the writer died; resume from the newest valid checkpoint"),
     # ---- rendezvous ---------------------------------------------------------------------------
@@ -209,39 +212,39 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"rendezvous.{0,40}(?:timed? ?out|failed)|Timed out (?:after \d+ seconds )?waiting for "
        r"(?:clients|all \d* ?processes|workers)|DistStoreError|TCPStore.{0,40}(?:timed? ?out|"
        r"refused)|init_process_group.{0,40}timed? ?out|RendezvousError: rendezvous of generation",
-       "rendezvous", "infrastructure", "fix_config", weight=0.85,
+       "rendezvous", "infrastructure", weight=0.85,
        why="the ranks never all met: a node missing, a wrong endpoint or run id"),
     _p("rendezvous_config_hint",
        r"master_addr is only used for static rdzv_backend|generated a random run_id",
-       "rendezvous", "infrastructure", "fix_config", symptom=True, weight=0.3,
+       "rendezvous", "infrastructure", symptom=True, weight=0.3,
        why="torchrun ignores MASTER_ADDR for a dynamic rendezvous backend and each node "
            "generates its own run id: nodes of one job may not join the same rendezvous"),
     _p("launcher_traceback",
        r'File ".*(?:/bin/torchrun|torch/distributed/run\.py|torch/distributed/launcher/api\.py)"',
-       "rendezvous", "infrastructure", "fix_config", symptom=True, weight=0.2,
+       "rendezvous", "infrastructure", symptom=True, weight=0.2,
        why="the launcher itself raised (not a worker): before workers start, that is the "
            "rendezvous or the launch configuration"),
     # ---- numerics -----------------------------------------------------------------------------
     _p("loss_scale_collapse",
        r"loss scale already at minimum|Minimum loss scale reached|loss[_ ]scale.{0,30}"
        r"(?:underflow|collapsed|below (?:the )?min)",
-       "nan_loss", "application", "restart_in_process", weight=0.9,
+       "nan_loss", "application", weight=0.9,
        why="fp16 dynamic loss scaling kept halving on overflow: gradients are Inf/NaN every step"),
     _p("nan_loss",
        r"(?:loss|grad(?:ient)?[_ ]?norm|total_norm)\W.{0,60}?\b(?:nan|[+-]?inf)\b|found NaN|"
        r"NaN or Inf found|non-finite (?:loss|grad\w*)|Unexpected result nan|Detected (?:NaN|Inf)|"
        r"\bnan\b.{0,30}(?:loss|grad)|anomaly.*returned nan",
-       "nan_loss", "application", "restart_in_process", weight=0.85,
+       "nan_loss", "application", weight=0.85,
        why="loss or gradient norm became NaN/Inf: numerics or data; roll back to a checkpoint"),
     # ---- generic ------------------------------------------------------------------------------
     _p("launcher_child_failed",
        r"ChildFailedError|elastic\.multiprocessing\.api:failed|Root Cause \(first observed",
-       "crash", "unknown", "restart_workers", symptom=True, weight=0.2,
+       "crash", "unknown", symptom=True, weight=0.2,
        why="torchrun's summary of a failed worker: the worker's own lines say why"),
     _p("python_exception",
        r"^(?:\[[\w, ]+\](?:<std\w+>)?:\s*)?(?:[\w.]+\.)?(?P<exc>[A-Z]\w*(?:Error|Exception))"
        r"(?::\s|$)",
-       "app_exception", "application", "stop_job_notify_user", weight=0.5,
+       "app_exception", "application", weight=0.5,
        why="an exception raised by the training program", flags=0),
 )
 

@@ -13,6 +13,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from schemas.vocabulary import FaultClass, Layer
 from trainguard.xid import XidMatch, xid_info
 
 from . import patterns as pat
@@ -107,8 +108,8 @@ class DetectorConfig:
 @dataclass
 class Finding:
     """What a rule found, before it becomes an ``Anomaly``. ``ts`` is Unix ns of the earliest
-    evidence (0 = unknown); ``detail`` carries facts plus the ``layer``/``action``/``weight``
-    hints the attributor uses."""
+    evidence (0 = unknown); ``detail`` carries facts plus the ``layer``/``weight`` hints the
+    attributor uses (no action: only the remediator chooses one)."""
 
     kind: str
     fault_class: str
@@ -291,8 +292,7 @@ def nan_loss_rule(loss: float | None, rank: int, node: str | None, step: int,
         return None
     return Finding("nan_loss", "nan_loss", ranks=[rank], nodes=[node] if node else [],
                    evidence=[f"rank {rank} reported loss={loss} at step {step}"],
-                   detail={"step": step, "layer": "application", "action": "restart_in_process",
-                           "weight": 0.9},
+                   detail={"step": step, "layer": "application", "weight": 0.9},
                    ts=ts, generation=generation)
 
 
@@ -300,15 +300,16 @@ def nan_loss_rule(loss: float | None, rank: int, node: str | None, step: int,
 # crash
 
 
-#: signal number -> (fault class, layer, action, name). SIGKILL with oom_killed is oom_host.
-SIGNALS: dict[int, tuple[str, str, str, str]] = {
-    9: ("crash", "unknown", "restart_workers", "SIGKILL"),
-    11: ("crash", "unknown", "restart_workers", "SIGSEGV"),
-    7: ("crash", "infrastructure", "fix_config", "SIGBUS"),
-    6: ("crash", "unknown", "restart_workers", "SIGABRT"),
-    15: ("crash", "unknown", "restart_workers", "SIGTERM"),
-    4: ("crash", "unknown", "restart_workers", "SIGILL"),
-    8: ("crash", "application", "restart_workers", "SIGFPE"),
+#: signal number -> (fault class, layer, name). SIGKILL with oom_killed is oom_host. SIGBUS is
+#: infrastructure: in a training process it is nearly always /dev/shm too small (patterns.py).
+SIGNALS: dict[int, tuple[FaultClass, Layer, str]] = {
+    9: (FaultClass.CRASH, Layer.UNKNOWN, "SIGKILL"),
+    11: (FaultClass.CRASH, Layer.UNKNOWN, "SIGSEGV"),
+    7: (FaultClass.CRASH, Layer.INFRASTRUCTURE, "SIGBUS"),
+    6: (FaultClass.CRASH, Layer.UNKNOWN, "SIGABRT"),
+    15: (FaultClass.CRASH, Layer.UNKNOWN, "SIGTERM"),
+    4: (FaultClass.CRASH, Layer.UNKNOWN, "SIGILL"),
+    8: (FaultClass.CRASH, Layer.APPLICATION, "SIGFPE"),
 }
 
 
@@ -331,18 +332,17 @@ def crash_rule(rank: int | None, node: str | None, exit_code: int | None, signal
                        evidence=[f"rank {rank} (pid {pid}) on {node} killed by the kernel OOM "
                                  f"killer (SIGKILL)"],
                        detail={"signal": 9, "oom_killed": True, "layer": "application",
-                               "action": "stop_job_notify_user", "weight": 0.95},
+                               "weight": 0.95},
                        ts=ts, generation=generation)
     if sig is not None:
-        fc, layer, action, name = SIGNALS.get(sig, ("crash", "unknown", "restart_workers",
-                                                    f"signal {sig}"))
+        fc, layer, name = SIGNALS.get(sig, (FaultClass.CRASH, Layer.UNKNOWN, f"signal {sig}"))
         why = f"rank {rank} (pid {pid}) on {node} killed by {name}"
     else:
-        fc, layer, action = "crash", "unknown", "restart_workers"
+        fc, layer = FaultClass.CRASH, Layer.UNKNOWN
         why = f"rank {rank} (pid {pid}) on {node} exited with code {exit_code}"
     return Finding("crash", fc, ranks=ranks, nodes=nodes, evidence=[why],
-                   detail={"signal": sig, "exit_code": exit_code, "layer": layer,
-                           "action": action, "weight": 0.8},
+                   detail={"signal": sig, "exit_code": exit_code, "layer": layer.value,
+                           "weight": 0.8},
                    ts=ts, generation=generation)
 
 
@@ -421,7 +421,7 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
                           f"phase {rs.phase}"],
                 detail={"rule": "silence", "silent_s": round(silent, 3), "timeout_s": timeout,
                         "step": rs.step, "collective_seq": rs.seq, "layer": "unknown",
-                        "action": "restart_workers", "weight": 0.85},
+                        "weight": 0.85},
                 generation=rs.generation))
     return out
 
@@ -455,8 +455,7 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
     return [Finding("hang", "hang", ranks=ranks, nodes=nodes, evidence=ev,
                     detail={"rule": "no_progress", "stalled_s": round(stalled, 3),
                             "timeout_s": timeout, "step": low[0], "collective_seq": low[1],
-                            "layer": "unknown", "action": "restart_workers",
-                            "weight": 0.6 if level else 0.8},
+                            "layer": "unknown", "weight": 0.6 if level else 0.8},
                     generation=gen)]
 
 
@@ -481,8 +480,7 @@ def missing_member_rule(job: JobState, jc: JobConfig, started: float, now: float
     return [Finding("hang", "hang", ranks=missing, nodes=nodes,
                     evidence=[f"ranks {missing} never sent a heartbeat in {allowance:.0f} s of "
                               f"start-up while {len(job.ranks)} ranks did"],
-                    detail={"rule": "never_started", "layer": "unknown",
-                            "action": "restart_workers", "weight": 0.7},
+                    detail={"rule": "never_started", "layer": "unknown", "weight": 0.7},
                     generation=jc.generation)]
 
 
@@ -542,7 +540,7 @@ def straggler_rule(job: JobState, cfg: DetectorConfig) -> list[Finding]:
                       f"({x / med:.1f}x, robust z {zs})"],
             detail={"step_time_s": round(x, 4), "job_median_s": round(med, 4),
                     "z": None if z != z else round(z, 2), "layer": "unknown",
-                    "action": "none", "weight": 0.7},
+                    "weight": 0.7},
             generation=rs.generation))
     return out
 
@@ -571,7 +569,7 @@ def throughput_rule(job: JobState, now: float, cfg: DetectorConfig) -> Finding |
             evidence=[f"job {job.name} made {rate:.2f} steps/s over the last {span:.0f} s "
                       f"against its baseline of {base:.2f} steps/s"],
             detail={"rate": round(rate, 4), "baseline": round(base, 4), "layer": "unknown",
-                    "action": "none", "weight": 0.5},
+                    "weight": 0.5},
             generation=gen)
     else:
         job.tp_base = (1 - cfg.throughput_alpha) * base + cfg.throughput_alpha * rate
@@ -615,13 +613,12 @@ def node_lost_rule(ns: NodeState, now: float, timeout: float) -> Finding | None:
                    evidence=[f"node {ns.name}: no heartbeat from {roles} for {silent:.2f} s "
                              f"(timeout {timeout:.2f} s)"],
                    detail={"silent_s": round(silent, 3), "timeout_s": timeout,
-                           "layer": "infrastructure", "action": "exclude_node_and_requeue",
-                           "weight": 0.9})
+                           "layer": "infrastructure", "weight": 0.9})
 
 
 def xid_rule(xid: int, node: str | None, pci: str, gpu_index: int | None, pid: int | None,
              raw: str, ts: int, message: str = "") -> Finding | None:
-    """A GPU XID: fault class, layer and action from the XID table. Informational XIDs
+    """A GPU XID: fault class and layer from the XID table. Informational XIDs
     (severity ``info``, e.g. 63 row-remap event) become warnings, not faults."""
     info = xid_info(xid)
     gpu = f"{node}:{gpu_index}" if gpu_index is not None and node else (pci or "")
@@ -632,8 +629,7 @@ def xid_rule(xid: int, node: str | None, pci: str, gpu_index: int | None, pid: i
         evidence=[raw or f"XID {xid} on {node} {pci}: {message}",
                   f"XID {xid} {info.mnemonic}: {info.description} ({info.source})"],
         detail={"xid": xid, "pci": pci, "gpu_index": gpu_index, "pid": pid,
-                "mnemonic": info.mnemonic, "layer": info.layer, "action": info.action,
-                "xid_severity": info.severity, "weight": 0.95 if info.layer != "unknown" else 0.5},
+                "mnemonic": info.mnemonic, "layer": info.layer, "xid_severity": info.severity, "weight": 0.95 if info.layer != "unknown" else 0.5},
         ts=ts)
 
 
@@ -646,21 +642,21 @@ def xid_finding_from_match(m: XidMatch, node: str | None, ts: int = 0,
 THERMAL_REASON_BITS = {0x08: "HwSlowdown", 0x20: "SwThermalSlowdown", 0x40: "HwThermalSlowdown"}
 THERMAL_NAME_WORDS = ("thermal", "hwslowdown", "hw_slowdown")
 
-#: GPU counters whose rise is a fault: field -> (kind, fault class, severity, action, layer).
-COUNTER_RULES: dict[str, tuple[str, str, str, str, str]] = {
-    "ecc_volatile_uncorrected": ("ecc", "ecc", "error", "reset_gpu", "hardware"),
-    "ecc_aggregate_uncorrected": ("ecc", "ecc", "error", "reset_gpu", "hardware"),
-    "retired_pages_dbe": ("ecc", "ecc", "error", "reset_gpu", "hardware"),
-    "remapped_rows_uncorrectable": ("ecc", "ecc", "error", "reset_gpu", "hardware"),
-    "ecc_volatile_corrected": ("ecc_corrected", "ecc", "warning", "none", "hardware"),
-    "remapped_rows_correctable": ("ecc_corrected", "ecc", "warning", "none", "hardware"),
-    "pcie_replay_counter": ("pcie_replay", "gpu_xid", "warning", "none", "hardware"),
+#: GPU counters whose rise is a fault: field -> (kind, fault class, severity). All hardware.
+COUNTER_RULES: dict[str, tuple[str, FaultClass, str]] = {
+    "ecc_volatile_uncorrected": ("ecc", FaultClass.ECC, "error"),
+    "ecc_aggregate_uncorrected": ("ecc", FaultClass.ECC, "error"),
+    "retired_pages_dbe": ("ecc", FaultClass.ECC, "error"),
+    "remapped_rows_uncorrectable": ("ecc", FaultClass.ECC, "error"),
+    "ecc_volatile_corrected": ("ecc_corrected", FaultClass.ECC, "warning"),
+    "remapped_rows_correctable": ("ecc_corrected", FaultClass.ECC, "warning"),
+    "pcie_replay_counter": ("pcie_replay", FaultClass.GPU_XID, "warning"),
 }
-#: GPU flags whose becoming True is a fault: field -> (kind, fault class, severity, action).
-FLAG_RULES: dict[str, tuple[str, str, str, str]] = {
-    "remapped_rows_failure": ("ecc", "ecc", "error", "exclude_node_and_requeue"),
-    "retired_pages_pending": ("ecc", "ecc", "warning", "reset_gpu"),
-    "remapped_rows_pending": ("ecc", "ecc", "warning", "reset_gpu"),
+#: GPU flags whose becoming True is a fault: field -> (kind, fault class, severity). Hardware.
+FLAG_RULES: dict[str, tuple[str, FaultClass, str]] = {
+    "remapped_rows_failure": ("ecc", FaultClass.ECC, "error"),
+    "retired_pages_pending": ("ecc", FaultClass.ECC, "warning"),
+    "remapped_rows_pending": ("ecc", FaultClass.ECC, "warning"),
 }
 
 
@@ -686,29 +682,28 @@ def telemetry_rule(ns: NodeState, gpus: list[dict], cfg: DetectorConfig, ts: int
                               f"samples, temperature {g.get('temperature_c')} °C"],
                     detail={"gpu_index": idx, "reasons": sorted(set(hot)),
                             "temperature_c": g.get("temperature_c"), "layer": "hardware",
-                            "action": "exclude_node_and_requeue", "weight": 0.8},
+                            "weight": 0.8},
                     ts=ts))
         else:
             ns.thermal_run[idx] = 0
         prev = ns.gpu_prev.get(idx)
         if prev is not None:
-            for fld, (kind, fc, sev, action, layer) in COUNTER_RULES.items():
+            for fld, (kind, fc, sev) in COUNTER_RULES.items():
                 a, b = prev.get(fld), g.get(fld)
                 if a is not None and b is not None and b > a:
                     out.append(Finding(
                         kind, fc, nodes=[ns.name], gpus=[gid], severity=sev,
                         evidence=[f"GPU {gid} {fld} rose {a} -> {b}"],
                         detail={"gpu_index": idx, "counter": fld, "before": a, "after": b,
-                                "layer": layer, "action": action,
-                                "weight": 0.9 if sev == "error" else 0.4},
+                                "layer": "hardware", "weight": 0.9 if sev == "error" else 0.4},
                         ts=ts))
-            for fld, (kind, fc, sev, action) in FLAG_RULES.items():
+            for fld, (kind, fc, sev) in FLAG_RULES.items():
                 if g.get(fld) and not prev.get(fld):
                     out.append(Finding(
                         kind, fc, nodes=[ns.name], gpus=[gid], severity=sev,
                         evidence=[f"GPU {gid} {fld} became true"],
                         detail={"gpu_index": idx, "flag": fld, "layer": "hardware",
-                                "action": action, "weight": 0.85},
+                                "weight": 0.85},
                         ts=ts))
         ns.gpu_prev[idx] = {k: g.get(k) for k in (*COUNTER_RULES, *FLAG_RULES)}
     return out
@@ -742,13 +737,13 @@ def log_rule(line: str, stream: str, rank: int | None, node: str | None,
         last = lines[-1].strip()
         return Finding("log_pattern", "app_exception", ranks=[rank] if rank is not None else [],
                        nodes=[node] if node else [], evidence=[last[:500]],
-                       detail={"pattern": "exception", "layer": "application",
-                               "action": "stop_job_notify_user", "weight": 0.6, "step": step},
+                       detail={"pattern": "exception", "layer": "application", "weight": 0.6,
+                               "step": step},
                        ts=ts, generation=generation)
     p = found.pattern
     r = rank if rank is not None else pat.line_rank(hit)
     g = found.groups
-    detail = {"pattern": p.name, "layer": p.layer, "action": p.action, "weight": p.weight,
+    detail = {"pattern": p.name, "layer": p.layer.value, "weight": p.weight,
               "why": p.why, "step": step, **{k: v for k, v in g.items()}}
     nodes = [node] if node else []
     if "peer_host" in g and p.fault_class == "node_lost":
@@ -784,11 +779,13 @@ def save_failed_finding(rank: int | None, node: str | None, step: int, error: st
     """A checkpoint save that failed (schema ``ckpt.save_failed``). Its own fault class,
     ``checkpoint_save``: the Checkpointer keeps training going and the last valid checkpoint in
     place, so the policy flags it (policy table) instead of stopping the job the way the
-    ``filesystem`` class does for a rank that crashed on a full disk. One anomaly per rank and
-    generation (the dedup key)."""
+    ``filesystem`` class does for a rank that crashed on a full disk. A warning, like the other
+    flags: it does not settle an incident whose root cause is still to come. One anomaly per rank
+    and generation (the dedup key)."""
     return Finding("log_pattern", "checkpoint_save", ranks=[rank] if rank is not None else [],
                    nodes=[node] if node else [],
                    evidence=[f"checkpoint save at step {step} failed: {error}"[:500]],
+                   severity="warning",
                    detail={"pattern": "checkpoint_save_failed", "layer": "infrastructure",
-                           "action": "none", "weight": 0.8, "errno": errno, "step": step},
+                           "weight": 0.8, "errno": errno, "step": step},
                    ts=ts, generation=generation)

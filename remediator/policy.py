@@ -7,14 +7,19 @@ The policy is data:
 * ``TABLE`` — ``(fault_class, layer) → Rule``: the cheapest recovery action that survives the
   fault (the nested layers of the design: in-process restart < worker restart < node exclusion <
   stop). ``layer=None`` matches any layer; a row with the exact layer wins over it.
-* ``VERDICT_OVERRIDES`` — when the attributor recommends a *stronger* action than the table
-  (it keeps cross-job history: a node that fails across jobs, a job that fails the same way on
-  different nodes), the recommendation is followed if the verdict is confident enough.
-* ``ACTION_ALIASES`` — verdict actions that no executor carries out, mapped to one that does.
+* ``FACT_RULES`` — facts the attributor found in cross-job history (a node that fails across
+  jobs, a job that fails the same way on different nodes) that call for a *stronger* action than
+  the table's, taken when the verdict is confident enough.
+* ``ACTION_ALIASES`` — actions no executor carries out, mapped to one that does.
+
 * ``ESCALATIONS`` — checks run after the table, in order; the first that fires replaces the
   action (retry budget spent, the same fault at the same step again → stop).
 * ``WATCHDOG_LADDER`` — what the watchdog escalates to when an executed decision is not followed
   by ``recovery.resumed`` within ``decision_timeout_s`` (or its executor reports a failure).
+
+The words (fault classes, layers, actions and their order by strength) are
+``schemas.vocabulary``'s; this is the only place that chooses an action (the verdict's own
+``action`` is advisory, never read). The new world of an exclusion is ``remediator.world``'s.
 
 Job state (``StateStore.job``) fields read here, with the default used when absent:
 ``mode`` ("observe"), ``generation`` (0), ``world_size`` (len(members)), ``min_world_size`` (1),
@@ -26,30 +31,27 @@ list of ``{"rank", "node", "local_rank"}``), ``spare_nodes`` ([] — node names,
 
 Verdict fields read beyond the schema's own: ``detail["step"]`` (int, the training step the
 culprit was in, for loop detection), ``detail["signature"]`` (str, a normalised fault signature;
-derived from the fault class and first evidence line when absent), ``detail["detected_ts"]``
-(Unix ns of the first anomaly; the verdict's own ``ts`` when absent), ``detail["systematic"]``
-(bool, the attributor found the same fault on different nodes: an application fault).
+derived from the verdict by ``schemas.vocabulary.signature`` when absent),
+``detail["detected_ts"]`` (Unix ns of the first anomaly; the verdict's own ``ts`` when absent),
+and the facts of ``FACT_RULES``: ``detail["repeat_offender"]`` (culprit nodes that failed in
+other jobs too: a node fault) and ``detail["systematic"]`` (nodes of this job where the same
+failure happened: an application fault).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import xxhash
-
 from schemas import Decision, Member, Verdict
+from schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
 
-#: Strength of actions, for folding a second verdict of the same generation: only a strictly
-#: stronger action gets a decision of its own.
-STRENGTH: dict[str, int] = {
-    "none": 0, "restart_in_process": 1, "restart_workers": 2, "reset_gpu": 3,
-    "exclude_node_and_requeue": 4, "fix_config": 5, "stop_job_notify_user": 5,
-}
+from .world import new_world, nodes_of, ranks_on
+
+A, F, L = Action, FaultClass, Layer
 
 #: Actions that recover the job in a new generation (they count against the retry budget and
 #: are watched by the watchdog when executed).
-RECOVERY_ACTIONS = ("restart_in_process", "restart_workers", "exclude_node_and_requeue")
+RECOVERY_ACTIONS = (A.RESTART_IN_PROCESS, A.RESTART_WORKERS, A.EXCLUDE_NODE_AND_REQUEUE)
 
 #: Confidence levels of a verdict, weakest first.
 CONFIDENCE = ("low", "medium", "high")
@@ -59,10 +61,10 @@ CONFIDENCE = ("low", "medium", "high")
 class Rule:
     """One row of the policy table.
 
-    ``action`` — the action taken; ``requires_spare`` — only when a spare node is registered
-    (else ``fallback``); ``source`` — why this is the cheapest action that survives the fault;
-    ``overridable`` — False when the attributor's stronger recommendation is not followed for
-    this fault (the remediator's rule is deliberate).
+    ``fault_class`` / ``layer`` / ``action`` — words of ``schemas.vocabulary`` (``layer`` None:
+    any layer); ``requires_spare`` — only when a spare node is registered (else ``fallback``);
+    ``source`` — why this is the cheapest action that survives the fault; ``overridable`` —
+    False when no fact of ``FACT_RULES`` makes it stronger (the rule is deliberate).
     """
 
     fault_class: str
@@ -70,7 +72,7 @@ class Rule:
     action: str
     source: str
     requires_spare: bool = False
-    fallback: str = "none"
+    fallback: str = A.NONE
     overridable: bool = True
 
 
@@ -79,84 +81,88 @@ class Rule:
 #: ``recommended_action``) for the hardware rows; measured behaviour of gloo on the CI machine for
 #: why a hang or a crash needs the process replaced rather than an in-process restart.
 TABLE: tuple[Rule, ...] = (
-    Rule("app_exception", None, "restart_in_process",
+    Rule(F.APP_EXCEPTION, None, A.RESTART_IN_PROCESS,
          "a Python exception leaves the interpreter intact: rejoin in process and restore; "
          "a deterministic bug is caught by loop detection"),
-    Rule("nan_loss", None, "restart_in_process",
+    Rule(F.NAN_LOSS, None, A.RESTART_IN_PROCESS,
          "restore picks the newest valid checkpoint; the validator rejects NaN/Inf state"),
-    Rule("checkpoint_corrupt", None, "restart_in_process",
+    Rule(F.CHECKPOINT_CORRUPT, None, A.RESTART_IN_PROCESS,
          "restore skips checkpoints the validator marked invalid and loads an older valid one"),
-    Rule("crash", None, "restart_workers",
+    Rule(F.CRASH, None, A.RESTART_WORKERS,
          "the rank's process is gone: start it again (warm spare) and rejoin"),
-    Rule("crash", "hardware", "exclude_node_and_requeue",
+    Rule(F.CRASH, L.HARDWARE, A.EXCLUDE_NODE_AND_REQUEUE,
          "a crash attributed to the node's hardware recurs on that node: move off it"),
-    Rule("oom_host", None, "restart_workers",
+    Rule(F.OOM_HOST, None, A.RESTART_WORKERS,
          "the kernel killed the process; a fresh one starts with clean memory"),
-    Rule("oom_gpu", None, "restart_workers",
+    Rule(F.OOM_GPU, None, A.RESTART_WORKERS,
          "a fresh process frees the caching allocator; a deterministic OOM is caught by loop "
          "detection"),
-    Rule("hang", None, "restart_workers",
+    Rule(F.HANG, None, A.RESTART_WORKERS,
          "a stuck gloo collective cannot be aborted from another thread: the hung rank is killed and "
          "restarted"),
-    Rule("hang", "hardware", "exclude_node_and_requeue",
+    Rule(F.HANG, L.HARDWARE, A.EXCLUDE_NODE_AND_REQUEUE,
          "a hang attributed to the node's hardware recurs on that node"),
-    Rule("rendezvous", None, "restart_workers",
+    Rule(F.RENDEZVOUS, None, A.RESTART_WORKERS,
          "the group is re-formed under a new generation prefix of the store"),
-    Rule("network", None, "restart_workers",
+    Rule(F.NETWORK, None, A.RESTART_WORKERS,
          "a transient connection reset: re-form the group"),
-    Rule("network", "hardware", "exclude_node_and_requeue",
+    Rule(F.NETWORK, L.HARDWARE, A.EXCLUDE_NODE_AND_REQUEUE,
          "a failing NIC or link stays broken: corpus (IB/RoCE completion errors)"),
-    Rule("filesystem", None, "stop_job_notify_user",
+    Rule(F.FILESYSTEM, None, A.STOP_JOB_NOTIFY_USER,
          "a full or failing file system fails every retry: corpus (disk full, write errors)"),
-    Rule("checkpoint_save", None, "none",
+    Rule(F.CHECKPOINT_SAVE, None, A.NONE,
          "a failed save leaves the ranks training and the last valid checkpoint in place "
          "(the Checkpointer's contract): flag it so that someone frees the disk or fixes the "
          "directory", overridable=False),
-    Rule("node_lost", None, "exclude_node_and_requeue",
+    Rule(F.NODE_LOST, None, A.EXCLUDE_NODE_AND_REQUEUE,
          "the node is gone: continue on the remaining nodes or a spare"),
-    Rule("gpu_xid", None, "exclude_node_and_requeue",
+    Rule(F.GPU_XID, None, A.EXCLUDE_NODE_AND_REQUEUE,
          "hardware XIDs (e.g. 48, 79, 94/95) need a GPU reset or node service: corpus, NVIDIA "
          "XID catalog"),
-    Rule("gpu_xid", "application", "restart_workers",
+    Rule(F.GPU_XID, L.APPLICATION, A.RESTART_WORKERS,
          "application XIDs (13, 31, 43) end the process, not the GPU: NVIDIA XID catalog"),
-    Rule("ecc", None, "exclude_node_and_requeue",
+    Rule(F.ECC, None, A.EXCLUDE_NODE_AND_REQUEUE,
          "uncorrectable ECC / row-remap failure: the GPU must be reset or replaced: corpus"),
-    Rule("nvlink", None, "exclude_node_and_requeue",
+    Rule(F.NVLINK, None, A.EXCLUDE_NODE_AND_REQUEUE,
          "NVLink errors persist until the node is serviced: corpus"),
-    Rule("straggler", None, "exclude_node_and_requeue",
+    Rule(F.STRAGGLER, None, A.EXCLUDE_NODE_AND_REQUEUE,
          "a slow node slows every step; replacing it pays only when a spare exists, otherwise "
-         "it is flagged", requires_spare=True, fallback="none", overridable=False),
-    Rule("thermal", None, "none",
-         "thermal throttling slows but does not break the job: flag it", overridable=False),
+         "it is flagged", requires_spare=True, fallback=A.NONE, overridable=False),
+    Rule(F.THERMAL, None, A.EXCLUDE_NODE_AND_REQUEUE,
+         "throttling slows every step but breaks nothing: like a straggler, the node is replaced "
+         "only by a spare (corpus: a throttled GPU's node is moved off), else flagged",
+         requires_spare=True, fallback=A.NONE, overridable=False),
 )
 
 #: Unknown fault classes are flagged, never acted on.
-DEFAULT_RULE = Rule("*", None, "none", "unknown fault class: flagged, no action taken")
+DEFAULT_RULE = Rule("*", None, A.NONE, "unknown fault class: flagged, no action taken")
 
 
 @dataclass(frozen=True)
-class VerdictOverride:
-    """Follow the attributor's recommended ``action`` when stronger than the table's, if the
-    verdict's confidence is at least ``min_confidence`` and (when set) ``detail[require_detail]``
-    is truthy."""
+class FactRule:
+    """A fact the attributor found (``detail[fact]`` truthy) that makes the action at least
+    ``action`` — when that is stronger than the table's, the rule is overridable and the
+    verdict's confidence is at least ``min_confidence``. ``source`` says why."""
 
+    fact: str
     action: str
     min_confidence: str
-    require_detail: str | None = None
+    source: str
 
 
-VERDICT_OVERRIDES: tuple[VerdictOverride, ...] = (
-    VerdictOverride("exclude_node_and_requeue", "medium"),
-    VerdictOverride("reset_gpu", "medium"),
-    # stopping on the attributor's word needs its cross-job finding, not a single exception
-    VerdictOverride("stop_job_notify_user", "high", require_detail="systematic"),
-    VerdictOverride("fix_config", "high", require_detail="systematic"),
+FACT_RULES: tuple[FactRule, ...] = (
+    FactRule("repeat_offender", A.EXCLUDE_NODE_AND_REQUEUE, "medium",
+             "a node with faults in different jobs is a node fault (docs/design.md)"),
+    # stopping needs the attributor's cross-job finding, not a single exception
+    FactRule("systematic", A.STOP_JOB_NOTIFY_USER, "high",
+             "the same failure on different nodes is the program's: a restart elsewhere would "
+             "repeat it (docs/design.md)"),
 )
 
-#: Verdict actions without an executor, and what the remediator does instead.
+#: Actions without an executor and what is done instead (no row of ``TABLE`` names them).
 ACTION_ALIASES: dict[str, str] = {
-    "reset_gpu": "exclude_node_and_requeue",  # the node is drained so the GPU can be reset
-    "fix_config": "stop_job_notify_user",     # a configuration needs a person
+    A.RESET_GPU: A.EXCLUDE_NODE_AND_REQUEUE,  # the node is drained so the GPU can be reset
+    A.FIX_CONFIG: A.STOP_JOB_NOTIFY_USER,     # a configuration needs a person
 }
 
 
@@ -172,18 +178,18 @@ class Escalation:
 
 
 ESCALATIONS: tuple[Escalation, ...] = (
-    Escalation("would_loop", RECOVERY_ACTIONS, "stop_job_notify_user",
+    Escalation("would_loop", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
                "would loop: {fault_class} with the same signature at step {step} again after "
                "the restart of generation {last_generation}"),
-    Escalation("budget_spent", RECOVERY_ACTIONS, "stop_job_notify_user",
+    Escalation("budget_spent", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
                "retry budget spent ({retries_used} of {retry_budget} used)"),
 )
 
 #: Watchdog: executed action not followed by training again → the next stronger action.
 WATCHDOG_LADDER: dict[str, str] = {
-    "restart_in_process": "restart_workers",
-    "restart_workers": "exclude_node_and_requeue",
-    "exclude_node_and_requeue": "stop_job_notify_user",
+    A.RESTART_IN_PROCESS: A.RESTART_WORKERS,
+    A.RESTART_WORKERS: A.EXCLUDE_NODE_AND_REQUEUE,
+    A.EXCLUDE_NODE_AND_REQUEUE: A.STOP_JOB_NOTIFY_USER,
 }
 
 
@@ -198,7 +204,7 @@ class Policy:
 
     table: tuple[Rule, ...] = TABLE
     default_rule: Rule = DEFAULT_RULE
-    verdict_overrides: tuple[VerdictOverride, ...] = VERDICT_OVERRIDES
+    fact_rules: tuple[FactRule, ...] = FACT_RULES
     action_aliases: dict[str, str] = field(default_factory=lambda: dict(ACTION_ALIASES))
     escalations: tuple[Escalation, ...] = ESCALATIONS
     watchdog_ladder: dict[str, str] = field(default_factory=lambda: dict(WATCHDOG_LADDER))
@@ -258,26 +264,6 @@ def _int(v: Any, default: int) -> int:
         return default
 
 
-def fault_signature(verdict: Verdict) -> str:
-    """``detail["signature"]`` when the attributor gave one, else fault class + the first
-    evidence line with numbers and hex ids masked (so two runs of the same bug match), hashed
-    (xxh3-64, 16 hex)."""
-    sig = verdict.detail.get("signature")
-    if isinstance(sig, str) and sig:
-        return sig
-    first = verdict.evidence[0] if verdict.evidence else ""
-    norm = re.sub(r"0x[0-9a-fA-F]+|\d+", "#", first)[:300]
-    return f"{verdict.fault_class}:{xxhash.xxh3_64_hexdigest(norm.encode())}"
-
-
-def first_error_line(evidence: str, limit: int = 300) -> str:
-    """The line of an evidence entry that says what went wrong: the last non-empty line of a
-    traceback (``ValueError: …``), without the attributor's ``[tag kind who]`` label."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", evidence.strip())
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return (lines[-1] if lines else text)[:limit]
-
-
 def fault_step(verdict: Verdict) -> int | None:
     """``detail["step"]`` as int, or None when the attributor did not give the step."""
     step = verdict.detail.get("step")
@@ -299,16 +285,18 @@ def rule_for(fault_class: str, layer: str, policy: Policy = DEFAULT_POLICY) -> R
     return any_layer or policy.default_rule
 
 
-def _override(verdict: Verdict, action: str, policy: Policy) -> tuple[str, str] | None:
-    for o in policy.verdict_overrides:
-        if verdict.action != o.action or STRENGTH.get(o.action, 0) <= STRENGTH.get(action, 0):
+def _fact(verdict: Verdict, action: str, policy: Policy) -> tuple[str, str] | None:
+    """The first fact rule that applies to ``verdict`` and is stronger than ``action``: the
+    action and the reason, in words; else None."""
+    for f in policy.fact_rules:
+        if not verdict.detail.get(f.fact) or not stronger(f.action, action):
             continue
-        if _conf(verdict.confidence) < _conf(o.min_confidence):
+        if _conf(verdict.confidence) < _conf(f.min_confidence):
             continue
-        if o.require_detail and not verdict.detail.get(o.require_detail):
-            continue
-        return o.action, (f"attributor recommends {o.action} with {verdict.confidence} "
-                          f"confidence")
+        found = verdict.detail[f.fact]
+        found = ", ".join(map(str, found)) if isinstance(found, list) else str(found)
+        return f.action, (f"{f.fact.replace('_', ' ')} ({found}, {verdict.confidence} "
+                          f"confidence): {f.source}")
     return None
 
 
@@ -327,7 +315,7 @@ def _would_loop(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | No
         return None
     if step is None and v.fault_class != "app_exception":
         return None
-    if last.get("signature") != fault_signature(v):
+    if last.get("signature") != signature(v):
         return None
     last_gen = _int(last.get("generation"), -1)
     if last_gen >= fault_gen:  # the same incident, not a repeat after a restart
@@ -346,44 +334,6 @@ CHECKS: dict[str, Callable[[Verdict, JobView, int], dict[str, Any] | None]] = {
     "would_loop": _would_loop,
     "budget_spent": _budget_spent,
 }
-
-
-# ---- the new world ---------------------------------------------------------------------------------
-def _nodes_of(ranks: list[int], members: list[dict[str, Any]]) -> list[str]:
-    by_rank = {int(m["rank"]): str(m["node"]) for m in members if "rank" in m and "node" in m}
-    return sorted({by_rank[r] for r in ranks if r in by_rank})
-
-
-def _ranks_on(nodes: list[str], members: list[dict[str, Any]]) -> list[int]:
-    return sorted(int(m["rank"]) for m in members if m.get("node") in nodes)
-
-
-def new_world(members: list[dict[str, Any]], exclude: list[str], spares: list[str],
-              nproc_per_node: int = 0) -> tuple[list[Member], list[str]]:
-    """Members after excluding ``exclude`` nodes: survivors keep their relative order (old rank,
-    which for a standard launch is (node rank, local rank) order), then one spare per excluded
-    node (in ``spares`` order) takes that node's local ranks; ranks renumbered 0..n-1.
-
-    Returns ``(members, spares_used)``. ``nproc_per_node`` gives a spare's rank count when the
-    excluded node's members are unknown.
-    """
-    survivors = sorted((m for m in members if m.get("node") not in exclude),
-                       key=lambda m: int(m["rank"]))
-    world = [(str(m["node"]), int(m.get("local_rank", 0))) for m in survivors]
-    used: list[str] = []
-    available = [s for s in spares if s not in exclude and s not in {n for n, _ in world}]
-    for node in exclude:
-        if not available:
-            break
-        spare = available.pop(0)
-        locals_ = sorted(int(m.get("local_rank", 0)) for m in members if m.get("node") == node)
-        if not locals_:
-            locals_ = list(range(nproc_per_node))
-        if not locals_:
-            continue
-        world += [(spare, lr) for lr in locals_]
-        used.append(spare)
-    return [Member(rank=i, node=n, local_rank=lr) for i, (n, lr) in enumerate(world)], used
 
 
 # ---- decide ------------------------------------------------------------------------------------
@@ -421,18 +371,18 @@ def fault_generation(verdict: Verdict, job: JobView) -> int:
 
 def table_action(verdict: Verdict, job: JobView,
                  policy: Policy = DEFAULT_POLICY) -> tuple[str, list[str]]:
-    """The action the table (with verdict overrides, aliases and the spare requirement) gives
+    """The action the table (with the fact rules, aliases and the spare requirement) gives
     for ``verdict``, before the escalation checks; and the reasons, in words."""
     rule = rule_for(verdict.fault_class, verdict.layer, policy)
     action, reasons = rule.action, [f"{verdict.fault_class}/{verdict.layer}: {rule.source}"]
-    ov = _override(verdict, action, policy) if rule.overridable else None
-    if ov:
-        action, why = ov
+    fact = _fact(verdict, action, policy) if rule.overridable else None
+    if fact:
+        action, why = fact
         reasons.append(why)
     if action in policy.action_aliases:
         reasons.append(f"{action} is carried out as {policy.action_aliases[action]}")
         action = policy.action_aliases[action]
-    if action == "exclude_node_and_requeue" and rule.requires_spare and not _spare_left(
+    if action == A.EXCLUDE_NODE_AND_REQUEUE and rule.requires_spare and not _spare_left(
             job, verdict):
         reasons.append(f"no spare node registered: {rule.fallback} (flag only)")
         action = rule.fallback
@@ -449,15 +399,15 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
     """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
     world for an exclusion (stop when it would go below ``min_world_size``), generation and key.
     Used by ``decide`` and by the watchdog (with ``key`` given)."""
-    if action == "exclude_node_and_requeue" and job.members:
+    if action == A.EXCLUDE_NODE_AND_REQUEUE and job.members:
         present = {m.get("node") for m in job.members}
-        named = sorted(set(verdict.culprit.nodes)) or _nodes_of(sorted(verdict.culprit.ranks),
+        named = sorted(set(verdict.culprit.nodes)) or nodes_of(sorted(verdict.culprit.ranks),
                                                                 job.members)
         if named and not any(n in present for n in named):
             # e.g. the agent of an excluded node stays silent: a late node_lost is no new fault
             reasons.append(f"node(s) {', '.join(named)} already out of the job: nothing to "
                            f"exclude")
-            action = "none"
+            action = A.NONE
     for esc in policy.escalations:
         if action not in esc.applies_to:
             continue
@@ -473,28 +423,28 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
     nodes = sorted(set(verdict.culprit.nodes))
     members: list[Member] = []
     world = job.world_size
-    if action in ("restart_in_process", "restart_workers"):
+    if action in (A.RESTART_IN_PROCESS, A.RESTART_WORKERS):
         if not ranks:
-            if action == "restart_workers" and verdict.fault_class == "network":
+            if action == A.RESTART_WORKERS and verdict.fault_class == F.NETWORK:
                 # a reset with no culprit: no process is known to be bad, and killing every
                 # rank would be a full restart;
                 # re-forming the group in place is the cheaper layer that survives a transient
                 # fault, and a rank that is really gone shows up as a crash or node loss
-                action = "restart_in_process"
+                action = A.RESTART_IN_PROCESS
                 reasons.append("no culprit rank named: re-form the group in place")
             else:
                 reasons.append("no culprit rank named: every rank restarts")
             ranks = sorted(int(m["rank"]) for m in job.members) or list(range(job.world_size))
-        nodes = _nodes_of(ranks, job.members) or nodes
-    elif action == "exclude_node_and_requeue":
-        nodes = nodes or _nodes_of(ranks, job.members)
+        nodes = nodes_of(ranks, job.members) or nodes
+    elif action == A.EXCLUDE_NODE_AND_REQUEUE:
+        nodes = nodes or nodes_of(ranks, job.members)
         if job.members:
             nodes = [n for n in nodes if n in {m.get("node") for m in job.members}]
         if not nodes:
             reasons.append("exclusion needs a culprit node and the verdict named none")
-            action = "stop_job_notify_user"
+            action = A.STOP_JOB_NOTIFY_USER
         else:
-            ranks = _ranks_on(nodes, job.members)
+            ranks = ranks_on(nodes, job.members)
             members, used = new_world(job.members, nodes, job.spare_nodes, job.nproc_per_node)
             world = len(members)
             if used:
@@ -502,11 +452,11 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
             if world < job.min_world_size:
                 reasons.append(f"excluding {', '.join(nodes)} leaves a world of {world} < "
                                f"min_world_size {job.min_world_size}")
-                action, members, world = "stop_job_notify_user", [], job.world_size
+                action, members, world = A.STOP_JOB_NOTIFY_USER, [], job.world_size
 
     recovering = action in RECOVERY_ACTIONS
     culprit = ",".join(map(str, ranks)) + "|" + ",".join(nodes)
-    if action == "none":
+    if action == A.NONE:
         key = key or f"{verdict.job}:g{fault_gen}:none:{verdict.fault_class}:{culprit}"
         generation = job.generation
     else:
@@ -516,7 +466,7 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
             # fault still shows the decision it would have had
             key = key or f"{verdict.job}:g{fault_gen}:observe:{verdict.fault_class}:{culprit}"
         key = key or f"{verdict.job}:g{fault_gen}"
-    execute = job.mode == "action" and action != "none"
+    execute = job.mode == "action" and action != A.NONE
     return Decision(
         job=verdict.job, node=verdict.node, trace=verdict.child_trace(),
         action=action, mode=job.mode, execute=execute, generation=generation,
@@ -529,11 +479,6 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
     )
 
 
-def stronger(a: str, b: str) -> bool:
-    """True when action ``a`` is strictly stronger than ``b`` (``STRENGTH``)."""
-    return STRENGTH.get(a, 0) > STRENGTH.get(b, 0)
-
-
 def escalate(prev: Decision, job_state: dict[str, Any], why: str,
              policy: Policy = DEFAULT_POLICY) -> Decision | None:
     """The watchdog's next decision after ``prev`` (executed, but training did not resume or an
@@ -544,9 +489,9 @@ def escalate(prev: Decision, job_state: dict[str, Any], why: str,
         return None
     job = JobView.of(job_state, policy)
     culprit_ranks = list(prev.ranks)
-    culprit_nodes = list(prev.nodes) or _nodes_of(culprit_ranks, job.members)
-    synthetic = Verdict(job=prev.job, fault_class=prev.fault_class, layer="unknown",
-                        action=nxt, culprit={"ranks": culprit_ranks, "nodes": culprit_nodes},
+    culprit_nodes = list(prev.nodes) or nodes_of(culprit_ranks, job.members)
+    synthetic = Verdict(job=prev.job, fault_class=prev.fault_class, layer=L.UNKNOWN,
+                        culprit={"ranks": culprit_ranks, "nodes": culprit_nodes},
                         first_ts=prev.fault_ts, generation=prev.generation, trace=prev.child_trace(),
                         detail={"detected_ts": prev.detected_ts})
     synthetic.event_id = prev.verdict_id or synthetic.event_id

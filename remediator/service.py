@@ -36,6 +36,7 @@ from typing import Any
 
 import schemas
 from schemas import ActionResult, Decision, Event, TrainingResumed, Verdict, subjects
+from schemas.vocabulary import signature, stronger
 from trainguard.controllers import NodeController, make_controller
 from trainguard.service import Service, ServiceConfig
 
@@ -141,7 +142,7 @@ class Remediator(Service):
             # for an incident that already has its decision is not a new incident
             table_action, _ = pol.table_action(v, pol.JobView.of(state, self.rconfig.policy),
                                                self.rconfig.policy)
-            if not pol.stronger(table_action, held):
+            if not stronger(table_action, held):
                 await self._fold(v, owner, f"generation already decided ({held})")
                 return
             dec.idempotency_key = f"{dec.idempotency_key}:{dec.action}"
@@ -172,7 +173,7 @@ class Remediator(Service):
                                        "last_decision": _brief(dec, fault_gen)}
             if v is not None:
                 updates["last_fault"] = {"fault_class": v.fault_class, "step": pol.fault_step(v),
-                                         "signature": pol.fault_signature(v),
+                                         "signature": signature(v),
                                          "generation": fault_gen,
                                          "ts": v.first_ts or v.ts}
             if dec.members:

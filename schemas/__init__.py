@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 from pydantic import ValidationError
 
-from . import subjects
+from . import subjects, vocabulary
 from .base import SCHEMA_VERSION, Event, new_event_id, new_traceparent
 from .checkpoint import (
     CheckpointInvalid,
@@ -21,15 +21,24 @@ from .checkpoint import (
     CheckpointValidated,
 )
 from .decision import (
-    ACTIONS,
-    FAULT_CLASSES,
-    LAYERS,
     ActionResult,
     Anomaly,
     Culprit,
     Decision,
     Member,
     Verdict,
+)
+from .vocabulary import (
+    ACTIONS,
+    FAULT_CLASSES,
+    LAYERS,
+    VOCABULARY,
+    Action,
+    FaultClass,
+    FaultSpec,
+    Layer,
+    signature,
+    stronger,
 )
 from .node import GpuSample, NodeHeartbeat, NodeTelemetry, XidEvent
 from .worker import (
@@ -124,6 +133,7 @@ __all__ = [
     "RankHeartbeat", "WorkerStarted", "WorkerExited", "LogLine", "TrainingResumed",
     "RecoveryVerified", "PHASES",
     "Anomaly", "Verdict", "Decision", "ActionResult", "Culprit", "Member",
-    "FAULT_CLASSES", "LAYERS", "ACTIONS",
+    "FAULT_CLASSES", "LAYERS", "ACTIONS", "FaultClass", "Layer", "Action", "FaultSpec",
+    "VOCABULARY", "signature", "stronger", "vocabulary",
     "CheckpointSaved", "CheckpointValidated", "CheckpointInvalid", "CheckpointSaveFailed",
 ]

@@ -8,21 +8,6 @@ from pydantic import BaseModel, Field
 
 from .base import Event
 
-#: Fault classes (shared/corpus/README.md vocabulary, plus ``checkpoint_save``: a checkpoint
-#: save failed while training went on, which the corpus has no class for).
-FAULT_CLASSES = (
-    "crash", "hang", "oom_gpu", "oom_host", "gpu_xid", "ecc", "nvlink", "network", "filesystem",
-    "checkpoint_corrupt", "node_lost", "app_exception", "nan_loss", "straggler", "thermal",
-    "rendezvous", "checkpoint_save",
-)
-#: Layers of attribution.
-LAYERS = ("hardware", "system_software", "application", "infrastructure", "unknown")
-#: Actions (shared/corpus/README.md vocabulary).
-ACTIONS = (
-    "none", "restart_in_process", "restart_workers", "exclude_node_and_requeue", "reset_gpu",
-    "stop_job_notify_user", "fix_config",
-)
-
 
 class Culprit(BaseModel):
     """What failed: global ranks, node names, GPUs (``"<node>:<index>"`` or UUIDs)."""
@@ -38,7 +23,9 @@ class Anomaly(Event):
 
     * ``kind`` — detector rule: crash, hang, straggler, throughput_drop, node_lost, gpu_fault,
       log_pattern, nan_loss, thermal …;
-    * ``fault_class`` — the corpus vocabulary (``FAULT_CLASSES``);
+    * ``fault_class`` — a ``FaultClass`` (``schemas.vocabulary``); ``detail["layer"]`` — the
+      layer the evidence names, a hint to the attributor (no action: only the remediator
+      chooses one);
     * ``culprit`` — ranks/nodes/GPUs the signal points at; ``symptom`` — True when the signal is
       the kind that follows another fault (a peer's connection reset);
     * ``first_ts`` — Unix ns of the earliest evidence; ``evidence`` — lines/facts in time order;
@@ -61,14 +48,23 @@ class Anomaly(Event):
 class Verdict(Event):
     """The attributor's conclusion. Subject ``tg.job.<job>.verdict``.
 
-    ``confidence`` is ``high``, ``medium`` or ``low`` (``score`` 0..1 behind it).
+    * ``fault_class`` / ``layer`` — the root cause and where it lives (``FaultClass``,
+      ``Layer``);
+    * ``confidence`` is ``high``, ``medium`` or ``low`` (``score`` 0..1 behind it);
+    * ``detail`` — what the attributor found beyond the root: ``signature`` (its failure
+      signature), ``repeat_offender`` (culprit nodes that failed in other jobs too: a node
+      fault), ``systematic`` (the nodes of this job where the same failure happened: an
+      application fault), ``step``, ``xid``, ``signal``, ``notes`` …;
+    * ``action`` — advisory and unused: the attributor leaves it empty, the remediator alone
+      chooses the action (``Decision.action``) from its policy table and the facts above. Kept
+      because version-1 decoders require the field.
     """
 
     SCHEMA = "verdict"
     fault_class: str
     layer: str
     culprit: Culprit = Field(default_factory=Culprit)
-    action: str
+    action: str = ""
     confidence: str = "medium"
     score: float = 0.5
     evidence: list[str] = Field(default_factory=list)
@@ -89,7 +85,7 @@ class Member(BaseModel):
 class Decision(Event):
     """The remediator's decision. Subject ``tg.job.<job>.decision``.
 
-    * ``action`` — one of ``ACTIONS``;
+    * ``action`` — an ``Action`` (``schemas.vocabulary``), chosen by the remediator;
     * ``mode`` — ``observe`` (published and audited, never executed) or ``action``;
     * ``execute`` — True only in action mode; executors act only when it is True;
     * ``generation`` — the process-group generation ranks must join to carry this out;

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import schemas
-from attributor.decide import History, choose_root, decide, history_from_records, stronger
+from attributor.decide import History, choose_root, conclusion, decide, history_from_records
 
 
 def anomaly(kind, fc, ts, ranks=(), nodes=(), gpus=(), symptom=False, **detail):
@@ -16,21 +16,19 @@ def anomaly(kind, fc, ts, ranks=(), nodes=(), gpus=(), symptom=False, **detail):
 
 
 def crash(rank, ts, node="n1", sig=9):
-    return anomaly("crash", "crash", ts, [rank], [node], signal=sig, layer="unknown",
-                   action="restart_workers", weight=0.8)
+    return anomaly("crash", "crash", ts, [rank], [node], signal=sig, layer="unknown", weight=0.8)
 
 
 def reset(rank, ts, node="n0"):
     return anomaly("log_pattern", "network", ts, [rank], [node], symptom=True,
-                   pattern="gloo_peer_reset", layer="infrastructure",
-                   action="restart_workers", weight=0.5)
+                   pattern="gloo_peer_reset", layer="infrastructure", weight=0.5)
 
 
 def test_death_cascade_names_the_dead_rank_not_the_victims():
     # the victims' lines can arrive first on the bus: time order is by first_ts
     v = decide([reset(1, 120), reset(3, 125), crash(2, 100)])
     assert v.fault_class == "crash" and v.ranks == [2] and v.nodes == ["n1"]
-    assert v.action == "restart_workers"
+    assert v.layer == "unknown" and not hasattr(v, "action")  # the remediator chooses
     assert v.detail["symptoms"] == 2 and "victims" in " ".join(v.detail["notes"])
     assert v.evidence[0].startswith("[root crash rank 2]")   # time order: the death first
 
@@ -40,21 +38,17 @@ def test_symptoms_alone_are_attributed_with_low_confidence():
     assert v.fault_class == "network" and v.confidence == "low" and v.detail["symptom_only"]
     # the reporters of a reset are its victims: no culprit, re-form the group in place
     assert v.ranks == [] and v.nodes == []
-    assert v.action == "restart_in_process"
 
 
 def test_hardware_explains_the_crash_of_its_rank():
-    x = anomaly("gpu_fault", "gpu_xid", 105, [], ["n1"], ["n1:2"], xid=79, layer="hardware",
-                action="exclude_node_and_requeue", weight=0.95)
+    x = anomaly("gpu_fault", "gpu_xid", 105, [], ["n1"], ["n1:2"], xid=79, layer="hardware", weight=0.95)
     v = decide([crash(2, 100), x, reset(1, 110)])
-    assert (v.fault_class, v.layer, v.action) == ("gpu_xid", "hardware",
-                                                  "exclude_node_and_requeue")
+    assert (v.fault_class, v.layer) == ("gpu_xid", "hardware")
     assert v.nodes == ["n1"] and v.gpus == ["n1:2"] and v.confidence == "high"
 
 
 def test_hung_rank_vs_blocked_ranks():
-    hang = anomaly("hang", "hang", 200, [2], ["n1"], rule="silence", layer="unknown",
-                   action="restart_workers", weight=0.85)
+    hang = anomaly("hang", "hang", 200, [2], ["n1"], rule="silence", layer="unknown", weight=0.85)
     wd = [anomaly("log_pattern", "hang", 300 + r, [r], symptom=True, seq="40",
                   pattern="nccl_watchdog_timeout") for r in (0, 1, 3)]
     v = decide(wd + [hang])
@@ -72,7 +66,7 @@ def test_watchdogs_alone_name_the_lowest_sequence():
 
 def test_oom_kill_explains_sigkill():
     oom = anomaly("log_pattern", "oom_host", 101, [2], ["n1"], pattern="host_oom_kill",
-                  layer="application", action="stop_job_notify_user", weight=0.95)
+                  layer="application", weight=0.95)
     v = decide([crash(2, 100), oom])
     assert v.fault_class == "oom_host" and v.ranks == [2]
 
@@ -81,39 +75,44 @@ def test_node_failing_across_jobs_is_excluded():
     c = crash(0, 1, node="bad-node", sig=11)
     h = History(job="j", node_jobs={"bad-node": {"other-job"}})
     v = decide([c], h)
-    assert v.action == "exclude_node_and_requeue" and v.layer == "hardware"
+    assert v.detail["repeat_offender"] == ["bad-node"] and v.layer == "hardware"
+    assert v.confidence in ("medium", "high")
     assert any("different jobs" in n for n in v.detail["notes"])
-    assert decide([c], History(job="j")).action == "restart_workers"
+    alone = decide([c], History(job="j"))
+    assert "repeat_offender" not in alone.detail and alone.layer == "unknown"
+    assert conclusion(alone) != conclusion(v)  # a new fact: the verdict is published again
 
 
 def test_same_failure_on_different_nodes_is_application():
-    c = crash(0, 1, node="n2", sig=11)
-    v = decide([c], History(job="j", signature_nodes={"n1"}))
-    assert (v.layer, v.action) == ("application", "stop_job_notify_user")
+    bug = anomaly("log_pattern", "app_exception", 1, [0], ["n2"], pattern="python_exception",
+                  layer="application", weight=0.5)
+    v = decide([bug], History(job="j", signature_nodes={"n1"}))
+    assert v.layer == "application" and v.detail["systematic"] == ["n1", "n2"]
+    assert v.confidence == "high"
+    # a signal says nothing about the code: two crashes on two nodes are not one bug
+    c = decide([crash(0, 1, node="n2", sig=11)], History(job="j", signature_nodes={"n1"}))
+    assert "systematic" not in c.detail
     # the same exception on every rank of several nodes in one incident
     ex = [anomaly("log_pattern", "app_exception", 5 + r, [r], [f"n{r // 2}"],
-                  pattern="python_exception", layer="application",
-                  action="stop_job_notify_user", weight=0.5) for r in range(4)]
-    assert decide(ex).action == "stop_job_notify_user"
+                  pattern="python_exception", layer="application", weight=0.5) for r in range(4)]
+    assert decide(ex).detail["systematic"] == ["n0", "n1"]
 
 
 def test_app_xids_recurring_on_one_gpu_make_it_suspect():
     x = anomaly("gpu_fault", "gpu_xid", 1, [], ["n1"], ["0000:61:00"], xid=13, pid=50,
-                layer="application", action="restart_workers", weight=0.95)
+                layer="application", weight=0.95)
     assert decide([x]).layer == "application"
     h = history_from_records("j", {"n1": [
         {"job": "a", "ts": 5, "xid": 13, "gpu": "0000:61:00", "pid": 10, "layer": "application"},
         {"job": "b", "ts": 6, "xid": 31, "gpu": "0000:61:00", "pid": 20, "layer": "application"},
     ]}, [], {"0000:61:00": {50}})
     v = decide([x], h)
-    assert (v.fault_class, v.layer, v.action) == ("gpu_xid", "hardware",
-                                                  "exclude_node_and_requeue")
+    assert (v.fault_class, v.layer) == ("gpu_xid", "hardware")
+    assert v.detail["suspect_gpu"] == "0000:61:00"
     assert h.node_jobs == {}  # application XIDs never count as node faults
 
 
-def test_choose_root_and_strength():
+def test_choose_root():
     assert choose_root([reset(1, 1), crash(2, 5)]).kind == "crash"
-    assert stronger("exclude_node_and_requeue", "restart_workers")
-    assert not stronger("restart_in_process", "restart_workers")
     with pytest.raises(ValueError):
         decide([])

@@ -175,8 +175,8 @@ def test_node_lost_needs_every_role_silent_and_fires_once():
 
 def test_xid_rule_uses_table():
     f = rules.xid_rule(79, "n3", "0000:4e:00", 2, 100, "NVRM: Xid …: 79, …", 5)
-    assert (f.fault_class, f.detail["layer"], f.detail["action"]) == \
-        ("gpu_xid", "hardware", "exclude_node_and_requeue")
+    assert (f.fault_class, f.detail["layer"]) == ("gpu_xid", "hardware")
+    assert "action" not in f.detail  # the detector reports evidence; the remediator decides
     assert f.gpus == ["n3:2"] and f.severity == "error"
     assert rules.xid_rule(63, "n3", "x", None, None, "", 0).severity == "warning"
 

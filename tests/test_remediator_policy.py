@@ -4,6 +4,7 @@ import pytest
 from remediator import policy as pol
 from remediator.policy import decide, escalate, new_world
 from schemas import Verdict
+from schemas.vocabulary import signature
 
 MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
            {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
@@ -16,8 +17,8 @@ def job(**kw):
     return st
 
 
-def verdict(fault_class, layer="application", ranks=(), nodes=(), action="none", **kw):
-    return Verdict(job="j", fault_class=fault_class, layer=layer, action=action,
+def verdict(fault_class, layer="application", ranks=(), nodes=(), **kw):
+    return Verdict(job="j", fault_class=fault_class, layer=layer,
                    culprit={"ranks": list(ranks), "nodes": list(nodes)}, generation=3, **kw)
 
 
@@ -84,7 +85,7 @@ def test_budget_spent_stops():
 def test_same_fault_same_step_after_restart_is_a_loop():
     v = verdict("app_exception", ranks=[1], evidence=["ValueError: bad batch 17"],
                 detail={"step": 30})
-    last = {"fault_class": "app_exception", "step": 30, "signature": pol.fault_signature(v),
+    last = {"fault_class": "app_exception", "step": 30, "signature": signature(v),
             "generation": 2}
     d = decide(v, job(last_fault=last))
     assert d.action == "stop_job_notify_user" and "would loop" in d.reason
@@ -94,21 +95,21 @@ def test_same_fault_same_step_after_restart_is_a_loop():
     # numbers in the message do not change the derived signature
     v2 = verdict("app_exception", ranks=[1], evidence=["ValueError: bad batch 99"],
                  detail={"step": 30})
-    assert pol.fault_signature(v2) == pol.fault_signature(v)
+    assert signature(v2) == signature(v)
 
 
 def test_same_exception_before_the_first_step_again_is_a_loop():
     """A script that raises before its first step fails alike after every restart: the second
     time is a loop (no step to compare: both have none); a crash without a step is not."""
     v = verdict("app_exception", ranks=[1], evidence=["RuntimeError: no such dataset /data/x"])
-    last = {"fault_class": "app_exception", "step": None, "signature": pol.fault_signature(v),
+    last = {"fault_class": "app_exception", "step": None, "signature": signature(v),
             "generation": 0}
     d = decide(v, job(last_fault=last))
     assert d.action == "stop_job_notify_user" and "at step start-up again" in d.reason
     assert decide(v, job(last_fault={**last, "step": 12})).action == "restart_in_process"
     c = verdict("crash", "unknown", ranks=[1], evidence=["rank 1 exited with signal 9"])
     assert decide(c, job(last_fault={**last, "fault_class": "crash",
-                                     "signature": pol.fault_signature(c)})).action \
+                                     "signature": signature(c)})).action \
         == "restart_workers"
 
 
@@ -156,22 +157,35 @@ def test_observe_mode_never_executes():
     assert decide(verdict("crash", "unknown", ranks=[1]), {}).execute is False
 
 
-def test_attributor_overrides_only_when_stronger_and_confident():
-    strong = verdict("crash", "unknown", ranks=[2], action="exclude_node_and_requeue",
-                     confidence="medium")
-    assert decide(strong, job()).action == "exclude_node_and_requeue"
-    weak = verdict("crash", "unknown", ranks=[2], action="exclude_node_and_requeue",
-                   confidence="low")
+def test_attributor_facts_strengthen_only_when_stronger_and_confident():
+    strong = verdict("crash", "unknown", ranks=[2], confidence="medium",
+                     detail={"repeat_offender": ["n2"]})
+    d = decide(strong, job())
+    assert d.action == "exclude_node_and_requeue" and "repeat offender (n2" in d.reason
+    weak = verdict("crash", "unknown", ranks=[2], confidence="low",
+                   detail={"repeat_offender": ["n2"]})
     assert decide(weak, job()).action == "restart_workers"
-    # a single exception is not stopped on the attributor's word alone ...
-    stop = verdict("app_exception", ranks=[1], action="stop_job_notify_user", confidence="high")
+    # a single exception is not stopped: restart in process ...
+    stop = verdict("app_exception", ranks=[1], confidence="high")
     assert decide(stop, job()).action == "restart_in_process"
     # ... but a systematic one (same failure on different nodes) is
-    stop.detail["systematic"] = True
+    stop.detail["systematic"] = ["n1", "n2"]
     assert decide(stop, job()).action == "stop_job_notify_user"
-    # reset_gpu has no executor: carried out as a node exclusion
-    reset = verdict("gpu_xid", "application", ranks=[0], action="reset_gpu", confidence="high")
-    assert decide(reset, job()).action == "exclude_node_and_requeue"
+    # a fact weaker than the table's action changes nothing
+    disk = verdict("filesystem", "infrastructure", ranks=[1], confidence="high",
+                   detail={"repeat_offender": ["n1"]})
+    assert decide(disk, job()).action == "stop_job_notify_user"
+    # the verdict's own (advisory) action is never followed
+    told = verdict("crash", "unknown", ranks=[2], action="exclude_node_and_requeue",
+                   confidence="high")
+    assert decide(told, job()).action == "restart_workers"
+
+
+def test_actions_without_executor_are_aliased():
+    # reset_gpu has no executor: a policy row that names it is carried out as an exclusion
+    own = pol.Policy(table=(pol.Rule("gpu_xid", None, "reset_gpu", "mine"),))
+    d = decide(verdict("gpu_xid", "hardware", ranks=[0]), job(), own)
+    assert d.action == "exclude_node_and_requeue" and "reset_gpu is carried out" in d.reason
 
 
 def test_verdict_generation_missing_uses_job_generation():
@@ -203,12 +217,25 @@ def test_new_world_keeps_survivor_order():
 
 
 def test_thermal_and_straggler_rules_are_not_overridden():
-    hot = verdict("thermal", "hardware", nodes=["n2"], action="exclude_node_and_requeue",
-                  confidence="high")
+    hot = verdict("thermal", "hardware", nodes=["n2"], confidence="high",
+                  detail={"repeat_offender": ["n2"]})
     assert decide(hot, job()).action == "none"
-    slow = verdict("straggler", "hardware", ranks=[3], action="exclude_node_and_requeue",
-                   confidence="high")
+    slow = verdict("straggler", "hardware", ranks=[3], confidence="high",
+                   detail={"repeat_offender": ["n2"]})
     assert decide(slow, job()).action == "none"
+
+
+def test_thermal_node_replaced_only_with_spare():
+    v = verdict("thermal", "hardware", nodes=["n2"])
+    assert decide(v, job()).action == "none"
+    d = decide(v, job(spare_nodes=["s9"]))
+    assert d.action == "exclude_node_and_requeue" and d.nodes == ["n2"]
+    assert {m.node for m in d.members} == {"n1", "s9"}
+
+
+def test_network_fault_without_culprit_reforms_in_place():
+    d = decide(verdict("network", "infrastructure"), job())
+    assert d.action == "restart_in_process" and d.ranks == [0, 1, 2, 3]
 
 
 def test_late_verdict_without_generation_joins_the_incident_it_belongs_to():

@@ -5,7 +5,7 @@ import contextlib
 import json
 
 import schemas
-from remediator.policy import fault_signature
+from schemas.vocabulary import signature
 from remediator.service import Remediator, RemediatorConfig
 from schemas import ActionResult, Decision, TrainingResumed, Verdict, subjects
 from trainguard.bus import Bus
@@ -213,7 +213,7 @@ async def test_exception_repeating_at_same_step_stops(servers, redis_db):
     assert (d1.action, d2.action) == ("restart_in_process", "stop_job_notify_user")
     assert "would loop" in d2.reason and "step 30" in d2.reason
     st = await store.job("j6")
-    assert st["status"] == "stopped" and st["last_fault"]["signature"] == fault_signature(exc(1))
+    assert st["status"] == "stopped" and st["last_fault"]["signature"] == signature(exc(1))
     await store.close()
 
 

@@ -72,19 +72,19 @@ def test_gpu_uuid_line():
 
 def test_xid_info_from_table():
     i79 = xid_info(79)
-    assert (i79.layer, i79.action, i79.fault_class, i79.severity) == \
-        ("hardware", "exclude_node_and_requeue", "gpu_xid", "fatal")
+    assert (i79.layer, i79.fault_class, i79.severity) == ("hardware", "gpu_xid", "fatal")
     assert "catalog" in i79.source
     assert xid_info(48).fault_class == "ecc" and xid_info(74).fault_class == "nvlink"
     assert xid_info(13).layer == "application" and xid_info(31).layer == "application"
     assert xid_info(43).layer == "application"
-    assert xid_info(63).action == "none"
+    assert xid_info(63).severity == "info"  # a row-remap event: informational, not a fault
+    assert not hasattr(i79, "action")  # what to do is the remediator's policy, not the table
     assert xid_info(119).layer == "system_software"
 
 
 def test_unknown_xid_is_reported_not_dropped():
     i = xid_info(9999)
-    assert i.layer == "unknown" and i.fault_class == "gpu_xid" and i.action == "restart_workers"
+    assert i.layer == "unknown" and i.fault_class == "gpu_xid" and i.severity == "unknown"
 
 
 def test_table_covers_catalog():

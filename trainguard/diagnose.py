@@ -2,7 +2,9 @@
 
 Runs the detector's rules (``detector.rules`` + the ``detector.patterns`` table + the XID
 parser) over saved job logs, dmesg output or journal exports, then the attributor's
-``attributor.decide.decide`` over what they found — the same code the live services run.
+``attributor.decide.decide`` over what they found, then the remediator's policy table for the
+action it would choose (``remediator.policy.table_action`` for a job with no registered state:
+no spare node) — the same code the live services run.
 
 Offline specifics:
 
@@ -32,6 +34,7 @@ import schemas
 from attributor.decide import APP_XIDS, History, VerdictSpec, decide
 from detector import rules
 from detector import patterns as pat
+from remediator import policy
 from trainguard.xid import parse_gpu_uuid_line, parse_xid_line
 
 _JOURNAL_NODE = re.compile(
@@ -113,8 +116,7 @@ def findings_from_lines(lines: Iterable[str], source: str = "", ts0: int = 0
             severity="warning",
             evidence=[f"{'rank/device ' + key}: median step time {x:.3f} s vs {med:.3f} s "
                       f"across {len(series)} ranks/devices ({x / med:.1f}x, robust z {zs})"],
-            detail={"rule": "straggler", "layer": "unknown", "action": "none", "weight": 0.6,
-                    "key": key},
+            detail={"rule": "straggler", "layer": "unknown", "weight": 0.6, "key": key},
             ts=ts0 + 10 ** 9))
     return out, app_xid_pids
 
@@ -144,6 +146,17 @@ def verdict_of(findings: list[rules.Finding], app_xid_pids: dict[str, set[int]]
     return decide(anomalies, hist)
 
 
+def policy_action(v: VerdictSpec) -> str:
+    """The action the remediator's policy gives the verdict ``v`` for a job with no registered
+    state (observe mode, no spare node), before loop and budget checks."""
+    verdict = schemas.Verdict(job="offline", fault_class=v.fault_class, layer=v.layer,
+                              confidence=v.confidence, culprit=schemas.Culprit(
+                                  ranks=v.ranks, nodes=v.nodes, gpus=v.gpus),
+                              evidence=v.evidence, detail=v.detail)
+    action, _ = policy.table_action(verdict, policy.JobView.of({}, policy.DEFAULT_POLICY))
+    return str(action)
+
+
 def render(v: VerdictSpec | None) -> str:
     """Human-readable verdict."""
     if v is None:
@@ -158,7 +171,7 @@ def render(v: VerdictSpec | None) -> str:
     out = [f"fault:      {v.fault_class}",
            f"layer:      {v.layer}",
            f"culprit:    {', '.join(c) or 'not named by the log'}",
-           f"action:     {v.action}",
+           f"action:     {policy_action(v)} (the remediator's policy, no spare node)",
            f"confidence: {v.confidence} ({v.score:.2f})"]
     for n in v.detail.get("notes", []):
         out.append(f"note:       {n}")
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             pids.setdefault(k, set()).update(v)
     v = verdict_of(findings, pids)
     if args.json:
-        obj = v.to_dict() if v else {"fault_class": None, "layer": "unknown",
+        obj = {**v.to_dict(), "action": policy_action(v)} if v else {"fault_class": None, "layer": "unknown",
                                      "culprit": {"ranks": [], "nodes": [], "gpus": []},
                                      "action": "none", "confidence": "low", "evidence": []}
         print(json.dumps(obj))

@@ -17,8 +17,8 @@ prints, with whatever prefix the log reader adds:
   (``2024-01-02T03:04:05.123456+00:00 node-001 kernel:``) and raw ``/dev/kmsg`` records
   (``4,1234,5678901234,-;NVRM: …``).
 
-``xid_info(xid) -> XidInfo`` returns mnemonic, description, fault class, layer, trainguard action
-and severity from ``attributor/xid_table.csv``, which is derived from NVIDIA's public XID catalog
+``xid_info(xid) -> XidInfo`` returns mnemonic, description, fault class, layer and severity
+from ``attributor/xid_table.csv``, which is derived from NVIDIA's public XID catalog
 (docs.nvidia.com/deploy/xid-errors) by ``attributor/xid_table_build.py`` (the mapping rules
 are there). An XID that is not in the catalog gets an ``unknown``-layer entry, never an error.
 """
@@ -70,16 +70,15 @@ class XidMatch:
 class XidInfo:
     """What the project knows about one XID (a row of ``attributor/xid_table.csv``).
 
-    ``layer`` — hardware | system_software | application | unknown; ``action`` — trainguard
-    action vocabulary; ``severity`` — fatal | error | info | unknown; ``source`` — where the row
-    comes from."""
+    ``layer`` — hardware | system_software | application | unknown (``schemas.vocabulary``);
+    ``severity`` — fatal | error | info | unknown; ``source`` — where the row comes from. No
+    action: what to do about an XID is the remediator's policy."""
 
     xid: int
     mnemonic: str
     description: str
     fault_class: str
     layer: str
-    action: str
     severity: str
     source: str
 
@@ -155,20 +154,19 @@ def xid_table(path: str | None = None) -> dict[int, XidInfo]:
     for r in csv.DictReader(lines):
         x = int(r["xid"])
         out[x] = XidInfo(xid=x, mnemonic=r["mnemonic"], description=r["description"],
-                         fault_class=r["fault_class"], layer=r["layer"], action=r["action"],
+                         fault_class=r["fault_class"], layer=r["layer"],
                          severity=r["severity"], source=r["source"])
     return out
 
 
 def xid_info(xid: int) -> XidInfo:
-    """Table entry of ``xid``; an XID not in NVIDIA's catalog gets layer/severity ``unknown``,
-    fault class ``gpu_xid`` and action ``restart_workers`` (the cheapest action that clears a
-    failed process), so a new driver's XID is still reported, not dropped."""
+    """Table entry of ``xid``; an XID not in NVIDIA's catalog gets layer/severity ``unknown`` and
+    fault class ``gpu_xid``, so a new driver's XID is still reported, not dropped."""
     info = xid_table().get(int(xid))
     if info is not None:
         return info
     return XidInfo(xid=int(xid), mnemonic="UNKNOWN_XID", description="not in the XID catalog",
-                   fault_class="gpu_xid", layer="unknown", action="restart_workers",
+                   fault_class="gpu_xid", layer="unknown",
                    severity="unknown", source="not in NVIDIA XID catalog")
 
 

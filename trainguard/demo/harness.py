@@ -253,7 +253,7 @@ class Demo:
                           and x.event_id == decision.verdict_id), None) or verdicts[0]
                 out["verdict"] = {"fault_class": v.fault_class, "layer": v.layer,
                                   "culprit_ranks": v.culprit.ranks,
-                                  "culprit_nodes": v.culprit.nodes, "action": v.action}
+                                  "culprit_nodes": v.culprit.nodes}
             decisions = self.rec.of(schemas.Decision, injected)
             if decisions and (decision is None or decisions[-1].generation > decision.generation):
                 # the newest decision is the one recovery follows (a node loss is first seen as
