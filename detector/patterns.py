@@ -172,10 +172,12 @@ PATTERNS: tuple[LogPattern, ...] = (
        why="Horovod's stall inspector lists the ranks that are ready; the missing ones are hung"),
     _p("collective_mismatch",
        r"Detected mismatch between collectives|Expected to have finished reduction in the prior "
-       r"iteration|Parameters which did not receive grad|find_unused_parameters=True",
+       r"iteration|Parameters which did not receive grad",
        "app_exception", "application", weight=0.9,
        why="ranks took different code paths (collective fingerprint or DDP unused parameters): "
-           "a program error on every rank, restarting repeats it"),
+           "a program error on every rank, restarting repeats it (torch's warning that "
+           "find_unused_parameters=True found none unused is no error: the Hugging Face Trainer "
+           "sets it by default)"),
     # ---- CUDA application errors --------------------------------------------------------------
     _p("cuda_illegal_access",
        r"an illegal memory access was encountered|cudaErrorIllegalAddress|"

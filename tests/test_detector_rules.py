@@ -284,3 +284,16 @@ def test_line_rank_forms():
     assert pat.line_rank("Tue Jan 1 2019[1,5]<stderr>:INFO") == 5
     assert pat.line_rank("  rank      : 6 (local_rank: 2)") == 6
     assert pat.line_rank("nothing here") is None
+
+
+def test_ddp_unused_parameters_warning_is_no_fault():
+    """torch warns when ``find_unused_parameters=True`` found none unused (the Hugging Face
+    Trainer sets it by default); only the error that names the unfinished reduction is a fault."""
+    warning = ("[W1201 23:10:01.123456789 reducer.cpp:1529] Warning: find_unused_parameters=True "
+               "was specified in DDP constructor, but did not find any unused parameters in the "
+               "forward pass. This flag results in an extra traversal of the autograd graph every "
+               "iteration, which can adversely affect performance.")
+    assert pat.match_line(warning) is None
+    error = ("RuntimeError: Expected to have finished reduction in the prior iteration before "
+             "starting a new one. … by passing the keyword argument `find_unused_parameters=True`")
+    assert pat.match_line(error).pattern.name == "collective_mismatch"
