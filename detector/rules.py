@@ -85,7 +85,8 @@ class DetectorConfig:
     step_timeout_ceiling_s: float = 600.0
     unlearned_timeout_s: float = 120.0
     phase_timeout_s: dict[str, float] = field(default_factory=lambda: {
-        "startup": 300.0, "compile": 900.0, "checkpoint": 600.0, "recovery": 120.0})
+        "startup": 300.0, "compile": 900.0, "checkpoint": 600.0, "recovery": 120.0,
+        "eval": 900.0})
     rank_ring: int = 16
     straggler_recent: int = 5
     straggler_z: float = 3.5
@@ -392,7 +393,7 @@ def phase_timeout(phases: Iterable[str], job: JobState, cfg: DetectorConfig,
 #: Phases in which a live rank may fall briefly silent (imports holding the GIL, process-group
 #: formation, a large synchronous serialisation, an overloaded host): silence there needs
 #: ``silence_phase_s``.
-SLOW_PHASES = ("startup", "compile", "checkpoint", "recovery")
+SLOW_PHASES = ("startup", "compile", "checkpoint", "recovery", "eval")
 
 
 def silence_rule(job: JobState, now: float, cfg: DetectorConfig,

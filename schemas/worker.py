@@ -4,7 +4,7 @@ from __future__ import annotations
 from .base import Event
 
 #: Phases a rank reports; each has its own hang allowance in the detector.
-PHASES = ("startup", "train", "checkpoint", "recovery", "compile", "done")
+PHASES = ("startup", "train", "checkpoint", "recovery", "compile", "eval", "done")
 
 
 class RankHeartbeat(Event):

@@ -30,6 +30,9 @@ opt = torch.optim.SGD(net.parameters(), lr=0.1)
 for _ in range(3):
     opt.zero_grad(); net(torch.ones(2, 4)).sum().backward(); opt.step()
 time.sleep(0.5)
+hooks.expect_framework_steps()                        # a framework callback's setup
+opt.zero_grad(); net(torch.ones(2, 4)).sum().backward(); opt.step()
+time.sleep(0.5)
 hooks.report(step=100, loss=0.25)                     # a framework's own global step
 time.sleep(0.5)
 raise ValueError("boom in the plain script")
@@ -81,6 +84,9 @@ def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
     assert at2.phase == "train" and at2.collective_seq == 6  # 3 DDP forwards + 3 steps
     assert at2.compute_s is not None and at2.compute_s >= 0
     assert next(h for h in hbs if h.step == 100).loss == 0.25
+    # once a framework reports steps, an optimizer step only advances the collective count
+    assert max(h.collective_seq for h in hbs if h.step == 2) == 8
+    assert 3 not in steps
     resumed = [e for e in got if isinstance(e, schemas.TrainingResumed)]
     assert len(resumed) == 1 and resumed[0].resumed_step == 0
     assert resumed[0].restore_source == "script" and resumed[0].decision_id == "d1"

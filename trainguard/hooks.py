@@ -21,8 +21,8 @@ Nothing here changes what the script computes; the hooks cost a few microseconds
 When ``trainguard.run`` takes over the rank, it calls ``handover()`` and the shim's own
 heartbeat replaces this one.
 
-Public API for frameworks: ``active()``, ``report(step, loss)``, ``phase(name)``,
-``restart_count()``.
+Public API for frameworks: ``active()``, ``expect_framework_steps()``, ``report(step, loss)``,
+``phase(name)``, ``restart_count()``.
 """
 from __future__ import annotations
 
@@ -60,9 +60,21 @@ def report(step: int | None = None, loss: float | None = None) -> None:
         rt.progress(step, loss, framework=True)
 
 
+def expect_framework_steps() -> None:
+    """A framework will report its own global steps (``report(step=…)``, from the callbacks of
+    ``trainguard.integrations``): from now on optimizer steps only advance ``collective_seq``,
+    and ``recovery.resumed`` carries the framework's first step after a restart, not the
+    optimizer count of this process. Call it before the first step (a callback's setup).
+    No-op when not ``active()``."""
+    rt = _RT
+    if rt is not None:
+        rt.framework_steps = True
+
+
 def phase(name: str) -> None:
     """Tell the detector what the rank does now (``schemas.PHASES``: startup, train, compile,
-    checkpoint, recovery, done); slow phases get longer hang allowances. No-op when inactive."""
+    checkpoint, recovery, eval, done); slow phases get longer hang allowances. No-op when
+    inactive."""
     rt = _RT
     if rt is not None:
         rt.p.phase = name

@@ -36,7 +36,14 @@ class CallbackMixin:
         self._last_step: int | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        hooks.expect_framework_steps()  # trainer.global_step is the step from here on
         hooks.phase("startup")
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        hooks.phase("eval")  # no optimizer step while validating: not a hang
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        hooks.phase("train")
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         hooks.phase("recovery")

@@ -50,7 +50,14 @@ class TrainguardCallback(TrainerCallback):
         self.resumed_step: int | None = None
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        hooks.expect_framework_steps()  # state.global_step is the step from here on
         hooks.phase("startup")
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        hooks.phase("eval")  # evaluation takes no optimizer step: not a hang
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        hooks.phase("train")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.resumed_step = int(state.global_step)
