@@ -24,8 +24,10 @@ Each run of (job, launcher) is one launch, in phases:
    the whole group, which resumes from the job's own checkpoint. trainguard runs ``--mode action``;
    torchrun (and ``ft_launcher``) ``--max-restarts 3`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
    (without it torch 2.13's gloo restarts hang: findings).
-3. **Hang (SIGSTOP of rank 1)**, up to ``--hang-wait`` seconds: trainguard: seconds to its
-   decision naming the stopped rank (and to every rank training again); torchrun, whose only
+3. **Hang (SIGSTOP of rank 1)**, once the restarted ranks have trained a few steps and the
+   launcher's other processes are idle again (trainguard's replacement spares have warmed), up
+   to ``--hang-wait`` seconds: trainguard: seconds to its decision naming the stopped rank (and
+   to every rank training again); torchrun, whose only
    hang guard is the collective's own timeout (gloo's default: 30 min): never, in the time we
    waited.
 
@@ -312,12 +314,20 @@ def run_one(system: str, job: str, rnd: int, s: Settings, stack: Stack, root: st
         after_kill = latest(read_records(recs_path))
         wait_for(lambda rs: all(sum(1 for r in rs if r.rank == k and r.pid == after_kill[k].pid)
                                 >= 5 for k in after_kill), 30)
+        # and the launcher's processes idle again: trainguard starts replacement spares 2 s
+        # after a respawn (refill_delay_s) and they take seconds to import torch; a hang while
+        # they warm would be recovered from cold processes (a second fault that soon after the
+        # first one is a separate case, not this one)
+        time.sleep(3.0)
+        settled = settle(proc.pid, {r.pid for r in latest(read_records(recs_path)).values()},
+                         s.settle_timeout_s)
         before = latest(read_records(recs_path))
         stopped = before[1].pid
         t_h = time.time_ns()
         os.kill(stopped, signal.SIGSTOP)
         deadline = time.monotonic() + s.hang_wait_s
-        hang: dict[str, Any] = {"waited_s": s.hang_wait_s, "detected": False, "by": None}
+        hang: dict[str, Any] = {"waited_s": s.hang_wait_s, "detected": False, "by": None,
+                                "settled_s": settled}
         while time.monotonic() < deadline and proc.poll() is None:
             if system == "trainguard" and not hang["detected"]:
                 for e in bus_events(stack, tg_job, "decision"):
@@ -418,7 +428,10 @@ def _hang(h: dict[str, Any] | None) -> str:
         return (h or {}).get("by", "not run")
     if h["detected"].startswith("0/"):
         return f"never ({h['detected']} in {h['waited_s']:g} s)"
-    return f"{h['detected']} in {_f(h['detected_s'])} s ({h['by']})"
+    again = (f"; training again {_f(h['training_again_s'])} s"
+             if h.get("training_again_s") is not None and not h["by"].endswith("the group")
+             else "")
+    return f"{h['detected']} in {_f(h['detected_s'])} s ({h['by']}{again})"
 
 
 COLUMNS = ("job", "steps/s tg", "steps/s torchrun", "rate tg/torchrun", "SIGKILL→training tg",
