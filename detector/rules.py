@@ -13,7 +13,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from schemas.vocabulary import FaultClass, Layer
+from trainguard.schemas.vocabulary import FaultClass, Layer
 from trainguard.xid import XidMatch, xid_info
 
 from . import patterns as pat

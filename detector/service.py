@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import subjects
 from trainguard.service import Service, ServiceConfig
 
 from . import rules

@@ -42,8 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from schemas import Decision, Member, Verdict
-from schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
+from trainguard.schemas import Decision, Member, Verdict
+from trainguard.schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
 
 from .world import new_world, nodes_of, ranks_on
 

@@ -1,6 +1,6 @@
 """The remediator service: verdict → decision, with idempotency, audit, and a watchdog.
 
-``python -m remediator --nats-url … --redis-url …`` (or env ``NATS_URL``/``REDIS_URL``).
+``python -m trainguard.remediator --nats-url … --redis-url …`` (or env ``NATS_URL``/``REDIS_URL``).
 
 Subscribes ``tg.job.*.verdict``, ``tg.job.*.action`` and ``tg.job.*.recovery``. For each verdict:
 reads the job hash, calls the pure ``policy.decide``, then
@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
-from schemas import ActionResult, Decision, Event, TrainingResumed, Verdict, subjects
-from schemas.vocabulary import signature, stronger
+from trainguard import schemas
+from trainguard.schemas import ActionResult, Decision, Event, TrainingResumed, Verdict, subjects
+from trainguard.schemas.vocabulary import signature, stronger
 from trainguard.controllers import NodeController, make_controller
 from trainguard.service import Service, ServiceConfig
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from detector import patterns as pat
-from detector import rules
-from detector.rules import DetectorConfig, JobConfig, JobState, NodeState
+from trainguard.detector import patterns as pat
+from trainguard.detector import rules
+from trainguard.detector.rules import DetectorConfig, JobConfig, JobState, NodeState
 
 CFG = DetectorConfig()
 

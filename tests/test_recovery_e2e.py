@@ -117,7 +117,7 @@ def test_observe_mode_executes_nothing(stack, tmp_path):
     import signal
     import time
 
-    import schemas
+    from trainguard import schemas
     from trainguard.demo.harness import Recorder
 
     demo.log_dir = str(tmp_path)

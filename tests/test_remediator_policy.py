@@ -1,10 +1,10 @@
 """The remediator's pure decide(): the policy table, escalations and the new world."""
 import pytest
 
-from remediator import policy as pol
-from remediator.policy import decide, escalate, new_world
-from schemas import Verdict
-from schemas.vocabulary import signature
+from trainguard.remediator import policy as pol
+from trainguard.remediator.policy import decide, escalate, new_world
+from trainguard.schemas import Verdict
+from trainguard.schemas.vocabulary import signature
 
 MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
            {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
@@ -54,7 +54,7 @@ def test_table(fault_class, layer, expected):
 
 
 def test_every_fault_class_has_a_row():
-    from schemas import FAULT_CLASSES
+    from trainguard.schemas import FAULT_CLASSES
     for fc in FAULT_CLASSES:
         assert pol.rule_for(fc, "unknown") is not pol.DEFAULT_RULE, fc
 

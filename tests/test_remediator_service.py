@@ -4,10 +4,10 @@ import asyncio
 import contextlib
 import json
 
-import schemas
-from schemas.vocabulary import signature
-from remediator.service import Remediator, RemediatorConfig
-from schemas import ActionResult, Decision, TrainingResumed, Verdict, subjects
+from trainguard import schemas
+from trainguard.schemas.vocabulary import signature
+from trainguard.remediator.service import Remediator, RemediatorConfig
+from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict, subjects
 from trainguard.bus import Bus
 from trainguard.service import ServiceConfig, health_subject
 from trainguard.state import StateStore

@@ -7,12 +7,12 @@ import collections
 
 import pytest
 
-import schemas
-from attributor.decide import History, decide as attribute
-from detector import patterns as pat
-from detector import rules
-from remediator import policy as pol
-from schemas.vocabulary import (ROWS, VOCABULARY, Action, FaultClass, Layer, signature, strength,
+from trainguard import schemas
+from trainguard.attributor.decide import History, decide as attribute
+from trainguard.detector import patterns as pat
+from trainguard.detector import rules
+from trainguard.remediator import policy as pol
+from trainguard.schemas.vocabulary import (ROWS, VOCABULARY, Action, FaultClass, Layer, signature, strength,
                                 stronger)
 from trainguard.xid import xid_table
 

@@ -30,11 +30,11 @@ import re
 import sys
 from typing import Iterable
 
-import schemas
-from attributor.decide import APP_XIDS, History, VerdictSpec, decide
-from detector import rules
-from detector import patterns as pat
-from remediator import policy
+from trainguard import schemas
+from trainguard.attributor.decide import APP_XIDS, History, VerdictSpec, decide
+from trainguard.detector import rules
+from trainguard.detector import patterns as pat
+from trainguard.remediator import policy
 from trainguard.xid import parse_gpu_uuid_line, parse_xid_line
 
 _JOURNAL_NODE = re.compile(

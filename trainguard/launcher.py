@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import subjects
 
 from .bus import ThreadedBus
 from .executor import EXIT_STOPPED, LocalRank, plan_node

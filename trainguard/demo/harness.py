@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
+from trainguard import schemas
 
 #: The default fault schedule: (id, kind, global rank, step).
 DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
