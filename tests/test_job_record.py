@@ -108,3 +108,9 @@ def test_encoding_an_unknown_field_raises():
     with pytest.raises(KeyError):
         encode_fields(hang_timeout=3)
 
+
+def test_the_protocol_doc_lists_every_field():
+    import os
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "protocol.md")).read()
+    section = doc[doc.index("## Job registration"):doc.index("## Signals")]
+    assert [n for n in FIELDS if f"| `{n}` |" not in section] == []
