@@ -54,3 +54,32 @@ def test_a_launch_after_the_last_launcher_left_is_a_new_run(redis_db):
     assert k_again == (1, True)
     assert conflict is not None and (conflict.job, conflict.node) == ("k", "n0")
     assert 0 < conflict.remaining_s <= 0.5 and "live launcher on node 'n0'" in str(conflict)
+
+
+async def _mutators(url: str):
+    st = StateStore(url)
+    try:
+        await asyncio.gather(*(st.add_spare("m", f"s{i}") for i in (2, 1, 2)))
+        await st.set_group_attempt("m", 3, 2)
+        await st.end_run("m", "finished")
+        after_end = (await st.job("m")).status
+        await st.commit_decision("m", retries_used=1, last_decision={"id": "d"}, stopped=True,
+                                 pending_decision={"event_id": "e"})
+        await st.end_run("m", "failed")  # a stopped job stays stopped
+        stopped = await st.job("m")
+        await st.clear_pending("m")
+        await st.update_job("m", retry_budget=None, hang_timeout_s=4.5)
+        return after_end, stopped, await st.job("m")
+    finally:
+        await st.close()
+
+
+def test_the_narrow_mutators(redis_db):
+    after_end, stopped, last = _run(_mutators(redis_db))
+    assert after_end == "finished"
+    assert stopped.spare_nodes == ["s1", "s2"] and stopped.group_attempt == "3:2"
+    assert (stopped.status, stopped.retries_used, stopped.last_decision) == (
+        "stopped", 1, {"id": "d"})
+    assert stopped.pending_decision == {"event_id": "e"}
+    assert last.pending_decision is None and last.retry_budget is None
+    assert last.hang_timeout_s == 4.5
