@@ -134,8 +134,8 @@ def test_one_signature_for_an_anomaly_and_its_verdict():
 
 
 MEMBERS = [{"rank": r, "node": f"n{r // 2}", "local_rank": r % 2} for r in range(4)]
-JOB = {"mode": "action", "generation": 0, "world_size": 4, "members": MEMBERS,
-       "retry_budget": 5}
+JOB = schemas.JobRecord(mode="action", generation=0, world_size=4, members=MEMBERS,
+                        retry_budget=5)
 
 
 def _policy_action(spec) -> str:

@@ -153,7 +153,7 @@ def policy_action(v: VerdictSpec) -> str:
                               confidence=v.confidence, culprit=schemas.Culprit(
                                   ranks=v.ranks, nodes=v.nodes, gpus=v.gpus),
                               evidence=v.evidence, detail=v.detail)
-    action, _ = policy.table_action(verdict, policy.JobView.of({}, policy.DEFAULT_POLICY))
+    action, _ = policy.table_action(verdict, policy.with_defaults(schemas.JobRecord()))
     return str(action)
 
 

@@ -330,7 +330,7 @@ class Demo:
         async def _bump() -> None:
             st = StateStore(self.stack.redis_url)
             job = await st.job(self.cfg.job)
-            await st.bump_generation(self.cfg.job, int(job.get("generation", 0)))
+            await st.bump_generation(self.cfg.job, job.generation)
             await st.close()
 
         asyncio.run(_bump())
