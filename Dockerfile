@@ -1,4 +1,4 @@
-# One image for every trainguard service: `python -m agents|detector|attributor|remediator|
+# One image for every trainguard service: `python -m trainguard.agents|detector|attributor|remediator|
 # checkpoint_validator`, `python -m trainguard.rendezvous`, `trainguard ...`.
 FROM python:3.11-slim
 
@@ -12,7 +12,7 @@ RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
 WORKDIR /opt/trainguard
 COPY . .
-RUN pip install . && useradd --system --uid 10001 --no-create-home trainguard
+RUN pip install ".[services]" && useradd --system --uid 10001 --no-create-home trainguard
 
 USER 10001
 # Each container chooses its service with `command:`; this default prints the CLI help.

@@ -1,4 +1,4 @@
-"""``python -m agents --node NAME --nats-url URL [options]``: run the node agent.
+"""``python -m trainguard.agents --node NAME --nats-url URL [options]``: run the node agent.
 
 Connection options (``--nats-url``, ``--redis-url``, ``--node``, ``--log-level`` and their
 environment variables ``NATS_URL``, ``REDIS_URL``, ``TG_NODE``, ``TG_LOG_LEVEL``) behave as for
@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from schemas import subjects
+from trainguard.schemas import subjects
 from trainguard.service import ServiceConfig, main
 
 from .agent import AgentConfig, NodeAgent
@@ -28,7 +28,7 @@ from .nvml import NvmlConfig
 def parse_agent_args(argv: list[str]) -> tuple[AgentConfig, str]:
     """``(AgentConfig, node)`` from the agent's own options; unknown options are left for the
     common service parser. Exits with a usage message on a bad value."""
-    p = argparse.ArgumentParser(prog="python -m agents", description="trainguard node agent")
+    p = argparse.ArgumentParser(prog="python -m trainguard.agents", description="trainguard node agent")
     p.add_argument("--node", default=subjects.default_node())
     p.add_argument("--interval", type=float, default=1.0, help="telemetry period, seconds")
     p.add_argument("--heartbeat-interval", type=float, default=0.5,

@@ -32,8 +32,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import LogLine, NodeHeartbeat, NodeTelemetry, XidEvent, subjects
-from schemas.base import Event
+from trainguard.schemas import LogLine, NodeHeartbeat, NodeTelemetry, XidEvent, subjects
+from trainguard.schemas.base import Event
 from trainguard.service import Service, ServiceConfig
 from trainguard.xid import parse_gpu_uuid_line, parse_xid_line
 

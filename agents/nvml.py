@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
-from schemas import GpuSample
+from trainguard.schemas import GpuSample
 
 log = logging.getLogger("trainguard.agent.nvml")
 

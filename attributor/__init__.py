@@ -1,7 +1,4 @@
 """Attributor: anomalies -> one verdict per incident (fault class, layer, culprit, action).
 
 ``decide`` is the pure attribution, ``service`` the ``Attributor`` service
-(``python -m attributor``), ``xid_table.csv`` the XID table derived from NVIDIA's catalog."""
-from trainguard.syspath import working_dir_off_path_under_m
-
-working_dir_off_path_under_m()  # `python -m` here: a ./schemas folder must not shadow ours
+(``python -m trainguard.attributor``); the XID table it reads is ``schemas/xid_table.csv``, derived from NVIDIA's catalog by ``xid_table_build``."""

@@ -1,4 +1,4 @@
-"""``python -m attributor --nats-url URL --redis-url URL``: run the attributor service."""
+"""``python -m trainguard.attributor --nats-url URL --redis-url URL``: run the attributor service."""
 from trainguard.service import main
 
 from .service import factory

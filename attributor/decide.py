@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from schemas import Anomaly
-from schemas.vocabulary import FaultClass, Layer, default_layer, priority, signature, spec
+from trainguard.schemas import Anomaly
+from trainguard.schemas.vocabulary import FaultClass, Layer, default_layer, priority, signature, spec
 
 #: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
 APP_XIDS = (13, 31, 43)

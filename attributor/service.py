@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import subjects
 from trainguard.service import Service, ServiceConfig
 
 from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,

@@ -1,10 +1,10 @@
-"""Derive ``attributor/xid_table.csv`` from NVIDIA's public XID catalog.
+"""Derive ``schemas/xid_table.csv`` from NVIDIA's public XID catalog.
 
 Source: NVIDIA "XID Errors" catalog (docs.nvidia.com/deploy/xid-errors), as exported to
 ``xid_catalog.csv`` (columns: xid, mnemonic, description, a100, h100, b100, gb200,
 immediate_action, investigatory_action, xid154_linkage, nvsentinel_recommended_action).
 
-Run ``python -m attributor.xid_table_build CATALOG.csv > attributor/xid_table.csv`` to
+Run ``python -m trainguard.attributor.xid_table_build CATALOG.csv > schemas/xid_table.csv`` to
 regenerate. The table keeps fault class and layer, not actions: what to do about a fault is the
 remediator's policy (``remediator.policy.TABLE``). NVIDIA's immediate action tells the layer and
 the severity; the mapping is the data below:
@@ -102,13 +102,13 @@ COLUMNS = ["xid", "mnemonic", "description", "fault_class", "layer", "severity",
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python -m attributor.xid_table_build XID_CATALOG.csv > xid_table.csv",
+        print("usage: python -m trainguard.attributor.xid_table_build XID_CATALOG.csv > xid_table.csv",
               file=sys.stderr)
         return 2
     with open(argv[0], newline="") as fh:
         rows = list(csv.DictReader(fh))
     print(f"# Derived from {argv[0].rsplit('/', 1)[-1]}: {SOURCE}. "
-          f"Regenerate with python -m attributor.xid_table_build.")
+          f"Regenerate with python -m trainguard.attributor.xid_table_build.")
     w = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
     w.writeheader()
     w.writerows(derive(rows))

@@ -238,7 +238,7 @@ def rank_main(a) -> None:
     out["memory_now"] = _smaps_rollup()
     if ck is not None and a.rank == 0:
         ck.wait()
-        from checkpoint_validator.validate import validate_checkpoint
+        from trainguard.checkpoint_validator.validate import validate_checkpoint
 
         from trainguard.checkpoint import format as fmt
 

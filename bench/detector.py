@@ -3,7 +3,7 @@
     python bench/detector.py [--ranks 10000] [--nodes 1250] [--jobs 10] [--seconds 5]
                              [--json PATH]
 
-One ``python -m detector`` process; this process publishes rank heartbeats for ``--ranks``
+One ``python -m trainguard.detector`` process; this process publishes rank heartbeats for ``--ranks``
 simulated ranks on ``--nodes`` simulated nodes (``--jobs`` jobs) and prints:
 
 * ingest: heartbeats per second the detector consumed while offered more than it can take
@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-import schemas  # noqa: E402
-from detector import rules  # noqa: E402
-from schemas import subjects  # noqa: E402
+from trainguard import schemas  # noqa: E402
+from trainguard.detector import rules  # noqa: E402
+from trainguard.schemas import subjects  # noqa: E402
 from trainguard.bus import Bus  # noqa: E402
 from trainguard.embedded import EmbeddedServers  # noqa: E402
 
@@ -74,7 +74,7 @@ async def run(args) -> dict:
     with EmbeddedServers(nats_url="", redis_url="") as srv:
         env = {**os.environ, "NATS_URL": srv.nats_url, "REDIS_URL": srv.redis_url,
                "TG_LOG_LEVEL": "WARNING"}
-        proc = subprocess.Popen([sys.executable, "-m", "detector"], cwd=ROOT, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "trainguard.detector"], cwd=ROOT, env=env)
         bus = await Bus(srv.nats_url, "bench").connect()
         try:
             for _ in range(200):

@@ -1,4 +1,4 @@
-"""``python -m checkpoint_validator --nats-url URL --redis-url URL``."""
+"""``python -m trainguard.checkpoint_validator --nats-url URL --redis-url URL``."""
 from .service import run
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import asyncio
 import logging
 from typing import Any
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import subjects
 from trainguard.service import Service, ServiceConfig, main
 
 from .validate import validate_checkpoint

@@ -1,4 +1,4 @@
-"""``python -m detector --nats-url URL --redis-url URL``: run the detector service."""
+"""``python -m trainguard.detector --nats-url URL --redis-url URL``: run the detector service."""
 from trainguard.service import main
 
 from .service import factory

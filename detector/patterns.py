@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from schemas.vocabulary import FaultClass, Layer
+from trainguard.schemas.vocabulary import FaultClass, Layer
 
 
 @dataclass(frozen=True)

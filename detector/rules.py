@@ -13,7 +13,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from schemas.vocabulary import FaultClass, Layer
+from trainguard.schemas.job import JobRecord
+from trainguard.schemas.vocabulary import FaultClass, Layer
 from trainguard.xid import XidMatch, xid_info
 
 from . import patterns as pat
@@ -195,44 +196,6 @@ class JobState:
         self.n_times += 1
 
 
-@dataclass
-class JobConfig:
-    """Per-job overrides from the job hash in the state store (None = use the default), the
-    members list ``[{"rank", "node", "local_rank"}]`` and ``runs`` (launches of the job so
-    far: a new run starts its detection state afresh, ``StateStore.begin_run``)."""
-
-    hang_timeout_s: float | None = None
-    startup_timeout_s: float | None = None
-    node_timeout_s: float | None = None
-    generation: int = 0
-    members: list[dict] = field(default_factory=list)
-    runs: int = 0
-
-    @classmethod
-    def from_hash(cls, h: dict) -> "JobConfig":
-        """From ``StateStore.job()``; unparseable values fall back to the defaults."""
-        def num(k: str) -> float | None:
-            try:
-                v = float(h.get(k))  # type: ignore[arg-type]
-                return v if v > 0 else None
-            except (TypeError, ValueError):
-                return None
-
-        members = h.get("members") or []
-        if not isinstance(members, list):
-            members = []
-        try:
-            gen = int(h.get("generation") or 0)
-        except (TypeError, ValueError):
-            gen = 0
-        try:
-            runs = int(h.get("runs") or 0)
-        except (TypeError, ValueError):
-            runs = 0
-        return cls(num("hang_timeout_s"), num("startup_timeout_s"), num("node_timeout_s"), gen,
-                   [m for m in members if isinstance(m, dict)], runs)
-
-
 # ---------------------------------------------------------------------------------------------
 # heartbeat ingestion (hot path: no allocation beyond the state objects)
 
@@ -377,10 +340,10 @@ def learned_step_timeout(job: JobState, cfg: DetectorConfig,
 
 
 def phase_timeout(phases: Iterable[str], job: JobState, cfg: DetectorConfig,
-                  jc: JobConfig | None = None) -> float:
+                  jc: JobRecord | None = None) -> float:
     """Allowance for a job whose ranks are in ``phases``: the longest of the phases present
     (a rank saving a checkpoint holds everyone at the next collective)."""
-    jc = jc or JobConfig()
+    jc = jc or JobRecord()
     out = learned_step_timeout(job, cfg, jc.hang_timeout_s)
     for ph in set(phases):
         if ph == "startup" and jc.startup_timeout_s:
@@ -397,11 +360,11 @@ SLOW_PHASES = ("startup", "compile", "checkpoint", "recovery", "eval")
 
 
 def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
-                 jc: JobConfig | None = None) -> list[Finding]:
+                 jc: JobRecord | None = None) -> list[Finding]:
     """Hang (a): ranks whose heartbeats stopped for longer than the silence timeout while not
     ``done`` and not known to have exited. The silent rank is the culprit: a stopped process's
     heartbeat thread stops too, while ranks blocked in a collective keep beating."""
-    jc = jc or JobConfig()
+    jc = jc or JobRecord()
     explicit = jc.hang_timeout_s
     base = explicit or cfg.silence_timeout_s
     out = []
@@ -428,7 +391,7 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
 
 
 def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
-               jc: JobConfig | None = None) -> list[Finding]:
+               jc: JobRecord | None = None) -> list[Finding]:
     """Hang (b): every live rank still beats but none advanced for longer than the phase
     timeout. The culprit is the rank behind (lowest ``(step, collective_seq)``): the others
     entered the next collective and wait for it. When all are level, no rank is singled out."""
@@ -460,7 +423,7 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
                     generation=gen)]
 
 
-def missing_member_rule(job: JobState, jc: JobConfig, started: float, now: float,
+def missing_member_rule(job: JobState, jc: JobRecord, started: float, now: float,
                         cfg: DetectorConfig) -> list[Finding]:
     """Registered members that never sent a heartbeat within the startup allowance while
     others did: they never came up (the rendezvous waits for them). The allowance runs from the

@@ -6,7 +6,7 @@ memory (``detector.rules`` state objects), runs the pure rules of ``detector.rul
 event and on a 50 ms tick, and publishes each new incident once — one anomaly per (job,
 subject, kind, generation) — on ``tg.job.<job>.anomaly``. Node-only signals (node lost, XID,
 thermal, ECC counters) go to ``tg.node.<node>.anomaly`` and to every job with members on that
-node (membership and per-job timeouts from the job hash, refreshed every
+node (membership and per-job timeouts from the job record, refreshed every
 ``job_refresh_s``).
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import JobRecord, subjects
 from trainguard.service import Service, ServiceConfig
 
 from . import rules
-from .rules import DetectorConfig, Finding, JobConfig, JobState, NodeState
+from .rules import DetectorConfig, Finding, JobState, NodeState
 
 log = logging.getLogger("trainguard.detector")
 
@@ -31,7 +31,7 @@ log = logging.getLogger("trainguard.detector")
 @dataclass
 class DetectorServiceConfig:
     """``rules`` — rule parameters (``DetectorConfig``). ``job_refresh_s`` — how often the
-    job hashes (members, timeouts, generation) are re-read (2 s). ``eval_s`` — period of the
+    job records (members, timeouts, generation) are re-read (2 s). ``eval_s`` — period of the
     per-job stall / straggler / throughput evaluation (0.25 s; silence and node-lost run on
     every 50 ms tick). ``forget_after_s`` — a rank or node silent this long is dropped from
     memory (600 s). ``dedup_ttl_s`` — how long an incident key is remembered (3600 s)."""
@@ -52,7 +52,7 @@ class Detector(Service):
         self.dc = detector_config or DetectorServiceConfig()
         self.cfg = self.dc.rules
         self.jobs: dict[str, JobState] = {}
-        self.job_cfg: dict[str, JobConfig] = {}
+        self.job_cfg: dict[str, JobRecord] = {}
         self.job_seen: dict[str, float] = {}
         self.nodes: dict[str, NodeState] = {}
         self.node_jobs: dict[str, set[str]] = {}
@@ -128,7 +128,7 @@ class Detector(Service):
         await self.emit(None, f, source, node_scope=node)
         gpu_index = f.detail.get("gpu_index")
         for job in sorted(self.node_jobs.get(node, ())):
-            jc = self.job_cfg.get(job) or JobConfig()
+            jc = self.job_cfg.get(job) or JobRecord()
             on_node = [m for m in jc.members if m.get("node") == node]
             if gpu_index is not None and any(m.get("local_rank") == gpu_index for m in on_node):
                 on_node = [m for m in on_node if m.get("local_rank") == gpu_index]
@@ -276,10 +276,10 @@ class Detector(Service):
         node_jobs: dict[str, set[str]] = {}
         for name in list(self.jobs):
             try:
-                jc = JobConfig.from_hash(await self.state.job(name))
+                jc = await self.state.job(name)
             except Exception as exc:  # noqa: BLE001 - keep the last known config
                 log.warning("job %s: cannot read its config (%s); keeping the last one", name, exc)
-                jc = self.job_cfg.get(name) or JobConfig()
+                jc = self.job_cfg.get(name) or JobRecord()
             old = self.job_cfg.get(name)
             if old is not None and jc.runs > old.runs:
                 # the job was launched again: the old run's ranks, progress and step times
@@ -293,7 +293,7 @@ class Detector(Service):
         self.node_jobs = node_jobs
 
     async def refresh_now(self) -> None:
-        """Re-read every known job's hash at once (tests and tools)."""
+        """Re-read every known job record at once (tests and tools)."""
         await self._refresh_jobs()
 
     def _gc(self, now: float) -> None:

@@ -1,4 +1,4 @@
-"""``python -m remediator --nats-url URL --redis-url URL`` (or env NATS_URL / REDIS_URL)."""
+"""``python -m trainguard.remediator --nats-url URL --redis-url URL`` (or env NATS_URL / REDIS_URL)."""
 from trainguard.service import main
 
 from .service import Remediator

@@ -21,13 +21,10 @@ The words (fault classes, layers, actions and their order by strength) are
 ``schemas.vocabulary``'s; this is the only place that chooses an action (the verdict's own
 ``action`` is advisory, never read). The new world of an exclusion is ``remediator.world``'s.
 
-Job state (``StateStore.job``) fields read here, with the default used when absent:
-``mode`` ("observe"), ``generation`` (0), ``world_size`` (len(members)), ``min_world_size`` (1),
-``retry_budget`` (``Policy.default_retry_budget``), ``retries_used`` (0), ``members`` ([] —
-list of ``{"rank", "node", "local_rank"}``), ``spare_nodes`` ([] — node names, or
-``{"node": name}`` objects), ``nproc_per_node`` (ranks of the replaced node), ``last_fault``
-(None — ``{"fault_class", "step", "signature", "generation"}``), ``last_decision`` (None —
-``{"id", "action", "generation", "fault_generation", "key", "ts"}``, written by the service).
+The job's state is its record (``schemas.job.JobRecord``, from ``StateStore.job``); the
+fields a launch left unset take the policy's defaults in ``with_defaults``: ``mode``
+(``Policy.default_mode``), ``retry_budget`` (``Policy.default_retry_budget``), ``world_size``
+(the number of members).
 
 Verdict fields read beyond the schema's own: ``detail["step"]`` (int, the training step the
 culprit was in, for loop detection), ``detail["signature"]`` (str, a normalised fault signature;
@@ -39,11 +36,12 @@ failure happened: an application fault).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from schemas import Decision, Member, Verdict
-from schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
+from trainguard.schemas import Decision, JobRecord, Member, Verdict
+from trainguard.schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
 
 from .world import new_world, nodes_of, ranks_on
 
@@ -216,45 +214,16 @@ DEFAULT_POLICY = Policy()
 
 
 # ---- job state helpers ---------------------------------------------------------------------------
-@dataclass
-class JobView:
-    """Typed view of the job hash with the defaults of the module docstring."""
-
-    mode: str
-    generation: int
-    world_size: int
-    min_world_size: int
-    retry_budget: int
-    retries_used: int
-    members: list[dict[str, Any]]
-    spare_nodes: list[str]
-    nproc_per_node: int
-    last_fault: dict[str, Any] | None
-    last_decision: dict[str, Any] | None = None
-
-    @classmethod
-    def of(cls, state: dict[str, Any], policy: Policy) -> "JobView":
-        members = [dict(m) for m in (state.get("members") or []) if isinstance(m, dict)]
-        spares = []
-        for s in state.get("spare_nodes") or []:
-            name = s.get("node") if isinstance(s, dict) else s
-            if name:
-                spares.append(str(name))
-        last = state.get("last_fault")
-        last_dec = state.get("last_decision")
-        return cls(
-            mode=str(state.get("mode") or policy.default_mode),
-            generation=_int(state.get("generation"), 0),
-            world_size=_int(state.get("world_size"), len(members)),
-            min_world_size=_int(state.get("min_world_size"), 1),
-            retry_budget=_int(state.get("retry_budget"), policy.default_retry_budget),
-            retries_used=_int(state.get("retries_used"), 0),
-            members=members,
-            spare_nodes=spares,
-            nproc_per_node=_int(state.get("nproc_per_node"), 0),
-            last_fault=last if isinstance(last, dict) else None,
-            last_decision=last_dec if isinstance(last_dec, dict) else None,
-        )
+def with_defaults(job: JobRecord, policy: Policy = DEFAULT_POLICY) -> JobRecord:
+    """A copy of ``job`` with the policy's defaults for the settings a launch left unset and
+    members of its own (the rules below never change the caller's record)."""
+    members = [dict(m) for m in job.members]
+    return dataclasses.replace(
+        job, mode=job.mode or policy.default_mode,
+        retry_budget=(job.retry_budget if job.retry_budget is not None
+                      else policy.default_retry_budget),
+        world_size=job.world_size or len(members), members=members,
+        spare_nodes=list(job.spare_nodes))
 
 
 def _int(v: Any, default: int) -> int:
@@ -305,7 +274,7 @@ def _conf(c: str) -> int:
 
 
 # ---- escalation checks (pure predicates; facts for the reason, or None) ------------------------
-def _would_loop(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | None:
+def _would_loop(v: Verdict, job: JobRecord, fault_gen: int) -> dict[str, Any] | None:
     """The same fault (signature) at the same step as the last one, after a restart. A fault
     without a step counts only for an application exception whose last occurrence had none
     either: a script that fails the same way before its first step (seen: every restart of a
@@ -324,39 +293,39 @@ def _would_loop(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | No
             "last_generation": last_gen}
 
 
-def _budget_spent(v: Verdict, job: JobView, fault_gen: int) -> dict[str, Any] | None:
+def _budget_spent(v: Verdict, job: JobRecord, fault_gen: int) -> dict[str, Any] | None:
     if job.retries_used >= job.retry_budget:
         return {"retries_used": job.retries_used, "retry_budget": job.retry_budget}
     return None
 
 
-CHECKS: dict[str, Callable[[Verdict, JobView, int], dict[str, Any] | None]] = {
+CHECKS: dict[str, Callable[[Verdict, JobRecord, int], dict[str, Any] | None]] = {
     "would_loop": _would_loop,
     "budget_spent": _budget_spent,
 }
 
 
 # ---- decide ------------------------------------------------------------------------------------
-def decide(verdict: Verdict, job_state: dict[str, Any],
+def decide(verdict: Verdict, job_state: JobRecord,
            policy: Policy = DEFAULT_POLICY) -> Decision | None:
-    """The decision for ``verdict`` given ``job_state`` (the job hash) and ``policy``.
+    """The decision for ``verdict`` given ``job_state`` (the job record) and ``policy``.
 
     Returns a ``schemas.Decision`` (not yet published) whose ``generation`` is the generation to
     join (current + 1 for a recovery or a stop, the current one for ``none``) and whose
     ``idempotency_key`` is ``<job>:g<fault generation>`` in action mode,
     ``…:observe:<fault class>:<culprit>`` in observe mode (the generation never moves there) and
     ``…:none:<fault class>:<culprit>`` for a flag. Returns None when the verdict names no job (nothing can be decided for it).
-    Raises nothing for odd job state: missing fields take the documented defaults.
+    Raises nothing: settings a launch left unset take the policy's defaults (``with_defaults``).
     """
     if not verdict.job:
         return None
-    job = JobView.of(job_state, policy)
+    job = with_defaults(job_state, policy)
     fault_gen = fault_generation(verdict, job)
     action, reasons = table_action(verdict, job, policy)
     return plan(verdict, job, action, reasons, fault_gen, policy)
 
 
-def fault_generation(verdict: Verdict, job: JobView) -> int:
+def fault_generation(verdict: Verdict, job: JobRecord) -> int:
     """The generation the fault happened in: the verdict's own when it has one; else, for a
     fault whose first evidence predates the job's last decision (a late verdict of the incident
     that decision handled), that decision's fault generation; else the job's generation."""
@@ -369,7 +338,7 @@ def fault_generation(verdict: Verdict, job: JobView) -> int:
     return job.generation
 
 
-def table_action(verdict: Verdict, job: JobView,
+def table_action(verdict: Verdict, job: JobRecord,
                  policy: Policy = DEFAULT_POLICY) -> tuple[str, list[str]]:
     """The action the table (with the fact rules, aliases and the spare requirement) gives
     for ``verdict``, before the escalation checks; and the reasons, in words."""
@@ -389,12 +358,12 @@ def table_action(verdict: Verdict, job: JobView,
     return action, reasons
 
 
-def _spare_left(job: JobView, verdict: Verdict) -> bool:
+def _spare_left(job: JobRecord, verdict: Verdict) -> bool:
     members_nodes = {m.get("node") for m in job.members}
     return any(s not in members_nodes and s not in verdict.culprit.nodes for s in job.spare_nodes)
 
 
-def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_gen: int,
+def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], fault_gen: int,
          policy: Policy = DEFAULT_POLICY, key: str | None = None) -> Decision:
     """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
     world for an exclusion (stop when it would go below ``min_world_size``), generation and key.
@@ -479,7 +448,7 @@ def plan(verdict: Verdict, job: JobView, action: str, reasons: list[str], fault_
     )
 
 
-def escalate(prev: Decision, job_state: dict[str, Any], why: str,
+def escalate(prev: Decision, job_state: JobRecord, why: str,
              policy: Policy = DEFAULT_POLICY) -> Decision | None:
     """The watchdog's next decision after ``prev`` (executed, but training did not resume or an
     executor failed): the next rung of ``policy.watchdog_ladder`` for the same culprit, key
@@ -487,7 +456,7 @@ def escalate(prev: Decision, job_state: dict[str, Any], why: str,
     nxt = policy.watchdog_ladder.get(prev.action)
     if nxt is None or not prev.job:
         return None
-    job = JobView.of(job_state, policy)
+    job = with_defaults(job_state, policy)
     culprit_ranks = list(prev.ranks)
     culprit_nodes = list(prev.nodes) or nodes_of(culprit_ranks, job.members)
     synthetic = Verdict(job=prev.job, fault_class=prev.fault_class, layer=L.UNKNOWN,

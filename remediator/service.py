@@ -1,9 +1,9 @@
 """The remediator service: verdict → decision, with idempotency, audit, and a watchdog.
 
-``python -m remediator --nats-url … --redis-url …`` (or env ``NATS_URL``/``REDIS_URL``).
+``python -m trainguard.remediator --nats-url … --redis-url …`` (or env ``NATS_URL``/``REDIS_URL``).
 
 Subscribes ``tg.job.*.verdict``, ``tg.job.*.action`` and ``tg.job.*.recovery``. For each verdict:
-reads the job hash, calls the pure ``policy.decide``, then
+reads the job record (``StateStore.job``), calls the pure ``policy.decide``, then
 
 1. claims ``<job>:verdict:<verdict id>`` (the same verdict delivered twice is decided once);
 2. claims the decision's idempotency key ``<job>:g<fault generation>`` in the state store; if
@@ -22,7 +22,7 @@ reads the job hash, calls the pure ``policy.decide``, then
 Watchdog: an executed recovery decision not followed by ``recovery.resumed`` with
 ``generation >= decision.generation`` within ``decision_timeout_s``, or answered by a failing
 ``action.result``, escalates along ``policy.WATCHDOG_LADDER`` (restart → exclude → stop), so no
-job waits forever. Pending decisions live in the job hash (``pending_decision``), so a
+job waits forever. Pending decisions live in the job record (``pending_decision``), so a
 restarted remediator re-arms them and, because every claim is in Redis, never repeats one.
 """
 from __future__ import annotations
@@ -34,9 +34,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
-from schemas import ActionResult, Decision, Event, TrainingResumed, Verdict, subjects
-from schemas.vocabulary import signature, stronger
+from trainguard import schemas
+from trainguard.schemas import (
+    ActionResult,
+    Decision,
+    Event,
+    JobRecord,
+    TrainingResumed,
+    Verdict,
+    subjects,
+)
+from trainguard.schemas.vocabulary import signature, stronger
 from trainguard.controllers import NodeController, make_controller
 from trainguard.service import Service, ServiceConfig
 
@@ -118,9 +126,9 @@ class Remediator(Service):
             await self._fold(v, None, "this verdict was already handled")
             return
         state = await st.job(job)
-        if state.get("status") in ("stopped", "finished", "failed"):
+        if state.status in ("stopped", "finished", "failed"):
             # an ended job's lingering anomalies (silence of its dead ranks…) decide nothing
-            await self._fold(v, None, f"job is {state['status']}: no further decisions")
+            await self._fold(v, None, f"job is {state.status}: no further decisions")
             return
         dec = pol.decide(v, state, self.rconfig.policy)
         if dec is None:
@@ -128,7 +136,8 @@ class Remediator(Service):
             await st.audit(job, {"type": "ignored", "verdict_id": v.event_id,
                                  "fault_class": v.fault_class, "reason": "verdict names no job"})
             return
-        fault_gen = pol.fault_generation(v, pol.JobView.of(state, self.rconfig.policy))
+        view = pol.with_defaults(state, self.rconfig.policy)
+        fault_gen = pol.fault_generation(v, view)
         if dec.action == "none":
             # a flag for an incident that already has its decision adds nothing
             owner = await st.claimed_by(f"{job}:g{fault_gen}")
@@ -140,8 +149,7 @@ class Remediator(Service):
             held = _owner_action(owner)
             # compare the table's action, not the escalated one: a budget or loop stop computed
             # for an incident that already has its decision is not a new incident
-            table_action, _ = pol.table_action(v, pol.JobView.of(state, self.rconfig.policy),
-                                               self.rconfig.policy)
+            table_action, _ = pol.table_action(v, view, self.rconfig.policy)
             if not stronger(table_action, held):
                 await self._fold(v, owner, f"generation already decided ({held})")
                 return
@@ -161,7 +169,7 @@ class Remediator(Service):
             "culprit": v.culprit.model_dump(), "into": owner or "", "reason": why,
             "ts": time.time_ns()})
 
-    async def _commit(self, dec: Decision, v: Verdict | None, state: dict[str, Any],
+    async def _commit(self, dec: Decision, v: Verdict | None, state: JobRecord,
                       fault_gen: int) -> None:
         """Apply a claimed decision: job state (action mode), audit, publish, controller."""
         st = self.state
@@ -169,28 +177,23 @@ class Remediator(Service):
         job = dec.job
         if dec.mode == "action" and dec.action != "none":
             dec.generation = await self._bump(job, dec.generation - 1)
-            updates: dict[str, Any] = {"retries_used": dec.retries_used,
-                                       "last_decision": _brief(dec, fault_gen)}
-            if v is not None:
-                updates["last_fault"] = {"fault_class": v.fault_class, "step": pol.fault_step(v),
-                                         "signature": signature(v),
-                                         "generation": fault_gen,
-                                         "ts": v.first_ts or v.ts}
+            last_fault = None if v is None else {
+                "fault_class": v.fault_class, "step": pol.fault_step(v),
+                "signature": signature(v), "generation": fault_gen, "ts": v.first_ts or v.ts}
+            world: dict[str, Any] = {}
             if dec.members:
                 new_nodes = {m.node for m in dec.members}
-                spares = [s for s in (state.get("spare_nodes") or [])
-                          if (s.get("node") if isinstance(s, dict) else s) not in new_nodes]
-                updates.update(members=[m.model_dump() for m in dec.members],
-                               world_size=dec.world_size, spare_nodes=spares)
-            if dec.action == "stop_job_notify_user":
-                updates["status"] = "stopped"
+                world = dict(members=[m.model_dump() for m in dec.members],
+                             world_size=dec.world_size,
+                             spare_nodes=[s for s in state.spare_nodes if s not in new_nodes])
+            pending = None
             if dec.execute and dec.action in pol.RECOVERY_ACTIONS:
-                updates["pending_decision"] = {
-                    **dec.to_dict(), "deadline_ns": time.time_ns()
-                    + int(self.rconfig.decision_timeout_s * 1e9)}
-            else:
-                updates["pending_decision"] = ""
-            await st.update_job(job, **updates)
+                pending = {**dec.to_dict(), "deadline_ns": time.time_ns()
+                           + int(self.rconfig.decision_timeout_s * 1e9)}
+            await st.commit_decision(
+                job, retries_used=dec.retries_used, last_decision=_brief(dec, fault_gen),
+                last_fault=last_fault, stopped=dec.action == "stop_job_notify_user",
+                pending_decision=pending, **world)
         self.counts["decisions"] += 1
         await st.audit(job, {"type": "decision", "decision_id": dec.event_id,
                              "action": dec.action, "generation": dec.generation,
@@ -252,7 +255,7 @@ class Remediator(Service):
                 if p and ev.generation >= p[0].generation:
                     self.pending.pop(ev.job, None)
                     assert self.state is not None
-                    await self.state.update_job(ev.job, pending_decision="")
+                    await self.state.clear_pending(ev.job)
 
     async def on_action(self, subject: str, ev: Event) -> None:
         if not isinstance(ev, ActionResult) or not ev.job or ev.ok or ev.skipped:
@@ -280,11 +283,11 @@ class Remediator(Service):
                 return
             prev = p[0]
             state = await self.state.job(job)
-            if int(state.get("generation") or 0) > prev.generation:
+            if state.generation > prev.generation:
                 return  # a later decision superseded it
             dec = pol.escalate(prev, state, why, self.rconfig.policy)
             if dec is None:
-                await self.state.update_job(job, pending_decision="")
+                await self.state.clear_pending(job)
                 return
             owner = await self.state.claim(dec.idempotency_key, _owner(dec))
             if owner is not None:
@@ -296,14 +299,14 @@ class Remediator(Service):
         """Re-arm the watchdog for pending decisions left by a previous instance."""
         assert self.state is not None
         for job in await self.state.jobs():
-            pd = (await self.state.job(job)).get("pending_decision")
-            if not isinstance(pd, dict):
-                continue
             try:
+                pd = dict((await self.state.job(job)).pending_decision or {})
+                if not pd:
+                    continue
                 deadline_ns = int(pd.pop("deadline_ns", 0))
                 dec = schemas.from_dict(pd)
-            except Exception:  # noqa: BLE001 - a bad record is dropped, not fatal
-                log.warning("%s: unreadable pending_decision dropped", job)
+            except Exception as exc:  # noqa: BLE001 - a bad record is skipped, not fatal
+                log.warning("%s: unreadable pending decision, not re-armed (%s)", job, exc)
                 continue
             if isinstance(dec, Decision):
                 left = max(0.0, (deadline_ns - time.time_ns()) / 1e9)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import Member
+from trainguard.schemas import Member
 
 
 def nodes_of(ranks: list[int], members: list[dict[str, Any]]) -> list[str]:

@@ -28,6 +28,7 @@ from .decision import (
     Member,
     Verdict,
 )
+from .job import JobRecord, JobRecordError, JobSettings
 from .vocabulary import (
     ACTIONS,
     FAULT_CLASSES,
@@ -136,4 +137,5 @@ __all__ = [
     "FAULT_CLASSES", "LAYERS", "ACTIONS", "FaultClass", "Layer", "Action", "FaultSpec",
     "VOCABULARY", "signature", "stronger", "vocabulary",
     "CheckpointSaved", "CheckpointValidated", "CheckpointInvalid", "CheckpointSaveFailed",
+    "JobRecord", "JobSettings", "JobRecordError",
 ]

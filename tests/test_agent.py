@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from agents import KERNEL_KIND, AgentConfig, NodeAgent
-from agents.kernel_log import KernelLogConfig
-from agents.nvml import NvmlConfig
-from schemas import LogLine, NodeHeartbeat, NodeTelemetry, XidEvent, subjects
+from trainguard.agents import KERNEL_KIND, AgentConfig, NodeAgent
+from trainguard.agents.kernel_log import KernelLogConfig
+from trainguard.agents.nvml import NvmlConfig
+from trainguard.schemas import LogLine, NodeHeartbeat, NodeTelemetry, XidEvent, subjects
 from trainguard.bus import Bus
 from trainguard.service import ServiceConfig, health_subject
 
@@ -245,7 +245,7 @@ async def test_python_m_agents_runs_and_stops_on_sigterm(servers, bus, tmp_path)
     await bus.flush()
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agents", "--node", node, "--nats-url", servers.nats_url,
+        [sys.executable, "-m", "trainguard.agents", "--node", node, "--nats-url", servers.nats_url,
          "--heartbeat-interval", "0.2", "--interval", "1", "--kmsg", str(tmp_path / "k.log")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.kernel_log import (
+from trainguard.agents.kernel_log import (
     FileFollower,
     JournalFollower,
     KernelLogConfig,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agents.nvml import (
+from trainguard.agents.nvml import (
     CLOCK_EVENT_REASONS,
     NVLINK_COUNTERS,
     NvmlConfig,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-import schemas
-from attributor.decide import History, choose_root, conclusion, decide, history_from_records
+from trainguard import schemas
+from trainguard.attributor.decide import History, choose_root, conclusion, decide, history_from_records
 
 
 def anomaly(kind, fc, ts, ranks=(), nodes=(), gpus=(), symptom=False, **detail):

@@ -5,7 +5,7 @@ import time
 
 import msgpack
 
-import schemas
+from trainguard import schemas
 from trainguard.bus import Bus, ThreadedBus
 
 
@@ -101,7 +101,7 @@ def test_unreachable_server_says_why_and_what_to_do():
     msg = str(err.value)
     assert "Connect call failed" in msg and "trainguard up" in msg and "TimeoutError" not in msg
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "detector", "--nats-url", url, "--redis-url",
+    r = subprocess.run([sys.executable, "-m", "trainguard.detector", "--nats-url", url, "--redis-url",
                         "redis://127.0.0.1:1"], capture_output=True, text=True, timeout=60,
                        cwd=root)
     assert r.returncode == 1

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from checkpoint_validator.validate import validate_checkpoint
+from trainguard.checkpoint_validator.validate import validate_checkpoint
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import format as fmt
 from trainguard.checkpoint.staging import template

@@ -52,7 +52,7 @@ def test_reshard_2_to_1_and_3(tmp_path, wrap):
     man = fmt.read_manifest(path)
     assert man["world_size"] == 2
     assert {f["name"] for f in man["files"]} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
-    from checkpoint_validator.validate import validate_checkpoint
+    from trainguard.checkpoint_validator.validate import validate_checkpoint
 
     assert validate_checkpoint(path).ok
     for world in (1, 3):

@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from detector import patterns as pat
-from detector import rules
-from detector.rules import DetectorConfig, JobConfig, JobState, NodeState
+from trainguard.detector import patterns as pat
+from trainguard.detector import rules
+from trainguard.detector.rules import DetectorConfig, JobState, NodeState
+from trainguard.schemas import JobRecord
 
 CFG = DetectorConfig()
 
@@ -40,7 +41,7 @@ def test_crash_rule_ignores_clean_and_expected_exits():
 def test_a_member_that_never_beats_is_missing_once_per_generation():
     """The start-up allowance of a rank that never sent a heartbeat runs from the job's start,
     and again from each new generation: a rank started again by a decision gets its own."""
-    js, jc = JobState("j"), JobConfig(startup_timeout_s=100.0,
+    js, jc = JobState("j"), JobRecord(startup_timeout_s=100.0,
                                       members=[{"rank": 0, "node": "n0"}, {"rank": 1, "node": "n0"}])
     beat(js, 0, 1, 5.0, phase="startup")
     assert rules.missing_member_rule(js, jc, 0.0, 99.0, CFG) == []
@@ -71,8 +72,8 @@ def test_silence_respects_done_exited_and_explicit_timeout():
     js.ranks[1].exited = True
     assert rules.silence_rule(js, 50.0, CFG) == []
     beat(js, 2, 5, 1.0)
-    assert rules.silence_rule(js, 5.0, CFG, JobConfig(hang_timeout_s=5.0)) == []
-    assert [f.ranks for f in rules.silence_rule(js, 6.1, CFG, JobConfig(hang_timeout_s=5.0))] \
+    assert rules.silence_rule(js, 5.0, CFG, JobRecord(hang_timeout_s=5.0)) == []
+    assert [f.ranks for f in rules.silence_rule(js, 6.1, CFG, JobRecord(hang_timeout_s=5.0))] \
         == [[2]]
 
 
@@ -106,7 +107,7 @@ def test_learned_timeout_clamps_and_phase_allowances():
     assert rules.learned_step_timeout(js, CFG) == pytest.approx(10.0)
     assert rules.learned_step_timeout(js, CFG, explicit=7.0) == 7.0
     assert rules.phase_timeout(["train", "checkpoint"], js, CFG) == 600.0
-    assert rules.phase_timeout(["startup"], js, CFG, JobConfig(startup_timeout_s=42.0)) == 42.0
+    assert rules.phase_timeout(["startup"], js, CFG, JobRecord(startup_timeout_s=42.0)) == 42.0
     for _ in range(300):
         js.add_time(1000.0)
     assert rules.learned_step_timeout(js, CFG) == CFG.step_timeout_ceiling_s

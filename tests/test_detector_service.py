@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-import schemas
-from attributor.decide import AttributorConfig
-from attributor.service import Attributor
-from detector.rules import DetectorConfig
-from detector.service import Detector, DetectorServiceConfig
-from schemas import subjects
+from trainguard import schemas
+from trainguard.attributor.decide import AttributorConfig
+from trainguard.attributor.service import Attributor
+from trainguard.detector.rules import DetectorConfig
+from trainguard.detector.service import Detector, DetectorServiceConfig
+from trainguard.schemas import subjects
 from trainguard.bus import Bus
 from trainguard.service import ServiceConfig
 from trainguard.state import StateStore
@@ -157,7 +157,7 @@ async def test_failed_save_is_flagged_and_training_goes_on(servers, redis_db):
     """A ``ckpt.save_failed`` (disk full) becomes a ``checkpoint_save`` anomaly and a verdict
     the policy flags (action ``none``): the Checkpointer keeps training and the last valid checkpoint, so
     the job is flagged, not stopped. A skipped save (overlap_policy="skip") is no fault."""
-    from remediator.policy import rule_for
+    from trainguard.remediator.policy import rule_for
 
     job = "savefail"
     async with Stack(servers, job) as st:

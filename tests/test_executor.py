@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import schemas
-from schemas import Member
+from trainguard import schemas
+from trainguard.schemas import Member
 from trainguard.executor import EXIT_STOPPED, LocalRank, plan_node
 
 NODE = "n0"

@@ -42,7 +42,7 @@ raise ValueError("boom in the plain script")
 def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
     import torch.distributed as dist
 
-    import schemas
+    from trainguard import schemas
     from trainguard.bus import Bus
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True,

@@ -287,29 +287,6 @@ def test_failed_write_keeps_the_previous_checkpoint_and_training_goes_on(tmp_pat
     assert [n for n in os.listdir(tmp_path) if _verified.TMP in n] == []
 
 
-def test_blocking_is_a_fraction_of_lightnings_default_writer(tmp_path):
-    """The figure is in docs/integrations.md (bench/integrations_checkpoint.py); here only that
-    the training loop waits far less than for TorchCheckpointIO."""
-    import time
-
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    state = {"state_dict": {f"w{i}": torch.randn(1_000_000) for i in range(12)},  # 48 MB
-             "global_step": 1, "epoch": 0}
-
-    def blocking(io, n=3):
-        out = []
-        for i in range(n):
-            t0 = time.perf_counter()
-            io.save_checkpoint(state, str(tmp_path / f"{type(io).__name__}-{i}.ckpt"))
-            out.append(time.perf_counter() - t0)
-            io.teardown()
-        return sorted(out)[n // 2]
-
-    ours, default = blocking(TrainguardCheckpointIO()), blocking(TorchCheckpointIO())
-    assert ours < 0.5 * default, (ours, default)
-
-
 def test_pytorch_lightning_package_name(monkeypatch, tmp_path):
     pl = pytest.importorskip("pytorch_lightning")
     from trainguard.integrations import pytorch_lightning as tgpl

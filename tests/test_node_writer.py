@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from checkpoint_validator.validate import validate_checkpoint
+from trainguard.checkpoint_validator.validate import validate_checkpoint
 from trainguard.checkpoint import CheckpointConfig, Checkpointer, NodeWriter
 from trainguard.checkpoint import format as fmt
 

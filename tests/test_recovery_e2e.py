@@ -117,7 +117,7 @@ def test_observe_mode_executes_nothing(stack, tmp_path):
     import signal
     import time
 
-    import schemas
+    from trainguard import schemas
     from trainguard.demo.harness import Recorder
 
     demo.log_dir = str(tmp_path)
@@ -194,11 +194,11 @@ def test_a_job_launched_again_under_its_name_is_a_new_run(stack, tmp_path):
             await st.close()
 
     first = _demo(stack, tmp_path / "a", "e2e-again", [], steps=40)
-    gen1 = asyncio.run(_job())["generation"]
+    gen1 = asyncio.run(_job()).generation
     second = _demo(stack, tmp_path / "b", "e2e-again", [], steps=40)
     job = asyncio.run(_job())
     assert first["accuracy"] is not None and second["accuracy"] is not None
-    assert job["generation"] == gen1 + 1 and job["status"] == "finished"
+    assert job.generation == gen1 + 1 and job.status == "finished"
 
 
 def test_exception_repeating_at_the_same_step_stops_the_job(stack, tmp_path):

@@ -47,7 +47,7 @@ def test_console(redis_db):
         status, body = get(base + "/jobs")
         assert status == 200
         assert json.loads(body) == [{"job": "cj", "mode": "action", "generation": 2,
-                                     "world_size": 4, "status": None, "retries_used": None,
+                                     "world_size": 4, "status": "", "retries_used": 0,
                                      "retry_budget": 5}]
         status, body = get(base + "/jobs/cj")
         detail = json.loads(body)

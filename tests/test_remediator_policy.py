@@ -1,10 +1,10 @@
 """The remediator's pure decide(): the policy table, escalations and the new world."""
 import pytest
 
-from remediator import policy as pol
-from remediator.policy import decide, escalate, new_world
-from schemas import Verdict
-from schemas.vocabulary import signature
+from trainguard.remediator import policy as pol
+from trainguard.remediator.policy import decide, escalate, new_world
+from trainguard.schemas import JobRecord, Verdict
+from trainguard.schemas.vocabulary import signature
 
 MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
            {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
@@ -14,7 +14,7 @@ def job(**kw):
     st = {"mode": "action", "generation": 3, "world_size": 4, "min_world_size": 2,
           "retry_budget": 5, "retries_used": 0, "members": MEMBERS, "spare_nodes": []}
     st.update(kw)
-    return st
+    return JobRecord(**st)
 
 
 def verdict(fault_class, layer="application", ranks=(), nodes=(), **kw):
@@ -54,7 +54,7 @@ def test_table(fault_class, layer, expected):
 
 
 def test_every_fault_class_has_a_row():
-    from schemas import FAULT_CLASSES
+    from trainguard.schemas import FAULT_CLASSES
     for fc in FAULT_CLASSES:
         assert pol.rule_for(fc, "unknown") is not pol.DEFAULT_RULE, fc
 
@@ -144,7 +144,7 @@ def test_exclude_below_min_world_size_stops():
 def test_straggler_replaced_only_with_spare():
     v = verdict("straggler", "hardware", ranks=[3], nodes=["n2"])
     assert decide(v, job()).action == "none"
-    d = decide(v, job(spare_nodes=[{"node": "s9"}]))
+    d = decide(v, job(spare_nodes=["s9"]))
     assert d.action == "exclude_node_and_requeue"
     assert {m.node for m in d.members} == {"n1", "s9"}
 
@@ -154,7 +154,7 @@ def test_observe_mode_never_executes():
     assert d.action == "restart_workers" and d.execute is False and d.mode == "observe"
     assert d.idempotency_key.startswith("j:g3:observe:crash:")
     # a job that never chose a mode is observed (default)
-    assert decide(verdict("crash", "unknown", ranks=[1]), {}).execute is False
+    assert decide(verdict("crash", "unknown", ranks=[1]), JobRecord()).execute is False
 
 
 def test_attributor_facts_strengthen_only_when_stronger_and_confident():

@@ -4,10 +4,10 @@ import asyncio
 import contextlib
 import json
 
-import schemas
-from schemas.vocabulary import signature
-from remediator.service import Remediator, RemediatorConfig
-from schemas import ActionResult, Decision, TrainingResumed, Verdict, subjects
+from trainguard import schemas
+from trainguard.schemas.vocabulary import signature
+from trainguard.remediator.service import Remediator, RemediatorConfig
+from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict, subjects
 from trainguard.bus import Bus
 from trainguard.service import ServiceConfig, health_subject
 from trainguard.state import StateStore
@@ -91,9 +91,9 @@ async def test_verdict_to_one_decision_with_audit(servers, redis_db):
             "restart_workers", 1, True, [3], ["n2"])
         assert d.idempotency_key == "j1:g0" and d.verdict_id == v.event_id and d.fault_ts == 1000
         st = await store.job("j1")
-        assert st["generation"] == 1 and st["retries_used"] == 1
-        assert st["last_fault"]["fault_class"] == "crash" and st["last_fault"]["generation"] == 0
-        assert st["pending_decision"]["event_id"] == d.event_id
+        assert st.generation == 1 and st.retries_used == 1
+        assert st.last_fault["fault_class"] == "crash" and st.last_fault["generation"] == 0
+        assert st.pending_decision["event_id"] == d.event_id
         [rec] = await store.audit_trail("j1")
         assert rec["type"] == "decision" and rec["decision_id"] == d.event_id
         assert rec["action"] == "restart_workers" and "crash" in rec["reason"]
@@ -106,7 +106,7 @@ async def test_verdict_to_one_decision_with_audit(servers, redis_db):
         assert len(c.got["decision"]) == 1
         trail = await store.audit_trail("j1")
         assert [r["type"] for r in trail] == ["decision", "folded", "folded"]
-        assert (await store.job("j1"))["generation"] == 1
+        assert (await store.job("j1")).generation == 1
     await store.close()
 
 
@@ -130,8 +130,8 @@ async def test_node_lost_after_crash_escalates_once(servers, redis_db):
         assert d.idempotency_key == "j2:g0:exclude_node_and_requeue"
         assert [(m.rank, m.node) for m in d.members] == [(0, "n1"), (1, "n1")]
         st = await store.job("j2")
-        assert st["generation"] == 2 and st["world_size"] == 2
-        assert [m["node"] for m in st["members"]] == ["n1", "n1"]
+        assert st.generation == 2 and st.world_size == 2
+        assert [m["node"] for m in st.members] == ["n1", "n1"]
         assert (await store.node("n2"))["status"] == "excluded"
         [ar] = c.got["action"]
         assert isinstance(ar, ActionResult) and ar.ok and ar.executor == "controller:local"
@@ -175,7 +175,7 @@ async def test_restarted_remediator_does_not_repeat(servers, redis_db):
             # the new instance re-armed the watchdog of the decision it did not make
             assert "j4" in second.pending
     assert len(c.got["decision"]) == 1
-    assert (await store.job("j4"))["generation"] == 1
+    assert (await store.job("j4")).generation == 1
     await store.close()
 
 
@@ -213,7 +213,7 @@ async def test_exception_repeating_at_same_step_stops(servers, redis_db):
     assert (d1.action, d2.action) == ("restart_in_process", "stop_job_notify_user")
     assert "would loop" in d2.reason and "step 30" in d2.reason
     st = await store.job("j6")
-    assert st["status"] == "stopped" and st["last_fault"]["signature"] == signature(exc(1))
+    assert st.status == "stopped" and st.last_fault["signature"] == signature(exc(1))
     await store.close()
 
 
@@ -248,7 +248,7 @@ async def test_watchdog_quiet_when_training_resumes_and_fast_on_failure(servers,
         assert await wait_for(lambda: "j8" not in svc.pending)
         await settle(1.0)
         assert len(c.got["decision"]) == 1
-        assert (await store.job("j8"))["pending_decision"] == ""
+        assert (await store.job("j8")).pending_decision is None
 
         # next incident: the executor reports a failure → escalation without waiting
         svc.rconfig.decision_timeout_s = 60
@@ -283,7 +283,7 @@ async def test_straggler_flag_is_published_once_and_keeps_the_watchdog(servers, 
         assert flag.action == "none" and flag.execute is False and flag.generation == 1
         assert "no spare node" in flag.reason
         assert "j9" in svc.pending  # the restart is still watched
-        assert (await store.job("j9"))["generation"] == 1
+        assert (await store.job("j9")).generation == 1
     await store.close()
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import schemas
-from schemas import LogLine, Verdict, subjects
+from trainguard import schemas
+from trainguard.schemas import LogLine, Verdict, subjects
 from trainguard.bus import Bus
 from trainguard.replay import Record, play, read_recording, record, summarize
 

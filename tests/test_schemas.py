@@ -2,8 +2,8 @@
 import msgpack
 import pytest
 
-import schemas
-from schemas import DecodeError
+from trainguard import schemas
+from trainguard.schemas import DecodeError
 
 SAMPLES = {
     "node.telemetry": dict(cpu_percent=12.5, mem_used_bytes=1 << 30, mem_total_bytes=1 << 34,

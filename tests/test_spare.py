@@ -14,17 +14,21 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_a_schemas_folder_in_the_job_directory_does_not_shadow_trainguard(tmp_path):
-    (tmp_path / "schemas" / "json").mkdir(parents=True)  # what `trainguard schemas` once wrote
+def test_a_users_schemas_and_detector_folders_change_nothing(tmp_path):
+    """Everything of trainguard installs under the ``trainguard`` import name: a job directory
+    with its own ``schemas/`` and ``detector/`` packages runs them, trainguard runs its own, and
+    the script runs as ``__main__`` with its own directory on the path (as under torchrun)."""
+    for pkg in ("schemas", "detector"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(f"WHO = \"the user's {pkg}\"\n")
     out = tmp_path / "out.json"
     script = tmp_path / "train.py"
     script.write_text(
-        "import json, sys, schemas\n"
-        "from schemas import DecodeError  # trainguard's; the folder has no such name\n"
-        f"json.dump({{'schemas': schemas.__file__, 'argv': sys.argv[1:], "
-        f"'path0': sys.path[0]}}, open({str(out)!r}, 'w'))\n")
-    # no PYTHONPATH: trainguard comes from its installation (`make install`: editable), whose
-    # import hook runs after the path scan, the case a folder in the working directory broke
+        "import json, sys, schemas, detector\n"
+        "import trainguard.schemas, trainguard.hooks\n"
+        f"json.dump({{'mine': [schemas.WHO, detector.WHO], "
+        f"'ours': trainguard.schemas.__file__, 'hooks': trainguard.hooks.active(), "
+        f"'argv': sys.argv[1:], 'path0': sys.path[0]}}, open({str(out)!r}, 'w'))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     p = subprocess.run([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
@@ -33,8 +37,33 @@ def test_a_schemas_folder_in_the_job_directory_does_not_shadow_trainguard(tmp_pa
                        capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["schemas"] == os.path.join(ROOT, "schemas", "__init__.py")
+    assert got["mine"] == ["the user's schemas", "the user's detector"]
+    assert got["ours"] == os.path.join(ROOT, "schemas", "__init__.py") and got["hooks"]
     assert got["argv"] == ["--x", "1"] and got["path0"] == str(tmp_path)
+
+
+def test_only_trainguard_is_a_top_level_import_name(tmp_path):
+    """The distribution puts one name at the top of site-packages: its wheel, built from this
+    checkout, holds ``trainguard/`` (with ``schemas``, ``detector``, … inside) and its metadata;
+    and none of the parts imports at the top level here."""
+    import zipfile
+
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path), ROOT], capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    [wheel] = tmp_path.glob("trainguard-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"trainguard"}, top
+    for part in ("schemas/__init__.py", "detector/rules.py", "schemas/xid_table.csv",
+                 "checkpoint_validator/__main__.py"):
+        assert f"trainguard/{part}" in names, part
+    for name in ("schemas", "agents", "detector", "attributor", "remediator",
+                 "checkpoint_validator"):
+        q = subprocess.run([sys.executable, "-c", f"import {name}"], cwd="/",
+                           capture_output=True, text=True, timeout=60)
+        assert q.returncode != 0, f"{name} is importable at the top level"
 
 
 def test_a_script_failing_at_start_prints_an_unlabelled_traceback(tmp_path):
@@ -77,10 +106,12 @@ def test_unwrapping_rank_labels_keeps_the_programs_own_hook():
 @pytest.mark.parametrize("service", ["agents", "detector", "attributor", "remediator",
                                      "checkpoint_validator"])
 def test_services_start_in_a_directory_holding_a_schemas_folder(tmp_path, service):
-    """``python -m <service>`` (what ``trainguard up`` runs, in the user's directory) loads
-    trainguard's own ``schemas`` even when the directory holds a ``schemas/`` folder."""
-    (tmp_path / "schemas").mkdir()
+    """``python -m trainguard.<service>`` (what ``trainguard up`` runs, in the user's directory)
+    starts in a directory that holds packages named like trainguard's parts."""
+    for pkg in ("schemas", service):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("raise ImportError(\"the user's\")\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, "-m", service, "--help"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", f"trainguard.{service}", "--help"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "usage" in p.stdout, p.stderr[-2000:]

@@ -11,9 +11,9 @@ import time
 import psutil
 import pytest
 
-from schemas import Verdict, subjects
+from trainguard.schemas import Verdict, subjects
 from trainguard.bus import Bus
-from trainguard.stack import DEFAULT_SERVICES, Stack, StackError, service_available
+from trainguard.stack import DEFAULT_SERVICES, SERVICE_SPECS, Stack, StackError, service_available
 from trainguard.state import StateStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +123,7 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
 async def _crash_chain(nats_url, redis_url):
     """Heartbeats of 4 ranks, then rank 1 is SIGKILLed: the detector, attributor and remediator
     processes must turn that into one restart decision for rank 1."""
-    from schemas import RankHeartbeat, WorkerExited
+    from trainguard.schemas import RankHeartbeat, WorkerExited
     members = [{"rank": r, "node": f"node-{'ab'[r // 2]}", "local_rank": r % 2}
                for r in range(4)]
     st = StateStore(redis_url)
@@ -188,7 +188,7 @@ def test_compose_runs_every_service_against_its_servers():
     assert "-js" in svcs["nats"]["command"]
     assert "valkey" in svcs["valkey"]["image"]
     for name in DEFAULT_SERVICES:
-        module = "agents" if name == "agent" else name
+        module = SERVICE_SPECS[name].module
         c = svcs[name]
         assert c["command"][:3] == ["python", "-m", module], name
         assert c["build"] == "." and c["environment"]["NATS_URL"] == "nats://nats:4222"
@@ -212,7 +212,7 @@ def test_kubernetes_manifests_cover_every_service():
         kind = "DaemonSet" if name == "agent" else "Deployment"
         d = workloads[(kind, name.replace("_", "-"))]
         c = d["spec"]["template"]["spec"]["containers"][0]
-        assert c["command"][:3] == ["python", "-m", "agents" if name == "agent" else name]
+        assert c["command"][:3] == ["python", "-m", SERVICE_SPECS[name].module]
         assert {"configMapRef": {"name": "trainguard-config"}} in c["envFrom"]
     cfg = workloads[("ConfigMap", "trainguard-config")]["data"]
     assert cfg["NATS_URL"].startswith("nats://") and cfg["REDIS_URL"].startswith("redis://")

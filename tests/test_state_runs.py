@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from trainguard.schemas import JobSettings
 from trainguard.state import LauncherConflict, StateStore
 
 
@@ -16,17 +17,16 @@ def _run(coro):
 async def _scenario(url: str):
     st = StateStore(url)
     try:
-        await st.register_job("j", generation=0, status="running", mode="observe",
-                              retries_used=0)
-        first = [await st.begin_run("j", "n0", 10.0, mode="observe"),
-                 await st.begin_run("j", "n1", 10.0, mode="observe")]
+        await st.register_settings("j", JobSettings(mode="observe", hang_timeout_s=30.0))
+        first = [await st.begin_run("j", "n0", 10.0, JobSettings(mode="observe")),
+                 await st.begin_run("j", "n1", 10.0, JobSettings(mode="observe"))]
         await st.add_members("j", [{"rank": 0, "node": "n0", "local_rank": 0}])
         # the run goes on: decisions move it to generation 4, spend retries, then it finishes
         await st.update_job("j", generation=4, retries_used=3, status="finished")
         await st.end_launcher("j", "n0")
         await st.end_launcher("j", "n1")
-        second = [await st.begin_run("j", "n0", 10.0, mode="action"),
-                  await st.begin_run("j", "n1", 10.0, mode="action")]
+        second = [await st.begin_run("j", "n0", 10.0, JobSettings(mode="action")),
+                  await st.begin_run("j", "n1", 10.0, JobSettings(mode="action"))]
         job = await st.job("j")
         # a second launcher on a node whose launcher holds a live lease is refused
         await st.begin_run("k", "n0", 0.5)
@@ -47,9 +47,39 @@ def test_a_launch_after_the_last_launcher_left_is_a_new_run(redis_db):
     first, second, job, k_again, conflict = _run(_scenario(redis_db))
     assert first == [(0, False), (0, False)]  # the first run: generation 0, both join it
     assert second == [(5, True), (5, False)]  # past generation 4; the second launcher joins
-    assert job["generation"] == 5 and job["status"] == "running"
-    assert job["retries_used"] == 0 and job["mode"] == "action"
-    assert not job.get("members")  # the new run's launchers register their ranks again
+    assert job.generation == 5 and job.status == "running"
+    assert job.retries_used == 0 and job.mode == "action"
+    assert job.hang_timeout_s == 0.0  # the new run's settings replace the old run's
+    assert job.members == []  # the new run's launchers register their ranks again
     assert k_again == (1, True)
     assert conflict is not None and (conflict.job, conflict.node) == ("k", "n0")
     assert 0 < conflict.remaining_s <= 0.5 and "live launcher on node 'n0'" in str(conflict)
+
+
+async def _mutators(url: str):
+    st = StateStore(url)
+    try:
+        await asyncio.gather(*(st.add_spare("m", f"s{i}") for i in (2, 1, 2)))
+        await st.set_group_attempt("m", 3, 2)
+        await st.end_run("m", "finished")
+        after_end = (await st.job("m")).status
+        await st.commit_decision("m", retries_used=1, last_decision={"id": "d"}, stopped=True,
+                                 pending_decision={"event_id": "e"})
+        await st.end_run("m", "failed")  # a stopped job stays stopped
+        stopped = await st.job("m")
+        await st.clear_pending("m")
+        await st.update_job("m", retry_budget=None, hang_timeout_s=4.5)
+        return after_end, stopped, await st.job("m")
+    finally:
+        await st.close()
+
+
+def test_the_narrow_mutators(redis_db):
+    after_end, stopped, last = _run(_mutators(redis_db))
+    assert after_end == "finished"
+    assert stopped.spare_nodes == ["s1", "s2"] and stopped.group_attempt == "3:2"
+    assert (stopped.status, stopped.retries_used, stopped.last_decision) == (
+        "stopped", 1, {"id": "d"})
+    assert stopped.pending_decision == {"event_id": "e"}
+    assert last.pending_decision is None and last.retry_budget is None
+    assert last.hang_timeout_s == 4.5

@@ -3,7 +3,7 @@ import asyncio
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import schemas
+from trainguard import schemas
 from trainguard import tracing
 from trainguard.bus import Bus
 from trainguard.service import Service, ServiceConfig

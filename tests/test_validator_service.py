@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-import schemas
-from checkpoint_validator.service import CheckpointValidator
-from checkpoint_validator.validate import validate_checkpoint
-from schemas import subjects
+from trainguard import schemas
+from trainguard.checkpoint_validator.service import CheckpointValidator
+from trainguard.checkpoint_validator.validate import validate_checkpoint
+from trainguard.schemas import subjects
 from trainguard.bus import Bus, ThreadedBus
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import format as fmt

@@ -7,12 +7,12 @@ import collections
 
 import pytest
 
-import schemas
-from attributor.decide import History, decide as attribute
-from detector import patterns as pat
-from detector import rules
-from remediator import policy as pol
-from schemas.vocabulary import (ROWS, VOCABULARY, Action, FaultClass, Layer, signature, strength,
+from trainguard import schemas
+from trainguard.attributor.decide import History, decide as attribute
+from trainguard.detector import patterns as pat
+from trainguard.detector import rules
+from trainguard.remediator import policy as pol
+from trainguard.schemas.vocabulary import (ROWS, VOCABULARY, Action, FaultClass, Layer, signature, strength,
                                 stronger)
 from trainguard.xid import xid_table
 
@@ -134,8 +134,8 @@ def test_one_signature_for_an_anomaly_and_its_verdict():
 
 
 MEMBERS = [{"rank": r, "node": f"n{r // 2}", "local_rank": r % 2} for r in range(4)]
-JOB = {"mode": "action", "generation": 0, "world_size": 4, "members": MEMBERS,
-       "retry_budget": 5}
+JOB = schemas.JobRecord(mode="action", generation=0, world_size=4, members=MEMBERS,
+                        retry_budget=5)
 
 
 def _policy_action(spec) -> str:

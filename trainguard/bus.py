@@ -21,8 +21,8 @@ from typing import Any, Awaitable, Callable
 import nats
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
-import schemas
-from schemas import DecodeError, Event, subjects
+from trainguard import schemas
+from trainguard.schemas import DecodeError, Event, subjects
 
 from .errors import ServerUnreachable
 

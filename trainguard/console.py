@@ -5,9 +5,9 @@
 * ``GET /healthz`` — ``{"ok": true}`` when Redis/Valkey answers, else HTTP 503 with the error;
 * ``GET /jobs`` — ``[{"job", "mode", "generation", "world_size", "status", "retries_used",
   "retry_budget"}]``;
-* ``GET /jobs/{job}`` — ``{"job", "state": <job hash>, "audit": [records, oldest first],
-  "checkpoints": [{"path", "step", "status", "reasons"}, newest first]}``; 404 for an unknown
-  job;
+* ``GET /jobs/{job}`` — ``{"job", "state": <the job record, every field>, "audit": [records,
+  oldest first], "checkpoints": [{"path", "step", "status", "reasons"}, newest first]}``; 404
+  for an unknown job;
 * ``GET /`` — a page listing the jobs and, for a chosen job, its decisions.
 """
 from __future__ import annotations
@@ -51,15 +51,15 @@ def create_app(redis_url: str) -> FastAPI:
         out = []
         for job in await store["s"].jobs():
             st = await store["s"].job(job)
-            out.append({"job": job, **{k: st.get(k) for k in SUMMARY_FIELDS}})
+            out.append({"job": job, **{k: getattr(st, k) for k in SUMMARY_FIELDS}})
         return out
 
     @app.get("/jobs/{job}")
     async def job(job: str, audit_count: int = 1000) -> dict[str, Any]:
-        st = await store["s"].job(job)
-        if not st and job not in await store["s"].jobs():
+        if job not in await store["s"].jobs():
             raise HTTPException(404, f"no job {job!r}: GET /jobs lists the known ones")
-        return {"job": job, "state": st,
+        st = await store["s"].job(job)
+        return {"job": job, "state": st.to_dict(),
                 "audit": await store["s"].audit_trail(job, count=audit_count),
                 "checkpoints": await store["s"].checkpoints(job)}
 

@@ -30,11 +30,11 @@ import re
 import sys
 from typing import Iterable
 
-import schemas
-from attributor.decide import APP_XIDS, History, VerdictSpec, decide
-from detector import rules
-from detector import patterns as pat
-from remediator import policy
+from trainguard import schemas
+from trainguard.attributor.decide import APP_XIDS, History, VerdictSpec, decide
+from trainguard.detector import rules
+from trainguard.detector import patterns as pat
+from trainguard.remediator import policy
 from trainguard.xid import parse_gpu_uuid_line, parse_xid_line
 
 _JOURNAL_NODE = re.compile(
@@ -153,7 +153,7 @@ def policy_action(v: VerdictSpec) -> str:
                               confidence=v.confidence, culprit=schemas.Culprit(
                                   ranks=v.ranks, nodes=v.nodes, gpus=v.gpus),
                               evidence=v.evidence, detail=v.detail)
-    action, _ = policy.table_action(verdict, policy.JobView.of({}, policy.DEFAULT_POLICY))
+    action, _ = policy.table_action(verdict, policy.with_defaults(schemas.JobRecord()))
     return str(action)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import schemas
+from trainguard import schemas
 
 #: Exit status of a launcher (and a rank) stopped by a decision.
 EXIT_STOPPED = 3

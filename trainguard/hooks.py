@@ -263,8 +263,8 @@ class _PlainRuntime(_Runtime):
             self._resumed(int(step))
 
     def _resumed(self, step: int) -> None:
-        import schemas
-        from schemas import subjects
+        from trainguard import schemas
+        from trainguard.schemas import subjects
 
         cfg, e = self.cfg, os.environ
         self.publish(subjects.job(cfg.job, "recovery"), schemas.TrainingResumed(
@@ -273,8 +273,8 @@ class _PlainRuntime(_Runtime):
             restore_source="script", decision_id=e.get("TG_DECISION_ID", "")))
 
     def report_fault(self, exc: BaseException) -> None:
-        import schemas
-        from schemas import subjects
+        from trainguard import schemas
+        from trainguard.schemas import subjects
 
         from .worker import COLLECTIVE_ERROR_MARKERS
 
@@ -287,8 +287,8 @@ class _PlainRuntime(_Runtime):
             source="shim"))
 
     def close(self, final: bool) -> None:
-        import schemas
-        from schemas import subjects
+        from trainguard import schemas
+        from trainguard.schemas import subjects
 
         self._stop.set()
         if self.bus is None:

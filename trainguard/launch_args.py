@@ -35,7 +35,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from schemas import subjects
+from trainguard.schemas import subjects
 
 #: torchrun flags refused, with the reason (a flag that cannot mean what it means under torchrun
 #: is an error, never silently ignored).

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import JobSettings, subjects
 
 from .bus import ThreadedBus
 from .executor import EXIT_STOPPED, LocalRank, plan_node
@@ -379,24 +379,23 @@ class Launcher:
 
     def _register(self) -> None:
         cfg = self.cfg
-        settings = dict(mode=cfg.mode, world_size=cfg.world_size,
-                        min_world_size=cfg.min_world_size, retry_budget=cfg.retry_budget,
-                        nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
-                        hang_timeout_s=cfg.hang_timeout_s,
-                        startup_timeout_s=cfg.startup_timeout_s,
-                        node_timeout_s=cfg.node_timeout_s)
+        settings = JobSettings(mode=cfg.mode, world_size=cfg.world_size,
+                               min_world_size=cfg.min_world_size, retry_budget=cfg.retry_budget,
+                               nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
+                               hang_timeout_s=cfg.hang_timeout_s,
+                               startup_timeout_s=cfg.startup_timeout_s,
+                               node_timeout_s=cfg.node_timeout_s)
 
         async def _reg() -> None:
             st = self._store()
-            await st.register_job(cfg.job, generation=0, retries_used=0, status="running",
-                                  **settings)
+            await st.register_settings(cfg.job, settings)
             # a launcher of this node that died keeps its lease for up to LEASE_S: wait that
             # out; a live one renews it (its expiry moves), and this launch is refused
             expiry = None
             while True:
                 try:
                     self.generation, new_run = await st.begin_run(
-                        cfg.job, cfg.node, self.LEASE_S, **settings)
+                        cfg.job, cfg.node, self.LEASE_S, settings)
                     break
                 except LauncherConflict as exc:
                     now = time.monotonic()
@@ -414,9 +413,7 @@ class Launcher:
                       f"is a new run of it, at generation {self.generation} (it resumes "
                       f"from its newest valid checkpoint)", file=sys.stderr, flush=True)
             if cfg.spare_node:
-                job = await st.job(cfg.job)
-                spares = sorted(set(job.get("spare_nodes") or []) | {cfg.node})
-                await st.update_job(cfg.job, spare_nodes=spares)
+                await st.add_spare(cfg.job, cfg.node)
             else:
                 await st.add_members(cfg.job, [
                     {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
@@ -452,9 +449,9 @@ class Launcher:
         fut.add_done_callback(_done)
 
     def _publish_attempt(self) -> None:
-        key = f"{self.generation}:{self.attempt}"
         asyncio.run_coroutine_threadsafe(
-            self._store().update_job(self.cfg.job, group_attempt=key), self.bus.loop)
+            self._store().set_group_attempt(self.cfg.job, self.generation, self.attempt),
+            self.bus.loop)
 
     def _sync_attempt(self) -> None:
         """Observe mode on several nodes: read the job's group attempt (``<generation>:<n>``);
@@ -462,7 +459,7 @@ class Launcher:
         one (an event for the main thread)."""
         async def _read() -> None:
             job = await self._store().job(self.cfg.job)
-            gen, _, n = str(job.get("group_attempt") or "").partition(":")
+            gen, _, n = job.group_attempt.partition(":")
             if gen == str(self.generation) and n.isdigit() and int(n) > self.attempt:
                 self.events.put(("group_restart", int(n)))
 
@@ -510,10 +507,7 @@ class Launcher:
         stopped on a failure it did not recover from in action mode). A job
         already ``stopped`` by a decision keeps that status."""
         async def _mark() -> None:
-            st = self._store()
-            job = await st.job(self.cfg.job)
-            if job.get("status") != "stopped":
-                await st.update_job(self.cfg.job, status=status)
+            await self._store().end_run(self.cfg.job, status)
 
         try:
             self.bus.call(_mark(), timeout=5.0)

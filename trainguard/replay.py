@@ -34,7 +34,7 @@ from typing import IO, Any, Iterator
 
 import msgpack
 
-import schemas
+from trainguard import schemas
 
 from .bus import Bus
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-import schemas
+from trainguard import schemas
 
 
 def main(argv: list[str]) -> int:

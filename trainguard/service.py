@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from schemas import subjects
+from trainguard.schemas import subjects
 
 from . import tracing
 from .bus import Bus, Handler
@@ -130,7 +130,7 @@ class Service:
 
 
 def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = None) -> None:
-    """Command-line entry of a service: ``python -m detector --nats-url … --redis-url …``."""
+    """Command-line entry of a service: ``python -m trainguard.detector --nats-url … --redis-url …``."""
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))

@@ -18,7 +18,6 @@ import os
 import runpy
 import sys
 
-from trainguard.syspath import working_dir_off_path
 
 
 def warm() -> None:
@@ -33,7 +32,7 @@ def warm() -> None:
     import trainguard.rendezvous
 
     for name in ("trainguard.checkpoint.checkpointer", "torch.distributed.checkpoint",
-                 "trainguard.state", "trainguard.bus", "checkpoint_validator.validate"):
+                 "trainguard.state", "trainguard.bus", "trainguard.checkpoint_validator.validate"):
         try:
             importlib.import_module(name)
         except ImportError:
@@ -58,10 +57,24 @@ def warm() -> None:
     trainguard.rendezvous.unwrap_rank_excepthook()  # its "[rank0]" label is no rank's
 
 
+def _working_dir_off_path() -> bool:
+    """``python -m trainguard.spare`` put the working directory first on ``sys.path``; a rank
+    started by torchrun has only its script's directory there (a ``random.py`` in the job
+    directory must not shadow the standard library). Kept when trainguard itself is run from
+    there (a checkout, not installed). Returns True when it was taken off."""
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cwd = os.getcwd()
+    if cwd == home:
+        return False
+    keep = [p for p in sys.path if os.path.abspath(p or ".") != cwd]
+    dropped = len(keep) != len(sys.path)
+    sys.path[:] = keep
+    return dropped
+
+
 def main() -> None:
-    # the job directory must not shadow trainguard's packages (a ./schemas folder did); the
-    # rank's script gets its own directory on the path, as with torchrun
-    cwd_dropped = working_dir_off_path()
+    # the rank's script gets its own directory on the path, as with torchrun
+    cwd_dropped = _working_dir_off_path()
     warm()
     # what is loaded now lives as long as the process: keep it out of the collector's scans,
     # so that the full collection of an in-process restart costs ≈ 0.2 ms, not ≈ 180 ms

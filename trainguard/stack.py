@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from schemas import subjects
+from trainguard.schemas import subjects
 
 from .embedded import EmbeddedServers, _die_with_parent, free_port
 from .errors import ServerUnreachable
@@ -54,11 +54,11 @@ class ServiceSpec:
 
 
 SERVICE_SPECS: dict[str, ServiceSpec] = {
-    "agent": ServiceSpec("agents", per_node=True),
-    "detector": ServiceSpec("detector"),
-    "attributor": ServiceSpec("attributor"),
-    "remediator": ServiceSpec("remediator"),
-    "checkpoint_validator": ServiceSpec("checkpoint_validator"),
+    "agent": ServiceSpec("trainguard.agents", per_node=True),
+    "detector": ServiceSpec("trainguard.detector"),
+    "attributor": ServiceSpec("trainguard.attributor"),
+    "remediator": ServiceSpec("trainguard.remediator"),
+    "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator"),
 }
 
 

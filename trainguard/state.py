@@ -7,8 +7,9 @@ Key layout (all keys under ``tg:``):
 key                             type   content
 ==============================  =====  ============================================================
 ``tg:jobs``                     set    job names
-``tg:job:<job>``                hash   mode, generation, world_size, min_world_size, retry_budget,
-                                       retries_used, status, members (JSON), last_fault (JSON)
+``tg:job:<job>``                hash   the job record: ``schemas.job.JobRecord`` (every field, its
+                                       type, default, unit and encoding); ``StateStore.job``
+``tg:job:<job>:launchers``      zset   node of each live launcher, score = lease expiry (Unix ms)
 ``tg:job:<job>:audit``          stream one entry per decision (fields: the decision as JSON)
 ``tg:idem:<key>``               string decision id that claimed the key (SET NX, 7 days)
 ``tg:node:<node>``              hash   status (healthy | excluded | lost), reason, updated_ns
@@ -20,12 +21,21 @@ key                             type   content
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+from trainguard.schemas.job import (
+    JobRecord,
+    JobSettings,
+    decode_record,
+    encode_fields,
+    encode_value,
+)
 
 from .errors import ServerUnreachable
 
@@ -63,18 +73,35 @@ class StateStore:
     async def close(self) -> None:
         await self.r.aclose()
 
-    # ---- jobs ---------------------------------------------------------------------------------
+    # ---- jobs: the record is schemas.job.JobRecord, one encoding per field -------------------
+    async def job(self, job: str) -> JobRecord:
+        """The job's record; every field at its default when the job is unknown. Raises
+        ``JobRecordError`` for a value its field's codec cannot read."""
+        return decode_record(await self.r.hgetall(_job_key(job)))
+
+    async def jobs(self) -> list[str]:
+        return sorted(await self.r.smembers("tg:jobs"))
+
+    async def register_settings(self, job: str, settings: JobSettings) -> None:
+        """A launcher's first registration of ``job``: the launch ``settings``, generation 0,
+        no retries used, status ``running``. Fields already set are kept (HSETNX): the
+        launchers of one run race, and a new run's settings are ``begin_run``'s."""
+        await self.register_job(job, **_settings_fields(settings), generation=0,
+                                retries_used=0, status="running")
+
     async def register_job(self, job: str, **fields: Any) -> None:
-        """Create or update the job's hash; only fields not yet set are written (HSETNX), except
-        those passed in ``fields`` with ``overwrite=True`` semantics via ``update_job``."""
+        """Write the given record ``fields`` where not yet set (HSETNX), each in its codec; a
+        field set to None is skipped. The general path for tests and tools; the launchers use
+        ``register_settings``. Raises ``KeyError`` for a name the record does not have."""
+        put, _ = encode_fields(**fields)
         pipe = self.r.pipeline()
         pipe.sadd("tg:jobs", job)
-        for k, v in fields.items():
-            pipe.hsetnx(f"tg:job:{job}", k, _enc(v))
+        for k, v in put.items():
+            pipe.hsetnx(_job_key(job), k, v)
         await pipe.execute()
 
-    async def begin_run(self, job: str, node: str, lease_s: float, **fields: Any
-                        ) -> tuple[int, bool]:
+    async def begin_run(self, job: str, node: str, lease_s: float,
+                        settings: JobSettings | None = None) -> tuple[int, bool]:
         """A launcher of ``node`` joins the job's current run, or starts a new one.
 
         A run is live while any of its launchers holds a lease (renewed by ``renew_launcher``,
@@ -82,41 +109,17 @@ class StateStore:
         new run of it (a resume): its generation moves past every generation used so far — the
         rendezvous keys of the old run's generations stay in the store, and ranks meeting under
         them would connect to dead peers — the status becomes ``running``, the retry budget
-        starts afresh, the members are registered anew and ``fields`` (the launch settings)
-        replace the old run's. Atomic, so the launchers of one new run agree. Returns
-        ``(generation, new_run)``. Raises ``LauncherConflict`` when a launcher of ``node``
-        already holds a live lease on the job (a second launch of a running job on one node
-        would start a second set of the same ranks and break the first run).
+        starts afresh, the members are registered anew and ``settings`` replace the old run's.
+        Atomic, so the launchers of one new run agree. Returns ``(generation, new_run)``.
+        Raises ``LauncherConflict`` when a launcher of ``node`` already holds a live lease on
+        the job (a second launch of a running job on one node would start a second set of the
+        same ranks and break the first run).
         """
-        script = """
-        local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])
-        redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-        local mine = redis.call('ZSCORE', KEYS[2], ARGV[1])
-        if mine then
-            return {-1, -1, tonumber(mine) - now}
-        end
-        local live = redis.call('ZCARD', KEYS[2])
-        local runs = tonumber(redis.call('HGET', KEYS[1], 'runs') or '0')
-        local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
-        local new_run = 0
-        if live == 0 then
-            if runs > 0 then
-                gen = gen + 1
-                new_run = 1
-                local f = cjson.decode(ARGV[4])
-                for k, v in pairs(f) do redis.call('HSET', KEYS[1], k, v) end
-                redis.call('HSET', KEYS[1], 'generation', cjson.encode(gen), 'status',
-                           cjson.encode('running'), 'retries_used', '0')
-                redis.call('HDEL', KEYS[1], 'members', 'spare_nodes')
-            end
-            redis.call('HSET', KEYS[1], 'runs', tostring(runs + 1))
-        end
-        redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
-        return {gen, new_run, 0}"""
+        put, drop = encode_fields(**(_settings_fields(settings) if settings else {}))
         now_ms = int(time.time() * 1000)
         gen, new_run, left_ms = await self.r.eval(
-            script, 2, f"tg:job:{job}", f"tg:job:{job}:launchers", node, now_ms,
-            int(lease_s * 1000), json.dumps({k: _enc(v) for k, v in fields.items()}))
+            _BEGIN_RUN, 2, _job_key(job), f"tg:job:{job}:launchers", node, now_ms,
+            int(lease_s * 1000), json.dumps(put), json.dumps(drop))
         if int(new_run) < 0:
             raise LauncherConflict(job, node, int(left_ms) / 1000.0)
         return int(gen), bool(new_run)
@@ -130,47 +133,75 @@ class StateStore:
         """``node``'s launcher is gone: a launch after the last one is a new run."""
         await self.r.zrem(f"tg:job:{job}:launchers", node)
 
-    async def update_job(self, job: str, **fields: Any) -> None:
-        await self.r.hset(f"tg:job:{job}", mapping={k: _enc(v) for k, v in fields.items()})
-
     async def add_members(self, job: str, members: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Merge ``members`` (``{"rank", "node", "local_rank"}``) into the job's ``members``
         list atomically (several launchers register at once); a rank given again replaces its
         entry. Returns the merged list sorted by rank."""
-        script = """
-        local cur = redis.call('HGET', KEYS[1], 'members')
-        local list = cur and cjson.decode(cur) or {}
-        local byrank = {}
-        for _, m in ipairs(list) do byrank[tostring(m.rank)] = m end
-        for _, m in ipairs(cjson.decode(ARGV[1])) do byrank[tostring(m.rank)] = m end
-        local out = {}
-        for _, m in pairs(byrank) do table.insert(out, m) end
-        table.sort(out, function(a, b) return a.rank < b.rank end)
-        local enc = cjson.encode(out)
-        redis.call('HSET', KEYS[1], 'members', enc)
-        return enc"""
         await self.r.sadd("tg:jobs", job)
-        return json.loads(await self.r.eval(script, 1, f"tg:job:{job}", json.dumps(members)))
+        return json.loads(await self.r.eval(_ADD_MEMBERS, 1, _job_key(job), json.dumps(members)))
 
-    async def job(self, job: str) -> dict[str, Any]:
-        """The job's hash, values decoded from JSON where they are JSON; {} when unknown."""
-        raw = await self.r.hgetall(f"tg:job:{job}")
-        return {k: _dec(v) for k, v in raw.items()}
+    async def add_spare(self, job: str, node: str) -> list[str]:
+        """Register ``node`` as a spare of ``job`` (atomic: spares register at once). Returns
+        the spare nodes, sorted."""
+        await self.r.sadd("tg:jobs", job)
+        return json.loads(await self.r.eval(_ADD_SPARE, 1, _job_key(job), node))
 
-    async def jobs(self) -> list[str]:
-        return sorted(await self.r.smembers("tg:jobs"))
+    async def set_group_attempt(self, job: str, generation: int, attempt: int) -> None:
+        """Observe mode: this node restarted its group for the ``attempt``-th time in
+        ``generation`` (``group_attempt = "<generation>:<attempt>"``)."""
+        await self.r.hset(_job_key(job), "group_attempt", f"{int(generation)}:{int(attempt)}")
+
+    async def end_run(self, job: str, status: str) -> None:
+        """Record how the run ended on a node (``finished`` | ``failed``), unless a decision
+        already ``stopped`` the job (atomic)."""
+        await self.r.eval(_END_RUN, 1, _job_key(job), encode_value("status", status))
+
+    async def commit_decision(self, job: str, *, retries_used: int,
+                              last_decision: dict[str, Any],
+                              last_fault: dict[str, Any] | None = None,
+                              members: list[dict[str, Any]] | None = None,
+                              world_size: int | None = None,
+                              spare_nodes: list[str] | None = None, stopped: bool = False,
+                              pending_decision: dict[str, Any] | None = None) -> None:
+        """The remediator's record of an executed decision, in one transaction: retries used,
+        the decision (``last_decision``), the fault it acted on (``last_fault``, kept when
+        None), the new world of an exclusion (``members``/``world_size``/``spare_nodes``,
+        kept when None), ``status=stopped`` for a stop, and the decision the watchdog waits on
+        (``pending_decision``; None clears it)."""
+        fields: dict[str, Any] = {"retries_used": retries_used, "last_decision": last_decision}
+        optional = {"last_fault": last_fault, "members": members, "world_size": world_size,
+                    "spare_nodes": spare_nodes, "status": "stopped" if stopped else None}
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        put, _ = encode_fields(**fields)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(_job_key(job), mapping=put)
+        if pending_decision is None:
+            pipe.hdel(_job_key(job), "pending_decision")
+        else:
+            pipe.hset(_job_key(job), "pending_decision",
+                      encode_value("pending_decision", pending_decision))
+        await pipe.execute()
+
+    async def clear_pending(self, job: str) -> None:
+        """No decision of ``job`` is pending for the watchdog any more."""
+        await self.r.hdel(_job_key(job), "pending_decision")
+
+    async def update_job(self, job: str, **fields: Any) -> None:
+        """Overwrite the given record ``fields`` (each in its codec; None deletes the field), in
+        one transaction. For tests and tools: the services use the narrow mutators above.
+        Raises ``KeyError`` for a name the record does not have."""
+        put, drop = encode_fields(**fields)
+        pipe = self.r.pipeline(transaction=True)
+        if put:
+            pipe.hset(_job_key(job), mapping=put)
+        if drop:
+            pipe.hdel(_job_key(job), *drop)
+        await pipe.execute()
 
     async def bump_generation(self, job: str, expected: int) -> int:
         """Atomically set generation to ``expected + 1`` if it is still ``expected``; returns
         the generation now in force (a caller that lost the race learns the winner's)."""
-        script = """
-        local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
-        if cur == tonumber(ARGV[1]) then
-          redis.call('HSET', KEYS[1], 'generation', cur + 1)
-          return cur + 1
-        end
-        return cur"""
-        return int(await self.r.eval(script, 1, f"tg:job:{job}", expected))
+        return int(await self.r.eval(_BUMP_GENERATION, 1, _job_key(job), expected))
 
     # ---- idempotency and audit ------------------------------------------------------------------
     async def claim(self, key: str, owner: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> str | None:
@@ -260,12 +291,80 @@ class StateStore:
         return [tuple(r.split("|", 1)) for r in rows]  # type: ignore[misc]
 
 
-def _enc(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
+def _job_key(job: str) -> str:
+    return f"tg:job:{job}"
 
 
-def _dec(v: str) -> Any:
-    try:
-        return json.loads(v)
-    except (ValueError, TypeError):
-        return v
+def _settings_fields(settings: JobSettings) -> dict[str, Any]:
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(JobSettings)}
+
+
+# KEYS[1] = job hash, KEYS[2] = launcher leases; ARGV = node, now (ms), lease (ms),
+# settings to set (JSON map of encoded values), settings to delete (JSON list)
+_BEGIN_RUN = """
+local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local mine = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if mine then
+    return {-1, -1, tonumber(mine) - now}
+end
+local live = redis.call('ZCARD', KEYS[2])
+local runs = tonumber(redis.call('HGET', KEYS[1], 'runs') or '0')
+local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
+local new_run = 0
+if live == 0 then
+    if runs > 0 then
+        gen = gen + 1
+        new_run = 1
+        for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
+        for _, k in ipairs(cjson.decode(ARGV[5])) do redis.call('HDEL', KEYS[1], k) end
+        redis.call('HSET', KEYS[1], 'generation', tostring(gen), 'status', 'running',
+                   'retries_used', '0')
+        redis.call('HDEL', KEYS[1], 'members', 'spare_nodes')
+    end
+    redis.call('HSET', KEYS[1], 'runs', tostring(runs + 1))
+end
+redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
+return {gen, new_run, 0}"""
+
+_ADD_MEMBERS = """
+local cur = redis.call('HGET', KEYS[1], 'members')
+local list = (cur and cur ~= '') and cjson.decode(cur) or {}
+local byrank = {}
+for _, m in ipairs(list) do byrank[tostring(m.rank)] = m end
+for _, m in ipairs(cjson.decode(ARGV[1])) do byrank[tostring(m.rank)] = m end
+local out = {}
+for _, m in pairs(byrank) do table.insert(out, m) end
+table.sort(out, function(a, b) return a.rank < b.rank end)
+local enc = '[]'
+if #out > 0 then enc = cjson.encode(out) end
+redis.call('HSET', KEYS[1], 'members', enc)
+return enc"""
+
+_ADD_SPARE = """
+local cur = redis.call('HGET', KEYS[1], 'spare_nodes')
+local list = (cur and cur ~= '') and cjson.decode(cur) or {}
+local seen = {}
+local out = {}
+for _, n in ipairs(list) do
+    if not seen[n] then seen[n] = true; table.insert(out, n) end
+end
+if not seen[ARGV[1]] then table.insert(out, ARGV[1]) end
+table.sort(out)
+local enc = cjson.encode(out)
+redis.call('HSET', KEYS[1], 'spare_nodes', enc)
+return enc"""
+
+_END_RUN = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'stopped' then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1])
+end
+return 0"""
+
+_BUMP_GENERATION = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
+if cur == tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'generation', tostring(cur + 1))
+  return cur + 1
+end
+return cur"""

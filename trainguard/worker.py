@@ -31,8 +31,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import schemas
-from schemas import subjects
+from trainguard import schemas
+from trainguard.schemas import subjects
 
 from . import rendezvous
 

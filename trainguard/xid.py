@@ -18,7 +18,7 @@ prints, with whatever prefix the log reader adds:
   (``4,1234,5678901234,-;NVRM: …``).
 
 ``xid_info(xid) -> XidInfo`` returns mnemonic, description, fault class, layer and severity
-from ``attributor/xid_table.csv``, which is derived from NVIDIA's public XID catalog
+from ``schemas/xid_table.csv``, which is derived from NVIDIA's public XID catalog
 (docs.nvidia.com/deploy/xid-errors) by ``attributor/xid_table_build.py`` (the mapping rules
 are there). An XID that is not in the catalog gets an ``unknown``-layer entry, never an error.
 """
@@ -30,7 +30,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TABLE_PATH = Path(__file__).resolve().parent.parent / "attributor" / "xid_table.csv"
+from . import schemas as _schemas
+
+#: The XID table, beside the fault vocabulary it maps XIDs onto (``trainguard.schemas``).
+TABLE_PATH = Path(_schemas.__file__).resolve().parent / "xid_table.csv"
 
 # A PCI address as the driver prints it: [domain:]bus:device[.function], hex.
 _PCI = r"(?:[0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?"
@@ -68,7 +71,7 @@ class XidMatch:
 
 @dataclass(frozen=True)
 class XidInfo:
-    """What the project knows about one XID (a row of ``attributor/xid_table.csv``).
+    """What the project knows about one XID (a row of ``schemas/xid_table.csv``).
 
     ``layer`` — hardware | system_software | application | unknown (``schemas.vocabulary``);
     ``severity`` — fatal | error | info | unknown; ``source`` — where the row comes from. No
@@ -143,11 +146,11 @@ def parse_gpu_uuid_line(line: str) -> tuple[str, str] | None:
 @functools.lru_cache(maxsize=1)
 def xid_table(path: str | None = None) -> dict[int, XidInfo]:
     """The XID table, keyed by XID. Raises FileNotFoundError naming the file to restore
-    (``python -m attributor.xid_table_build`` regenerates it)."""
+    (``python -m trainguard.attributor.xid_table_build`` regenerates it)."""
     p = Path(path) if path else TABLE_PATH
     if not p.exists():
         raise FileNotFoundError(f"XID table {p} is missing: regenerate it with "
-                                f"`python -m attributor.xid_table_build xid_catalog.csv > {p}`")
+                                f"`python -m trainguard.attributor.xid_table_build xid_catalog.csv > {p}`")
     with open(p, newline="") as fh:
         lines = [ln for ln in fh if not ln.startswith("#")]
     out: dict[int, XidInfo] = {}

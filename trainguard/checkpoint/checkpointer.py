@@ -305,8 +305,8 @@ class Checkpointer:
         if self.bus is None:
             return
         try:
-            import schemas
-            from schemas import subjects
+            from trainguard import schemas
+            from trainguard.schemas import subjects
 
             self.bus.publish(subjects.job(self.job, "ckpt"), getattr(schemas, kind)(**fields))
         except Exception:  # noqa: BLE001 - a bus problem never stops checkpointing
@@ -700,7 +700,7 @@ class Checkpointer:
 
     # ---- restore ---------------------------------------------------------------------------------
     def _choose(self) -> tuple[str | None, list[str], dict | None]:
-        from checkpoint_validator.validate import validate_checkpoint
+        from trainguard.checkpoint_validator.validate import validate_checkpoint
 
         reasons: list[str] = []
         entries = fmt.list_checkpoints(self.root)

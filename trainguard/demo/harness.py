@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import schemas
+from trainguard import schemas
 
 #: The default fault schedule: (id, kind, global rank, step).
 DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
@@ -330,7 +330,7 @@ class Demo:
         async def _bump() -> None:
             st = StateStore(self.stack.redis_url)
             job = await st.job(self.cfg.job)
-            await st.bump_generation(self.cfg.job, int(job.get("generation", 0)))
+            await st.bump_generation(self.cfg.job, job.generation)
             await st.close()
 
         asyncio.run(_bump())
