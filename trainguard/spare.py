@@ -101,7 +101,14 @@ def main() -> None:
             runpy.run_module(script, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(script, run_name="__main__")
-    except BaseException as exc:
+    except Exception as exc:
+        # the traceback first, as the interpreter would print it: the fault report and the
+        # bus flush after it take up to 2 s, and a decision may stop this process before that
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.stderr.flush()
+        hooks.finish(exc)
+        sys.exit(1)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: their own exit
         hooks.finish(exc)
         raise
     hooks.finish()
