@@ -47,6 +47,9 @@ def test_max_restarts_is_the_retry_budget_in_action_mode():
 def test_elastic_range_min_world_size():
     c = parse(["--nnodes", "1:3", "--node-rank", "0", "--nproc-per-node", "2", "t.py"])
     assert (c.nnodes, c.world_size, c.min_world_size) == (3, 6, 2)
+    # a fixed node count keeps trainguard's floor: the job may shrink on exclusion
+    c = parse(["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2", "t.py"])
+    assert (c.world_size, c.min_world_size) == (4, 1)
 
 
 def test_master_addr_port_is_the_rendezvous_store():

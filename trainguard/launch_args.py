@@ -15,7 +15,8 @@ How torchrun's flags map onto trainguard:
   ``--rdzv-backend``: ``c10d`` and ``static`` (both meet at that store); ``--rdzv-id``: the job
   name unless ``--job`` is given; ``--rdzv-conf join_timeout=S``: the start-up allowance.
 * ``--nnodes MIN:MAX``: MAX nodes start the job; it may shrink to MIN nodes
-  (``min_world_size = MIN × nproc``) when nodes are excluded.
+  (``min_world_size = MIN × nproc``) when nodes are excluded. A plain ``--nnodes N`` keeps
+  ``--min-world-size`` (default 1).
 * ``--nproc-per-node``: a number, ``cpu`` (the CPU count), ``gpu`` (the GPU count, NVML) or
   ``auto`` (GPUs when there are any, else CPUs), as torchrun.
 * ``--max-restarts N``: in action mode the retry budget; in observe mode the number of times the
@@ -258,7 +259,10 @@ def parse(argv: list[str], description: str = ""):
         if not part.isdigit():
             p.error(f"--local-ranks-filter {a.local_ranks_filter!r}: give local ranks 0,1,…")
         filt.add(int(part))
-    min_world = a.min_world_size if a.min_world_size is not None else nmin * nproc
+    # an explicit MIN:MAX range sets the floor; a plain N keeps trainguard's default of 1 (a
+    # job shrinks when nodes are excluded, down to --min-world-size)
+    min_world = (a.min_world_size if a.min_world_size is not None
+                 else nmin * nproc if ":" in a.nnodes else 1)
     startup = a.startup_timeout
     if startup is None:
         startup = float(conf.get("join_timeout", 120.0))
