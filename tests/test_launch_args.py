@@ -60,6 +60,7 @@ def test_master_addr_port_is_the_rendezvous_store():
 def test_rdzv_conf_join_timeout_and_unknown_key(capsys):
     assert parse(["--rdzv-conf", "join_timeout=30,read_timeout=5", "t.py"]).startup_timeout_s \
         == 30.0
+    assert "read_timeout=5 has no effect here" in capsys.readouterr().err  # said, not ignored
     with pytest.raises(SystemExit) as e:
         parse(["--rdzv-conf", "bogus=1", "t.py"])
     assert e.value.code == 2 and "unknown key 'bogus'" in capsys.readouterr().err
@@ -130,3 +131,26 @@ def test_trainguard_checks_still_apply(capsys):
     with pytest.raises(SystemExit):
         parse(["--job", "a.b", "t.py"])
     assert "--job" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_no_python_with_log_files_tee_and_rank_filter(tmp_path):
+    """torchrun's output flags on a real launch (an embedded stack, a program that is not
+    Python): every rank's stdout in ``<log-dir>/<job>/attempt_0/<local rank>/stdout.log``,
+    ``--tee`` shows what ``--redirects`` sends to the files, ``--local-ranks-filter`` only rank 0."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NATS_URL", "REDIS_URL", "TG_RDZV_ENDPOINT")}
+    p = subprocess.run([sys.executable, "-m", "trainguard.cli", "launch", "--standalone",
+                        "--nproc-per-node", "2", "--no-python", "--log-dir", str(tmp_path),
+                        "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
+                        "--job", "echoes", "/bin/sh", "-c", "echo hello from $RANK of $WORLD_SIZE"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for rank in (0, 1):
+        log = tmp_path / "echoes" / "attempt_0" / str(rank) / "stdout.log"
+        assert log.read_text() == f"hello from {rank} of 2\n"
+    shown = [ln for ln in p.stdout.splitlines() if "hello from" in ln]
+    assert len(shown) == 1 and shown[0].endswith("rank 0] hello from 0 of 2"), p.stdout

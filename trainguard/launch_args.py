@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 
 from trainguard.schemas import subjects
@@ -263,6 +264,10 @@ def parse(argv: list[str], description: str = ""):
     # job shrinks when nodes are excluded, down to --min-world-size)
     min_world = (a.min_world_size if a.min_world_size is not None
                  else nmin * nproc if ":" in a.nnodes else 1)
+    for k in sorted(set(conf) - {"join_timeout"}):
+        print(f"trainguard launch: --rdzv-conf {k}={conf[k]} has no effect here: it tunes "
+              f"torch's own rendezvous store, and ranks meet at trainguard's (only join_timeout "
+              f"is read: the start-up allowance)", file=sys.stderr)
     startup = a.startup_timeout
     if startup is None:
         startup = float(conf.get("join_timeout", 120.0))

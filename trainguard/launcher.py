@@ -168,6 +168,10 @@ class _Proc:
         self.files: dict[str, Any] = {}   # "stdout"/"stderr" → per-rank log file
         self.console = {"stdout": True, "stderr": True}
         threading.Thread(target=self._control, args=(rfd,), daemon=True).start()
+        if not self.direct:  # a direct program's pumps start once it is assigned (its files)
+            self._start_pumps()
+
+    def _start_pumps(self) -> None:
         for stream, name in ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")):
             threading.Thread(target=self._pump, args=(stream, name), daemon=True).start()
 
@@ -194,11 +198,15 @@ class _Proc:
             if to_file and log_dir:
                 os.makedirs(log_dir, exist_ok=True)
                 self.files[name] = open(os.path.join(log_dir, f"{name}.log"), "a")
-            self.console[name] = not (cfg.redirects.of(local_rank) & bit) and (
+            # --tee copies to the console what --redirects sends to the file (as torchrun)
+            shown = not (cfg.redirects.of(local_rank) & bit) or bool(cfg.tee.of(local_rank) & bit)
+            self.console[name] = shown and (
                 not cfg.local_ranks_filter or local_rank in cfg.local_ranks_filter)
         self.local_rank, self.rank, self.generation = local_rank, rank, generation
         self.started_ns = time.time_ns()
-        if not self.direct:
+        if self.direct:
+            self._start_pumps()
+        else:
             assert self.popen.stdin is not None
             self.popen.stdin.write(json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(),
                                                "module": module}) + "\n")
@@ -359,8 +367,10 @@ class Launcher:
                                 args=(("fill_pool", None),))
             t.daemon = True
             t.start()
+        attempt = f", attempt {self.attempt}" if self.attempt else ""
         print(f"trainguard launch [{self.cfg.node}]: rank {rank} (local {local_rank}) started "
-              f"as pid {proc.pid} at generation {generation}", file=sys.stderr, flush=True)
+              f"as pid {proc.pid} at generation {generation}{attempt}", file=sys.stderr,
+              flush=True)
         return proc
 
     # ---- bus ----------------------------------------------------------------------------------
