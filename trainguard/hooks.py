@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 #: The one instance in this process (None when not installed or handed over).
@@ -163,7 +162,7 @@ def finish(exc: BaseException | None = None) -> None:
     if rt is None:
         return
     if exc is not None and not (isinstance(exc, SystemExit) and not exc.code):
-        rt.report_fault(exc)
+        rt.report_fault(exc, rt.p.step if rt.p.step >= 0 else None)
         rt.close(final=False)
     else:
         rt.close(final=True)
@@ -222,18 +221,11 @@ class _PlainRuntime(_Runtime):
         super().__init__(cfg)
         self.hook_handle: Any = None
         self.framework_steps = False
-        self.resume_pending = restart_count() > 0 or cfg.generation > 0
+        self.resume_pending = restart_count() > 0  # the first step after a group restart
         self.opt_steps = 0
 
-    def start(self) -> None:
-        if self.cfg.nats_url:
-            from .bus import ThreadedBus
-
-            self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
-            self.bus.start()
-        import threading
-
-        threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
+    def start(self, decisions: bool = False) -> None:
+        super().start(decisions=False)  # the launcher carries out decisions for this rank
 
     def progress(self, step: int | None, loss: float | None, framework: bool) -> None:
         p = self.p
@@ -249,15 +241,7 @@ class _PlainRuntime(_Runtime):
             if self.framework_steps:
                 return  # the framework's own step count is the one reported
             step = self.opt_steps - 1
-        now = time.monotonic()
-        if p._last_mono and p.phase == "train":
-            p.step_time_s = now - p._last_mono
-        p._last_mono = now
-        p.step = int(step)
-        if loss is not None:
-            p.loss = float(loss)
-        p.progress_ts = time.time_ns()
-        p.phase = "train"
+        p.advance(int(step), p.loss if loss is None else loss)  # a loss stays until the next
         if self.resume_pending:
             self.resume_pending = False
             self._resumed(int(step))
@@ -271,20 +255,6 @@ class _PlainRuntime(_Runtime):
             **self._ids(), generation=cfg.generation, world_size=cfg.world_size,
             restored_step=-1, resumed_step=step, fault_ts=int(e.get("TG_FAULT_TS", 0) or 0),
             restore_source="script", decision_id=e.get("TG_DECISION_ID", "")))
-
-    def report_fault(self, exc: BaseException) -> None:
-        from trainguard import schemas
-        from trainguard.schemas import subjects
-
-        from .worker import COLLECTIVE_ERROR_MARKERS
-
-        text = "".join(traceback.format_exception(exc)).strip()
-        symptom = any(m in text for m in COLLECTIVE_ERROR_MARKERS)
-        cfg = self.cfg
-        self.publish(subjects.job(cfg.job, "log"), schemas.LogLine(
-            **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
-            step=self.p.step if self.p.step >= 0 else None, generation=cfg.generation,
-            source="shim"))
 
     def close(self, final: bool) -> None:
         from trainguard import schemas

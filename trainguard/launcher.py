@@ -702,9 +702,8 @@ class Launcher:
         else:
             for lr, rank in plan.rerank.items():
                 self.workers[lr].rank = rank
-            for lr in [lr for lr in self.workers if lr not in {x for x, _ in plan.start}
-                       and lr in plan.kill]:
-                del self.workers[lr]  # re-ranked away from this node
+            for lr in set(plan.kill) - {x for x, _ in plan.start}:
+                del self.workers[lr]  # this node no longer runs that local rank
             if plan.start:
                 self.restart_count += 1
             for lr, rank in plan.start:

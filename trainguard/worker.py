@@ -128,6 +128,18 @@ class _Progress:
         self.arrived = False
         self._last_mono = 0.0
 
+    def advance(self, step: int, loss: float | None) -> None:
+        """Record that ``step`` completed with ``loss`` (None: no loss reported); the step time
+        is the wall time since the previous step while training."""
+        now = time.monotonic()
+        if self._last_mono and self.phase == "train":
+            self.step_time_s = now - self._last_mono
+        self._last_mono = now
+        self.step = step
+        self.loss = None if loss is None else float(loss)
+        self.progress_ts = time.time_ns()
+        self.phase = "train"
+
 
 class _Runtime:
     """Process-lifetime state of the shim: bus, heartbeat thread, decisions, generation."""
@@ -151,15 +163,18 @@ class _Runtime:
         self.current_decision_id = ""
 
     # ---- bus ----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, decisions: bool = True) -> None:
+        """Start the bus client (with ``NATS_URL``) and the heartbeat thread; ``decisions``:
+        also follow the job's decisions (a rank that restarts in process)."""
         if self.cfg.nats_url:
             from .bus import ThreadedBus
 
             self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
-            # last_stored: a rank that starts late (a spare still warming when the decision
-            # came) learns from the stream the generation the job moved to while it started
-            self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision,
-                               last_stored=True)
+            if decisions:
+                # last_stored: a rank that starts late (a spare still warming when the
+                # decision came) learns from the stream the generation the job moved to
+                self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision,
+                                   last_stored=True)
             self.bus.start()  # connects in the background: training never waits for the bus
         threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
 
@@ -281,18 +296,13 @@ class _Runtime:
         cfg = self.cfg
         self.last_fault_ts = time.time_ns()
         self.last_step_before_fault = self.p.step
-        symptom = isinstance(exc, RestartRequested) or any(
-            m in str(exc) for m in COLLECTIVE_ERROR_MARKERS)
         if not isinstance(exc, RestartRequested):
-            text = "".join(traceback.format_exception(exc)).strip()
+            text, symptom = self.report_fault(exc, self.p.step)
             # shown in the launcher's output too — on stdout: the launcher republishes a rank's
             # stderr lines on the bus, and this fault is already there (with its generation)
             print(f"trainguard: rank {cfg.rank} generation {cfg.generation} step {self.p.step}: "
                   f"{'collective failed (a peer faulted)' if symptom else 'fault'}:\n{text}",
                   file=sys.stdout, flush=True)
-            self.publish(subjects.job(cfg.job, "log"), schemas.LogLine(
-                **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
-                step=self.p.step, generation=cfg.generation, source="shim"))
         self.abort()  # after the report: the root cause goes on the bus first
         if "trainguard.checkpoint.checkpointer" in sys.modules:
             # a save of the ended generation may wait for a dead rank's shard: drop it
@@ -311,6 +321,17 @@ class _Runtime:
         self.restarts += 1
         self.pending_resume = {"fault_ts": self.last_fault_ts,
                                "last_step": self.last_step_before_fault}
+
+    def report_fault(self, exc: BaseException, step: int | None) -> tuple[str, bool]:
+        """Publish ``exc`` on ``tg.job.<job>.log``: stream ``exception`` for a root cause,
+        ``stderr`` for a collective error caused by a peer (``COLLECTIVE_ERROR_MARKERS``).
+        Returns the traceback text and whether it was such a symptom."""
+        text = "".join(traceback.format_exception(exc)).strip()
+        symptom = any(m in text for m in COLLECTIVE_ERROR_MARKERS)
+        self.publish(subjects.job(self.cfg.job, "log"), schemas.LogLine(
+            **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
+            step=step, generation=self.cfg.generation, source="shim"))
+        return text, symptom
 
     def finish(self) -> None:
         self.p.phase = "done"
@@ -356,16 +377,9 @@ class Context:
         rt = self._rt
         rt.check_abort()
         p = rt.p
-        now = time.monotonic()
-        if p._last_mono and p.phase == "train":
-            p.step_time_s = now - p._last_mono
-        p._last_mono = now
+        p.advance(step, loss)
         p.arrived = False
-        p.step = step
         p.collective_seq += 1
-        p.loss = None if loss is None else float(loss)
-        p.progress_ts = time.time_ns()
-        p.phase = "train"
         if self._first_progress:
             self._first_progress = False
             self._report_resume(step, loss)
