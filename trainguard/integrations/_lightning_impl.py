@@ -187,3 +187,15 @@ def newest_checkpoint(dirpath: Any) -> str | None:
     falls back the same way."""
     p, _ = newest_valid(os.fspath(dirpath))
     return p
+
+
+def framework_classes(pl: Any, torch_io: type, load: Any, module: str) -> tuple[type, type]:
+    """``TrainguardCallback`` and ``TrainguardCheckpointIO`` for one Lightning package
+    (``lightning.pytorch`` or ``pytorch_lightning``: each Trainer accepts only its own base
+    classes); ``module`` names the public module that exports them."""
+    cb = type("TrainguardCallback", (CallbackMixin, pl.Callback),
+              {"__doc__": CallbackMixin.__doc__, "__module__": module})
+    io = type("TrainguardCheckpointIO", (CheckpointIOMixin, pl.plugins.CheckpointIO),
+              {"__doc__": CheckpointIOMixin.__doc__, "__module__": module,
+               "_fallback_io_cls": torch_io, "_load_fn": staticmethod(load)})
+    return cb, io

@@ -26,18 +26,9 @@ except ImportError:  # only the pytorch_lightning package name is installed
     from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as _TorchIO
     from lightning_fabric.utilities.cloud_io import _load
 
-from ._lightning_impl import (CallbackMixin, CheckpointIOMixin, CorruptCheckpointError,
-                              newest_checkpoint)
+from ._lightning_impl import CorruptCheckpointError, framework_classes, newest_checkpoint
 
 __all__ = ["TrainguardCallback", "TrainguardCheckpointIO", "CorruptCheckpointError",
            "newest_checkpoint"]
 
-
-class TrainguardCallback(CallbackMixin, _pl.Callback):
-    __doc__ = CallbackMixin.__doc__
-
-
-class TrainguardCheckpointIO(CheckpointIOMixin, _pl.plugins.CheckpointIO):
-    __doc__ = CheckpointIOMixin.__doc__
-    _fallback_io_cls = _TorchIO
-    _load_fn = staticmethod(_load)
+TrainguardCallback, TrainguardCheckpointIO = framework_classes(_pl, _TorchIO, _load, __name__)
