@@ -1,0 +1,242 @@
+"""Services as reducers: ``step(state, event, now) -> (state, effects)``.
+
+A service's logic is a pure function. It takes its in-memory state, one input event and the
+service clock, does no I/O, and returns the new state and a list of effects: what should be
+published, claimed, written to the job record or the audit trail. ``ReducerService`` (the base
+of the detector, attributor and remediator) carries the effects out and feeds what they return
+back into ``step`` as ``Reply`` events, so the whole outcome of an input (dedup, incident
+grouping, fold-or-escalate) is decided by code that a table test drives without a server, that
+``run_offline`` replays in virtual time, and that a replica can rebuild from a stream.
+
+Inputs to ``step``:
+
+* ``Received(subject, event, wall_ns)`` — an event from the bus;
+* ``Tick(wall_ns)`` — every ``ServiceConfig.tick_s`` seconds;
+* ``Reply(tag, value, error, wall_ns)`` — the result of a ``Call`` that asked for one.
+
+``now`` is the service clock in seconds: ``time.monotonic()`` live, the recording's receive
+time in a replay. Wall-clock times for event fields come from the inputs' ``wall_ns`` (Unix ns).
+
+Effects:
+
+* ``Publish(subject, event)`` — publish on the bus;
+* ``Call(target, method, args, kwargs, reply, wait)`` — await ``<target>.<method>(*args,
+  **kwargs)`` where the service names its targets (``"state"`` is the ``StateStore``; the
+  remediator adds ``"controller"``). With ``reply`` set, the result comes back as
+  ``Reply(reply, value)`` or, when the call raised, ``Reply(reply, None, error="Type: text")``.
+  ``wait=False`` runs the call in the background: later effects and inputs do not wait for it.
+* ``Log(level, message)`` — a log line (the service's logger).
+
+Ordering: inputs are stepped one at a time, in arrival order; an input's effects run in list
+order, and a waited-for ``Reply`` is stepped (with its own effects) before the next effect of
+the list. One input and its reply chain are therefore atomic with respect to every other input:
+no per-job lock is needed, and a replay re-decides exactly as live.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Hashable, Iterable, Sequence, TypeVar, Union
+
+from trainguard.schemas import Event
+
+from .service import Service
+
+log = logging.getLogger("trainguard.reducer")
+
+S = TypeVar("S")
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Received:
+    """An event as the bus delivered it. ``wall_ns``: Unix ns at reception."""
+
+    subject: str
+    event: Event
+    wall_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The periodic input. ``wall_ns``: Unix ns of the tick."""
+
+    wall_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a ``Call`` with ``reply=tag`` returned (``value``) or raised (``error``)."""
+
+    tag: Hashable
+    value: Any = None
+    error: str | None = None
+    wall_ns: int = 0
+
+
+Input = Union[Received, Tick, Reply]
+
+
+# ---- effects ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Publish:
+    subject: str
+    event: Event
+
+
+@dataclass(frozen=True)
+class Call:
+    """Await ``<target>.<method>(*args, **kwargs)``; see the module docstring."""
+
+    target: str
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    reply: Hashable | None = None
+    wait: bool = True
+
+
+@dataclass(frozen=True)
+class Log:
+    level: int
+    message: str
+
+
+Effect = Union[Publish, Call, Log]
+Step = Callable[[S, Input, float], "tuple[S, list[Effect]]"]
+
+
+def store(method: str, *args: Any, reply: Hashable | None = None, wait: bool = True,
+          **kwargs: Any) -> Call:
+    """Shorthand for a ``Call`` on the state store (``target="state"``)."""
+    return Call("state", method, args, kwargs, reply, wait)
+
+
+class ReducerService(Service, Generic[S]):
+    """A ``Service`` whose logic is ``step``. Subclasses set ``name`` and ``topics`` (the
+    subjects to subscribe) and implement ``initial_state`` and ``step``; ``targets`` adds
+    call targets besides ``"state"``. Inputs are serialised through one lock (see the module
+    docstring for the ordering)."""
+
+    #: subjects this service consumes (NATS wildcards allowed)
+    topics: Sequence[str] = ()
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.model: S = self.initial_state()
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+        self.effects_run = 0
+        self.effect_errors = 0
+
+    # ---- to implement -----------------------------------------------------------------------
+    def initial_state(self) -> S:
+        raise NotImplementedError
+
+    def step(self, state: S, event: Input, now: float) -> tuple[S, list[Effect]]:
+        raise NotImplementedError
+
+    def targets(self) -> dict[str, Any]:
+        """Call targets by name; ``"state"`` is the state store."""
+        return {"state": self.state}
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    # ---- wiring -----------------------------------------------------------------------------
+    def subscriptions(self):
+        return [(t, self._on_message) for t in self.topics]
+
+    async def _on_message(self, subject: str, ev: Event) -> None:
+        await self.feed(Received(subject, ev, time.time_ns()))
+
+    async def tick(self) -> None:
+        await self.feed(Tick(time.time_ns()))
+
+    async def feed(self, inp: Input) -> None:
+        """Step ``inp`` and carry out its effects (and those of its replies)."""
+        async with self._lock:
+            await self._dispatch(inp)
+
+    async def _dispatch(self, inp: Input) -> None:
+        self.model, effects = self.step(self.model, inp, self.clock())
+        for eff in effects:
+            await self._perform(eff)
+
+    async def _perform(self, eff: Effect) -> None:
+        self.effects_run += 1
+        if isinstance(eff, Publish):
+            await self.bus.publish(eff.subject, eff.event)
+        elif isinstance(eff, Log):
+            log.log(eff.level, "%s: %s", self.name, eff.message)
+        elif isinstance(eff, Call):
+            if eff.wait:
+                reply = await self._call(eff)
+                if reply is not None:
+                    await self._dispatch(reply)
+            else:
+                task = asyncio.create_task(self._call_later(eff))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        else:  # pragma: no cover - a reducer returned something that is not an effect
+            raise TypeError(f"{self.name}: not an effect: {eff!r}")
+
+    async def _call(self, eff: Call) -> Reply | None:
+        target = self.targets().get(eff.target)
+        try:
+            if target is None:
+                raise LookupError(f"no call target {eff.target!r}")
+            res = getattr(target, eff.method)(*eff.args, **eff.kwargs)
+            if asyncio.iscoroutine(res):
+                res = await res
+        except Exception as exc:  # noqa: BLE001 - a failed effect is an input, not a crash
+            self.effect_errors += 1
+            if eff.reply is None:
+                log.warning("%s: %s.%s failed: %s: %s", self.name, eff.target, eff.method,
+                            type(exc).__name__, exc)
+                return None
+            return Reply(eff.reply, None, f"{type(exc).__name__}: {exc}", time.time_ns())
+        return None if eff.reply is None else Reply(eff.reply, res, None, time.time_ns())
+
+    async def _call_later(self, eff: Call) -> None:
+        reply = await self._call(eff)
+        if reply is not None:
+            await self.feed(reply)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Wait for background calls to finish (tests and shutdown)."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
+
+    async def close(self) -> None:
+        await self.drain(2.0)
+        await super().close()
+
+
+def run_offline(step: Step, state: S, inputs: Iterable[tuple[float, Input]],
+                replies: Callable[[Call], Any] | None = None,
+                ) -> tuple[S, list[Effect]]:
+    """Run ``step`` over ``inputs`` (``(now, input)`` pairs, in order) in virtual time, with no
+    server: ``Call`` effects are answered by ``replies(call)`` (its return value is the reply's
+    value; an exception becomes the reply's error) or, without it, by ``None``. Returns the
+    final state and every effect, in the order they would have been carried out. This is how
+    table tests and an offline replay drive a service."""
+    out: list[Effect] = []
+
+    def _run(now: float, inp: Input) -> None:
+        nonlocal state
+        state, effects = step(state, inp, now)
+        for eff in effects:
+            out.append(eff)
+            if isinstance(eff, Call) and eff.reply is not None:
+                try:
+                    val, err = (replies(eff) if replies else None), None
+                except Exception as exc:  # noqa: BLE001
+                    val, err = None, f"{type(exc).__name__}: {exc}"
+                _run(now, Reply(eff.reply, val, err, getattr(inp, "wall_ns", 0)))
+
+    for now, inp in inputs:
+        _run(now, inp)
+    return state, out
