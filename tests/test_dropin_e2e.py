@@ -122,15 +122,6 @@ class Run:
         self.procs.append(proc)
         return proc
 
-    def torchrun(self, args: list[str], name: str = "torchrun") -> Proc:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               # torch 2.13's shared rendezvous store breaks gloo restarts (findings)
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        proc = Proc([str(BIN / "torchrun"), *args, str(self.script), *self.script_args],
-                    self.tmp, self.tmp / f"{name}.log", env)
-        self.procs.append(proc)
-        return proc
-
     # ---- records ----------------------------------------------------------------------------
     def records(self) -> list[dict]:
         out = []
@@ -315,7 +306,8 @@ def test_a_script_that_fails_at_import_is_stopped_as_a_loop(stack, tmp_path, run
 
 def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, runs):
     """No NATS_URL/REDIS_URL/TG_RDZV_ENDPOINT: the launcher starts an embedded stack; observe
-    mode (the default) restarts the group after a SIGKILL as torchrun does."""
+    mode (the default) restarts the group after a SIGKILL as torchrun does. (The same script
+    and arguments under torchrun itself run in ``tests/test_bench_dropin.py``'s real sample.)"""
     argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
     run = Run(tmp_path / "tg", _job("torchrun-cli"))
     run.tmp.mkdir()
@@ -327,12 +319,3 @@ def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, run
     assert tg.wait(120) == 0, run.tails()
     assert_resumed(run, 2, run.last_before(t_fault), t_fault)
     assert "embedded stack" in tg.text()
-
-    # the same script, the same arguments, under torchrun itself
-    ref = Run(tmp_path / "torchrun", "torchrun", epochs=6)
-    ref.tmp.mkdir()
-    runs.append(ref)
-    tr = ref.torchrun(argv)
-    assert tr.wait(120) == 0, ref.tails()
-    ranks = ref.by_rank()
-    assert sorted(ranks) == [0, 1] and all(rs[-1]["epoch"] == 5 for rs in ranks.values())

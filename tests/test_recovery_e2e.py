@@ -193,9 +193,9 @@ def test_a_job_launched_again_under_its_name_is_a_new_run(stack, tmp_path):
         finally:
             await st.close()
 
-    first = _demo(stack, tmp_path / "a", "e2e-again", [], steps=40)
+    first = _demo(stack, tmp_path / "a", "e2e-again", [], steps=12)
     gen1 = asyncio.run(_job()).generation
-    second = _demo(stack, tmp_path / "b", "e2e-again", [], steps=40)
+    second = _demo(stack, tmp_path / "b", "e2e-again", [], steps=12)
     job = asyncio.run(_job())
     assert first["accuracy"] is not None and second["accuracy"] is not None
     assert job.generation == gen1 + 1 and job.status == "finished"
