@@ -145,6 +145,9 @@ class ReducerService(Service, Generic[S]):
     def clock(self) -> float:
         return time.monotonic()
 
+    def extra_stats(self) -> dict[str, Any]:
+        return {"effects": self.effects_run, "effect_errors": self.effect_errors}
+
     # ---- wiring -----------------------------------------------------------------------------
     def subscriptions(self):
         return [(t, self._on_message) for t in self.topics]
@@ -170,7 +173,7 @@ class ReducerService(Service, Generic[S]):
         if isinstance(eff, Publish):
             await self.bus.publish(eff.subject, eff.event)
         elif isinstance(eff, Log):
-            log.log(eff.level, "%s: %s", self.name, eff.message)
+            logging.getLogger(f"trainguard.{self.name}").log(eff.level, "%s", eff.message)
         elif isinstance(eff, Call):
             if eff.wait:
                 reply = await self._call(eff)
@@ -220,10 +223,20 @@ def run_offline(step: Step, state: S, inputs: Iterable[tuple[float, Input]],
                 ) -> tuple[S, list[Effect]]:
     """Run ``step`` over ``inputs`` (``(now, input)`` pairs, in order) in virtual time, with no
     server: ``Call`` effects are answered by ``replies(call)`` (its return value is the reply's
-    value; an exception becomes the reply's error) or, without it, by ``None``. Returns the
-    final state and every effect, in the order they would have been carried out. This is how
-    table tests and an offline replay drive a service."""
+    value; an exception becomes the reply's error) or, without it, by ``None``. A waited-for
+    call's reply is stepped at once, as live; a background call's (``wait=False``) reply is
+    stepped after the current input and its chain, before the next input (live it arrives
+    whenever the call ends). Returns the final state and every effect, in the order they would
+    have been carried out. This is how table tests and an offline replay drive a service."""
     out: list[Effect] = []
+    later: list[tuple[float, Reply]] = []
+
+    def _answer(eff: Call, wall_ns: int) -> Reply:
+        try:
+            val, err = (replies(eff) if replies else None), None
+        except Exception as exc:  # noqa: BLE001
+            val, err = None, f"{type(exc).__name__}: {exc}"
+        return Reply(eff.reply, val, err, wall_ns)
 
     def _run(now: float, inp: Input) -> None:
         nonlocal state
@@ -231,12 +244,14 @@ def run_offline(step: Step, state: S, inputs: Iterable[tuple[float, Input]],
         for eff in effects:
             out.append(eff)
             if isinstance(eff, Call) and eff.reply is not None:
-                try:
-                    val, err = (replies(eff) if replies else None), None
-                except Exception as exc:  # noqa: BLE001
-                    val, err = None, f"{type(exc).__name__}: {exc}"
-                _run(now, Reply(eff.reply, val, err, getattr(inp, "wall_ns", 0)))
+                reply = _answer(eff, getattr(inp, "wall_ns", 0))
+                if eff.wait:
+                    _run(now, reply)
+                else:
+                    later.append((now, reply))
 
     for now, inp in inputs:
         _run(now, inp)
+        while later:
+            _run(*later.pop(0))
     return state, out

@@ -81,6 +81,10 @@ class Service:
     def health(self) -> dict[str, Any]:
         return {}
 
+    def extra_stats(self) -> dict[str, Any]:
+        """Counters of the service base class, added to the health reply's ``stats``."""
+        return {}
+
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.bus.connect(timeout=10.0)
@@ -101,7 +105,7 @@ class Service:
         body = {"ok": True, "name": self.name, "pid": os.getpid(),
                 "stats": {"received": s.received, "published": s.published,
                           "dropped": s.dropped, "handler_errors": s.handler_errors,
-                          "bad": dict(s.bad)}, **self.health()}
+                          "bad": dict(s.bad), **self.extra_stats()}, **self.health()}
         await msg.respond(json.dumps(body).encode())
 
     async def run(self) -> None:
