@@ -24,7 +24,8 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
    ``tg.job.<job>.decision``, and watch an executed recovery decision;
 6. exclusion of an executed ``exclude_node_and_requeue``, per node: ``exclude_claim`` claims
    ``<key>:exclude:<node>`` (held: already carried out), ``exclude`` asks the controller and
-   publishes its ``action.result``; a failed drain is audited (``controller_failed``) and does
+   publishes its ``action.result`` (the controller call runs in the background:
+   ``wait=False``); a failed drain is audited (``controller_failed``) and does
    not escalate: the job re-ranks without the node anyway.
 
 A stage whose call failed (Valkey gone) ends that work with a ``Log``: nothing is published
@@ -36,7 +37,8 @@ clears it; a failing ``action.result`` of an executor (not the controller) or a 
 the deadline escalates: ``wd_job`` reads the record (a later generation in force: superseded,
 nothing), ``policy.escalate`` gives the next rung of the ladder (none: clear the pending
 record), ``wd_claim`` claims its key, then the commit above. The first ``Tick`` re-arms the
-pending decisions a previous instance left in the job records (``rearm_jobs``, ``rearm_job``).
+pending decisions a previous instance left in the job records (``rearm_jobs``, ``rearm_job``;
+an unreadable job list is tried again at the next ``Tick``).
 """
 from __future__ import annotations
 
@@ -382,8 +384,10 @@ def _on_exclude_claim(state, seq, w: Work, inp: Reply, now) -> Out:
         return _next_node(state, seq, [])
     dec = w.decision
     assert dec is not None
+    # in the background (wait=False): a scheduler's drain can take seconds, and the decision
+    # is committed and published already, so other jobs' inputs need not wait for it
     return state, [Call("controller", "exclude", (inp.tag[2], w.job, dec.reason),
-                        reply=("exclude", seq, inp.tag[2]))]
+                        reply=("exclude", seq, inp.tag[2]), wait=False)]
 
 
 def _on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
@@ -473,10 +477,12 @@ def _on_wd_claim(state, seq, w: Work, inp: Reply, now) -> Out:
 def _on_rearm(state: RemediatorState, inp: Reply, now: float) -> Out:
     """Re-arm the watchdog for pending decisions a previous instance left in the job records:
     the deadline left is ``deadline_ns - wall_ns`` (at least 0) from ``now``."""
+    if inp.error and inp.tag[0] == "rearm_jobs":  # tried again at the next tick
+        return replace(state, armed=False), [Log(logging.WARNING, (
+            f"job list unreadable ({inp.error}): pending decisions not re-armed yet"))]
     if inp.error:
-        what = "job list" if inp.tag[0] == "rearm_jobs" else f"record of {inp.tag[1]}"
-        return state, [Log(logging.WARNING, f"{what} unreadable, pending decisions not "
-                                            f"re-armed ({inp.error})")]
+        return state, [Log(logging.WARNING, f"{inp.tag[1]}: record unreadable, its pending "
+                                            f"decision is not re-armed ({inp.error})")]
     if inp.tag[0] == "rearm_jobs":
         return state, [store("job", j, reply=("rearm_job", j)) for j in inp.value or ()]
     job = inp.tag[1]

@@ -266,6 +266,7 @@ def test_exclusion_calls_the_controller_once_per_node_and_publishes_its_result()
     assert st.excluded == ["n2"]
     [ctl] = [c for c in eff if isinstance(c, Call) and c.target == "controller"]
     assert ctl.method == "exclude" and ctl.args == ("n2", "j", d.reason)
+    assert ctl.wait is False  # a slow drain holds up no other input
     [ar] = published(eff, ActionResult)
     assert (ar.ok, ar.node, ar.executor, ar.decision_id, ar.idempotency_key) == (
         True, "n2", "controller:local", d.event_id, d.idempotency_key)
@@ -404,3 +405,17 @@ def test_inputs_are_not_changed():
     before = v.model_dump()
     run(st, [verdict_in(crash(rank=3)), (0.5, Received("tg.job.j.verdict", v, WALL))])
     assert v.model_dump() == before  # the job is taken from the subject on a copy
+
+
+def test_rearm_is_tried_again_when_the_job_list_is_unreadable():
+    st = Store(j=record(pending_decision={**Decision(
+        job="j", action="restart_workers", idempotency_key="j:g0", generation=1).to_dict(),
+        "deadline_ns": WALL + 10**9}))
+    st.fail.add("jobs")
+    fresh = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local"))
+    state, eff = run(st, [(0.0, Tick(WALL))], fresh)
+    assert not state.armed and state.pending == {}
+    assert any(isinstance(e, Log) and "job list unreadable" in e.message for e in eff)
+    st.fail.clear()
+    state, eff = run(st, [(0.1, Tick(WALL))], state)
+    assert state.armed and state.pending["j"].deadline == pytest.approx(1.1)
