@@ -41,7 +41,7 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
     if rec.status in ENDED:
         # an ended job's lingering anomalies (silence of its dead ranks…) decide nothing
         return fold(state, seq, w, None, f"job is {rec.status}: no further decisions",
-                     inp.wall_ns)
+                    inp.wall_ns)
     policy = state.config.policy
     dec = pol.decide(v, rec, policy)
     if dec is None:
@@ -65,7 +65,7 @@ def claim_call(dec: Decision | None, tag: tuple) -> Call:
 def on_flag_owner(state, seq, w: Work, inp: Reply, now) -> Out:
     if inp.value is not None:
         return fold(state, seq, w, inp.value,
-                     f"generation already decided ({owner_action(inp.value)})", inp.wall_ns)
+                    f"generation already decided ({owner_action(inp.value)})", inp.wall_ns)
     return state, [claim_call(w.decision, ("claim", seq))]
 
 
@@ -92,7 +92,7 @@ def on_claim(state, seq, w: Work, inp: Reply, now) -> Out:
 def on_escalation_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     if inp.value is not None:
         return fold(state, seq, w, inp.value,
-                     f"escalation already decided ({owner_action(inp.value)})", inp.wall_ns)
+                    f"escalation already decided ({owner_action(inp.value)})", inp.wall_ns)
     return commit(state, seq, now, inp.wall_ns)
 
 
