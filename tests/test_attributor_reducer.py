@@ -202,3 +202,11 @@ def test_other_events_change_nothing(ev):
     state = AttributorState()
     new, eff = run([(0.0, Received("tg.job.j.anomaly", ev, WALL))], state=state)
     assert new == state and eff == []
+
+
+def test_step_leaves_the_state_it_was_given_alone():
+    import copy
+    s1, _ = run([at(0.0, reset())])
+    snap = copy.deepcopy(s1)
+    s2, eff = run([at(0.1, crash()), tick(1.5), tick(500.0)], state=s1)
+    assert s1 == snap and s2.incidents == {} and len(verdicts(eff)) == 1

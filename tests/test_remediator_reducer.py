@@ -419,3 +419,11 @@ def test_rearm_is_tried_again_when_the_job_list_is_unreadable():
     st.fail.clear()
     state, eff = run(st, [(0.1, Tick(WALL))], state)
     assert state.armed and state.pending["j"].deadline == pytest.approx(1.1)
+
+
+def test_step_leaves_the_state_it_was_given_alone():
+    st = Store(j=record())
+    s1, _ = run(st, [verdict_in(crash(rank=3))])
+    snap = copy.deepcopy(s1)
+    s2, eff = run(st, [verdict_in(node_lost(), 1.0), (100.0, Tick(WALL))], s1)
+    assert s1 == snap and s2 != s1 and len(published(eff)) >= 1
