@@ -1,5 +1,6 @@
-"""Remediator: verdict + job state + policy → decision (see ``remediator.policy`` for the table
-and ``remediator.service`` for the service)."""
+"""Remediator: verdict + job state + policy → decision (see ``remediator.policy`` for the table,
+``remediator.reducer`` for what the service decides around it — claims, commit, exclusion,
+watchdog — and ``remediator.service`` for the service)."""
 
 from .policy import DEFAULT_POLICY, Policy, decide, escalate
 

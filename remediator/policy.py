@@ -367,7 +367,9 @@ def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], faul
          policy: Policy = DEFAULT_POLICY, key: str | None = None) -> Decision:
     """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
     world for an exclusion (stop when it would go below ``min_world_size``), generation and key.
-    Used by ``decide`` and by the watchdog (with ``key`` given)."""
+    Used by ``decide`` and by the watchdog (with ``key`` given). ``reasons`` is not changed:
+    the decision's reason is a new list of them with what the checks added."""
+    reasons = list(reasons)
     if action == A.EXCLUDE_NODE_AND_REQUEUE and job.members:
         present = {m.get("node") for m in job.members}
         named = sorted(set(verdict.culprit.nodes)) or nodes_of(sorted(verdict.culprit.ranks),
@@ -462,8 +464,8 @@ def escalate(prev: Decision, job_state: JobRecord, why: str,
     synthetic = Verdict(job=prev.job, fault_class=prev.fault_class, layer=L.UNKNOWN,
                         culprit={"ranks": culprit_ranks, "nodes": culprit_nodes},
                         first_ts=prev.fault_ts, generation=prev.generation, trace=prev.child_trace(),
-                        detail={"detected_ts": prev.detected_ts})
-    synthetic.event_id = prev.verdict_id or synthetic.event_id
+                        detail={"detected_ts": prev.detected_ts},
+                        **({"event_id": prev.verdict_id} if prev.verdict_id else {}))
     reasons = [f"watchdog: {prev.action} of generation {prev.generation} {why}: escalating "
                f"to {nxt}"]
     return plan(synthetic, job, nxt, reasons, prev.generation, policy,

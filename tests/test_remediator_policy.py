@@ -266,3 +266,18 @@ def test_reset_without_culprit_reforms_in_place():
     d = decide(verdict("network", "infrastructure"), job())
     assert d.action == "restart_in_process"
     assert "in place" in d.reason
+
+
+def test_plan_and_escalate_change_none_of_their_inputs():
+    v = verdict("crash", "unknown", ranks=[2])
+    rec = job(retries_used=5, members=[dict(m) for m in MEMBERS])
+    reasons = ["crash/unknown: the table"]
+    before = (v.model_dump(), rec.to_dict())
+    d = pol.plan(v, rec, "restart_workers", reasons, 3)
+    assert d.action == "stop_job_notify_user" and "retry budget spent" in d.reason
+    assert reasons == ["crash/unknown: the table"]  # the caller's list is not appended to
+    assert (v.model_dump(), rec.to_dict()) == before
+    prev = decide(verdict("crash", "unknown", ranks=[2]), job())
+    snap = prev.model_dump()
+    nxt = escalate(prev, job(), "not followed by training")
+    assert nxt.action == "exclude_node_and_requeue" and prev.model_dump() == snap

@@ -1,0 +1,252 @@
+"""The attributor as a reducer: anomalies in, one verdict per incident out. Pure.
+
+``step(state, input, now) -> (state, effects)`` (``trainguard.reducer``); ``now`` is the service
+clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
+
+* An incident is (job, generation); a new one starts when the first anomaly of the current one
+  is older than ``AttributorConfig.incident_window_s``. An anomaly without a generation joins
+  the newest generation seen for its job.
+* A root-cause anomaly (``symptom=False``) is attributed at once. A symptom is held for
+  ``symptom_hold_s`` waiting for a root cause; when one comes the symptom is folded into its
+  verdict, otherwise a ``Tick`` past the hold attributes the held symptoms on their own.
+* Attribution first reads the cross-job history: ``Call("state", "node_history", (node,
+  since_ns))`` for each culprit node, then ``Call("state", "signature_history", (signature,
+  since_ns))`` for the root's signature, one after the other; the last reply completes the
+  attribution (``decide.decide``). A failed read attributes with what was read so far (a
+  ``Log`` says so), as the service always did.
+* A later verdict of an incident is published only when its conclusion changes
+  (``decide.conclusion``); otherwise the anomaly is folded into the verdict already published.
+* A verdict whose root is a warning (severity other than ``error``: a straggler, a throttled
+  GPU, a failed save) does not settle the incident: symptoms that follow still wait.
+* Each published verdict is written to the cross-job history: ``Call("state", "record_fault",
+  …)`` per culprit node and per XID anomaly, without a reply (a failed write is logged by the
+  reducer base; the verdict stands).
+* A ``Tick`` drops incidents older than twice the window.
+
+Reply tags: ``("node_history", seq, node)`` and ``("signature_history", seq)``, where ``seq``
+numbers the attribution in flight (``AttributorState.reading``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from trainguard import schemas
+from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Reply, Tick, store
+from trainguard.schemas import subjects
+
+from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,
+                     history_from_records, signature)
+
+Key = tuple[str, int]  # (job, generation)
+
+
+@dataclass(frozen=True)
+class Incident:
+    """One (job, generation) incident. ``started``/``hold_until``: service clock, s;
+    ``concluded``: the ``decide.conclusion`` of the last verdict published (None: none yet);
+    ``settled``: a verdict with a root-cause fault (severity ``error``) was published."""
+
+    job: str
+    generation: int
+    started: float
+    anomalies: tuple[schemas.Anomaly, ...] = ()
+    hold_until: float | None = None
+    concluded: tuple | None = None
+    settled: bool = False
+    verdicts: int = 0
+
+
+@dataclass(frozen=True)
+class Reading:
+    """An attribution waiting for its history reads. ``nodes``: culprit nodes still to read;
+    ``records``: node → ``StateStore.node_history`` records read so far; ``since_ns``: Unix ns,
+    the start of the history window; ``wall_ns``: Unix ns of the input that started it."""
+
+    key: Key
+    nodes: tuple[str, ...]
+    records: dict[str, list[dict]] = field(default_factory=dict)
+    since_ns: int = 0
+    wall_ns: int = 0
+
+
+@dataclass(frozen=True)
+class AttributorState:
+    """``incidents`` by (job, generation); ``latest_gen``: job → newest generation seen;
+    ``reading``: attributions in flight by sequence number; ``published``: verdicts so far."""
+
+    config: AttributorConfig = field(default_factory=AttributorConfig)
+    incidents: dict[Key, Incident] = field(default_factory=dict)
+    latest_gen: dict[str, int] = field(default_factory=dict)
+    reading: dict[int, Reading] = field(default_factory=dict)
+    seq: int = 0
+    published: int = 0
+
+
+def step(state: AttributorState, inp: Input, now: float) -> tuple[AttributorState, list[Effect]]:
+    """One input: an anomaly (``Received``), a ``Tick`` or a history read's ``Reply``."""
+    if isinstance(inp, Received):
+        if isinstance(inp.event, schemas.Anomaly):
+            return _on_anomaly(state, inp.subject, inp.event, now, inp.wall_ns)
+        return state, []
+    if isinstance(inp, Tick):
+        return _on_tick(state, now, inp.wall_ns)
+    if isinstance(inp, Reply) and isinstance(inp.tag, tuple) and inp.tag:
+        if inp.tag[0] == "node_history":
+            return _on_node_history(state, inp, now)
+        if inp.tag[0] == "signature_history":
+            return _on_signature_history(state, inp, now)
+    return state, []
+
+
+# ---- anomalies and ticks ----------------------------------------------------------------------
+def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: float,
+                wall_ns: int) -> tuple[AttributorState, list[Effect]]:
+    ac = state.config
+    job = ev.job or subject.split(".")[2]
+    latest = state.latest_gen.get(job, 0)
+    gen = ev.generation if ev.generation is not None else latest
+    state = replace(state, latest_gen={**state.latest_gen, job: max(gen, latest)})
+    key = (job, gen)
+    inc = state.incidents.get(key)
+    if inc is None or now - inc.started > ac.incident_window_s:
+        inc = Incident(job, gen, now)
+    inc = replace(inc, anomalies=inc.anomalies + (ev,))
+    if ev.symptom:
+        # a flag (a warning, e.g. a straggler) does not settle an incident: symptoms that
+        # follow still wait for their root cause
+        if not inc.settled and inc.hold_until is None:
+            inc = replace(inc, hold_until=now + ac.symptom_hold_s)
+        return _put(state, key, inc), []
+    return _attribute(_put(state, key, inc), key, wall_ns)
+
+
+def _on_tick(state: AttributorState, now: float, wall_ns: int
+             ) -> tuple[AttributorState, list[Effect]]:
+    effects: list[Effect] = []
+    for key, inc in list(state.incidents.items()):
+        if not inc.settled and inc.hold_until is not None and now >= inc.hold_until:
+            state, more = _attribute(replace(state, incidents={
+                **state.incidents, key: replace(inc, hold_until=None)}), key, wall_ns)
+            effects += more
+        elif now - inc.started > 2 * state.config.incident_window_s:
+            state = replace(state, incidents={k: v for k, v in state.incidents.items()
+                                              if k != key})
+    return state, effects
+
+
+def _put(state: AttributorState, key: Key, inc: Incident) -> AttributorState:
+    return replace(state, incidents={**state.incidents, key: inc})
+
+
+# ---- attribution: history reads, then decide ----------------------------------------------------
+def _attribute(state: AttributorState, key: Key, wall_ns: int
+               ) -> tuple[AttributorState, list[Effect]]:
+    """Start the history reads of incident ``key`` (see the module docstring)."""
+    inc = state.incidents[key]
+    nodes = tuple(sorted({n for a in inc.anomalies for n in a.culprit.nodes}))
+    since = wall_ns - int(state.config.history_window_s * 1e9)
+    seq = state.seq + 1
+    r = Reading(key, nodes, {}, since, wall_ns)
+    state = replace(state, seq=seq, reading={**state.reading, seq: r})
+    return state, [_next_read(r, seq, inc)]
+
+
+def _next_read(r: Reading, seq: int, inc: Incident) -> Call:
+    if r.nodes:
+        return store("node_history", r.nodes[0], r.since_ns, reply=("node_history", seq,
+                                                                      r.nodes[0]))
+    root = choose_root(list(inc.anomalies))
+    return store("signature_history", signature(root), r.since_ns,
+                 reply=("signature_history", seq))
+
+
+def _on_node_history(state: AttributorState, inp: Reply, now: float
+                     ) -> tuple[AttributorState, list[Effect]]:
+    _, seq, node = inp.tag
+    r = state.reading.get(seq)
+    inc = state.incidents.get(r.key) if r else None
+    if r is None or inc is None:
+        return state, []
+    if inp.error:
+        return _complete(state, seq, [], [_no_history(inp.error)])
+    r = replace(r, nodes=r.nodes[1:], records={**r.records, node: list(inp.value or [])})
+    state = replace(state, reading={**state.reading, seq: r})
+    return state, [_next_read(r, seq, inc)]
+
+
+def _on_signature_history(state: AttributorState, inp: Reply, now: float
+                          ) -> tuple[AttributorState, list[Effect]]:
+    seq = inp.tag[1]
+    if seq not in state.reading:
+        return state, []
+    if inp.error:
+        return _complete(state, seq, [], [_no_history(inp.error)])
+    pairs = [tuple(p) for p in (inp.value or [])]
+    return _complete(state, seq, pairs, [])
+
+
+def _no_history(error: str) -> Log:
+    return Log(logging.WARNING, f"cross-job history unavailable ({error}): attributing "
+                                f"without it")
+
+
+def _complete(state: AttributorState, seq: int, pairs: list, effects: list[Effect]
+              ) -> tuple[AttributorState, list[Effect]]:
+    """Decide with the history read; publish unless the conclusion is the one published."""
+    r = state.reading[seq]
+    state = replace(state, reading={k: v for k, v in state.reading.items() if k != seq})
+    inc = state.incidents.get(r.key)
+    if inc is None:
+        return state, effects
+    anomalies = list(inc.anomalies)
+    current: dict[str, set[int]] = {}
+    for a in anomalies:
+        xid, pid = a.detail.get("xid"), a.detail.get("pid")
+        if xid in APP_XIDS and pid is not None and a.culprit.gpus:
+            current.setdefault(a.culprit.gpus[0], set()).add(int(pid))
+    hist = history_from_records(inc.job, r.records, pairs, current, r.since_ns)
+    spec = decide(anomalies, hist, state.config)
+    if inc.concluded is not None and conclusion(spec) == inc.concluded:
+        return state, effects  # folded into the verdict already published
+    root = choose_root(anomalies)
+    verdict = _verdict(inc, spec, root, r.wall_ns)
+    inc2 = replace(inc, concluded=conclusion(spec), settled=inc.settled or root.severity == "error",
+                   hold_until=None, verdicts=inc.verdicts + 1)
+    state = replace(_put(state, r.key, inc2), published=state.published + 1)
+    return state, effects + [Publish(subjects.job(inc.job, "verdict"), verdict),
+                             *_record(inc, spec, r.wall_ns)]
+
+
+def _verdict(inc: Incident, spec: VerdictSpec, root: schemas.Anomaly, wall_ns: int
+             ) -> schemas.Verdict:
+    """The verdict event; ``ts`` is ``wall_ns`` (Unix ns) when the input gave one."""
+    return schemas.Verdict(
+        job=inc.job, node=spec.nodes[0] if spec.nodes else None,
+        rank=spec.ranks[0] if len(spec.ranks) == 1 else None,
+        fault_class=spec.fault_class, layer=spec.layer,
+        culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes, gpus=spec.gpus),
+        confidence=spec.confidence, score=round(spec.score, 3),
+        evidence=spec.evidence, anomaly_ids=spec.anomaly_ids, first_ts=spec.first_ts,
+        generation=inc.generation, detail={**spec.detail, "signature": spec.signature,
+                                           "revision": inc.verdicts},
+        trace=root.child_trace(), **({"ts": wall_ns} if wall_ns else {}))
+
+
+def _record(inc: Incident, spec: VerdictSpec, wall_ns: int) -> list[Call]:
+    """``record_fault`` writes of a published verdict: per culprit node (its signature) and
+    per XID anomaly (``xid|<n>``, with GPU and pid); ``ts_ns`` is the input's Unix ns (the
+    store's clock when 0)."""
+    ts: dict[str, Any] = {"ts_ns": wall_ns} if wall_ns else {}
+    calls = [store("record_fault", n, inc.job, spec.signature,
+                   {"fault_class": spec.fault_class, "layer": spec.layer,
+                    "generation": inc.generation}, **ts) for n in spec.nodes]
+    for a in inc.anomalies:
+        xid = a.detail.get("xid")
+        if xid is not None and a.culprit.nodes:
+            calls.append(store("record_fault", a.culprit.nodes[0], inc.job, f"xid|{xid}", {
+                "fault_class": a.fault_class, "layer": a.detail.get("layer"), "xid": xid,
+                "pid": a.detail.get("pid"), "gpu": a.culprit.gpus[0] if a.culprit.gpus else ""},
+                **ts))
+    return calls

@@ -1,0 +1,217 @@
+"""The remediator reducer's verdict chain: claims, fold or escalate, the commit (generation,
+job record, audit, publish) and the exclusion through the controller. Stages 1–6 of
+``remediator.reducer``; every function is pure and returns ``(state, effects)``."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from trainguard.reducer import Call, Effect, Log, Publish, Reply, store
+from trainguard.schemas import ActionResult, Decision, JobRecord, Verdict, subjects
+from trainguard.schemas.vocabulary import signature, stronger
+
+from . import policy as pol
+from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, done, fold,
+                    owner_action, owner_of, stamp, start, update, without_pending)
+
+
+# ---- verdicts -----------------------------------------------------------------------------------
+def on_verdict(state: RemediatorState, subject: str, ev: Verdict, wall_ns: int) -> Out:
+    try:
+        job = ev.job or subjects.parse(subject)["name"]
+    except ValueError:
+        return state, []
+    v = ev if ev.job == job else ev.model_copy(update={"job": job})
+    state, seq = start(state, Work(job, verdict=v))
+    return state, [store("claim", f"{job}:verdict:{v.event_id}", "remediator",
+                         reply=("verdict_claim", seq))]
+
+
+def on_verdict_claim(state, seq, w: Work, inp: Reply, now) -> Out:
+    if inp.value is not None:
+        return fold(state, seq, w, None, "this verdict was already handled", inp.wall_ns)
+    return state, [store("job", w.job, reply=("job", seq))]
+
+
+def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
+    rec: JobRecord = inp.value
+    v = w.verdict
+    assert v is not None
+    if rec.status in ENDED:
+        # an ended job's lingering anomalies (silence of its dead ranks…) decide nothing
+        return fold(state, seq, w, None, f"job is {rec.status}: no further decisions",
+                    inp.wall_ns)
+    policy = state.config.policy
+    dec = pol.decide(v, rec, policy)
+    if dec is None:
+        return count(done(state, seq), "ignored"), [store("audit", w.job, {
+            "type": "ignored", "verdict_id": v.event_id, "fault_class": v.fault_class,
+            "reason": "verdict names no job"})]
+    fault_gen = pol.fault_generation(v, pol.with_defaults(rec, policy))
+    state, w = update(state, seq, record=rec, decision=stamp(dec, inp.wall_ns),
+                      fault_gen=fault_gen)
+    if dec.action == "none":
+        # a flag for an incident that already has its decision adds nothing
+        return state, [store("claimed_by", f"{w.job}:g{fault_gen}", reply=("flag_owner", seq))]
+    return state, [claim_call(w.decision, ("claim", seq))]
+
+
+def claim_call(dec: Decision | None, tag: tuple) -> Call:
+    assert dec is not None
+    return store("claim", dec.idempotency_key, owner_of(dec), reply=tag)
+
+
+def on_flag_owner(state, seq, w: Work, inp: Reply, now) -> Out:
+    if inp.value is not None:
+        return fold(state, seq, w, inp.value,
+                    f"generation already decided ({owner_action(inp.value)})", inp.wall_ns)
+    return state, [claim_call(w.decision, ("claim", seq))]
+
+
+def on_claim(state, seq, w: Work, inp: Reply, now) -> Out:
+    owner = inp.value
+    if owner is None:
+        return commit(state, seq, now, inp.wall_ns)
+    assert w.verdict is not None and w.record is not None and w.decision is not None
+    held = owner_action(owner)
+    # compare the table's action, not the escalated one: a budget or loop stop computed for an
+    # incident that already has its decision is not a new incident
+    policy = state.config.policy
+    table_action, _ = pol.table_action(w.verdict, pol.with_defaults(w.record, policy), policy)
+    if not stronger(table_action, held):
+        return fold(state, seq, w, owner, f"generation already decided ({held})", inp.wall_ns)
+    dec = w.decision
+    dec = dec.model_copy(update={
+        "idempotency_key": f"{dec.idempotency_key}:{dec.action}",
+        "reason": f"{dec.reason}; stronger than the {held} already decided for this generation"})
+    state, w = update(state, seq, decision=dec)
+    return state, [claim_call(dec, ("escalation_claim", seq))]
+
+
+def on_escalation_claim(state, seq, w: Work, inp: Reply, now) -> Out:
+    if inp.value is not None:
+        return fold(state, seq, w, inp.value,
+                    f"escalation already decided ({owner_action(inp.value)})", inp.wall_ns)
+    return commit(state, seq, now, inp.wall_ns)
+
+
+# ---- commit: generation, record, audit, publish, watchdog ------------------------------------------
+def commit(state: RemediatorState, seq: int, now: float, wall_ns: int) -> Out:
+    """Apply the claimed decision of work ``seq``: job record (action mode), audit, publish."""
+    dec = state.work[seq].decision
+    assert dec is not None and dec.job
+    if dec.mode == "action" and dec.action != "none":
+        state, w = update(state, seq, expected=dec.generation - 1, tries=0)
+        return state, [store("bump_generation", dec.job, w.expected, reply=("bump", seq))]
+    return _finish(state, seq, now, wall_ns)
+
+
+def on_bump(state, seq, w: Work, inp: Reply, now) -> Out:
+    """Bump from ``expected``; when another decision moved the generation meanwhile, bump from
+    the generation in force (5 tries, then the generation in force is taken)."""
+    got, tries = int(inp.value), w.tries + 1
+    if got != w.expected + 1 and tries < 5:
+        state, w = update(state, seq, expected=got, tries=tries)
+        return state, [store("bump_generation", w.job, got, reply=("bump", seq))]
+    assert w.decision is not None and w.record is not None
+    dec = w.decision.model_copy(update={"generation": got})
+    state, w = update(state, seq, decision=dec, tries=tries)
+    v = w.verdict
+    last_fault = None if v is None else {
+        "fault_class": v.fault_class, "step": pol.fault_step(v), "signature": signature(v),
+        "generation": w.fault_gen, "ts": v.first_ts or v.ts}
+    world: dict[str, Any] = {}
+    if dec.members:
+        new_nodes = {m.node for m in dec.members}
+        world = dict(members=[m.model_dump() for m in dec.members], world_size=dec.world_size,
+                     spare_nodes=[s for s in w.record.spare_nodes if s not in new_nodes])
+    pending = None
+    if dec.execute and dec.action in pol.RECOVERY_ACTIONS:
+        pending = {**dec.to_dict(), "deadline_ns": inp.wall_ns
+                   + int(state.config.decision_timeout_s * 1e9)}
+    return state, [store("commit_decision", w.job, retries_used=dec.retries_used,
+                         last_decision=brief(dec, w.fault_gen), last_fault=last_fault,
+                         stopped=dec.action == "stop_job_notify_user",
+                         pending_decision=pending, **world, reply=("commit", seq))]
+
+
+def on_commit(state, seq, w: Work, inp: Reply, now) -> Out:
+    return _finish(state, seq, now, inp.wall_ns)
+
+
+def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int) -> Out:
+    w = state.work[seq]
+    dec = w.decision
+    assert dec is not None
+    job = w.job
+    state = count(state, "decisions")
+    effects: list[Effect] = [
+        store("audit", job, {"type": "decision", "decision_id": dec.event_id,
+                             "action": dec.action, "generation": dec.generation,
+                             "execute": dec.execute, "mode": dec.mode,
+                             "idempotency_key": dec.idempotency_key, "reason": dec.reason,
+                             "verdict_id": dec.verdict_id, "fault_class": dec.fault_class,
+                             "ranks": dec.ranks, "nodes": dec.nodes,
+                             "world_size": dec.world_size, "ts": dec.ts,
+                             "decision": dec.to_dict()}),
+        Publish(subjects.job(job, "decision"), dec),
+        Log(logging.INFO, f"{job}: {dec.action} (generation {dec.generation}, "
+                          f"execute={dec.execute}): {dec.reason}")]
+    if dec.execute and dec.action in pol.RECOVERY_ACTIONS:
+        state = replace(state, pending={**state.pending, job: Pending(
+            dec, now + state.config.decision_timeout_s)})
+    elif dec.execute:  # a stop supersedes a pending recovery; a flag (none) does not
+        state = without_pending(state, job)
+    if dec.execute and dec.action == "exclude_node_and_requeue" and dec.nodes:
+        state, w = update(state, seq, nodes=tuple(dec.nodes))
+        return state, effects + [_exclude_claim(w, seq)]
+    return done(state, seq), effects
+
+
+# ---- exclusion through the controller ----------------------------------------------------------
+def _exclude_claim(w: Work, seq: int) -> Call:
+    assert w.decision is not None
+    node = w.nodes[0]
+    return store("claim", f"{w.decision.idempotency_key}:exclude:{node}", w.decision.event_id,
+                 reply=("exclude_claim", seq, node))
+
+
+def _next_node(state: RemediatorState, seq: int, effects: list[Effect]) -> Out:
+    state, w = update(state, seq, nodes=state.work[seq].nodes[1:])
+    if not w.nodes:
+        return done(state, seq), effects
+    return state, effects + [_exclude_claim(w, seq)]
+
+
+def on_exclude_claim(state, seq, w: Work, inp: Reply, now) -> Out:
+    if inp.value is not None:  # this exclusion was already carried out
+        return _next_node(state, seq, [])
+    dec = w.decision
+    assert dec is not None
+    # in the background (wait=False): a scheduler's drain can take seconds, and the decision
+    # is committed and published already, so other jobs' inputs need not wait for it
+    return state, [Call("controller", "exclude", (inp.tag[2], w.job, dec.reason),
+                        reply=("exclude", seq, inp.tag[2]), wait=False)]
+
+
+def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
+    """The controller's ``ControllerResult`` (or its error: a failed drain) → action.result."""
+    node, dec = inp.tag[2], w.decision
+    assert dec is not None
+    if inp.error:
+        ok, detail = False, inp.error
+    else:
+        ok, detail = bool(inp.value.ok), str(inp.value.detail)
+    effects: list[Effect] = []
+    if not ok:
+        effects.append(store("audit", w.job, {
+            "type": "controller_failed", "decision_id": dec.event_id, "node": node,
+            "controller": state.controller, "reason": detail, "ts": inp.wall_ns}))
+    effects.append(Publish(subjects.job(w.job, "action"), ActionResult(
+        job=w.job, node=node, trace=dec.child_trace(), decision_id=dec.event_id,
+        idempotency_key=dec.idempotency_key, executor=f"controller:{state.controller}",
+        action="exclude_node_and_requeue", ok=ok, detail=detail,
+        **({"ts": inp.wall_ns} if inp.wall_ns else {}))))
+    return _next_node(state, seq, effects)
+

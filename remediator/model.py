@@ -1,0 +1,139 @@
+"""The remediator reducer's state: settings, the pending decisions of the watchdog, the work in
+flight, and the small pure updates of them that the stages share (``remediator.reducer``)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from trainguard.reducer import Effect, store
+from trainguard.schemas import Decision, JobRecord, Verdict
+
+from . import policy as pol
+
+ENDED = ("stopped", "finished", "failed")
+
+
+@dataclass
+class RemediatorConfig:
+    """Remediator settings.
+
+    * ``decision_timeout_s`` — seconds an executed recovery decision may wait for
+      ``recovery.resumed`` before the watchdog escalates (env ``TG_DECISION_TIMEOUT_S``,
+      default 60 s: well above the worst measured full restart on CPU, ≈ 11 s to spawn 4 gloo
+      ranks, as measured with gloo);
+    * ``controller`` — node controller for exclusions: ``local`` (state store only), ``slurm``
+      or ``kubernetes`` (env ``TG_NODE_CONTROLLER``, default ``local``);
+    * ``policy`` — the ``remediator.policy.Policy`` (default ``DEFAULT_POLICY``).
+    """
+
+    decision_timeout_s: float = field(
+        default_factory=lambda: float(os.environ.get("TG_DECISION_TIMEOUT_S", "60")))
+    controller: str = field(
+        default_factory=lambda: os.environ.get("TG_NODE_CONTROLLER", "local"))
+    policy: pol.Policy = field(default_factory=lambda: pol.DEFAULT_POLICY)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An executed recovery decision the watchdog waits on; ``deadline``: service clock, s."""
+
+    decision: Decision
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Work:
+    """One verdict's (or one escalation's) chain in flight.
+
+    ``verdict`` — None for a watchdog escalation; ``prev``/``why`` — the escalated decision and
+    why; ``record`` — the job record read; ``decision`` — as claimed so far; ``fault_gen`` — the
+    generation the fault happened in; ``expected``/``tries`` — the generation bump;
+    ``nodes`` — nodes still to exclude."""
+
+    job: str
+    verdict: Verdict | None = None
+    prev: Decision | None = None
+    why: str = ""
+    record: JobRecord | None = None
+    decision: Decision | None = None
+    fault_gen: int = 0
+    expected: int = 0
+    tries: int = 0
+    nodes: tuple[str, ...] = ()
+
+
+def _zero_counts() -> dict[str, int]:
+    return {"decisions": 0, "folded": 0, "escalations": 0, "ignored": 0}
+
+
+@dataclass(frozen=True)
+class RemediatorState:
+    """``config`` — the live ``RemediatorConfig`` (read at each step); ``controller`` — the node
+    controller's name (``action.result.executor = controller:<name>``); ``pending`` — job →
+    ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
+    decisions of the job records were re-armed (first ``Tick``)."""
+
+    config: RemediatorConfig = field(default_factory=RemediatorConfig)
+    controller: str = "local"
+    pending: dict[str, Pending] = field(default_factory=dict)
+    work: dict[int, Work] = field(default_factory=dict)
+    seq: int = 0
+    counts: dict[str, int] = field(default_factory=_zero_counts)
+    armed: bool = False
+
+
+Out = tuple[RemediatorState, list[Effect]]
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def start(state: RemediatorState, w: Work) -> tuple[RemediatorState, int]:
+    seq = state.seq + 1
+    return replace(state, seq=seq, work={**state.work, seq: w}), seq
+
+
+def update(state: RemediatorState, seq: int, **changes: Any) -> tuple[RemediatorState, Work]:
+    w = replace(state.work[seq], **changes)
+    return replace(state, work={**state.work, seq: w}), w
+
+
+def done(state: RemediatorState, seq: int) -> RemediatorState:
+    return replace(state, work={k: v for k, v in state.work.items() if k != seq})
+
+
+def count(state: RemediatorState, what: str) -> RemediatorState:
+    return replace(state, counts={**state.counts, what: state.counts.get(what, 0) + 1})
+
+
+def without_pending(state: RemediatorState, job: str) -> RemediatorState:
+    return replace(state, pending={k: v for k, v in state.pending.items() if k != job})
+
+
+def stamp(dec: Decision, wall_ns: int) -> Decision:
+    """The decision with ``ts`` = the input's Unix ns (kept when the input gave none)."""
+    return dec.model_copy(update={"ts": wall_ns}) if wall_ns else dec
+
+
+def owner_of(dec: Decision) -> str:
+    """Claim owner string: ``<decision id>/<action>`` (the action is read back when folding)."""
+    return f"{dec.event_id}/{dec.action}"
+
+
+def owner_action(owner: str) -> str:
+    return owner.rsplit("/", 1)[-1] if "/" in owner else "restart_workers"
+
+
+def brief(dec: Decision, fault_gen: int) -> dict[str, Any]:
+    return {"id": dec.event_id, "action": dec.action, "generation": dec.generation,
+            "fault_generation": fault_gen, "key": dec.idempotency_key, "execute": dec.execute,
+            "ts": dec.ts}
+
+
+def fold(state: RemediatorState, seq: int, w: Work, owner: str | None, why: str,
+         wall_ns: int) -> Out:
+    v = w.verdict
+    assert v is not None
+    return count(done(state, seq), "folded"), [store("audit", w.job, {
+        "type": "folded", "verdict_id": v.event_id, "fault_class": v.fault_class,
+        "culprit": v.culprit.model_dump(), "into": owner or "", "reason": why, "ts": wall_ns})]
+

@@ -1,0 +1,94 @@
+"""The remediator as a reducer: verdict → decision, idempotency, audit, exclusion, watchdog. Pure.
+
+``step(state, input, now) -> (state, effects)`` (``trainguard.reducer``). ``now`` is the service
+clock in seconds (watchdog deadlines); wall-clock fields (a decision's ``ts``, audit ``ts``,
+``pending_decision.deadline_ns``) are the inputs' ``wall_ns`` (Unix ns). Call targets:
+``"state"`` (the ``StateStore``) and ``"controller"`` (the node controller).
+
+A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is ``(stage, seq,
+…)``, ``seq`` numbering the work in flight (``RemediatorState.work``):
+
+1. ``verdict_claim`` — claim ``<job>:verdict:<verdict id>``; held → fold (the same verdict
+   delivered twice is decided once);
+2. ``job`` — read the job record; an ended job (stopped, finished, failed) → fold; else the pure
+   ``policy.decide``;
+3. ``flag_owner`` — a flag (action ``none``) for a generation that already has its decision
+   (``claimed_by("<job>:g<fault generation>")``) → fold;
+4. ``claim`` — claim the decision's idempotency key; held by an action that is not weaker than
+   the table's action for this verdict → fold; else ``escalation_claim`` claims
+   ``<key>:<action>`` (held → fold);
+5. commit (action mode, action other than ``none``): ``bump`` the generation (when another
+   decision moved it, bump from the generation in force, up to 5 tries), ``commit`` the record
+   (``commit_decision``: retries, last fault/decision, the new world, stop, the
+   ``pending_decision`` the watchdog waits on); then in every mode: audit, publish on
+   ``tg.job.<job>.decision``, and watch an executed recovery decision;
+6. exclusion of an executed ``exclude_node_and_requeue``, per node: ``exclude_claim`` claims
+   ``<key>:exclude:<node>`` (held: already carried out), ``exclude`` asks the controller and
+   publishes its ``action.result`` (the controller call runs in the background:
+   ``wait=False``); a failed drain is audited (``controller_failed``) and does
+   not escalate: the job re-ranks without the node anyway.
+
+A stage whose call failed (Valkey gone) ends that work with a ``Log``: nothing is published
+for a decision whose record was not written.
+
+Watchdog: ``pending`` holds one executed recovery decision per job with its deadline
+(``decision_timeout_s`` later). ``recovery.resumed`` with ``generation >=`` the decision's
+clears it; a failing ``action.result`` of an executor (not the controller) or a ``Tick`` past
+the deadline escalates: ``wd_job`` reads the record (a later generation in force: superseded,
+nothing), ``policy.escalate`` gives the next rung of the ladder (none: clear the pending
+record), ``wd_claim`` claims its key, then the commit above. The first ``Tick`` re-arms the
+pending decisions a previous instance left in the job records (``rearm_jobs``, ``rearm_job``;
+an unreadable job list is tried again at the next ``Tick``).
+"""
+from __future__ import annotations
+
+import logging
+
+from trainguard.reducer import Input, Log, Received, Reply, Tick
+from trainguard.schemas import ActionResult, TrainingResumed, Verdict
+
+from . import decisions as d
+from . import watchdog as wd
+from .model import Out, Pending, RemediatorConfig, RemediatorState, Work, done
+
+__all__ = ["RemediatorConfig", "RemediatorState", "Pending", "Work", "step"]
+
+
+def step(state: RemediatorState, inp: Input, now: float) -> Out:
+    """One input: a verdict, action result or resume (``Received``), a ``Tick``, a ``Reply``."""
+    if isinstance(inp, Received):
+        ev = inp.event
+        if isinstance(ev, Verdict):
+            return d.on_verdict(state, inp.subject, ev, inp.wall_ns)
+        if isinstance(ev, ActionResult):
+            return wd.on_action(state, ev, inp.wall_ns)
+        if isinstance(ev, TrainingResumed):
+            return wd.on_resumed(state, ev)
+        return state, []
+    if isinstance(inp, Tick):
+        return wd.on_tick(state, now, inp.wall_ns)
+    if isinstance(inp, Reply) and isinstance(inp.tag, tuple) and inp.tag:
+        if inp.tag[0] in ("rearm_jobs", "rearm_job"):
+            return wd.on_rearm(state, inp, now)
+        seq = inp.tag[1] if len(inp.tag) > 1 else None
+        w = state.work.get(seq)  # type: ignore[arg-type]
+        handler = _STAGES.get(inp.tag[0])
+        if w is None or handler is None:
+            return state, []
+        if inp.error and inp.tag[0] != "exclude":
+            return done(state, seq), [Log(logging.WARNING, (
+                f"{w.job}: {inp.tag[0]} failed ({inp.error}); "
+                + (f"verdict {w.verdict.event_id}" if w.verdict else "watchdog escalation")
+                + " not carried further"))]
+        return handler(state, seq, w, inp, now)
+    return state, []
+
+
+#: Reply tag → the stage it completes (``tag = (stage, seq, …)``).
+_STAGES = {
+    "verdict_claim": d.on_verdict_claim, "job": d.on_job, "flag_owner": d.on_flag_owner,
+    "claim": d.on_claim, "escalation_claim": d.on_escalation_claim, "bump": d.on_bump,
+    "commit": d.on_commit, "exclude_claim": d.on_exclude_claim, "exclude": d.on_exclude,
+    "wd_job": wd.on_wd_job, "wd_claim": wd.on_wd_claim,
+}
+

@@ -1,0 +1,429 @@
+"""The remediator's reducer as a table, without servers: ``run_offline`` drives
+``remediator.reducer.step`` and a small in-memory store answers its calls (claim: the previous
+owner or None; job: a ``JobRecord``; bump_generation; commit_decision; the controller)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from trainguard import schemas
+from trainguard.controllers import ControllerResult
+from trainguard.reducer import Call, Log, Publish, Received, Tick, run_offline
+from trainguard.remediator import reducer
+from trainguard.remediator.reducer import RemediatorConfig, RemediatorState
+from trainguard.schemas import (ActionResult, Decision, JobRecord, TrainingResumed, Verdict,
+                                subjects)
+
+MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
+           {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
+WALL = 1_700_000_000 * 10**9  # Unix ns of the inputs
+
+
+def record(**kw) -> JobRecord:
+    fields = dict(mode="action", generation=0, world_size=4, min_world_size=2, retry_budget=5,
+                  retries_used=0, members=copy.deepcopy(MEMBERS), status="running")
+    fields.update(kw)
+    return JobRecord(**fields)
+
+
+class Store:
+    """In-memory answerer of the reducer's calls, with the semantics of ``StateStore``."""
+
+    def __init__(self, **records: JobRecord):
+        self.records = dict(records)
+        self.claims: dict[str, str] = {}
+        self.controller: dict[str, object] = {}  # node -> ControllerResult or an exception
+        self.fail: set[str] = set()               # methods that raise ConnectionError
+        self.excluded: list[str] = []
+
+    def __call__(self, call: Call):
+        if call.method in self.fail:
+            raise ConnectionError(f"{call.method}: valkey gone")
+        if call.target == "controller":
+            node = call.args[0]
+            self.excluded.append(node)
+            res = self.controller.get(node, ControllerResult(True, f"node {node} excluded"))
+            if isinstance(res, Exception):
+                raise res
+            return res
+        assert call.target == "state"
+        return getattr(self, call.method)(*call.args, **call.kwargs)
+
+    def claim(self, key, owner):
+        prev = self.claims.get(key)
+        if prev is None:
+            self.claims[key] = owner
+        return prev
+
+    def claimed_by(self, key):
+        return self.claims.get(key)
+
+    def job(self, job):
+        return copy.deepcopy(self.records.get(job, JobRecord()))
+
+    def jobs(self):
+        return sorted(self.records)
+
+    def bump_generation(self, job, expected):
+        rec = self.records[job]
+        if rec.generation == expected:
+            rec.generation += 1
+        return rec.generation
+
+    def commit_decision(self, job, *, retries_used, last_decision, last_fault=None,
+                        members=None, world_size=None, spare_nodes=None, stopped=False,
+                        pending_decision=None):
+        rec = self.records[job]
+        rec.retries_used, rec.last_decision = retries_used, last_decision
+        rec.pending_decision = pending_decision
+        for k, v in dict(last_fault=last_fault, members=members, world_size=world_size,
+                         spare_nodes=spare_nodes).items():
+            if v is not None:
+                setattr(rec, k, v)
+        if stopped:
+            rec.status = "stopped"
+
+
+def run(store, inputs, state=None, timeout_s=60.0):
+    state = state or RemediatorState(config=RemediatorConfig(decision_timeout_s=timeout_s,
+                                                             controller="local"),
+                                     armed=True)
+    return run_offline(reducer.step, state, inputs, store)
+
+
+def verdict_in(v: Verdict, now=0.0):
+    return (now, Received(subjects.job(v.job, "verdict"), v, WALL + int(now * 1e9)))
+
+
+def crash(job="j", rank=1, gen=0):
+    return Verdict(job=job, fault_class="crash", layer="unknown", culprit={"ranks": [rank]},
+                   generation=gen, first_ts=1000)
+
+
+def node_lost(job="j", node="n2", gen=0):
+    return Verdict(job=job, fault_class="node_lost", layer="infrastructure",
+                   culprit={"nodes": [node]}, generation=gen, first_ts=2000)
+
+
+def published(effects, kind=Decision):
+    return [e.event for e in effects if isinstance(e, Publish) and isinstance(e.event, kind)]
+
+
+def calls(effects, method):
+    return [e for e in effects if isinstance(e, Call) and e.method == method]
+
+
+def audits(effects, type_=None):
+    recs = [c.args[1] for c in calls(effects, "audit")]
+    return [r for r in recs if type_ is None or r["type"] == type_]
+
+
+# ---- fold or decide -----------------------------------------------------------------------------
+def test_one_decision_then_the_same_verdict_is_folded():
+    st = Store(j=record())
+    v = crash(rank=3)
+    state, eff = run(st, [verdict_in(v), verdict_in(v, 1.0)])
+    [d] = published(eff)
+    assert (d.action, d.generation, d.execute, d.ranks, d.nodes, d.idempotency_key) == (
+        "restart_workers", 1, True, [3], ["n2"], "j:g0")
+    assert d.ts == WALL  # wall-clock fields from the input
+    assert st.claims[f"j:verdict:{v.event_id}"] == "remediator"
+    assert st.claims["j:g0"] == f"{d.event_id}/restart_workers"
+    rec = st.records["j"]
+    assert rec.generation == 1 and rec.retries_used == 1
+    assert rec.last_fault["generation"] == 0 and rec.last_fault["fault_class"] == "crash"
+    assert rec.pending_decision["event_id"] == d.event_id
+    assert rec.pending_decision["deadline_ns"] == WALL + 60 * 10**9
+    [dec_rec, fold] = audits(eff)
+    assert dec_rec["type"] == "decision" and dec_rec["decision_id"] == d.event_id
+    assert fold["type"] == "folded" and fold["reason"] == "this verdict was already handled"
+    assert state.counts == {"decisions": 1, "folded": 1, "escalations": 0, "ignored": 0}
+    assert state.pending["j"].decision.event_id == d.event_id
+    assert state.pending["j"].deadline == pytest.approx(60.0)
+    assert state.work == {}
+
+
+@pytest.mark.parametrize("status", ["stopped", "finished", "failed"])
+def test_an_ended_job_is_folded(status):
+    st = Store(j=record(status=status))
+    state, eff = run(st, [verdict_in(crash())])
+    assert published(eff) == [] and "j:g0" not in st.claims
+    [fold] = audits(eff)
+    assert fold["type"] == "folded" and fold["reason"] == f"job is {status}: no further decisions"
+    assert calls(eff, "bump_generation") == [] and state.counts["folded"] == 1
+
+
+def test_a_flag_for_a_decided_generation_is_folded():
+    st = Store(j=record())
+    slow = Verdict(job="j", fault_class="straggler", layer="unknown",
+                   culprit={"ranks": [3], "nodes": ["n2"]}, generation=0)
+    state, eff = run(st, [verdict_in(crash()), verdict_in(slow, 1.0)])
+    assert [d.action for d in published(eff)] == ["restart_workers"]
+    [asked] = calls(eff, "claimed_by")
+    assert asked.args == ("j:g0",)
+    fold = audits(eff, "folded")[0]
+    assert fold["reason"] == "generation already decided (restart_workers)"
+    assert fold["into"].endswith("/restart_workers")
+    # the same flag for an undecided generation is published (action none, not executed)
+    st2 = Store(j=record())
+    _, eff2 = run(st2, [verdict_in(slow)])
+    [flag] = published(eff2)
+    assert (flag.action, flag.execute, flag.generation) == ("none", False, 0)
+    assert calls(eff2, "bump_generation") == [] and calls(eff2, "commit_decision") == []
+
+
+@pytest.mark.parametrize("second", [
+    crash(rank=2),                                                      # equal action
+    Verdict(job="j", fault_class="app_exception", layer="application",  # weaker action
+            culprit={"ranks": [1]}, generation=0),
+])
+def test_same_generation_weaker_or_equal_action_is_folded(second):
+    st = Store(j=record())
+    state, eff = run(st, [verdict_in(crash()), verdict_in(second, 1.0)])
+    assert len(published(eff)) == 1 and st.records["j"].generation == 1
+    fold = audits(eff, "folded")[0]
+    assert fold["reason"] == "generation already decided (restart_workers)"
+    assert fold["verdict_id"] == second.event_id
+    assert not any(k.startswith("j:g0:") for k in st.claims)
+
+
+def test_stronger_action_escalates_with_its_own_key_and_the_next_generation():
+    st = Store(j=record())
+    state, eff = run(st, [verdict_in(crash(rank=2)), verdict_in(node_lost(), 1.0)])
+    first, second = published(eff)
+    assert (second.action, second.generation) == ("exclude_node_and_requeue", 2)
+    assert second.idempotency_key == "j:g0:exclude_node_and_requeue"
+    assert "stronger than the restart_workers" in second.reason
+    assert st.claims["j:g0:exclude_node_and_requeue"] == (
+        f"{second.event_id}/exclude_node_and_requeue")
+    assert [(m.rank, m.node) for m in second.members] == [(0, "n1"), (1, "n1")]
+    rec = st.records["j"]
+    assert rec.generation == 2 and rec.world_size == 2
+    assert [m["node"] for m in rec.members] == ["n1", "n1"]
+
+
+def test_an_escalation_already_decided_is_folded():
+    st = Store(j=record())
+    st.claims["j:g0:exclude_node_and_requeue"] = "other/exclude_node_and_requeue"
+    state, eff = run(st, [verdict_in(crash(rank=2)), verdict_in(node_lost(), 1.0)])
+    assert [d.action for d in published(eff)] == ["restart_workers"]
+    fold = audits(eff, "folded")[0]
+    assert fold["reason"] == "escalation already decided (exclude_node_and_requeue)"
+    assert st.excluded == [] and st.records["j"].generation == 1
+
+
+def test_observe_mode_changes_no_job_field():
+    st = Store(j=record(mode="observe"))
+    before = copy.deepcopy(st.records["j"])
+    state, eff = run(st, [verdict_in(node_lost(node="n1")), verdict_in(crash(rank=3), 1.0)])
+    assert [(d.action, d.execute, d.mode) for d in published(eff)] == [
+        ("exclude_node_and_requeue", False, "observe"), ("restart_workers", False, "observe")]
+    assert calls(eff, "bump_generation") == [] and calls(eff, "commit_decision") == []
+    assert st.records["j"] == before and st.excluded == [] and state.pending == {}
+    assert [r["type"] for r in audits(eff)] == ["decision", "decision"]
+
+
+def test_bump_retries_from_the_generation_in_force():
+    st = Store(j=record())
+    real_job = st.job
+
+    def stale(job):  # the record as read before another decision moved the generation to 3
+        rec = real_job(job)
+        return dataclasses.replace(rec, generation=0)
+
+    st.job = stale
+    st.records["j"].generation = 3
+    _, eff = run(st, [verdict_in(crash())])
+    assert [c.args for c in calls(eff, "bump_generation")] == [("j", 0), ("j", 3)]
+    [d] = published(eff)
+    assert d.generation == 4 and st.records["j"].generation == 4
+
+
+def test_a_failed_record_write_publishes_nothing():
+    st = Store(j=record())
+    st.fail.add("commit_decision")
+    state, eff = run(st, [verdict_in(crash())])
+    assert published(eff) == [] and audits(eff) == [] and state.pending == {}
+    assert any(isinstance(e, Log) and "commit failed" in e.message for e in eff)
+    assert state.work == {}
+
+
+# ---- exclusion through the controller --------------------------------------------------------------
+def test_exclusion_calls_the_controller_once_per_node_and_publishes_its_result():
+    st = Store(j=record(min_world_size=1))
+    gpu = Verdict(job="j", fault_class="gpu_xid", layer="hardware",
+                  culprit={"nodes": ["n1", "n2"]}, generation=0)
+    state, eff = run(st, [verdict_in(gpu)])
+    [d] = published(eff)
+    assert d.action == "stop_job_notify_user"  # no node left: min_world_size 1 > 0
+    st = Store(j=record(min_world_size=2))
+    state, eff = run(st, [verdict_in(node_lost(node="n2")),
+                          verdict_in(node_lost(node="n2").model_copy(
+                              update={"event_id": schemas.new_event_id()}), 1.0)])
+    [d] = published(eff)
+    assert st.excluded == ["n2"]
+    [ctl] = [c for c in eff if isinstance(c, Call) and c.target == "controller"]
+    assert ctl.method == "exclude" and ctl.args == ("n2", "j", d.reason)
+    assert ctl.wait is False  # a slow drain holds up no other input
+    [ar] = published(eff, ActionResult)
+    assert (ar.ok, ar.node, ar.executor, ar.decision_id, ar.idempotency_key) == (
+        True, "n2", "controller:local", d.event_id, d.idempotency_key)
+    assert st.claims[f"{d.idempotency_key}:exclude:n2"] == d.event_id
+    assert audits(eff, "controller_failed") == []
+
+
+def test_an_exclusion_already_carried_out_is_not_repeated():
+    st = Store(j=record())
+    v = node_lost(node="n2")
+    # a previous instance claimed the exclusion of n2 under the key this decision gets
+    st.claims["j:g0:exclude:n2"] = "previous"
+    state, eff = run(st, [verdict_in(v)])
+    assert len(published(eff)) == 1
+    assert st.excluded == [] and published(eff, ActionResult) == []
+
+
+@pytest.mark.parametrize("failure", [ControllerResult(False, "scontrol not found"),
+                                     RuntimeError("api server down")])
+def test_a_failed_drain_is_audited_not_escalated(failure):
+    st = Store(j=record())
+    st.controller["n2"] = failure
+    state, eff = run(st, [verdict_in(node_lost())])
+    [d] = published(eff)
+    [ar] = published(eff, ActionResult)
+    assert not ar.ok
+    assert ar.detail == ("scontrol not found" if isinstance(failure, ControllerResult)
+                         else "RuntimeError: api server down")
+    [failed] = audits(eff, "controller_failed")
+    assert (failed["node"], failed["controller"], failed["decision_id"]) == (
+        "n2", "local", d.event_id)
+    assert "j" in state.pending
+    # the controller's own failed result does not escalate either
+    state, eff = run(st, [(1.0, Received(subjects.job("j", "action"), ar, WALL))], state)
+    assert published(eff) == [] and "j" in state.pending
+
+
+# ---- watchdog ---------------------------------------------------------------------------------------
+def test_watchdog_deadline_escalates_along_the_ladder():
+    st = Store(j=record(min_world_size=4))
+    state, eff = run(st, [verdict_in(crash(rank=2)), (0.2, Tick(WALL)), (0.31, Tick(WALL))],
+                     timeout_s=0.3)
+    restart, stop = published(eff)
+    assert (restart.action, restart.generation) == ("restart_workers", 1)
+    # exclude n2 would leave 2 < 4 ranks: the rung after the restart becomes a stop
+    assert (stop.action, stop.generation, stop.idempotency_key) == (
+        "stop_job_notify_user", 2, "j:g0:wd")
+    assert "watchdog" in stop.reason and "min_world_size 4" in stop.reason
+    assert "within 0.3 s" in stop.reason
+    assert state.counts["escalations"] == 1 and state.pending == {}
+    assert st.records["j"].status == "stopped"
+
+
+def test_watchdog_ladder_restart_exclude_stop():
+    st = Store(j=record(min_world_size=2))
+    state, eff = run(st, [verdict_in(crash(rank=2)), (1.1, Tick(WALL)), (2.2, Tick(WALL)),
+                          (3.3, Tick(WALL))], timeout_s=1.0)
+    assert [(d.action, d.generation) for d in published(eff)] == [
+        ("restart_workers", 1), ("exclude_node_and_requeue", 2), ("stop_job_notify_user", 3)]
+    assert [d.idempotency_key for d in published(eff)] == ["j:g0", "j:g0:wd", "j:g0:wd:wd"]
+    assert st.excluded == ["n2"] and state.counts["escalations"] == 2
+
+
+def test_resumed_clears_and_an_older_generation_does_not():
+    st = Store(j=record())
+    state, eff = run(st, [verdict_in(crash())])
+    old = TrainingResumed(job="j", rank=0, generation=0, world_size=4,
+                          restored_step=10, resumed_step=11)
+    state, eff = run(st, [(1.0, Received(subjects.job("j", "recovery"), old, WALL))], state)
+    assert "j" in state.pending and eff == []
+    new = TrainingResumed(job="j", rank=0, generation=1, world_size=4,
+                          restored_step=10, resumed_step=11)
+    state, eff = run(st, [(1.0, Received(subjects.job("j", "recovery"), new, WALL)),
+                          (100.0, Tick(WALL))], state)
+    assert state.pending == {}
+    assert [c.args for c in calls(eff, "clear_pending")] == [("j",)]
+    assert published(eff) == []  # no escalation after the deadline
+
+
+def test_a_failed_action_result_escalates_at_once():
+    st = Store(j=record())
+    state, eff = run(st, [verdict_in(crash(rank=3))])
+    [d] = published(eff)
+    bad = ActionResult(job="j", decision_id=d.event_id, idempotency_key=d.idempotency_key,
+                       executor="launcher:n2", action="restart_workers", ok=False,
+                       detail="spawn failed")
+    state, eff = run(st, [(1.0, Received(subjects.job("j", "action"), bad, WALL))], state)
+    [d2] = published(eff)
+    assert (d2.action, d2.nodes, d2.generation) == ("exclude_node_and_requeue", ["n2"], 2)
+    assert "spawn failed" in d2.reason
+    # a result of another decision escalates nothing
+    other = bad.model_copy(update={"decision_id": "x", "idempotency_key": "y"})
+    _, eff = run(st, [(2.0, Received(subjects.job("j", "action"), other, WALL))], state)
+    assert published(eff) == []
+
+
+def test_a_superseded_generation_does_not_escalate():
+    st = Store(j=record())
+    state, eff = run(st, [verdict_in(crash())])
+    st.records["j"].generation = 5  # a later decision (or a new run) moved it
+    state, eff = run(st, [(100.0, Tick(WALL))], state)
+    assert published(eff) == [] and calls(eff, "claim") == [] and state.pending == {}
+    assert [c.args for c in calls(eff, "job")] == [("j",)]
+
+
+def test_rearm_after_a_restart():
+    st = Store(j=record())
+    _, eff = run(st, [verdict_in(crash(rank=3))])
+    [d] = published(eff)
+    # a new instance: the first tick re-arms from the record, deadline_ns - wall_ns left
+    st.records["j"].pending_decision["deadline_ns"] = WALL + 5 * 10**9
+    fresh = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local"))
+    state, eff = run(st, [(10.0, Tick(WALL)), (14.0, Tick(WALL + 4 * 10**9))], fresh)
+    assert [c.method for c in eff if isinstance(c, Call)] == ["jobs", "job"]
+    assert state.armed and state.pending["j"].decision.event_id == d.event_id
+    assert state.pending["j"].deadline == pytest.approx(15.0)
+    state, eff = run(st, [(15.0, Tick(WALL))], state)
+    [esc] = published(eff)
+    assert esc.action == "exclude_node_and_requeue" and esc.idempotency_key == "j:g0:wd"
+    # the re-armed instance folds the verdict it did not decide
+    state, eff = run(st, [verdict_in(crash(rank=0), 16.0)], state)
+    assert published(eff) == [] and state.counts["folded"] == 1
+
+
+def test_rearm_skips_an_unreadable_record():
+    st = Store(j=record(pending_decision={"schema": "nope"}), k=record())
+    fresh = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local"))
+    state, eff = run(st, [(0.0, Tick(WALL))], fresh)
+    assert state.pending == {} and state.armed
+    assert any(isinstance(e, Log) and "j: unreadable pending decision" in e.message for e in eff)
+
+
+def test_inputs_are_not_changed():
+    st = Store(j=record())
+    v = crash(rank=3).model_copy(update={"job": None})
+    before = v.model_dump()
+    run(st, [verdict_in(crash(rank=3)), (0.5, Received("tg.job.j.verdict", v, WALL))])
+    assert v.model_dump() == before  # the job is taken from the subject on a copy
+
+
+def test_rearm_is_tried_again_when_the_job_list_is_unreadable():
+    st = Store(j=record(pending_decision={**Decision(
+        job="j", action="restart_workers", idempotency_key="j:g0", generation=1).to_dict(),
+        "deadline_ns": WALL + 10**9}))
+    st.fail.add("jobs")
+    fresh = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local"))
+    state, eff = run(st, [(0.0, Tick(WALL))], fresh)
+    assert not state.armed and state.pending == {}
+    assert any(isinstance(e, Log) and "job list unreadable" in e.message for e in eff)
+    st.fail.clear()
+    state, eff = run(st, [(0.1, Tick(WALL))], state)
+    assert state.armed and state.pending["j"].deadline == pytest.approx(1.1)
+
+
+def test_step_leaves_the_state_it_was_given_alone():
+    st = Store(j=record())
+    s1, _ = run(st, [verdict_in(crash(rank=3))])
+    snap = copy.deepcopy(s1)
+    s2, eff = run(st, [verdict_in(node_lost(), 1.0), (100.0, Tick(WALL))], s1)
+    assert s1 == snap and s2 != s1 and len(published(eff)) >= 1
