@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import nats
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from trainguard import schemas
 from trainguard.schemas import DecodeError, Event, subjects
 
+from .auth import redact
 from .errors import ServerUnreachable
 
 log = logging.getLogger("trainguard.bus")
@@ -39,6 +40,42 @@ STREAMS: tuple[tuple[str, list[str], float], ...] = (
     ("TG_TELEMETRY", ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"], 3600.0),
     ("TG_DLQ", ["tg.dlq.>"], 7 * 86400.0),
 )
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Size bounds of one stream (bytes); the oldest messages go first when ``max_bytes`` is
+    reached (discard old), so a flood costs history, never the disk."""
+
+    max_bytes: int
+    max_msg_size: int
+    reason: str
+
+
+#: Bounds of each stream of ``STREAMS`` (its age limit is there). A stream over its bound drops
+#: its oldest messages; the JetStream store of the embedded NATS is capped at their sum plus a
+#: margin (``streams_max_bytes``).
+STREAM_LIMITS: dict[str, StreamLimits] = {
+    "TG_EVENTS": StreamLimits(1024 * MiB, 1 * MiB,
+                              "a week of faults, decisions and logs of a busy cluster is tens of "
+                              "MiB; a message is at most the server's payload limit"),
+    "TG_TELEMETRY": StreamLimits(256 * MiB, 256 * 1024,
+                                 "an hour of heartbeats and telemetry of ~1,000 ranks and ~100 "
+                                 "nodes; a telemetry sample is a few KiB"),
+    "TG_DLQ": StreamLimits(64 * MiB, 16 * 1024,
+                           "dead letters keep the reason headers and a 1 KiB prefix "
+                           "(``DLQ_PREFIX_BYTES``): enough to see what was sent, never a copy"),
+}
+
+#: How much of an undecodable message its dead letter keeps (bytes); headers carry its size.
+DLQ_PREFIX_BYTES = 1024
+
+
+def streams_max_bytes(limits: dict[str, StreamLimits] | None = None) -> int:
+    """Sum of the streams' ``max_bytes`` (bytes): what the JetStream store may hold."""
+    return sum(lim.max_bytes for lim in (limits or STREAM_LIMITS).values())
 
 
 @dataclass
@@ -72,7 +109,7 @@ class Bus:
 
         async def _err(e: Exception) -> None:
             last[:] = [str(e) or type(e).__name__]
-            self._log_once(f"conn:{type(e).__name__}", "bus %s: %s", self.url, e)
+            self._log_once(f"conn:{type(e).__name__}", "bus %s: %s", redact(self.url), e)
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -87,7 +124,7 @@ class Bus:
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
                 if not retry or loop.time() >= deadline:
                     why = last[0] if last else str(exc) or type(exc).__name__
-                    raise ServerUnreachable("NATS", self.url, why, "NATS_URL") from None
+                    raise ServerUnreachable("NATS", redact(self.url), why, "NATS_URL") from None
                 await asyncio.sleep(0.2)
         return self
 
@@ -162,25 +199,34 @@ class Bus:
             return None
 
     async def dead_letter(self, subject: str, data: bytes, exc: DecodeError) -> None:
-        """Count, log once per kind, and republish a bad message to ``tg.dlq.<name>``."""
+        """Count, log once per kind, and republish a bad message to ``tg.dlq.<name>``: the
+        reason in headers and the first ``DLQ_PREFIX_BYTES`` of the payload, never a whole copy
+        (a flood of large bad messages must not double on disk)."""
         self.stats.bad[exc.kind] += 1
         self._log_once(f"bad:{exc.kind}", "%s: bad message on %s (%s): %s — sent to %s",
                        self.name, subject, exc.kind, exc, subjects.dead_letter(self.name))
-        await self.publish_raw(subjects.dead_letter(self.name), data,
+        await self.publish_raw(subjects.dead_letter(self.name), data[:DLQ_PREFIX_BYTES],
                                headers={"Tg-Error-Kind": exc.kind, "Tg-Error": str(exc)[:500],
-                                        "Tg-Subject": subject})
+                                        "Tg-Subject": subject[:256], "Tg-Size": str(len(data)),
+                                        "Tg-Truncated": str(len(data) > DLQ_PREFIX_BYTES)})
 
     async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0) -> bytes:
         assert self.nc is not None
         msg = await self.nc.request(subject, payload, timeout=timeout)
         return msg.data
 
-    async def ensure_streams(self) -> None:
-        """Create (or update) the JetStream streams in ``STREAMS``; idempotent."""
+    async def ensure_streams(self, limits: dict[str, StreamLimits] | None = None) -> None:
+        """Create (or update) the JetStream streams in ``STREAMS`` with their age limit and the
+        size bounds of ``limits`` (default ``STREAM_LIMITS``); idempotent. Needs the ``admin``
+        role (stream creation is nobody else's)."""
         assert self.nc is not None
         js = self.nc.jetstream()
+        limits = limits or STREAM_LIMITS
         for name, subs, max_age in STREAMS:
+            lim = limits[name]
             cfg = StreamConfig(name=name, subjects=subs, max_age=max_age,
+                               max_bytes=lim.max_bytes, max_msg_size=lim.max_msg_size,
+                               discard=DiscardPolicy.OLD,
                                retention=RetentionPolicy.LIMITS, storage=StorageType.FILE)
             try:
                 await js.add_stream(cfg)

@@ -8,7 +8,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "up": ("trainguard.stack", "Start NATS, Valkey and every service locally; Ctrl-C stops all."),
+    "up": ("trainguard.up", "Start NATS, Valkey and every service locally; Ctrl-C stops all."),
     "launch": ("trainguard.launcher", "Start the ranks of one node (torchrun-compatible)."),
     "demo": ("trainguard.demo", "Train a real model under injected faults and report recovery."),
     "diagnose": ("trainguard.diagnose", "Attribute saved job logs / dmesg offline."),

@@ -16,10 +16,17 @@ Use::
 ``trainguard up`` prints one line ``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` on stdout
 (the rest goes to stderr), runs until Ctrl-C or SIGTERM, restarts a service that dies (at most
 ``--max-restarts`` times each), then stops everything, leaving no process behind.
+
+Security (``trainguard.auth``): the embedded servers require a user; each service connects as
+its role (URLs with credentials in its environment, never on a command line that ``ps`` shows),
+the printed line carries the ``worker`` role's URLs (what a launcher needs), and
+``<data dir>/env/<role>.env`` holds each role's. ``Stack.nats_url``/``redis_url`` are ``admin``'s.
+State: ``trainguard up`` keeps credentials, the JetStream store and Valkey's AOF in
+``--data-dir`` (default ``$XDG_STATE_HOME/trainguard``) across a stop/start; ``--ephemeral`` (and
+``Stack`` by default: the demo, the tests) uses a temporary directory removed on stop.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
 import json
@@ -36,8 +43,8 @@ from typing import Any, Callable, Sequence
 
 from trainguard.schemas import subjects
 
+from .auth import ROLES
 from .embedded import EmbeddedServers, _die_with_parent, free_port
-from .errors import ServerUnreachable
 from .service import health_subject
 
 #: The services of the design, in start order.
@@ -47,18 +54,20 @@ DEFAULT_SERVICES = ("agent", "detector", "attributor", "remediator", "checkpoint
 @dataclass(frozen=True)
 class ServiceSpec:
     """How to run one service: the package run with ``python -m``; ``per_node`` services run
-    once per node name with ``--node NAME`` and are named ``<name>-<node>``."""
+    once per node name with ``--node NAME`` and are named ``<name>-<node>``; ``role``: the
+    ``trainguard.auth`` role it connects as."""
 
     module: str
+    role: str
     per_node: bool = False
 
 
 SERVICE_SPECS: dict[str, ServiceSpec] = {
-    "agent": ServiceSpec("trainguard.agents", per_node=True),
-    "detector": ServiceSpec("trainguard.detector"),
-    "attributor": ServiceSpec("trainguard.attributor"),
-    "remediator": ServiceSpec("trainguard.remediator"),
-    "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator"),
+    "agent": ServiceSpec("trainguard.agents", "agent", per_node=True),
+    "detector": ServiceSpec("trainguard.detector", "detector"),
+    "attributor": ServiceSpec("trainguard.attributor", "attributor"),
+    "remediator": ServiceSpec("trainguard.remediator", "remediator"),
+    "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator", "checkpoint_validator"),
 }
 
 
@@ -122,19 +131,25 @@ class Stack:
     * ``grace_s`` — seconds between SIGTERM and SIGKILL when stopping;
     * ``kernel_log_dir`` — when set, each agent follows ``<dir>/kernel-<node>.log`` instead of
       the host's kernel log (simulated nodes on one machine: the demo and tests append real
-      ``NVRM: Xid`` lines there).
+      ``NVRM: Xid`` lines there);
+    * ``data_dir`` — embedded servers keep credentials and data there across starts (None: a
+      temporary directory removed on stop); ``auth`` — embedded servers require the users of
+      ``trainguard.auth``; ``rotate_credentials`` — new passwords for every role.
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
                  services: Sequence[str] = DEFAULT_SERVICES,
                  agent_nodes: Sequence[str] | None = None, rendezvous: bool = True,
                  log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None):
+                 grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None,
+                 data_dir: str | os.PathLike | None = None, auth: bool = True,
+                 rotate_credentials: bool = False):
         unknown = [s for s in services if s not in SERVICE_SPECS]
         if unknown:
             raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
                              f"{', '.join(SERVICE_SPECS)}")
-        self._servers = EmbeddedServers(nats_url, redis_url)
+        self._servers = EmbeddedServers(nats_url, redis_url, data_dir=data_dir, auth=auth,
+                                        rotate=rotate_credentials)
         self.services = tuple(services)
         self.agent_nodes = tuple(agent_nodes or (subjects.default_node(),))
         self.rendezvous = rendezvous
@@ -144,6 +159,7 @@ class Stack:
         self.kernel_log_dir = Path(kernel_log_dir) if kernel_log_dir else None
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}
+        self.roles: dict[str, str | None] = {}  # process name -> auth role (None: no servers)
         self.rdzv_endpoint = ""
         self._rdzv_log_offset = 0
         self._started = False
@@ -151,38 +167,58 @@ class Stack:
     # ---- URLs ------------------------------------------------------------------------------------
     @property
     def nats_url(self) -> str:
+        """NATS URL of the ``admin`` role (the given one when not embedded)."""
         return self._servers.nats_url
 
     @property
     def redis_url(self) -> str:
+        """Valkey URL of the ``admin`` role (the given one when not embedded)."""
         return self._servers.redis_url
 
-    def env_exports(self) -> str:
-        """``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` (for a shell)."""
-        return (f"export NATS_URL={self.nats_url} REDIS_URL={self.redis_url} "
+    def urls(self, role: str) -> tuple[str, str]:
+        """``(nats_url, redis_url)`` of ``role`` (see ``trainguard.auth.ROLES``)."""
+        if role not in ROLES:
+            raise KeyError(f"no role {role!r}: choose from {', '.join(ROLES)}")
+        return self._servers.urls(role)
+
+    @property
+    def data_dir(self) -> Path | None:
+        """Where the embedded servers keep credentials and data (None before start)."""
+        return self._servers.dir
+
+    def env_exports(self, role: str = "worker") -> str:
+        """``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` of ``role`` (for a shell)."""
+        nats_url, redis_url = self.urls(role)
+        return (f"export NATS_URL={nats_url} REDIS_URL={redis_url} "
                 f"TG_RDZV_ENDPOINT={self.rdzv_endpoint}")
 
     # ---- children ---------------------------------------------------------------------------------
-    def _child_env(self) -> dict[str, str]:
-        env = {**os.environ, **self.env, "NATS_URL": self.nats_url, "REDIS_URL": self.redis_url,
-               "PYTHONUNBUFFERED": "1"}
+    def _child_env(self, role: str | None) -> dict[str, str]:
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env.pop("NATS_URL", None)
+        env.pop("REDIS_URL", None)
+        if role is not None:
+            env["NATS_URL"], env["REDIS_URL"] = self.urls(role)
         if self.rdzv_endpoint:
             env["TG_RDZV_ENDPOINT"] = self.rdzv_endpoint
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         return env
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], role: str | None) -> subprocess.Popen:
+        """Start child ``name``; its URLs (with ``role``'s credentials) go in its environment,
+        which other users cannot read, unlike a command line."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=self._child_env(),
+                                    stderr=subprocess.STDOUT, env=self._child_env(role),
                                     preexec_fn=_die_with_parent)
         finally:
             log.close()
         self.procs[name] = proc
         self.commands[name] = cmd
+        self.roles[name] = role
         return proc
 
     def service_names(self) -> list[str]:
@@ -195,19 +231,18 @@ class Stack:
                 out.append(s)
         return out
 
-    def _service_cmd(self, name: str) -> list[str]:
+    def _service_cmd(self, name: str) -> tuple[list[str], str]:
+        """Command line and auth role of service process ``name`` (URLs: ``_child_env``)."""
         for s in self.services:
             spec = SERVICE_SPECS[s]
             if spec.per_node and name.startswith(f"{s}-"):
                 node = name[len(s) + 1:]
-                cmd = [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
-                       "--redis-url", self.redis_url, "--node", node]
+                cmd = [sys.executable, "-m", spec.module, "--node", node]
                 if self.kernel_log_dir is not None:
                     cmd += ["--kmsg", str(self.kernel_log_path(node))]
-                return cmd
+                return cmd, spec.role
             if name == s:
-                return [sys.executable, "-m", spec.module, "--nats-url", self.nats_url,
-                        "--redis-url", self.redis_url]
+                return [sys.executable, "-m", spec.module], spec.role
         raise KeyError(f"no service process named {name!r}; running: {', '.join(self.procs)}")
 
     def kernel_log_path(self, node: str) -> Path:
@@ -230,7 +265,7 @@ class Stack:
             _run_async(self._ensure_streams)
             rdzv = self._start_rendezvous()
             for name in self.service_names():
-                self._spawn(name, self._service_cmd(name))
+                self._spawn(name, *self._service_cmd(name))
             if rdzv is not None:
                 self._wait_rendezvous(rdzv, deadline)
             self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
@@ -260,7 +295,7 @@ class Stack:
         # logs are appended across runs: only what this store prints counts as its answer
         self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
         return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
-                                          "--host", "127.0.0.1", "--port", str(port)])
+                                          "--host", "127.0.0.1", "--port", str(port)], None)
 
     def _wait_rendezvous(self, proc: subprocess.Popen, deadline: float) -> None:
         log = self.log_dir / "rendezvous.log"
@@ -331,8 +366,8 @@ class Stack:
 
     def dead_servers(self) -> list[str]:
         """The embedded NATS / Valkey servers this stack started that have exited, as
-        ``"the embedded <kind> server at <url> exited (<status>)"``."""
-        return [f"the embedded {s.kind} server at {s.url} exited ({s.proc.returncode})"
+        ``"the embedded <kind> server at <address> exited (<status>)"``."""
+        return [f"the embedded {s.kind} server at {s.address} exited ({s.proc.returncode})"
                 for s in self._servers.servers if s.proc is not None and s.proc.poll() is not None]
 
     def kill_service(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
@@ -355,7 +390,7 @@ class Stack:
         if name not in self.procs:
             raise KeyError(f"no child named {name!r}; running: {', '.join(self.procs)}")
         self.kill_service(name, signal.SIGTERM, self.grace_s)
-        self._spawn(name, self.commands[name])
+        self._spawn(name, self.commands[name], self.roles[name])
         if name != "rendezvous":
             self.wait_healthy([name], timeout)
 
@@ -391,116 +426,11 @@ class Stack:
         self.stop()
 
 
-class _Stop(Exception):
-    pass
-
-
-def _streams_only(nats_url: str | None) -> int:
-    """Create the JetStream streams on ``nats_url``, retrying while NATS starts (30 s)."""
-    if not nats_url:
-        print("trainguard up --streams-only: pass --nats-url or set NATS_URL", file=sys.stderr)
-        return 2
-
-    async def run() -> None:
-        from .bus import Bus
-
-        bus = await Bus(nats_url, "trainguard-streams").connect(timeout=30.0)
-        try:
-            await bus.ensure_streams()
-        finally:
-            await bus.close()
-    try:
-        asyncio.run(run())
-    except (ConnectionError, OSError) as exc:
-        print(f"trainguard up --streams-only: {exc}", file=sys.stderr)
-        return 1
-    print(f"trainguard up: JetStream streams ready on {nats_url}", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``trainguard up``: see the module docstring. Returns 0 after a clean stop, 1 when the
-    stack could not start."""
-    p = argparse.ArgumentParser(prog="trainguard up", description=(
-        "Start NATS, Valkey, the rendezvous store and every trainguard service on this machine; "
-        "Ctrl-C or SIGTERM stops them all."))
-    p.add_argument("--nats-url", default=os.environ.get("NATS_URL") or None,
-                   help="use this NATS instead of starting one (env NATS_URL)")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
-                   help="use this Redis/Valkey instead of starting one (env REDIS_URL)")
-    p.add_argument("--services", default=",".join(DEFAULT_SERVICES),
-                   help=f"comma-separated services (default {','.join(DEFAULT_SERVICES)})")
-    p.add_argument("--nodes", default=subjects.default_node(),
-                   help="comma-separated node names: one agent each (default this host)")
-    p.add_argument("--no-rendezvous", action="store_true", help="do not host a rendezvous store")
-    p.add_argument("--log-dir", default=os.environ.get("TG_LOG_DIR") or None,
-                   help="directory for one log per process (default: a new temporary one)")
-    p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of a service that dies, each, before it is left down")
-    p.add_argument("--streams-only", action="store_true",
-                   help="only create the JetStream streams on --nats-url, then exit (for "
-                        "docker-compose and Kubernetes, where the services run elsewhere)")
-    args = p.parse_args(argv)
-    if args.streams_only:
-        return _streams_only(args.nats_url)
+    """``trainguard up`` (``python -m trainguard.stack``): see ``trainguard.up``."""
+    from .up import main as up_main
 
-    def _raise(signum: int, frame: Any) -> None:
-        raise _Stop()
-
-    old = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
-    services = [s.strip() for s in args.services.split(",") if s.strip()]
-    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    try:
-        stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
-                      rendezvous=not args.no_rendezvous, log_dir=args.log_dir)
-    except ValueError as exc:
-        print(f"trainguard up: {exc}", file=sys.stderr)
-        return 2
-    restarts: dict[str, int] = {}
-    try:
-        print(f"trainguard up: starting {', '.join(stack.service_names())} (logs in "
-              f"{stack.log_dir})", file=sys.stderr)
-        stack.start(args.timeout)
-        print(stack.env_exports(), flush=True)
-        print("trainguard up: all services healthy; Ctrl-C stops everything", file=sys.stderr)
-        while True:
-            time.sleep(0.5)
-            for what in stack.dead_servers():
-                print(f"trainguard up: {what}; every service and launcher depends on it: "
-                      f"stopping (start `trainguard up` again)", file=sys.stderr)
-                return 1
-            for name in stack.dead():
-                n = restarts.get(name, 0)
-                if n >= args.max_restarts:
-                    continue
-                restarts[name] = n + 1
-                log = stack.log_dir / f"{name}.log"
-                print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); restart "
-                      f"{n + 1}/{args.max_restarts}; log tail:\n{_tail(log, 1500)}",
-                      file=sys.stderr)
-                try:
-                    stack.restart_service(name, timeout=args.timeout)
-                except StackError as exc:
-                    print(f"trainguard up: {exc}", file=sys.stderr)
-    except _Stop:
-        pass
-    except StackError as exc:
-        print(f"trainguard up: {exc}", file=sys.stderr)
-        return 1
-    except ServerUnreachable as exc:  # a --nats-url / --redis-url (or its env) that is down
-        print(f"trainguard up: cannot reach {exc.what} at {exc.url} ({exc.reason}): it was "
-              f"given by --nats-url/--redis-url or NATS_URL/REDIS_URL; point them at a running "
-              f"server, or unset them and `trainguard up` starts its own", file=sys.stderr)
-        return 1
-    finally:
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-        stack.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
-        print("trainguard up: stopped", file=sys.stderr)
-    return 0
+    return up_main(argv)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from trainguard.schemas.job import (
     encode_value,
 )
 
+from .auth import redact
 from .errors import ServerUnreachable
 
 IDEMPOTENCY_TTL_S = 7 * 86400
@@ -55,7 +56,8 @@ class LauncherConflict(RuntimeError):
 
 
 class StateStore:
-    """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``)."""
+    """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
+    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.auth``)."""
 
     def __init__(self, url: str):
         self.url = url
@@ -68,7 +70,8 @@ class StateStore:
         try:
             await self.r.ping()
         except (RedisConnectionError, OSError) as exc:
-            raise ServerUnreachable("Redis/Valkey", self.url, str(exc), "REDIS_URL") from None
+            raise ServerUnreachable("Redis/Valkey", redact(self.url), str(exc),
+                                    "REDIS_URL") from None
 
     async def close(self) -> None:
         await self.r.aclose()

@@ -1,0 +1,241 @@
+"""Who may do what on the bus and in the state store: roles as data, the credentials the local
+stack generates for them, and the server configuration that enforces them.
+
+Every process of the stack connects as one **role**; the role's password is in its URL
+(``nats://<role>:<password>@host:port``, ``redis://<role>:<password>@host:port/0``), so no
+launcher, shim or service needs an option of its own. ``ROLES`` is the one table: for each role
+the NATS subjects it may publish and subscribe, the Valkey ACL rules it gets, and why. The
+servers refuse everything else: NATS answers a publish outside the role's list with a
+``Permissions Violation`` (the message is dropped, nobody receives it) and refuses a client
+without a user (``Authorization Violation``); Valkey answers ``NOPERM`` for a key or command the
+role lacks, and its ``default`` user is disabled.
+
+The two decisions that matter most are single-writer:
+
+* only the ``remediator`` may publish ``tg.job.<job>.decision`` (what launchers and shims carry
+  out);
+* only the ``checkpoint_validator`` may write ``tg:ckpt:*`` (whether a checkpoint may be resumed
+  from; every other role reads it).
+
+``Credentials`` generates one random password per role (``secrets.token_urlsafe``) into
+``credentials.json`` (mode 0600) in the stack's data directory and reads it back on the next
+start, so URLs stay valid across a stop/start. Deleting the file (or ``trainguard up
+--rotate-credentials``) rotates every password at the next start.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+#: What a role may run in Valkey besides its keys: reads, writes, Lua (the atomic mutators of
+#: ``trainguard.state``), MULTI/EXEC, connection upkeep; never FLUSHALL, KEYS, CONFIG, DEBUG,
+#: ACL, SHUTDOWN and the rest of ``@dangerous``. ``client|setinfo``: redis-py sends it on connect.
+_SERVICE_CMDS = "-@all +@read +@write +@scripting +@transaction +@connection -@dangerous " \
+                "+client|setinfo +client|setname"
+_READ_CMDS = "-@all +@read +@connection -@dangerous +client|setinfo +client|setname"
+
+#: JetStream API subjects a reader of the stored history needs (``trainguard replay
+#: history``: ephemeral pull consumers; ``Bus.last_stored``: one stored message). Creating,
+#: changing or deleting streams and deleting consumers are left to ``admin``.
+_JS_READ = ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
+            "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.MSG.GET.*", "$JS.API.CONSUMER.CREATE.>",
+            "$JS.API.CONSUMER.INFO.*.*", "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.>")
+_INBOX = "_INBOX.>"  # replies to this client's own requests (nats-py's default inbox prefix)
+_DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
+
+
+@dataclass(frozen=True)
+class Role:
+    """One row of the permission table.
+
+    ``publish``/``subscribe`` — NATS subjects (wildcards allowed) the role may publish to and
+    subscribe to; ``responses`` — it may answer requests it received (the services' health
+    replies) without a publish right on ``_INBOX``; ``valkey`` — the rules of its Valkey ACL user
+    after ``on``/password (key patterns ``~`` read-write, ``%R~`` read-only, then commands);
+    ``reason`` — why the role needs what it has.
+    """
+
+    name: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    valkey: str
+    reason: str
+    responses: bool = False
+
+
+ROLES: dict[str, Role] = {r.name: r for r in (
+    Role("admin", (">",), (">",), "~* &* +@all",
+         "`trainguard up` itself and operators: creates the JetStream streams, asks every service "
+         "for its health, runs the demo harness and the tests' fixtures, replays recordings "
+         "(`trainguard replay play`)."),
+    Role("agent",
+         ("tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.kernel",
+          _DLQ),
+         ("tg.svc.*.health",),
+         "resetkeys %R~tg:node:* " + _READ_CMDS,
+         "the node agent reports what the node itself sees: metrics, node heartbeat, XID and "
+         "kernel-log lines; it keeps no state (it may read a node's status). Its health subject "
+         "carries the node name (`tg.svc.agent-<node>.health`), hence the wildcard.",
+         responses=True),
+    Role("worker",
+         ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
+          "tg.job.*.recovery", "tg.job.*.action", "tg.node.*.heartbeat", "tg.svc.*.health",
+          "$JS.API.STREAM.NAMES", "$JS.API.STREAM.MSG.GET.TG_EVENTS", _DLQ),
+         ("tg.job.*.decision", _INBOX),
+         "resetkeys ~tg:jobs ~tg:job:* %R~tg:* " + _SERVICE_CMDS,
+         "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
+         "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
+         "saved/failed, recovery, action results, the launcher's node heartbeat; they listen to "
+         "their job's decisions, and a late rank reads the last stored decision from TG_EVENTS "
+         "(`Bus.last_stored`). In Valkey a launcher registers the job and its run (`tg:jobs`, "
+         "`tg:job:<job>` and its lease set); checkpoint validity and everything else is "
+         "read-only. Never a decision, an anomaly or a verdict."),
+    Role("detector",
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ),
+         ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
+          "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry", "tg.node.*.kernel",
+          "tg.svc.detector.health"),
+         "resetkeys %R~tg:* " + _READ_CMDS,
+         "turns raw signals into anomalies; reads job records (learned timeouts, members).",
+         responses=True),
+    Role("attributor",
+         ("tg.job.*.verdict", _DLQ),
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", "tg.svc.attributor.health"),
+         "resetkeys ~tg:hist:* %R~tg:* " + _SERVICE_CMDS,
+         "turns anomalies into verdicts; writes the cross-job fault history (`tg:hist:*`).",
+         responses=True),
+    Role("remediator",
+         ("tg.job.*.decision", "tg.job.*.action", _DLQ),
+         ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
+          "tg.svc.remediator.health"),
+         "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* %R~tg:* " + _SERVICE_CMDS,
+         "the only chooser of actions: the only role that may publish decisions; publishes the "
+         "result of the actions it carries out itself (node exclusion); writes the job record, "
+         "the audit trail, idempotency keys and node status (exclusion).",
+         responses=True),
+    Role("checkpoint_validator",
+         ("tg.job.*.ckpt", _DLQ),
+         ("tg.job.*.ckpt", "tg.svc.checkpoint_validator.health"),
+         "resetkeys ~tg:ckpt:* %R~tg:* " + _SERVICE_CMDS,
+         "the only writer of checkpoint validity (`tg:ckpt:*`); publishes its verdict on "
+         "`tg.job.<job>.ckpt`, which ranks also publish `ckpt.saved` on: on the bus that verdict "
+         "is information only, the state store is what restore trusts.",
+         responses=True),
+    Role("reader",
+         ("tg.svc.*.health",) + _JS_READ,
+         ("tg.job.>", "tg.node.>", "tg.dlq.>", _INBOX),
+         "resetkeys %R~tg:* " + _READ_CMDS,
+         "the console, `trainguard replay record/history`, dashboards: watch every event and "
+         "read the stored history and the state store; publish nothing an event consumer acts "
+         "on."),
+)}
+
+
+def nats_permissions(role: Role) -> dict:
+    """The ``permissions`` block of ``role`` in a nats-server configuration."""
+    perms: dict = {"publish": {"allow": list(role.publish)},
+                   "subscribe": {"allow": list(role.subscribe)}}
+    if role.responses:
+        perms["allow_responses"] = True
+    return perms
+
+
+# ---- credentials -----------------------------------------------------------------------------
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (0600), replacing it atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+@dataclass
+class Credentials:
+    """One password per role of ``ROLES``; ``path`` is where they are kept (None: in memory)."""
+
+    passwords: dict[str, str]
+    path: Path | None = None
+
+    @classmethod
+    def generate(cls, roles: Iterable[str] = ROLES) -> "Credentials":
+        return cls({r: secrets.token_urlsafe(24) for r in roles})
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike, rotate: bool = False) -> "Credentials":
+        """The credentials kept in ``path`` (a JSON file, mode 0600), created with fresh
+        passwords when missing or when ``rotate``; a role added to ``ROLES`` since gets one.
+        Raises ``ValueError`` for a file that is not the stack's credentials."""
+        path = Path(path)
+        kept: dict[str, str] = {}
+        if path.exists() and not rotate:
+            try:
+                kept = dict(json.loads(path.read_text())["passwords"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path} is not a trainguard credentials file ({exc}): move it "
+                                 f"away and start again for new credentials") from None
+        fresh = cls.generate()
+        creds = cls({r: kept.get(r) or fresh.passwords[r] for r in ROLES}, path)
+        if creds.passwords != kept:
+            write_private(path, json.dumps({"version": 1, "passwords": creds.passwords},
+                                           indent=1) + "\n")
+        return creds
+
+    def nats_url(self, role: str, host: str, port: int) -> str:
+        return f"nats://{role}:{self.passwords[role]}@{host}:{port}"
+
+    def redis_url(self, role: str, host: str, port: int, db: int = 0) -> str:
+        return f"redis://{role}:{self.passwords[role]}@{host}:{port}/{db}"
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+# ---- server configuration --------------------------------------------------------------------
+#: nats-server payload limit: the largest message any client may publish (bytes). The largest
+#: legitimate events (a verdict with its evidence, a telemetry sample of 8 GPUs) are a few KiB;
+#: the shim keeps the last 4000 characters of a traceback; a longer launcher log line is dropped
+#: and counted by the publisher.
+MAX_PAYLOAD = 1024 * 1024
+
+
+def nats_config(creds: Credentials | None, host: str, port: int, store_dir: str, log_file: str,
+                max_file_store: int, max_payload: int = MAX_PAYLOAD) -> str:
+    """The nats-server configuration (JSON, which nats-server reads as its config format):
+    listen address, payload limit, JetStream store and its size cap (``max_file_store`` bytes),
+    and one user per role with the role's permissions (none when ``creds`` is None)."""
+    cfg: dict = {"server_name": "trainguard", "host": host, "port": port,
+                 "max_payload": max_payload, "log_file": log_file,
+                 "jetstream": {"store_dir": store_dir, "max_file_store": max_file_store,
+                               "max_memory_store": 64 * 1024 * 1024}}
+    if creds is not None:
+        cfg["authorization"] = {"users": [
+            {"user": name, "password": creds.passwords[name],
+             "permissions": nats_permissions(role)} for name, role in ROLES.items()]}
+    return json.dumps(cfg, indent=1) + "\n"
+
+
+def valkey_acl(creds: Credentials) -> str:
+    """The Valkey ACL file: ``default`` disabled, one user per role, passwords as SHA-256."""
+    lines = ["user default off resetkeys -@all"]
+    for name, role in ROLES.items():
+        digest = hashlib.sha256(creds.passwords[name].encode()).hexdigest()
+        lines.append(f"user {name} on #{digest} {role.valkey}")
+    return "\n".join(lines) + "\n"

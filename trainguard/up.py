@@ -1,0 +1,173 @@
+"""``trainguard up``: the local stack (``trainguard.stack.Stack``) as a command.
+
+Starts NATS, Valkey, the rendezvous store and every service, prints one line
+``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` (the ``worker`` role's URLs: what a
+launcher needs) on stdout, the rest on stderr, restarts a service that dies (at most
+``--max-restarts`` times each), and stops everything on Ctrl-C or SIGTERM.
+
+``--data-dir DIR`` (default ``$XDG_STATE_HOME/trainguard``, else ``~/.local/state/trainguard``)
+keeps the credentials, the JetStream store, Valkey's append-only file, the services' logs and
+``env/<role>.env`` (each role's URLs, mode 0600) across a stop/start; ``--ephemeral`` uses a
+temporary directory removed on stop. ``--rotate-credentials`` gives every role a new password
+(launchers then need the newly printed URLs).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.schemas import subjects
+
+from .auth import ROLES, redact, write_private
+from .embedded import default_data_dir
+from .errors import ServerUnreachable
+from .stack import DEFAULT_SERVICES, Stack, StackError, _tail
+
+
+class _Stop(Exception):
+    pass
+
+
+def _streams_only(nats_url: str | None) -> int:
+    """Create the JetStream streams on ``nats_url``, retrying while NATS starts (30 s)."""
+    if not nats_url:
+        print("trainguard up --streams-only: pass --nats-url or set NATS_URL", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        from .bus import Bus
+
+        bus = await Bus(nats_url, "trainguard-streams").connect(timeout=30.0)
+        try:
+            await bus.ensure_streams()
+        finally:
+            await bus.close()
+    try:
+        asyncio.run(run())
+    except (ConnectionError, OSError) as exc:
+        print(f"trainguard up --streams-only: {exc}", file=sys.stderr)
+        return 1
+    print(f"trainguard up: JetStream streams ready on {redact(nats_url)}", file=sys.stderr)
+    return 0
+
+
+def _write_env_files(stack: Stack) -> None:
+    """``<data dir>/env/<role>.env`` (0600): each role's ``export`` line, for operators and
+    for the services an operator runs elsewhere."""
+    if stack.data_dir is None or stack._servers.creds is None:
+        return
+    for role in ROLES:
+        write_private(stack.data_dir / "env" / f"{role}.env", stack.env_exports(role) + "\n")
+    where = "removed on stop" if stack._servers.data_dir is None else "kept across restarts"
+    print(f"trainguard up: data and credentials in {stack.data_dir} ({where}); each role's "
+          f"URLs in {stack.data_dir / 'env'}/<role>.env", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``trainguard up``: see the module docstring. Returns 0 after a clean stop, 1 when the
+    stack could not start."""
+    p = argparse.ArgumentParser(prog="trainguard up", description=(
+        "Start NATS, Valkey, the rendezvous store and every trainguard service on this machine; "
+        "Ctrl-C or SIGTERM stops them all."))
+    p.add_argument("--nats-url", default=os.environ.get("NATS_URL") or None,
+                   help="use this NATS instead of starting one (env NATS_URL)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
+                   help="use this Redis/Valkey instead of starting one (env REDIS_URL)")
+    p.add_argument("--services", default=",".join(DEFAULT_SERVICES),
+                   help=f"comma-separated services (default {','.join(DEFAULT_SERVICES)})")
+    p.add_argument("--nodes", default=subjects.default_node(),
+                   help="comma-separated node names: one agent each (default this host)")
+    p.add_argument("--no-rendezvous", action="store_true", help="do not host a rendezvous store")
+    p.add_argument("--log-dir", default=os.environ.get("TG_LOG_DIR") or None,
+                   help="directory for one log per process (default: DATA_DIR/logs, or a new "
+                        "temporary one with --ephemeral)")
+    p.add_argument("--data-dir", default=None,
+                   help=f"keep credentials, the JetStream store and Valkey's data here across "
+                        f"restarts (default {default_data_dir()})")
+    p.add_argument("--ephemeral", action="store_true",
+                   help="keep everything in a temporary directory, removed on stop")
+    p.add_argument("--rotate-credentials", action="store_true",
+                   help="new passwords for every role (launchers need the new URLs)")
+    p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of a service that dies, each, before it is left down")
+    p.add_argument("--streams-only", action="store_true",
+                   help="only create the JetStream streams on --nats-url, then exit (for "
+                        "docker-compose and Kubernetes, where the services run elsewhere)")
+    args = p.parse_args(argv)
+    if args.streams_only:
+        return _streams_only(args.nats_url)
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Stop()
+
+    if args.ephemeral and args.data_dir:
+        print("trainguard up: --ephemeral and --data-dir exclude each other", file=sys.stderr)
+        return 2
+    data_dir = None if args.ephemeral else Path(args.data_dir or default_data_dir()).expanduser()
+    log_dir = args.log_dir or (data_dir / "logs" if data_dir else None)
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
+    services = [s.strip() for s in args.services.split(",") if s.strip()]
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    try:
+        stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
+                      rendezvous=not args.no_rendezvous, log_dir=log_dir, data_dir=data_dir,
+                      rotate_credentials=args.rotate_credentials)
+    except ValueError as exc:
+        print(f"trainguard up: {exc}", file=sys.stderr)
+        return 2
+    restarts: dict[str, int] = {}
+    try:
+        print(f"trainguard up: starting {', '.join(stack.service_names())} (logs in "
+              f"{stack.log_dir})", file=sys.stderr)
+        stack.start(args.timeout)
+        _write_env_files(stack)
+        print(stack.env_exports("worker"), flush=True)
+        print("trainguard up: all services healthy; Ctrl-C stops everything", file=sys.stderr)
+        while True:
+            time.sleep(0.5)
+            for what in stack.dead_servers():
+                print(f"trainguard up: {what}; every service and launcher depends on it: "
+                      f"stopping (start `trainguard up` again)", file=sys.stderr)
+                return 1
+            for name in stack.dead():
+                n = restarts.get(name, 0)
+                if n >= args.max_restarts:
+                    continue
+                restarts[name] = n + 1
+                log = stack.log_dir / f"{name}.log"
+                print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); restart "
+                      f"{n + 1}/{args.max_restarts}; log tail:\n{_tail(log, 1500)}",
+                      file=sys.stderr)
+                try:
+                    stack.restart_service(name, timeout=args.timeout)
+                except StackError as exc:
+                    print(f"trainguard up: {exc}", file=sys.stderr)
+    except _Stop:
+        pass
+    except StackError as exc:
+        print(f"trainguard up: {exc}", file=sys.stderr)
+        return 1
+    except ServerUnreachable as exc:  # a --nats-url / --redis-url (or its env) that is down
+        print(f"trainguard up: cannot reach {exc.what} at {exc.url} ({exc.reason}): it was "
+              f"given by --nats-url/--redis-url or NATS_URL/REDIS_URL; point them at a running "
+              f"server, or unset them and `trainguard up` starts its own", file=sys.stderr)
+        return 1
+    finally:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        stack.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("trainguard up: stopped", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
