@@ -86,7 +86,8 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     env["PYTHONPATH"] = ROOT
     up = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "up", "--services",
-                           "remediator", "--log-dir", str(tmp_path), "--timeout", "90"],
+                           "remediator", "--log-dir", str(tmp_path), "--timeout", "90",
+                           "--ephemeral"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
                           cwd=ROOT)
     try:
@@ -94,7 +95,10 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
         assert line.startswith("export NATS_URL=nats://"), (line, up.stderr.read()[-3000:]
                                                             if up.poll() is not None else "")
         exports = dict(kv.split("=", 1) for kv in line.split()[1:])
-        assert exports["REDIS_URL"].startswith("redis://127.0.0.1:")
+        # the worker role's URLs: what a launcher needs, and no more
+        assert exports["NATS_URL"].startswith("nats://worker:")
+        assert exports["REDIS_URL"].startswith("redis://worker:")
+        assert "@127.0.0.1:" in exports["REDIS_URL"]
         children = psutil.Process(up.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "nats-server" in names and "remediator" in names
@@ -233,8 +237,9 @@ def test_embedded_servers_never_take_urls_from_the_environment(monkeypatch):
     monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1")
     with EmbeddedServers() as srv:
-        assert srv.nats_url.startswith("nats://127.0.0.1:") and srv.nats_url != "nats://127.0.0.1:1"
-        assert srv.redis_url != "redis://127.0.0.1:1"
+        nats, valkey = srv.servers
+        assert srv.nats_url.endswith(f"@127.0.0.1:{nats.port}") and nats.port != 1
+        assert valkey.port != 1 and f"@127.0.0.1:{valkey.port}/" in srv.redis_url
 
         async def _ping():
             bus = await Bus(srv.nats_url, "env-test").connect(timeout=5.0)
@@ -254,4 +259,5 @@ def test_a_dead_embedded_server_is_reported():
         nats.proc.kill()
         nats.proc.wait(10)
         (dead,) = stack.dead_servers()
-        assert f"embedded nats server at {stack.nats_url} exited" in dead
+        assert f"embedded nats server at {nats.address} exited" in dead
+        assert "admin:" not in dead  # no credentials in messages

@@ -149,7 +149,7 @@ def nats_permissions(role: Role) -> dict:
 # ---- credentials -----------------------------------------------------------------------------
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` readable by this user only (0600), replacing it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:

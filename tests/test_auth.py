@@ -1,0 +1,370 @@
+"""Authentication, least privilege and bounds against real servers this test starts (free
+ports, never a system NATS or Redis): who may decide, who may mark a checkpoint valid, what a
+flood of hostile messages costs on disk, and state that survives a stop/start."""
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import nats
+import pytest
+import redis
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from trainguard import schemas
+from trainguard.auth import MAX_PAYLOAD, ROLES, Credentials, redact
+from trainguard.bus import (DLQ_PREFIX_BYTES, STREAM_LIMITS, STREAMS, Bus, StreamLimits,
+                            streams_max_bytes)
+from trainguard.embedded import EmbeddedServers
+from trainguard.state import StateStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def secured():
+    """Embedded NATS + Valkey requiring the roles' users, streams created by admin."""
+    with EmbeddedServers() as srv:
+        async def streams():
+            bus = await Bus(srv.nats_url, "admin-test").connect()
+            await bus.ensure_streams()
+            await bus.close()
+        asyncio.run(streams())
+        yield srv
+
+
+def _decision(job, gen=1):
+    return schemas.Decision(job=job, action="restart_workers", mode="action", execute=True,
+                            generation=gen, idempotency_key=f"{job}-{gen}")
+
+
+async def _publish_as(url, subject, data):
+    """Publish raw ``data`` as the user of ``url``; returns the errors the server sent back."""
+    errors = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+    nc = await nats.connect(url, error_cb=on_error, allow_reconnect=False)
+    await nc.publish(subject, data)
+    await nc.flush()
+    await asyncio.sleep(0.3)  # the server's -ERR comes asynchronously
+    await nc.close()
+    return errors
+
+
+# ---- the table ---------------------------------------------------------------------------------
+def _covers(patterns, subject):
+    """NATS wildcard match: does one of ``patterns`` cover ``subject``?"""
+    want = subject.split(".")
+    for pat in patterns:
+        p = pat.split(".")
+        if p[-1] == ">" and len(want) >= len(p) and all(a in ("*", b)
+                                                        for a, b in zip(p[:-1], want)):
+            return True
+        if len(p) == len(want) and all(a in ("*", b) for a, b in zip(p, want)):
+            return True
+    return False
+
+
+def test_table_single_writers_and_reasons():
+    deciders = {n for n, r in ROLES.items() if _covers(r.publish, "tg.job.j.decision")}
+    assert deciders == {"admin", "remediator"}
+    stream_makers = {n for n, r in ROLES.items() if _covers(r.publish, "$JS.API.STREAM.CREATE.X")}
+    assert stream_makers == {"admin"}
+    ckpt_writers = {n for n, r in ROLES.items() if "~tg:ckpt:*" in r.valkey.split()
+                    or "~*" in r.valkey.split()}
+    assert ckpt_writers == {"admin", "checkpoint_validator"}
+    assert not any(_covers(ROLES["reader"].publish, f"tg.job.j.{k}")
+                   for k in ("decision", "verdict", "log", "ckpt"))
+    assert all(len(r.reason) > 40 for r in ROLES.values())
+    # the worker can publish everything the rank side sends, and nothing a service sends
+    worker = ROLES["worker"].publish
+    for subject in ("tg.job.j.rank.3.hb", "tg.job.j.worker", "tg.job.j.log", "tg.job.j.ckpt",
+                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.heartbeat"):
+        assert _covers(worker, subject), subject
+    for subject in ("tg.job.j.decision", "tg.job.j.verdict", "tg.job.j.anomaly",
+                    "tg.node.n.xid", "$JS.API.STREAM.DELETE.TG_EVENTS"):
+        assert not _covers(worker, subject), subject
+
+
+def test_credentials_file_is_private_and_rotates(tmp_path):
+    path = tmp_path / "credentials.json"
+    first = Credentials.load_or_create(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert set(first.passwords) == set(ROLES) and len(set(first.passwords.values())) == len(ROLES)
+    assert Credentials.load_or_create(path).passwords == first.passwords
+    rotated = Credentials.load_or_create(path, rotate=True)
+    assert not set(rotated.passwords.values()) & set(first.passwords.values())
+    url = rotated.nats_url("worker", "127.0.0.1", 4)
+    assert rotated.passwords["worker"] not in redact(url) and "worker:***@" in redact(url)
+
+
+# ---- NATS ----------------------------------------------------------------------------------------
+async def test_unauthenticated_client_is_refused(secured):
+    nats_server = secured.servers[0]
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(nats_server.address, allow_reconnect=False, connect_timeout=2,
+                           max_reconnect_attempts=0)
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(f"nats://worker:wrong@127.0.0.1:{nats_server.port}",
+                           allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+
+
+async def test_only_the_remediator_may_publish_a_decision(secured):
+    """A launcher (worker role) listening to its job's decisions sees the remediator's and
+    never a decision a worker-role client sent: the server refuses and drops it."""
+    launcher = await Bus(secured.urls("worker")[0], "launcher-test").connect()
+    seen = []
+    await launcher.subscribe("tg.job.authz.decision", lambda s, e: seen.append(e))
+    await launcher.flush()
+    forged = schemas.encode(_decision("authz", 7))
+    errors = await _publish_as(secured.urls("worker")[0], "tg.job.authz.decision", forged)
+    assert any("permissions violation" in e.lower() for e in errors), errors
+    for role in ("detector", "attributor", "checkpoint_validator", "agent", "reader"):
+        errors = await _publish_as(secured.urls(role)[0], "tg.job.authz.decision", forged)
+        assert any("permissions violation" in e.lower() for e in errors), (role, errors)
+    await asyncio.sleep(0.2)
+    assert seen == []
+    errors = await _publish_as(secured.urls("remediator")[0], "tg.job.authz.decision",
+                               schemas.encode(_decision("authz", 8)))
+    assert errors == []
+    for _ in range(100):
+        if seen:
+            break
+        await asyncio.sleep(0.02)
+    assert [(d.generation, d.execute) for d in seen] == [(8, True)]
+    # nor can a worker create, change or delete a stream
+    errors = await _publish_as(secured.urls("worker")[0], "$JS.API.STREAM.DELETE.TG_EVENTS", b"")
+    assert any("permissions violation" in e.lower() for e in errors), errors
+    await launcher.close()
+
+
+async def test_a_late_worker_reads_the_last_stored_decision(secured):
+    """The one JetStream read a rank needs (``Bus.last_stored``) works as the worker role."""
+    rem = await Bus(secured.urls("remediator")[0], "remediator-test").connect()
+    await rem.publish("tg.job.lateauth.decision", _decision("lateauth", 3))
+    await rem.flush()
+    await asyncio.sleep(0.2)
+    rank = await Bus(secured.urls("worker")[0], "rank-test").connect()
+    msg = await rank.last_stored("tg.job.lateauth.decision")
+    assert msg is not None and schemas.decode(msg.data).generation == 3
+    await rank.close()
+    await rem.close()
+
+
+async def test_server_payload_limit(secured):
+    nc = await nats.connect(secured.urls("worker")[0])
+    assert nc.max_payload == MAX_PAYLOAD
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await nc.publish("tg.job.big.log", b"x" * (MAX_PAYLOAD + 1))
+    await nc.close()
+
+
+# ---- Valkey ----------------------------------------------------------------------------------------
+async def test_only_the_validator_may_mark_a_checkpoint(secured):
+    worker = StateStore(secured.urls("worker")[1])
+    validator = StateStore(secured.urls("checkpoint_validator")[1])
+    with pytest.raises(NoPermissionError):
+        await worker.mark_checkpoint("authj", "/ckpt/step-10", 10, valid=True)
+    with pytest.raises(NoPermissionError):
+        await worker.r.hset("tg:ckpt:authj:/ckpt/step-10", "status", "valid")
+    await validator.add_checkpoint("authj", "/ckpt/step-10", 10)
+    await validator.mark_checkpoint("authj", "/ckpt/step-10", 10, valid=False, reasons=["nan"])
+    # a launcher can still register its run, and every rank can read checkpoint validity
+    gen, new_run = await worker.begin_run("authj", "node-a", lease_s=5.0)
+    assert (gen, new_run) == (0, False)
+    assert [c["status"] for c in await worker.checkpoints("authj")] == ["invalid"]
+    with pytest.raises(NoPermissionError):  # nor the idempotency keys of the remediator
+        await worker.claim("authj-k", "me")
+    with pytest.raises((NoPermissionError, ResponseError)):
+        await worker.r.flushall()
+    reader = StateStore(secured.urls("reader")[1])
+    assert [c["status"] for c in await reader.checkpoints("authj")] == ["invalid"]
+    with pytest.raises(NoPermissionError):
+        await reader.register_job("x", mode="action")
+    for st in (worker, validator, reader):
+        await st.close()
+
+
+def test_default_user_is_disabled(secured):
+    valkey = secured.servers[1]
+    with pytest.raises((AuthenticationError, ResponseError)):
+        redis.Redis(host=valkey.host, port=valkey.port).ping()
+    with pytest.raises((AuthenticationError, ResponseError)):
+        redis.Redis(host=valkey.host, port=valkey.port, username="worker",
+                    password="wrong").ping()
+
+
+# ---- bounds ---------------------------------------------------------------------------------------
+async def _stream_info(nc, name):
+    return await nc.jetstream().stream_info(name)
+
+
+async def test_streams_have_limits(secured):
+    nc = await nats.connect(secured.nats_url)
+    for name, _subjects, max_age in STREAMS:
+        cfg = (await _stream_info(nc, name)).config
+        lim = STREAM_LIMITS[name]
+        assert (cfg.max_bytes, cfg.max_msg_size, cfg.max_age) == (lim.max_bytes,
+                                                                  lim.max_msg_size, max_age)
+    await nc.close()
+
+
+async def test_dead_letter_keeps_reason_and_a_bounded_prefix(secured):
+    victim = await Bus(secured.urls("detector")[0], "dlqvictim").connect()
+    await victim.subscribe("tg.job.dlq.log", lambda s, e: None)
+    reader = await nats.connect(secured.urls("reader")[0])
+    dlq = []
+
+    async def on_dlq(m):
+        dlq.append(m)
+    await reader.subscribe("tg.dlq.dlqvictim", cb=on_dlq)
+    await victim.flush()
+    await reader.flush()
+    hostile = b"\xc1" + os.urandom(100 * 1024)
+    assert await _publish_as(secured.urls("worker")[0], "tg.job.dlq.log", hostile) == []
+    for _ in range(100):
+        if dlq:
+            break
+        await asyncio.sleep(0.02)
+    (m,) = dlq
+    assert m.data == hostile[:DLQ_PREFIX_BYTES]
+    assert m.headers["Tg-Error-Kind"] == "malformed" and m.headers["Tg-Subject"] == "tg.job.dlq.log"
+    assert m.headers["Tg-Size"] == str(len(hostile)) and m.headers["Tg-Truncated"] == "True"
+    await victim.close()
+    await reader.close()
+
+
+def _du(path):
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+async def test_a_flood_of_hostile_messages_stays_under_the_stream_limits():
+    """20,000 undecodable 4 KiB messages from a worker-role client, each dead-lettered by a
+    subscriber: every stream stays within its configured bound, and the store on disk near it.
+    (Limits scaled down so that the test writes ~80 MB, not gigabytes.)"""
+    limits = {"TG_EVENTS": StreamLimits(8 * 1024 ** 2, 64 * 1024, "test"),
+              "TG_TELEMETRY": StreamLimits(1024 ** 2, 64 * 1024, "test"),
+              "TG_DLQ": StreamLimits(2 * 1024 ** 2, 16 * 1024, "test")}
+    n, size = 20_000, 4096
+    with EmbeddedServers() as srv:
+        admin = await Bus(srv.nats_url, "flood-admin").connect()
+        await admin.ensure_streams(limits)
+        victim = await Bus(srv.urls("detector")[0], "floodvictim").connect()
+        await victim.subscribe("tg.job.flood.log", lambda s, e: None)
+        await victim.flush()
+        hostile = await nats.connect(srv.urls("worker")[0], pending_size=64 * 1024 ** 2)
+        junk = b"\xc1" + b"\xff" * (size - 1)
+        for i in range(n):
+            await hostile.publish("tg.job.flood.log", junk)
+            if i % 1000 == 999:
+                await hostile.flush()
+        await hostile.flush()
+        for _ in range(600):
+            if victim.stats.bad["malformed"] >= n:
+                break
+            await asyncio.sleep(0.05)
+        assert victim.stats.bad["malformed"] == n
+        await victim.flush()
+        await asyncio.sleep(0.5)
+        js = admin.nc.jetstream()
+        used = {}
+        for name, lim in limits.items():
+            state = (await js.stream_info(name)).state
+            used[name] = state.bytes
+            assert state.bytes <= lim.max_bytes, (name, state.bytes)
+        assert used["TG_EVENTS"] > limits["TG_EVENTS"].max_bytes // 2  # the flood did arrive
+        disk = _du(srv.servers[0].workdir + "/js")
+        print(f"flood: {n} x {size} B = {n * size / 1e6:.0f} MB sent; streams {used}; "
+              f"JetStream store on disk {disk / 1e6:.1f} MB (limits {streams_max_bytes(limits) / 1e6:.1f} MB)")
+        # the file store frees disk a block at a time: beyond max_bytes, at most about one
+        # partly expired block per stream is left (measured with these limits: 14.7 MB for
+        # 11.5 MB; with the default limits blocks are small beside max_bytes: +0.6 %)
+        assert disk <= streams_max_bytes(limits) * 1.5
+        await hostile.close()
+        await victim.close()
+        await admin.close()
+
+
+# ---- state that survives ------------------------------------------------------------------------
+def _up(data_dir, log_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "up", "--services", "",
+                             "--no-rendezvous", "--data-dir", str(data_dir), "--log-dir",
+                             str(log_dir), "--timeout", "60"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    if not line.startswith("export "):
+        proc.kill()
+        raise AssertionError(proc.communicate()[1][-3000:])
+    return proc, dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def _role_env(data_dir, role):
+    line = (Path(data_dir) / "env" / f"{role}.env").read_text().split()
+    return dict(kv.split("=", 1) for kv in line[1:])
+
+
+def test_data_persists_across_up_stop_up(tmp_path):
+    data = tmp_path / "state"
+    proc, exports = _up(data, tmp_path / "logs")
+    try:
+        assert exports["NATS_URL"].startswith("nats://worker:")
+        assert stat.S_IMODE((data / "credentials.json").stat().st_mode) == 0o600
+        assert stat.S_IMODE((data / "env" / "admin.env").stat().st_mode) == 0o600
+        rem = _role_env(data, "remediator")
+
+        async def write():
+            bus = await Bus(rem["NATS_URL"], "persist").connect()
+            await bus.publish("tg.job.persist.decision", _decision("persist", 5))
+            await bus.flush()
+            st = StateStore(rem["REDIS_URL"])
+            await st.register_job("persist", mode="action", generation=5)
+            await st.close()
+            await asyncio.sleep(0.3)
+            await bus.close()
+        asyncio.run(write())
+    finally:
+        _stop(proc)
+    assert (data / "nats" / "js").is_dir() and (data / "valkey").is_dir()
+    proc, again = _up(data, tmp_path / "logs")
+    try:
+        assert again == exports  # same credentials and (free again) the same ports
+
+        async def read():
+            bus = await Bus(again["NATS_URL"], "persist-rank").connect()
+            msg = await bus.last_stored("tg.job.persist.decision")
+            await bus.close()
+            st = StateStore(again["REDIS_URL"])
+            job = await st.job("persist")
+            await st.close()
+            return msg, job
+        msg, job = asyncio.run(read())
+        assert msg is not None and schemas.decode(msg.data).generation == 5
+        assert job.generation == 5
+    finally:
+        _stop(proc)
+
+
+def test_ephemeral_stack_leaves_no_data():
+    from trainguard.stack import Stack
+
+    with Stack(services=(), rendezvous=False) as stack:
+        where = stack.data_dir
+        assert where is not None and (where / "credentials.json").exists()
+        assert stack.urls("worker")[0].startswith("nats://worker:")
+        with pytest.raises(KeyError):
+            stack.urls("nobody")
+    assert not where.exists()
