@@ -189,16 +189,24 @@ def test_compose_runs_every_service_against_its_servers():
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         compose = yaml.safe_load(fh)
     svcs = compose["services"]
-    assert "-js" in svcs["nats"]["command"]
-    assert "valkey" in svcs["valkey"]["image"]
+    # the servers run from the config the credentials service writes (users, JetStream)
+    assert svcs["credentials"]["command"][:4] == ["python", "-m", "trainguard.auth",
+                                                  "server-config"]
+    assert svcs["nats"]["command"] == ["-c", "/secrets/nats.conf"]
+    assert "valkey" in svcs["valkey"]["image"] and "--aclfile" in svcs["valkey"]["command"]
     for name in DEFAULT_SERVICES:
         module = SERVICE_SPECS[name].module
         c = svcs[name]
+        role = SERVICE_SPECS[name].role
         assert c["command"][:3] == ["python", "-m", module], name
-        assert c["build"] == "." and c["environment"]["NATS_URL"] == "nats://nats:4222"
-        assert c["environment"]["REDIS_URL"].startswith("redis://valkey:6379")
-        assert set(c["depends_on"]) == {"nats", "valkey", "streams"}
+        password = f"${{TG_{role.upper()}_PASSWORD:?"  # each service connects as its own role
+        assert c["environment"]["NATS_URL"].startswith(f"nats://{role}:{password}"), name
+        assert c["environment"]["NATS_URL"].endswith("@nats:4222")
+        assert c["environment"]["REDIS_URL"].startswith(f"redis://{role}:{password}")
+        assert c["environment"]["REDIS_URL"].endswith("@valkey:6379/0")
+        assert c["build"] == "." and set(c["depends_on"]) == {"nats", "valkey", "streams"}
     assert svcs["streams"]["command"][:3] == ["trainguard", "up", "--streams-only"]
+    assert svcs["streams"]["environment"]["NATS_URL"].startswith("nats://admin:")
     assert os.path.exists(os.path.join(ROOT, "Dockerfile"))
 
 

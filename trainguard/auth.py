@@ -216,15 +216,21 @@ def redact(url: str) -> str:
 MAX_PAYLOAD = 1024 * 1024
 
 
-def nats_config(creds: Credentials | None, host: str, port: int, store_dir: str, log_file: str,
-                max_file_store: int, max_payload: int = MAX_PAYLOAD) -> str:
+def nats_config(creds: Credentials | None, host: str, port: int, store_dir: str,
+                log_file: str | None, max_file_store: int, max_payload: int = MAX_PAYLOAD,
+                http_port: int | None = None) -> str:
     """The nats-server configuration (JSON, which nats-server reads as its config format):
     listen address, payload limit, JetStream store and its size cap (``max_file_store`` bytes),
-    and one user per role with the role's permissions (none when ``creds`` is None)."""
+    and one user per role with the role's permissions (none when ``creds`` is None);
+    ``log_file`` None: the log goes to stderr; ``http_port``: the monitoring port (health)."""
     cfg: dict = {"server_name": "trainguard", "host": host, "port": port,
-                 "max_payload": max_payload, "log_file": log_file,
+                 "max_payload": max_payload,
                  "jetstream": {"store_dir": store_dir, "max_file_store": max_file_store,
                                "max_memory_store": 64 * 1024 * 1024}}
+    if log_file:
+        cfg["log_file"] = log_file
+    if http_port:
+        cfg["http_port"] = http_port
     if creds is not None:
         cfg["authorization"] = {"users": [
             {"user": name, "password": creds.passwords[name],
@@ -239,3 +245,48 @@ def valkey_acl(creds: Credentials) -> str:
         digest = hashlib.sha256(creds.passwords[name].encode()).hexdigest()
         lines.append(f"user {name} on #{digest} {role.valkey}")
     return "\n".join(lines) + "\n"
+
+
+# ---- docker-compose ------------------------------------------------------------------------------
+def _env_name(role: str) -> str:
+    return f"TG_{role.upper()}_PASSWORD"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainguard.auth compose-env`` prints fresh ``TG_<ROLE>_PASSWORD=…`` lines
+    (docker compose's ``.env``); ``python -m trainguard.auth server-config DIR`` writes
+    ``DIR/nats.conf`` and ``DIR/users.acl`` for the compose servers from those variables."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m trainguard.auth")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("compose-env", help="print one fresh password per role, as .env lines")
+    sc = sub.add_parser("server-config", help="write nats.conf and users.acl from TG_*_PASSWORD")
+    sc.add_argument("dir")
+    sc.add_argument("--store-dir", default="/data")
+    sc.add_argument("--max-file-store", type=int, default=2 * 1024 ** 3)
+    args = p.parse_args(argv)
+    if args.cmd == "compose-env":
+        for role, pw in Credentials.generate().passwords.items():
+            print(f"{_env_name(role)}={pw}")
+        return 0
+    missing = [_env_name(r) for r in ROLES if not os.environ.get(_env_name(r))]
+    if missing:
+        print(f"trainguard.auth: {', '.join(missing)} not set: create them with `python -m "
+              f"trainguard.auth compose-env > .env` beside docker-compose.yml", file=sys.stderr)
+        return 2
+    creds = Credentials({r: os.environ[_env_name(r)] for r in ROLES})
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("nats.conf", nats_config(creds, "0.0.0.0", 4222, args.store_dir, None,
+                                                 args.max_file_store, http_port=8222)),
+                       ("users.acl", valkey_acl(creds))):
+        write_private(out / name, text)
+        os.chmod(out / name, 0o644)  # inside the compose volume: read by the servers' own users
+    print(f"trainguard.auth: wrote {out}/nats.conf and {out}/users.acl", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
