@@ -368,3 +368,32 @@ def test_ephemeral_stack_leaves_no_data():
         with pytest.raises(KeyError):
             stack.urls("nobody")
     assert not where.exists()
+
+
+def test_one_stack_per_data_dir(tmp_path):
+    from trainguard.embedded import ServerStartError
+
+    with EmbeddedServers(data_dir=tmp_path / "d"):
+        with pytest.raises(ServerStartError, match="another trainguard stack"):
+            EmbeddedServers(data_dir=tmp_path / "d").start()
+
+
+def test_compose_server_config_is_valid(tmp_path):
+    """What the compose `credentials` service writes: a config nats-server accepts, and an ACL
+    with the default user off."""
+    from trainguard.embedded import nats_server_binary
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "trainguard.auth", "compose-env"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    env.update(dict(line.split("=", 1) for line in out.split()))
+    assert len(out.split()) == len(ROLES)
+    subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config", str(tmp_path),
+                    "--store-dir", str(tmp_path / "js")], env=env, check=True)
+    conf = json.loads((tmp_path / "nats.conf").read_text())
+    assert conf["jetstream"]["store_dir"] == str(tmp_path / "js")
+    assert {u["user"] for u in conf["authorization"]["users"]} == set(ROLES)
+    r = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert (tmp_path / "users.acl").read_text().startswith("user default off")

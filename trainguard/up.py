@@ -25,7 +25,7 @@ from typing import Any
 from trainguard.schemas import subjects
 
 from .auth import ROLES, redact, write_private
-from .embedded import default_data_dir
+from .embedded import ServerStartError, default_data_dir
 from .errors import ServerUnreachable
 from .stack import DEFAULT_SERVICES, Stack, StackError, _tail
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"trainguard up: {exc}", file=sys.stderr)
     except _Stop:
         pass
-    except StackError as exc:
+    except (StackError, ServerStartError, ValueError) as exc:  # ValueError: credentials file
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 1
     except ServerUnreachable as exc:  # a --nats-url / --redis-url (or its env) that is down
