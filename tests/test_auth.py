@@ -8,10 +8,8 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import msgpack
 import nats
 import pytest
 import redis
@@ -341,7 +339,10 @@ def test_data_persists_across_up_stop_up(tmp_path):
     assert (data / "nats" / "js").is_dir() and (data / "valkey").is_dir()
     proc, again = _up(data, tmp_path / "logs")
     try:
-        assert again == exports  # same credentials and (free again) the same ports
+        # the same credentials (and, when still free, the same ports: not asserted, another
+        # process may have taken one meanwhile)
+        assert {k: v.rsplit(":", 1)[0] for k, v in again.items() if k != "TG_RDZV_ENDPOINT"} \
+            == {k: v.rsplit(":", 1)[0] for k, v in exports.items() if k != "TG_RDZV_ENDPOINT"}
 
         async def read():
             bus = await Bus(again["NATS_URL"], "persist-rank").connect()
