@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.state", CORE, False), ("trainguard.errors", CORE, False),
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
     ("trainguard.reducer", CORE, False), ("trainguard.embedded", CORE, False),
+    ("trainguard.auth", CORE, False),
     ("trainguard.xid", CORE, False), ("trainguard.checkpoint.format", CORE, False),
     # rules: pure decisions, shared by live services and offline tools
     ("trainguard.detector", RULES, False), ("trainguard.attributor", RULES, False),
@@ -49,6 +50,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.cli", COMMAND, False),
     ("trainguard.launcher", COMMAND, False),  # `trainguard launch`: may start a stack
     ("trainguard.launch_args", COMMAND, False), ("trainguard.stack", COMMAND, False),
+    ("trainguard.up", COMMAND, False),
     ("trainguard.demo", COMMAND, False), ("trainguard.diagnose", COMMAND, False),
     ("trainguard.replay", COMMAND, False), ("trainguard.console", COMMAND, False),
     ("trainguard.schemas_cli", COMMAND, False),
