@@ -226,8 +226,18 @@ def test_kubernetes_manifests_cover_every_service():
         c = d["spec"]["template"]["spec"]["containers"][0]
         assert c["command"][:3] == ["python", "-m", SERVICE_SPECS[name].module]
         assert {"configMapRef": {"name": "trainguard-config"}} in c["envFrom"]
+        role = SERVICE_SPECS[name].role  # each service connects as its own role
+        env = {e["name"]: e for e in c["env"]}
+        assert env["TG_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "trainguard-credentials", "key": f"TG_{role.upper()}_PASSWORD"}, name
+        assert env["NATS_URL"]["value"].startswith(f"nats://{role}:$(TG_PASSWORD)@"), name
+        assert env["REDIS_URL"]["value"].startswith(f"redis://{role}:$(TG_PASSWORD)@"), name
     cfg = workloads[("ConfigMap", "trainguard-config")]["data"]
-    assert cfg["NATS_URL"].startswith("nats://") and cfg["REDIS_URL"].startswith("redis://")
+    assert "NATS_URL" not in cfg and "REDIS_URL" not in cfg  # no URL without a user
+    for server in ("nats", "valkey"):
+        spec = workloads[("StatefulSet", server)]["spec"]["template"]["spec"]
+        assert spec["initContainers"][0]["command"][:4] == ["python", "-m", "trainguard.auth",
+                                                            "server-config"]
 
 
 def test_slurm_example_is_valid_bash():
