@@ -24,6 +24,7 @@ from typing import Any, Callable
 from trainguard.schemas import subjects
 
 from . import tracing
+from .auth import redact
 from .bus import Bus, Handler
 from .state import StateStore
 
@@ -98,7 +99,7 @@ class Service:
                                      queue=self.config.queue)
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
         await self.bus.flush()
-        log.info("%s ready (nats=%s)", self.name, self.config.nats_url)
+        log.info("%s ready (nats=%s)", self.name, redact(self.config.nats_url))
 
     async def _health(self, msg: Any) -> None:
         s = self.bus.stats

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard import schemas
+from trainguard.auth import redact
 
 #: The default fault schedule: (id, kind, global rank, step).
 DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
@@ -133,7 +134,8 @@ class Demo:
                            log_dir=os.path.join(self.cfg.run_dir, "logs"),
                            kernel_log_dir=self.cfg.run_dir)
         self.stack.start()
-        self.say(f"stack up: NATS {self.stack.nats_url}, Valkey {self.stack.redis_url}, "
+        self.say(f"stack up: NATS {redact(self.stack.nats_url)}, "
+                 f"Valkey {redact(self.stack.redis_url)}, "
                  f"rendezvous {self.stack.rdzv_endpoint}")
 
     def start_launchers(self) -> None:
@@ -141,6 +143,8 @@ class Demo:
         script = os.path.join(os.path.dirname(__file__), "train.py")
         exc_faults = [f for f in cfg.faults if f["kind"] == "exception"]
         self.launchers = []
+        # launchers and their ranks connect as the worker role, as a user's launchers do
+        nats_url, redis_url = self.stack.urls("worker")
         for nr in range(cfg.nnodes + cfg.spare_nodes):
             # nodes past nnodes are registered spares: they start warm processes and wait to
             # replace an excluded node
@@ -151,7 +155,7 @@ class Demo:
                    "--nnodes", str(cfg.nnodes),
                    "--nproc-per-node", str(cfg.nproc_per_node), "--node-rank", str(nr),
                    "--node", f"node{nr}", "--job", cfg.job, "--mode", cfg.mode,
-                   "--nats-url", self.stack.nats_url, "--redis-url", self.stack.redis_url,
+                   "--nats-url", nats_url, "--redis-url", redis_url,
                    "--rdzv-endpoint", self.stack.rdzv_endpoint,
                    "--ckpt-dir", os.path.join(cfg.run_dir, "checkpoints"),
                    "--hang-timeout", str(cfg.hang_timeout_s),
