@@ -25,7 +25,6 @@ state enum (``trainguard.launcher_loop``: ``LaunchState``). ``Launcher`` wires t
 """
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import signal
@@ -45,8 +44,6 @@ from .launcher_loop import DecisionReceived, LaunchState, RunLoop, StopRequested
 from .launcher_pool import ProcessPool, pdeathsig_kill
 
 __all__ = ["LaunchConfig", "Launcher", "LaunchState", "main", "parse_args"]
-
-log = logging.getLogger("trainguard.launcher")
 
 
 @dataclass
@@ -128,7 +125,6 @@ def _is_local(host: str) -> bool:
         return bool(mine & {a[4][0] for a in socket.getaddrinfo(host, None)})
     except OSError:
         return False
-
 
 
 class Launcher:

@@ -38,21 +38,26 @@ EXIT_FAILED = 1
 class LaunchState(StrEnum):
     """Where one node's launch is, as torch.distributed.elastic's ``WorkerState``::
 
-        INIT ──first ranks started──► HEALTHY ◄───────────── RESTARTING
-                                       │  ▲                      ▲
-                      a rank failed    │  │ a decision that      │ a decision that starts or
-                      (action mode:    ▼  │ starts ranks         │ re-ranks ranks; a group
-                      the decision)  UNHEALTHY ──────────────────┘ restart (observe mode,
-                                                                   --max-restarts left, or
-                                                                   another node restarted)
-        HEALTHY | UNHEALTHY:
-            every rank exited 0 (the last with 0)   ──► SUCCEEDED  (exit 0)
-            every rank exited 0 or 3 (the last 3)   ──► STOPPED    (exit 3)
-            stop decision / node excluded / stop request ──► STOPPING ──► STOPPED (3 / 0 / signal)
-            a rank failed, observe mode, restarts spent  ──► STOPPING ──► FAILED  (exit 1)
+        INIT ──first ranks started──► HEALTHY ──a rank failed (action mode)──► UNHEALTHY
+                                       ▲   │                                     │
+                                       │   │ a group restart (observe mode,      │
+                                       │   │ --max-restarts left, or another     │
+                                       │   ▼ node restarted its group)           │
+                                       └── RESTARTING ◄──── an executed decision ◄┘
+                                                            that kills, starts or
+                                                            re-ranks ranks here (from
+                                                            HEALTHY too)
+
+        HEALTHY ── every rank exited 0 or 3 ─────────────────► SUCCEEDED (the last 0: exit 0)
+                                                             | STOPPED   (the last 3: exit 3)
+        HEALTHY | UNHEALTHY ── stop decision (exit 3), this node excluded (exit 0),
+                               stop request (SIGTERM 143, SIGINT 130) ──► STOPPING ──► STOPPED
+        HEALTHY ── a rank failed, observe mode, restarts spent ──► STOPPING ──► FAILED (exit 1)
 
     RESTARTING and STOPPING last one step of the loop (ranks killed, replacements started);
-    SUCCEEDED, STOPPED and FAILED end it. The launcher then shuts down whatever the state.
+    SUCCEEDED, STOPPED and FAILED end it. A failed rank stays this node's until a decision
+    replaces it, so UNHEALTHY ends only by a decision or a stop. The launcher shuts down
+    (``Launcher.shutdown``) whatever the final state.
     """
 
     INIT = "init"
