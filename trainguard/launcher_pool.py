@@ -142,14 +142,18 @@ class RankProcess:
                 if budget > 0:  # at most 50 lines/s per rank go on the bus
                     budget -= 1
                     self.pool.publish_log(self, line.rstrip("\n"))
-
-    def _wait(self) -> None:
-        self.popen.wait()
-        for fh in self.files.values():
+        # the stream's end, not the process's: closed at the exit, a file lost the last lines
+        # the pump had still to write (a race: ≈ 1 % of the one-line ranks of a --no-python
+        # launch ended with an empty stdout.log)
+        fh = self.files.pop(name, None)
+        if fh is not None:
             try:
                 fh.close()
             except OSError:
                 pass
+
+    def _wait(self) -> None:
+        self.popen.wait()
         self.pool.post(RankExited(self))
 
     def kill(self) -> None:
