@@ -1,5 +1,6 @@
-"""What an executed decision means for one node's ranks: pure, table-tested (``docs/protocol.md``,
-"Executors").
+"""What an executed decision means for one node's ranks (``plan_node``, the launcher's) and for
+one rank (``plan_rank``, the shim's): pure, table-tested against the executor table of
+``docs/protocol.md`` ("Executors").
 
 A rank rejoins in process only when it runs ``trainguard.run`` (``in_process``: it told its
 launcher so). Every other rank — an unmodified torchrun script, Lightning, Hugging Face, or a
@@ -11,8 +12,12 @@ resumes from its own checkpoint (as under torchrun, without the interpreter star
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from trainguard import schemas
+
+__all__ = ["EXIT_STOPPED", "LocalRank", "NodePlan", "plan_node", "ThisRank", "RankAction",
+           "RankPlan", "plan_rank"]
 
 #: Exit status of a launcher (and a rank) stopped by a decision.
 EXIT_STOPPED = 3
@@ -91,3 +96,78 @@ def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank]) -> NodePla
                      f"group (no in-process restart)")
     plan.why = "; ".join(parts)
     return plan
+
+
+@dataclass(frozen=True)
+class ThisRank:
+    """One rank as it knows itself: where it runs (``node``, ``local_rank``: what ``members``
+    are looked up by), its rank and world in the generation it is in, and whether it rejoins in
+    process (it runs ``trainguard.run``)."""
+
+    node: str
+    local_rank: int
+    rank: int
+    world_size: int
+    in_process: bool = True
+
+
+class RankAction(StrEnum):
+    """What a rank does with a decision (the shim's column of the executor table)."""
+
+    IGNORE = "ignore"                # not executed, no recovery, or for a generation not ahead
+    REJOIN = "rejoin"                # abort its groups, rejoin in process at ``generation``
+    RESTART_GROUP = "restart_group"  # cannot rejoin: its launcher restarts it with its group
+    STOP = "stop"                    # the job stops, or this rank was excluded: exit
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """``plan_rank``'s answer: ``action``, and the ``generation``, ``rank`` and ``world_size``
+    the rank has after it (unchanged for IGNORE and STOP); ``why`` says why in words (for
+    STOP, the reason ``JobStopped`` carries)."""
+
+    action: RankAction
+    generation: int
+    rank: int
+    world_size: int
+    why: str = ""
+
+    @property
+    def exit_status(self) -> int | None:
+        """The rank's exit status: ``EXIT_STOPPED`` for STOP, else None (it goes on)."""
+        return EXIT_STOPPED if self.action is RankAction.STOP else None
+
+
+def plan_rank(d: schemas.Decision, me: ThisRank, generation: int) -> RankPlan:
+    """What decision ``d`` means for rank ``me``, now in ``generation``.
+
+    * not executed (observe mode), ``none``, or for a generation not after ``generation``:
+      IGNORE (stale: e.g. a decision the rank already carried out, replayed from the stream);
+    * ``stop_job_notify_user``: STOP with ``d.reason``;
+    * a rank that cannot rejoin in process (``me.in_process`` False): RESTART_GROUP — its
+      launcher kills it and starts it again with its worker group (``plan_node``);
+    * a new world (``d.members``): this rank's seat is the member with its node and local rank;
+      none: STOP (excluded); else REJOIN with that member's rank and ``d.world_size`` (or the
+      number of members);
+    * any other recovery: REJOIN at ``d.generation`` with the same rank and world.
+    """
+    if not d.execute or d.action == "none" or d.generation <= generation:
+        why = ("not executed" if not d.execute else "no action" if d.action == "none" else
+               f"generation {d.generation} is not after {generation}")
+        return RankPlan(RankAction.IGNORE, generation, me.rank, me.world_size, why)
+    if d.action == "stop_job_notify_user":
+        return RankPlan(RankAction.STOP, generation, me.rank, me.world_size,
+                        d.reason or "stopped by the remediator")
+    rank, world = me.rank, me.world_size
+    if d.members:
+        mine = [m for m in d.members if m.node == me.node and m.local_rank == me.local_rank]
+        if not mine:
+            return RankPlan(RankAction.STOP, generation, me.rank, me.world_size,
+                            f"this rank ({me.node}/{me.local_rank}) was excluded: {d.reason}")
+        rank, world = mine[0].rank, d.world_size or len(d.members)
+    if not me.in_process:
+        return RankPlan(RankAction.RESTART_GROUP, d.generation, rank, world,
+                        "restarted by its launcher with its worker group (no in-process "
+                        "restart)")
+    return RankPlan(RankAction.REJOIN, d.generation, rank, world,
+                    f"rejoin in process as rank {rank} of {world}")

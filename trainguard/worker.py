@@ -28,117 +28,18 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainguard import schemas
+from trainguard.executor import RankAction
 from trainguard.schemas import subjects
 
 from . import rendezvous
+from .rank_state import (  # noqa: F401 - re-exported: trainguard.worker is their public home
+    COLLECTIVE_ERROR_MARKERS, DecisionInbox, JobStopped, RestartRequested, WorkerConfig,
+    _Progress)
 
 log = logging.getLogger("trainguard.worker")
-
-#: Substrings of exceptions raised by a collective whose peer failed or was aborted: the rank
-#: that sees them is a symptom, not the culprit. Sources: gloo transport/tcp/pair.cc messages,
-#: torch.distributed timeouts; NCCL's "remote process exited / ncclRemoteError".
-COLLECTIVE_ERROR_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-    "gloo/transport", "Timed out waiting", "ncclRemoteError", "NCCL communicator was aborted",
-    "Socket Timeout", "Application timeout caused pair closure",
-)
-
-
-class RestartRequested(RuntimeError):
-    """Raised inside ``train_fn`` (from ``ctx.progress``) when a decision asks this healthy rank
-    to leave its current generation (a peer is being restarted or excluded)."""
-
-
-class JobStopped(SystemExit):
-    """The remediator decided to stop the job; carries the reason. Exit status 3."""
-
-    def __init__(self, reason: str):
-        super().__init__(3)
-        self.reason = reason
-
-
-@dataclass
-class WorkerConfig:
-    """Settings of the shim, read from the environment by ``from_env``.
-
-    ``heartbeat_interval_s`` (0.1): rank heartbeat period — hang detection resolution.
-    ``decision_timeout_s`` (60): how long a faulted rank waits for a decision before acting on
-    its own (restart in process at the next generation) — the bus may be gone.
-    ``rendezvous_timeout_s`` (120): barrier timeout of a generation.
-    ``pg_timeout_s`` (300): collective timeout of the process groups (last resort only).
-    """
-
-    job: str = "default"
-    node: str = field(default_factory=subjects.default_node)
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    generation: int = 0
-    mode: str = "action"
-    nats_url: str = ""
-    redis_url: str = ""
-    rdzv_endpoint: str = ""
-    ckpt_dir: str = ""
-    backend: str = "gloo"
-    heartbeat_interval_s: float = 0.1
-    decision_timeout_s: float = 60.0
-    rendezvous_timeout_s: float = 120.0
-    pg_timeout_s: float = 300.0
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "WorkerConfig":
-        e = os.environ if env is None else env
-        rdzv = e.get("TG_RDZV_ENDPOINT") or (
-            f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}" if "MASTER_ADDR" in e and "MASTER_PORT" in e
-            else "")
-        return cls(
-            job=e.get("TG_JOB", "default"), node=e.get("TG_NODE") or subjects.default_node(),
-            rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
-            world_size=int(e.get("WORLD_SIZE", 1)),
-            local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)),
-            generation=int(e.get("TG_GENERATION", 0)), mode=e.get("TG_MODE", "action"),
-            nats_url=e.get("NATS_URL", ""), redis_url=e.get("REDIS_URL", ""),
-            rdzv_endpoint=rdzv, ckpt_dir=e.get("TG_CKPT_DIR", ""),
-            backend=e.get("TG_BACKEND", "gloo"),
-            heartbeat_interval_s=float(e.get("TG_HEARTBEAT_INTERVAL_S", 0.1)),
-            decision_timeout_s=float(e.get("TG_DECISION_TIMEOUT_S", 60.0)),
-        )
-
-
-class _Progress:
-    """Progress shared with the heartbeat thread (plain attributes; the GIL makes each
-    assignment atomic)."""
-
-    __slots__ = ("step", "loss", "step_time_s", "progress_ts", "phase", "collective_seq",
-                 "compute_s", "arrived", "_last_mono")
-
-    def __init__(self) -> None:
-        self.step = -1
-        self.loss: float | None = None
-        self.step_time_s: float | None = None
-        self.progress_ts = 0
-        self.phase = "startup"
-        self.collective_seq = 0
-        self.compute_s: float | None = None
-        self.arrived = False
-        self._last_mono = 0.0
-
-    def advance(self, step: int, loss: float | None) -> None:
-        """Record that ``step`` completed with ``loss`` (None: no loss reported); the step time
-        is the wall time since the previous step while training."""
-        now = time.monotonic()
-        if self._last_mono and self.phase == "train":
-            self.step_time_s = now - self._last_mono
-        self._last_mono = now
-        self.step = step
-        self.loss = None if loss is None else float(loss)
-        self.progress_ts = time.time_ns()
-        self.phase = "train"
 
 
 class _Runtime:
@@ -151,9 +52,7 @@ class _Runtime:
         self.store = None
         self.socks: rendezvous.GroupSockets | None = None
         self.ckpt_group = None
-        self.decisions: list[schemas.Decision] = []
-        self._cond = threading.Condition()
-        self._seen_keys: set[str] = set()
+        self.inbox = DecisionInbox(cfg)
         self.abort_requested = threading.Event()
         self._stop = threading.Event()
         self.restarts = 0
@@ -200,14 +99,8 @@ class _Runtime:
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
     def _on_decision(self, subject: str, ev: schemas.Event) -> None:
-        if not isinstance(ev, schemas.Decision) or not ev.execute:
-            return
-        if ev.generation <= self.cfg.generation or ev.idempotency_key in self._seen_keys:
-            return
-        self._seen_keys.add(ev.idempotency_key)
-        with self._cond:
-            self.decisions.append(ev)
-            self._cond.notify_all()
+        if not isinstance(ev, schemas.Decision) or not self.inbox.offer(ev):
+            return  # not for this rank (executor.plan_rank), or seen before
         # a healthy rank still in a collective must leave it: shut its sockets down
         self.abort_requested.set()
         if self.socks is not None:
@@ -215,24 +108,10 @@ class _Runtime:
 
     def newer_decision(self) -> schemas.Decision | None:
         """The newest executed decision for a generation after ours, if any."""
-        with self._cond:
-            return self._newer_decision_locked()
+        return self.inbox.newer()
 
     def await_decision(self, timeout_s: float) -> schemas.Decision | None:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                d = self._newer_decision_locked()
-                if d is not None:
-                    return d
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(left, 0.05))
-
-    def _newer_decision_locked(self) -> schemas.Decision | None:
-        live = [d for d in self.decisions if d.generation > self.cfg.generation]
-        return max(live, key=lambda d: d.generation) if live else None
+        return self.inbox.wait(timeout_s)
 
     # ---- groups -------------------------------------------------------------------------------
     def join(self) -> None:
@@ -275,18 +154,13 @@ class _Runtime:
         self.ckpt_group = None
 
     def _apply(self, d: schemas.Decision) -> None:
-        """Take the generation, rank and world size a decision assigns to this rank."""
+        """Take the generation, rank and world size a decision assigns to this rank
+        (``executor.plan_rank``); raises ``JobStopped`` when it stops the job or excludes it."""
+        plan = self.inbox.plan(d)
+        if plan.action is RankAction.STOP:
+            raise JobStopped(plan.why)
         cfg = self.cfg
-        if d.action == "stop_job_notify_user":
-            raise JobStopped(d.reason or "stopped by the remediator")
-        if d.members:
-            mine = [m for m in d.members if m.node == cfg.node and m.local_rank == cfg.local_rank]
-            if not mine:
-                raise JobStopped(f"this rank ({cfg.node}/{cfg.local_rank}) was excluded: "
-                                 f"{d.reason}")
-            cfg.rank = mine[0].rank
-            cfg.world_size = d.world_size or len(d.members)
-        cfg.generation = d.generation
+        cfg.rank, cfg.world_size, cfg.generation = plan.rank, plan.world_size, plan.generation
         self.current_decision_id = d.event_id
 
     # ---- fault handling -----------------------------------------------------------------------
