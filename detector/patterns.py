@@ -104,13 +104,19 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver|"
        r"CUDA-capable device\(s\) is/are busy or unavailable|cudaErrorDevicesUnavailable|"
        r"cudaErrorInsufficientDriver|cudaErrorNoDevice|CUDA error: initialization error|"
-       r"CUDA_ERROR_NOT_INITIALIZED|no kernel image is available for execution on the device",
+       r"CUDA_ERROR_NOT_INITIALIZED|no kernel image is available for execution on the device|"
+       r"The NVIDIA driver on your system is too old|No CUDA GPUs are available|"
+       r"Unexpected error from cudaGetDeviceCount|forward compatibility was attempted on non "
+       r"supported HW|system not yet initialized|cudaErrorSystemNotReady|NVRM: API mismatch",
        "crash", "system_software", weight=0.8,
        why="the CUDA runtime cannot use the GPU for a reason of the node's software: driver "
            "older than the runtime (cudaErrorInsufficientDriver 35), driver upgraded without a "
            "reboot (NVML 'Driver/library version mismatch'), exclusive/prohibited compute mode "
            "(cudaErrorDevicesUnavailable 46, CUDA Runtime API docs), a build without the GPU's "
-           "architecture (cudaErrorNoKernelImageForDevice 209)"),
+           "architecture (cudaErrorNoKernelImageForDevice 209), fabric manager not running on an "
+           "NVSwitch system (cudaErrorSystemNotReady 802 'system not yet initialized'), a user-space "
+           "driver newer than the kernel module ('NVRM: API mismatch'); torch wraps these as "
+           "'Unexpected error from cudaGetDeviceCount()' (c10/cuda/CUDAFunctions.cpp)"),
     # ==== host hardware and kernel ==============================================================
     _p("host_machine_check",
        r"\[Hardware Error\]:.*(?:Uncorrected|fatal)|EDAC \S+: \d+ UE |"
@@ -153,7 +159,7 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("slurm_oom",
        r"Detected \d+ oom[-_]kill event|task \d+: Out Of Memory|"
        r"\btasks? [\d,-]+: Out Of Memory|Exceeded (?:job|step) memory limit|"
-       r"\bOUT_OF_MEMORY\b|JobState=OUT_OF_MEMORY",
+       r"\bOUT_OF_MEMORY\b|JobState=OUT_OF_MEMORY|exceeded memory limit \(\d+ > \d+\), being killed",
        "oom_host", "application", weight=0.95,
        why="Slurm's cgroup plugin counted OOM kills of the step (src/plugins/task/cgroup/"
            "task_cgroup_memory.c 'Detected %lu oom_kill event(s) in %ps', older 'oom-kill "
@@ -187,29 +193,35 @@ PATTERNS: tuple[LogPattern, ...] = (
     # ==== signals and exits =====================================================================
     _p("sigbus",
        r"Signal 7 \(SIGBUS\)|exit ?code\s*:\s*-7\b|Caught signal 7\b|\bBus error\b|"
-       r"insufficient shared memory|/dev/shm.*(?:No space|too small|full)",
+       r"insufficient shared memory|/dev/shm.*(?:No space|too small|full)|return code = -7\b|"
+       r"terminated with signal SIGBUS",
        "crash", "infrastructure", weight=0.8,
        why="SIGBUS in a training process is nearly always a write past the end of a /dev/shm "
            "mapping (NCCL's intra-node buffers, DataLoader tensors): containers default to a "
            "64 MB /dev/shm — raise it (--shm-size / an emptyDir with medium Memory)"),
     _p("sigsegv",
        r"Signal 11 \(SIGSEGV\)|exit ?code\s*:\s*-11\b|Caught signal 11\b|Segmentation fault|"
-       r"SIGSEGV|segfault at [0-9a-f]+ ip ",
+       r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b",
        "crash", "unknown", weight=0.7,
        why="native crash in the process: extension, library, driver or memory (kernel: "
            "arch/x86/mm/fault.c 'segfault at %lx ip %px sp %px error %lx')"),
     _p("sigkill",
        r"Signal 9 \(SIGKILL\)|exit ?code\s*:\s*-9\b|exit(?:ed)? with (?:status|exit) code 137\b|"
        r"exit(?:ed)? with code 137\b|^(?:\[[\d,]+\]<std\w+>:)?Killed\s*$|"
-       r"\btasks? [\d,-]+: Killed\b|exit code:? 137\b",
+       r"\btasks? [\d,-]+: Killed\b|exit code:? 137\b|return code = -9\b|"
+       r"terminated with signal SIGKILL|Exited \(137\)|^zsh: killed\s|"
+       r"^(?:.*: line \d+: )?(?:\[\d+\]\+?\s+)?(?:\d+\s+)?Killed\s+\S*python",
        "oom_host", "application", weight=0.45,
        why="SIGKILL that the launcher did not send: the kernel OOM killer is its usual sender "
            "on a training host (check `dmesg | grep -i oom`); low weight because an operator or "
            "scheduler can send it too (srun: src/srun/launch.c '%s: task %s: %s' with the "
-           "signal's name)"),
+           "signal's name; DeepSpeed deepspeed/launcher/launch.py '%s exits with return code = "
+           "%d'; torch/multiprocessing/spawn.py 'process %d terminated with signal %s'; the "
+           "shell's 'Killed' job report)"),
     _p("sigabrt",
        r"Signal 6 \(SIGABRT\)|exit ?code\s*:\s*-6\b|Aborted \(core dumped\)|"
-       r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)",
+       r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)|"
+       r"return code = -6\b|terminated with signal SIGABRT",
        "crash", "unknown", symptom=True, weight=0.3,
        why="abort() after an uncaught C++ exception: the exception printed before it is the cause"),
     _p("agent_sigterm",
@@ -237,19 +249,27 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("k8s_eviction_storage",
        r"The node was low on resource: ephemeral-storage|"
        r"ephemeral local storage usage exceeds the total limit|"
-       r"exceeded its local ephemeral storage limit|Usage of EmptyDir volume .{0,80}exceeds the limit",
+       r"exceeded its local ephemeral storage limit|Usage of EmptyDir volume .{0,80}exceeds the limit|"
+       r"node had condition: \[DiskPressure\]",
        "filesystem", "infrastructure", weight=0.85,
        why="kubelet evicted the pod for local disk (pkg/kubelet/eviction/helpers.go "
            "'The node was low on resource: ephemeral-storage', 'Pod ephemeral local storage usage "
            "exceeds the total limit of containers %s', 'Container %s exceeded its local "
            "ephemeral storage limit %q', 'Usage of EmptyDir volume %q exceeds the limit %q')"),
+    _p("k8s_evicted",
+       r"^\s*(?:Status:\s*Failed\s+)?Reason:\s*Evicted\s*$|\bWarning\s+Evicted\s*$|"
+       r"\bpod .{0,80}\bevicted\b",
+       "node_lost", "infrastructure", symptom=True, weight=0.5,
+       why="a pod's status or event says only that it was evicted (kubernetes pod status "
+           "reason Evicted): the message beside it (the resource the node was low on) says "
+           "why; alone, the pod was taken away — a symptom-only verdict of node_lost"),
     _p("k8s_eviction",
-       r"^(?!.*\bNormal\b).*\bReason:\s*Evicted\b|\bWarning\s+Evicted\b|The node was low on resource|"
+       r"\bWarning\s+Evicted\s+.{0,80}\S|The node was low on resource|"
        r"terminated in response to imminent node shutdown|Preempted in order to admit critical pod|"
        r"TaintManagerEviction|Marking for deletion Pod|status is now: NodeNotReady|"
        r"\bNodeNotReady\b|Spot Instance interruption|instance-action.{0,40}terminate|"
        r"Instance was preempted|compute\.instances\.preempted|The node was drained|"
-       r"pod .{0,80}\bevicted\b",
+       r"Preempted to accommodate|\bnode (?:was|is being) preempted\b",
        "node_lost", "infrastructure", weight=0.8,
        why="the pod or the machine was taken away: kubelet eviction (pkg/kubelet/eviction, "
            "reason Evicted), graceful node shutdown (pkg/kubelet/nodeshutdown 'Pod was "
@@ -267,7 +287,7 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("collective_timeout",
        r"Timed out waiting \d+ ?ms for (?:recv|send) operation|Application timeout caused pair "
        r"closure|collective operation timeout|NCCL communicator was aborted.*timeout|"
-       r"Socket Timeout|ProcessGroupGloo.*[Tt]imeout|Timeout at NCCL work: \d+|"
+       r"ProcessGroupGloo.*[Tt]imeout|Timeout at NCCL work: \d+|"
        r"Heartbeat monitor timed out|watchdog got stuck for \d+ seconds|"
        r"Some NCCL operations have failed or timed out",
        "hang", "unknown", symptom=True, weight=0.5,
@@ -310,6 +330,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        _NOT_INFO + r".*(?:NET/OFI .{0,80}completed with error|NET/OFI Unable to read from "
        r"fi_cq_readerr|NET/OFI .{0,40}\bfi_\w+(?:\(\))? failed(?!.*fi_getinfo)|"
        r"NET/OFI Unable to post|Unresponsive (?:receiver|remote)|Unreachable remote|"
+       r"Failure posting handshake to peer|"
        r"prov_errno: ?\d+|libfabric:\d+:\d+:.{0,20}efa:.{0,80}<(?:warn|warning)>.{0,200}"
        r"(?:error|fail|unreachable|unresponsive))",
        "network", "infrastructure", weight=0.75,
@@ -324,7 +345,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        _NOT_INFO + r".*NET/OFI (?:OFI )?(?:fi_getinfo\(\) call failed|Couldn't open a fabric "
        r"provider|Unable to register memory|Unable to find a protocol that worked|"
        r"\S+ provider requires at least libfabric|Initializing plugin failed|"
-       r"Couldn't find any optimal provider)",
+       r"No eligible providers|Only EFA provider is supported)",
        "network", "system_software", weight=0.7,
        why="the aws-ofi-nccl plugin could not set up libfabric/EFA (src/nccl_ofi_net.cpp "
            "'Couldn't open a fabric provider', src/nccl_ofi_rdma.cpp 'OFI fi_getinfo() call "
@@ -398,7 +419,8 @@ PATTERNS: tuple[LogPattern, ...] = (
        why="the filesystem (or quota) is full"),
     _p("checkpoint_write_failed",
        r"PytorchStreamWriter failed writing|file write failed|Read-only file system|"
-       r"(?:failed|unable) to (?:save|write) (?:the )?checkpoint|Input/output error|\bEIO\b|"
+       r"(?:failed|unable) to (?:save|write) (?:the )?checkpoint|"
+       r"^(?!.*(?:NCCL|NET/|libfabric|ibv_|fi_cq)).*(?:Input/output error|\bEIO\b)|"
        r"Stale file handle|Buffer I/O error on dev|I/O error, dev \w+|"
        r"nfs: server \S+ not responding|LustreError|Lustre: .{0,80}(?:lost|evicted|timed out)",
        "filesystem", "infrastructure", weight=0.85,
@@ -421,7 +443,8 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"unexpected EOF|checksum mismatch|BadZipFile|File is not a zip file|"
        r"Invalid magic number; corrupt file|truncated file: eof = \d+|file signature not found|"
        r"Unable to load weights from (?:pytorch )?checkpoint file|"
-       r"(?:zero[- ]?(?:byte|size)|empty) (?:checkpoint|shard|file)|size (?:is )?0 bytes",
+       r"(?:zero[- ]?(?:byte|size)|empty) (?:checkpoint|shard|file)|size (?:is )?0 bytes|"
+       r"DataLossError|truncated record at|Error -3 while decompressing data",
        "checkpoint_corrupt", "infrastructure", weight=0.9,
        why="a checkpoint file cannot be read back — zero-byte or truncated: torch.load's zip "
            "reader (caffe2/serialize/inline_container.cc 'PytorchStreamReader failed reading "
@@ -430,7 +453,8 @@ PATTERNS: tuple[LogPattern, ...] = (
            "HeaderTooSmall / MetadataIncompleteBuffer / HeaderTooLarge', safetensors/src/"
            "tensor.rs), h5py ('truncated file: eof = …'), transformers modeling_utils.py "
            "('Unable to load weights from pytorch checkpoint file'), torch.distributed.checkpoint "
-           "CheckpointException: written while the disk filled or the writer died; resume from "
+           "CheckpointException, TensorFlow DataLossError ('Checksum does not match', 'truncated "
+           "record at'): written while the disk filled or the writer died; resume from "
            "the newest valid checkpoint"),
     # ==== rendezvous and the c10d store =========================================================
     _p("store_connect_timeout",
@@ -448,6 +472,13 @@ PATTERNS: tuple[LogPattern, ...] = (
            "not listen (socket.cpp 'The server socket has failed to listen on any local network "
            "address', EADDRINUSE: MASTER_PORT taken) — a wrong MASTER_ADDR/port, a firewall, a "
            "missing node"),
+    _p("store_socket_timeout",
+       r"\bSocket Timeout\b|\bWait timeout\b.{0,40}keys?:",
+       "rendezvous", "infrastructure", symptom=True, weight=0.5,
+       why="a c10d store request timed out (torch/csrc/distributed/c10d/Utils.hpp recvBytes: "
+           "'Socket Timeout' when the socket's receive timeout expires; TCPStore 'wait timeout "
+           "after %dms, keys: …'): a rank waited for a key that a peer never wrote — the peer is "
+           "missing or dead; a symptom when the peer's own fault is in the log"),
     _p("store_peer_closed",
        r"DistNetworkError: Failed to recv, got 0 bytes|"
        r"^(?!.*\[W)(?!.*\bW\d{4} ).*Failed to recv, got 0 bytes",
@@ -483,7 +514,8 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"loss scale already at minimum|Minimum loss scale reached|loss[_ ]scale.{0,30}"
        r"(?:underflow|collapsed|below (?:the )?min)|"
        r"Attempted loss scale: \d+(?:\.\d+)?, reducing to " + _TINY + r"|"
-       r"reducing loss scale to " + _TINY + r"|setting loss scale to: " + _TINY + r"|"
+       r"reducing loss scale to " + _TINY + r"|setting (?:loss )?scale to: " + _TINY + r"|"
+       r"\b(?:loss|grad)[_ ]scale\W{1,3}(?:0(?:\.0+)?|\d(?:\.\d+)?e-\d+)(?![\d.])|"
        r"loss scale: " + _TINY + r" \|.*skipped iterations:\s*[1-9]",
        "nan_loss", "application", weight=0.9,
        why="fp16 dynamic loss scaling kept halving on overflow until it reached its floor: "
@@ -499,7 +531,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"(?! iterations)|found NaN|"
        r"NaN or Inf found|non-finite (?:loss|grad\w*)|Unexpected result nan|Detected (?:NaN|Inf)|"
        r"\bnan\b(?! iterations).{0,30}(?:loss|grad)|anomaly.*returned nan|"
-       r"(?:loss|grad\w*) (?:is|became|= ?)\s*(?:not finite|non-finite)|is not finite",
+       r"(?:loss|grad\w*) (?:is|became|= ?)\s*(?:not finite|non-finite)",
        "nan_loss", "application", weight=0.85,
        why="loss or gradient norm became NaN/Inf: numerics or data; roll back to a checkpoint"),
     # ==== generic ===============================================================================
