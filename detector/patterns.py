@@ -149,13 +149,16 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)|oom-kill:|invoked oom-killer|"
        r"Memory cgroup out of memory|oom_reaper: reaped process (?P<pid2>\d+)|"
        r"Task in \S+ killed as a result of limit of|memory: usage \d+kB, limit \d+kB, failcnt|"
-       r"is killed by signal: Killed",
+       r"is killed by signal: Killed|has been killed by the OOM killer|"
+       r"systemd-oomd\[\d+\]: Killed \S+ due to memory",
        "oom_host", "application", weight=0.95,
        why="the Linux OOM killer (mm/oom_kill.c: '%s invoked oom-killer', 'oom-kill:constraint="
            "…', 'Out of memory: Killed process %d', 'Memory cgroup out of memory: Killed process', "
            "'oom_reaper: reaped process'; mm/memcontrol.c: 'memory: usage %llukB, limit …') killed "
            "the process; torch's DataLoader reports a worker it killed ('is killed by signal: "
-           "Killed', torch/utils/data/_utils/signal_handling.py)"),
+           "Killed', torch/utils/data/_utils/signal_handling.py); systemd's view of either "
+           "(src/core/unit.c 'A process of this unit has been killed by the OOM killer.', "
+           "systemd-oomd src/oom/oomd.c 'Killed %s due to memory pressure …')"),
     _p("slurm_oom",
        r"Detected \d+ oom[-_]kill event|task \d+: Out Of Memory|"
        r"\btasks? [\d,-]+: Out Of Memory|Exceeded (?:job|step) memory limit|"
@@ -165,6 +168,13 @@ PATTERNS: tuple[LogPattern, ...] = (
            "task_cgroup_memory.c 'Detected %lu oom_kill event(s) in %ps', older 'oom-kill "
            "event(s) in step … cgroup'), srun's task summary (src/srun/launch.c '%s: task %s: Out "
            "Of Memory'), jobacct_gather's 'Exceeded job memory limit', job state OUT_OF_MEMORY"),
+    _p("slurm_memory_limit_hit",
+       r"hit memory(?:\+swap)? limit at least once during execution|oom-kill event count: [1-9]",
+       "oom_host", "application", symptom=True, weight=0.4,
+       why="Slurm's task/cgroup saw the step reach its memory limit (src/plugins/task/cgroup/"
+           "task_cgroup_memory.c '%ps hit memory limit at least once during execution. This may "
+           "or may not result in some failure.'; cgroup v1 'oom-kill event count'): a hint — the "
+           "'Detected … oom_kill event' line or the process's own fault decides"),
     _p("container_oom",
        r"OOMKilled|System OOM encountered|\bReason:\s*OOMKilling|container .{0,60}was OOM.?killed|"
        r"OOM killed process",
@@ -326,6 +336,15 @@ PATTERNS: tuple[LogPattern, ...] = (
            "limit (ENOMEM from ibv_create_qp / ibv_reg_mr: ulimit -l, container memlock), no "
            "permission, device not openable (NCCL src/misc/ibvwrap.cc 'Call to %s failed with "
            "error %s', src/transport/net_ib/init.cc 'NET/IB : Unable to open device %s')"),
+    _p("nic_kernel_error",
+       r"mlx5_core .{0,80}(?:Cable unplugged|Cable error|health compromised|[Ff]atal error \d+ "
+       r"detected|internal error)|NETDEV WATCHDOG: .{0,80}transmit queue \d+ timed out|"
+       r"mlx5_core .{0,80}Link down|\bib\d+: .{0,40}lost carrier",
+       "network", "hardware", weight=0.75,
+       why="the kernel's NIC driver reports the port or the adapter failing (linux drivers/net/"
+           "ethernet/mellanox/mlx5/core/events.c 'Port module event: module %u, Cable unplugged', "
+           "health.c 'device's health compromised', net/sched/sch_generic.c 'NETDEV WATCHDOG: %s "
+           "(%s): transmit queue %u timed out'): a link, cable or adapter fault on that node"),
     _p("ofi_completion_error",
        _NOT_INFO + r".*(?:NET/OFI .{0,80}completed with error|NET/OFI Unable to read from "
        r"fi_cq_readerr|NET/OFI .{0,40}\bfi_\w+(?:\(\))? failed(?!.*fi_getinfo)|"
@@ -500,10 +519,13 @@ PATTERNS: tuple[LogPattern, ...] = (
            "torch/distributed/distributed_c10d.py DistStoreError 'Timed out after %d seconds "
            "waiting for clients. %d/%d clients joined.')"),
     _p("rendezvous_config_hint",
-       r"master_addr is only used for static rdzv_backend|generated a random run_id",
+       r"master_addr is only used for static rdzv_backend",
        "rendezvous", "infrastructure", symptom=True, weight=0.3,
-       why="torchrun ignores MASTER_ADDR for a dynamic rendezvous backend and each node "
-           "generates its own run id: nodes of one job may not join the same rendezvous"),
+       why="torchrun ignores MASTER_ADDR for a dynamic rendezvous backend (torch/distributed/"
+           "run.py): nodes of one job may not meet where the user thinks. The launcher's "
+           "'config has no run_id, generated a random run_id' (torch/distributed/launcher/api.py "
+           "launch_agent) is printed by every launch without --rdzv-id and is no hint: as a "
+           "rendezvous symptom it outranked the hang symptoms of a watchdog timeout"),
     _p("launcher_traceback",
        r'File ".*(?:/bin/torchrun|torch/distributed/run\.py|torch/distributed/launcher/api\.py)"',
        "rendezvous", "infrastructure", symptom=True, weight=0.2,
