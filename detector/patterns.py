@@ -120,10 +120,12 @@ PATTERNS: tuple[LogPattern, ...] = (
     # ==== host hardware and kernel ==============================================================
     _p("host_machine_check",
        r"\[Hardware Error\]:.*(?:Uncorrected|fatal)|EDAC \S+: \d+ UE |"
-       r"Machine check: Processor context corrupt|Kernel panic - not syncing: Fatal machine check",
+       r"Machine check: Processor context corrupt|Kernel panic - not syncing: Fatal machine check|"
+       r"AER: (?:Multiple )?Uncorrected \(Fatal\) error",
        "crash", "hardware", weight=0.8,
        why="the kernel's MCE/EDAC report of an uncorrected host memory or CPU error "
-           "(linux arch/x86/kernel/cpu/mce, drivers/edac/edac_mc.c 'UE')"),
+           "(linux arch/x86/kernel/cpu/mce, drivers/edac/edac_mc.c 'UE') or a fatal PCIe error "
+           "(drivers/pci/pcie/aer.c 'AER: Uncorrected (Fatal) error received')"),
     _p("kernel_hung_task",
        r"blocked for more than \d+ seconds|soft lockup - CPU#\d+ stuck for|"
        r"rcu_sched detected stalls|INFO: task \S+ blocked",
@@ -137,7 +139,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_(?:ALLOC_FAILED|NOT_ENOUGH_WORKSPACE)|"
        r"Cuda failure (?:\d+ )?'out of memory'|cudaMalloc\w* failed.{0,40}out of memory|"
        r"OOM when allocating tensor|RESOURCE_EXHAUSTED: Out of memory while trying to allocate|"
-       r"NPU out of memory",
+       r"NPU out of memory|MPS backend out of memory|XPU out of memory",
        "oom_gpu", "application", weight=0.95,
        why="device memory ran out: torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp "
            "'CUDA out of memory. Tried to allocate'), the CUDA runtime (cudaErrorMemoryAllocation "
@@ -162,7 +164,7 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("slurm_oom",
        r"Detected \d+ oom[-_]kill event|task \d+: Out Of Memory|"
        r"\btasks? [\d,-]+: Out Of Memory|Exceeded (?:job|step) memory limit|"
-       r"\bOUT_OF_MEMORY\b|JobState=OUT_OF_MEMORY|exceeded memory limit \(\d+ > \d+\), being killed",
+       r"(?-i:\bOUT_OF_MEMORY\b)|JobState=OUT_OF_MEMORY|exceeded memory limit \(\d+ > \d+\), being killed",
        "oom_host", "application", weight=0.95,
        why="Slurm's cgroup plugin counted OOM kills of the step (src/plugins/task/cgroup/"
            "task_cgroup_memory.c 'Detected %lu oom_kill event(s) in %ps', older 'oom-kill "
@@ -185,6 +187,9 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("framework_host_oom",
        r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError|"
        r"exceeds the memory usage threshold of|DefaultCPUAllocator: (?:can't|not enough memory)|"
+       r"exceeded \d+% memory budget|killed by YARN for exceeding memory limits|"
+       r"is running beyond physical memory limits|Container killed due to memory usage|"
+       r"session crashed after using all available RAM|"
        r"^(?!.*(?:ibv_|NET/IB|NET/OFI|NCCL)).*\[Errno 12\] Cannot allocate memory|"
        r"std::bad_alloc|^(?:\[[\w, ]+\](?:<std\w+>)?:\s*)?MemoryError\b",
        "oom_host", "application", weight=0.9,
@@ -192,7 +197,12 @@ PATTERNS: tuple[LogPattern, ...] = (
            "memory monitor ('Task was killed due to the node running low on memory … exceeds "
            "the memory usage threshold of', docs.ray.io 'Out-Of-Memory Prevention'), torch's CPU "
            "allocator (c10/core/impl/alloc_cpu.cpp 'DefaultCPUAllocator: can't allocate "
-           "memory'), ENOMEM from Python (errno 12), C++ std::bad_alloc, Python MemoryError"),
+           "memory'), Dask's worker memory monitor (distributed/worker_memory.py 'exceeded 95% "
+           "memory budget. Restarting'), YARN's container monitor ('is running beyond physical "
+           "memory limits', 'Container killed by YARN for exceeding memory limits'), ECS/AWS Batch "
+           "stop reason 'OutOfMemoryError: Container killed due to memory usage', Colab's 'Your "
+           "session crashed after using all available RAM', ENOMEM from Python (errno 12), C++ "
+           "std::bad_alloc, Python MemoryError"),
     _p("k8s_eviction_memory",
        r"The node was low on resource: memory|node had condition: \[MemoryPressure\]|"
        r"evict\w* .{0,80}\bmemory pressure",
@@ -244,7 +254,8 @@ PATTERNS: tuple[LogPattern, ...] = (
     # ==== the cluster: preemption, eviction, node failure, time limit ===========================
     _p("scheduler_node_failure",
        r"CANCELLED AT \S+ DUE TO (?:NODE ?FAILURE|PREEMPTION)|Node failure on \S+|"
-       r"\bNODE_FAIL\b|JobState=(?:NODE_FAIL|PREEMPTED)|\bPREEMPTED\b",
+       r"(?-i:\bNODE_FAIL\b|\bPREEMPTED\b)|JobState=(?:NODE_FAIL|PREEMPTED)|"
+       r"Reason=Node(?:Fail|Down)\b",
        "node_lost", "infrastructure", weight=0.85,
        why="Slurm ended the job because a node failed or the job was preempted "
            "(src/slurmd/slurmstepd/req.c '*** %s ON %s CANCELLED AT %s DUE TO PREEMPTION ***' / "
@@ -279,14 +290,19 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"TaintManagerEviction|Marking for deletion Pod|status is now: NodeNotReady|"
        r"\bNodeNotReady\b|Spot Instance interruption|instance-action.{0,40}terminate|"
        r"Instance was preempted|compute\.instances\.preempted|The node was drained|"
-       r"Preempted to accommodate|\bnode (?:was|is being) preempted\b",
+       r"Preempted to accommodate|\bnode (?:was|is being) preempted\b|Preempted by (?:a )?pod|"
+       r"PreemptionByScheduler|DeletionByTaintManager|EvictionByEvictionAPI",
        "node_lost", "infrastructure", weight=0.8,
        why="the pod or the machine was taken away: kubelet eviction (pkg/kubelet/eviction, "
            "reason Evicted), graceful node shutdown (pkg/kubelet/nodeshutdown 'Pod was "
            "terminated in response to imminent node shutdown.'), kubelet preemption "
            "(pkg/kubelet/preemption 'Preempted in order to admit critical pod'), taint-based "
            "eviction (TaintManagerEviction), the node going NotReady, cloud spot/preemptible "
-           "reclaim (AWS 'Spot Instance interruption notice', GCE compute.instances.preempted)"),
+           "reclaim (AWS 'Spot Instance interruption notice', GCE compute.instances.preempted), "
+           "kube-scheduler preemption (pkg/scheduler/framework/preemption 'Preempted by pod %v on "
+           "node %v'), the DisruptionTarget condition's reasons (PreemptionByScheduler, "
+           "DeletionByTaintManager, EvictionByEvictionAPI; kubernetes.io 'Pod disruption "
+           "conditions')"),
     # ==== collectives: NCCL / gloo / Horovod ====================================================
     _p("nccl_watchdog_timeout",
        r"(?:\[Rank (?P<rank>\d+)\]\s*)?Watchdog caught collective operation timeout:\s*"
@@ -318,7 +334,8 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("ib_completion_error",
        r"NET/IB\s*:\s*Got completion (?:from peer (?P<peer>[\d.]+)\S*\s*)?with "
        r"(?:error|status=)|IBV_WC_\w+_ERR|transport retry counter exceeded|RETRY_EXC_ERR|"
-       r"ibv_poll_cq.*fail|NET/IB.*async fatal event|NET/IB\s*:\s*Got async event|"
+       r"ibv_poll_cq.*fail|NET/IB.*async fatal event|"
+       r"NET/IB\s*:.{0,40}Got async event\s*:\s*[^(]{0,40}?(?:error|catastrophic)|"
        r"mlx5\w*:.*(?:CQE error|syndrome)",
        "network", "hardware", weight=0.8,
        why="RDMA work completion with an error status (NCCL src/transport/net_ib 'Got "
@@ -326,7 +343,9 @@ PATTERNS: tuple[LogPattern, ...] = (
            "12 = IBV_WC_RETRY_EXC_ERR: the remote side stopped acknowledging) — a link, cable or "
            "HCA fault on that path, which stays broken until the node is serviced (a hardware "
            "layer: the policy's network/hardware row moves the job off the node); a non-fatal "
-           "async event (NET/IB 'Got non-fatal async event') is no fault"),
+           "async event (NET/IB 'Got non-fatal async event'; before 2.19 every event was "
+           "'Got async event : %s' — only ibv_event_type_str's error/catastrophic ones count, "
+           "not 'GID table change' or 'port active') is no fault"),
     _p("ib_verbs_setup",
        _NOT_INFO + r".*(?:Call to ibv_\w+ failed.{0,40}(?:Cannot allocate memory|errno 12|"
        r"Operation not permitted)|ibv_reg_mr\w* failed|NET/IB\s*:\s*Unable to (?:open|query) "
@@ -421,7 +440,8 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("cuda_illegal_access",
        r"an illegal memory access was encountered|cudaErrorIllegalAddress|"
        r"illegal instruction was encountered|misaligned address|CUDA_ERROR_ILLEGAL_ADDRESS|"
-       r"CUDA error: unspecified launch failure|cudaErrorLaunchFailure",
+       r"CUDA error: unspecified launch failure|cudaErrorLaunchFailure|"
+       r"Cuda failure (?:\d+ )?'unspecified launch failure'",
        "app_exception", "application", weight=0.7,
        why="a kernel touched memory it does not own or faulted (cudaErrorIllegalAddress 700, "
            "cudaErrorLaunchFailure 719 'an exception occurred on the device while executing a "
@@ -463,7 +483,8 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"Invalid magic number; corrupt file|truncated file: eof = \d+|file signature not found|"
        r"Unable to load weights from (?:pytorch )?checkpoint file|"
        r"(?:zero[- ]?(?:byte|size)|empty) (?:checkpoint|shard|file)|size (?:is )?0 bytes|"
-       r"DataLossError|truncated record at|Error -3 while decompressing data",
+       r"DataLossError|truncated record at|Error -3 while decompressing data|"
+       r"CheckpointingException|\bDATA_LOSS: |Consistency check failed: file should be of size",
        "checkpoint_corrupt", "infrastructure", weight=0.9,
        why="a checkpoint file cannot be read back — zero-byte or truncated: torch.load's zip "
            "reader (caffe2/serialize/inline_container.cc 'PytorchStreamReader failed reading "
@@ -473,7 +494,10 @@ PATTERNS: tuple[LogPattern, ...] = (
            "tensor.rs), h5py ('truncated file: eof = …'), transformers modeling_utils.py "
            "('Unable to load weights from pytorch checkpoint file'), torch.distributed.checkpoint "
            "CheckpointException, TensorFlow DataLossError ('Checksum does not match', 'truncated "
-           "record at'): written while the disk filled or the writer died; resume from "
+           "record at'), Megatron dist_checkpointing CheckpointingException, tensorstore "
+           "DATA_LOSS, huggingface_hub 'Consistency check failed: file should be of size %d but "
+           "has size %d' (a truncated download): written while the disk filled or the writer "
+           "died; resume from "
            "the newest valid checkpoint"),
     # ==== rendezvous and the c10d store =========================================================
     _p("store_connect_timeout",
@@ -481,7 +505,9 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"connect\(\) timed out\. Original timeout was|"
        r"Timed out initializing process group in store based barrier|"
        r"The server socket has failed to (?:listen on any local network address|bind to)|"
-       r"EADDRINUSE|DistNetworkError: .{0,80}(?:timed out|refused|Address already in use)",
+       r"EADDRINUSE|DistNetworkError: .{0,80}(?:timed out|refused|Address already in use)|"
+       r"^(?!.*\[W)(?!.*\bW\d{4} ).*(?:The client socket has failed to connect to any "
+       r"network address of|network addresses of \(.{0,80}\) cannot be retrieved)",
        "rendezvous", "infrastructure", weight=0.85,
        why="the c10d TCPStore never connected or never filled: the client's connect timeout "
            "(torch/csrc/distributed/c10d/socket.cpp 'The client socket has timed out after %s "
@@ -489,8 +515,10 @@ PATTERNS: tuple[LogPattern, ...] = (
            "barrier of init_process_group (torch/distributed/distributed_c10d.py 'Timed out "
            "initializing process group in store based barrier on rank'), or the server could "
            "not listen (socket.cpp 'The server socket has failed to listen on any local network "
-           "address', EADDRINUSE: MASTER_PORT taken) — a wrong MASTER_ADDR/port, a firewall, a "
-           "missing node"),
+           "address', EADDRINUSE: MASTER_PORT taken; 'The client socket has failed to connect to "
+           "any network address of (%s, %d)', 'The IPv6 network addresses of (%s, %d) cannot be "
+           "retrieved (gai error …)': MASTER_ADDR does not resolve) — a wrong MASTER_ADDR/port, a "
+           "firewall, a missing node; the W-level per-attempt retries are no fault"),
     _p("store_socket_timeout",
        r"\bSocket Timeout\b|\bWait timeout\b.{0,40}keys?:",
        "rendezvous", "infrastructure", symptom=True, weight=0.5,
