@@ -125,3 +125,18 @@ def test_every_row_names_a_source_or_reason():
 
 def test_pg_rank_prefix_of_newer_torch():
     assert pat.line_rank("[PG ID 0 PG GUID 0(default_pg) Rank 45] Process group watchdog") == 45
+
+
+def test_literal_gates_never_change_a_match():
+    """The per-row literal gates only skip rows that cannot match: every line of the fixture
+    (and the routine lines) gets the same row gated and ungated, and the gates are words the
+    rows' regexes require."""
+    lines = [ln for c in CASES for ln in c["log"].splitlines()] + ROUTINE
+    for line in lines:
+        a, b = pat.match_line(line), pat.match_line(line, gated=False)
+        assert (a and a.name) == (b and b.name), line
+    gated = [p.name for p, g in pat._GATES if g is not None]
+    assert len(gated) >= len(pat.PATTERNS) - 2  # nearly every row has a gate
+    for p, gate in pat._GATES:
+        for w in gate or ():
+            assert w == w.lower() and len(w) >= 3, (p.name, w)
