@@ -530,6 +530,15 @@ PATTERNS: tuple[LogPattern, ...] = (
            "any network address of (%s, %d)', 'The IPv6 network addresses of (%s, %d) cannot be "
            "retrieved (gai error …)': MASTER_ADDR does not resolve) — a wrong MASTER_ADDR/port, a "
            "firewall, a missing node; the W-level per-attempt retries are no fault"),
+    _p("store_unique_id",
+       r"(?:retrieving|retreiving) ncclUniqueId from \[\d+\] via c10d key-value store",
+       "rendezvous", "infrastructure", symptom=True, weight=0.55,
+       why="a rank could not fetch NCCL's unique id from rank 0 through the c10d store "
+           "(torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp broadcastUniqueNCCLID: '[%d] is "
+           "setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value "
+           "store by key '%s', but store->get('%s') got error: …'; 'This may indicate a possible "
+           "application crash on rank 0 or a network set up issue'): rank 0 never got there or "
+           "the store is unreachable — a symptom when rank 0's own fault is in the log"),
     _p("store_socket_timeout",
        r"\bSocket Timeout\b|\bWait timeout\b.{0,40}keys?:",
        "rendezvous", "infrastructure", symptom=True, weight=0.5,
