@@ -394,12 +394,16 @@ PATTERNS: tuple[LogPattern, ...] = (
        _NOT_INFO + r".*NET/OFI (?:OFI )?(?:fi_getinfo\(\) call failed|Couldn't open a fabric "
        r"provider|Unable to register memory|Unable to find a protocol that worked|"
        r"\S+ provider requires at least libfabric|Initializing plugin failed|"
-       r"No eligible providers|Only EFA provider is supported)",
+       r"No eligible providers|Only EFA provider is supported|Couldn't open AV|"
+       r"Creating new endpoint for domain .{0,40}failed|aws-ofi-nccl initialization failed)|"
+       r"(?:NCCL WARN|\bWARN:).{0,120}NET/OFI ",
        "network", "system_software", weight=0.7,
        why="the aws-ofi-nccl plugin could not set up libfabric/EFA (src/nccl_ofi_net.cpp "
            "'Couldn't open a fabric provider', src/nccl_ofi_rdma.cpp 'OFI fi_getinfo() call "
            "failed', 'Unable to register memory', 'EFA provider requires at least libfabric "
-           "version'): drivers, libfabric version, FI_* settings or device plugin"),
+           "version', ofiutils 'Couldn't open AV'; every NCCL_OFI_WARN is printed on a failing "
+           "path, so any other WARN-level NET/OFI line counts too): drivers, libfabric version, "
+           "FI_* settings, security group or device plugin"),
     _p("nccl_message_truncated",
        r"Message truncated : received \d+|message truncated\s*:\s*receiving \d+ bytes instead of|"
        r"Duplicate GPU detected|ncclInvalidUsage|invalid usage \(run with NCCL_DEBUG",
@@ -585,6 +589,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"(?:underflow|collapsed|below (?:the )?min)|"
        r"Attempted loss scale: \d+(?:\.\d+)?, reducing to " + _TINY + r"|"
        r"reducing loss scale to " + _TINY + r"|setting (?:loss )?scale to: " + _TINY + r"|"
+       r"Reducing dynamic loss scale from \S+ to " + _TINY + r"|"
        r"\b(?:loss|grad)[_ ]scale\W{1,3}(?:0(?:\.0+)?|\d(?:\.\d+)?e-\d+)(?![\d.])|"
        r"loss scale: " + _TINY + r" \|.*skipped iterations:\s*[1-9]",
        "nan_loss", "application", weight=0.9,
@@ -594,8 +599,10 @@ PATTERNS: tuple[LogPattern, ...] = (
            "'[deepspeed] OVERFLOW! … Attempted loss scale: %d, reducing to %d' at 1 or 0; "
            "fairseq optim/dynamic_loss_scaler.py 'Minimum loss scale reached'; apex amp "
            "'Gradient overflow. Skipping step, loss scaler %d reducing loss scale to %g'; "
-           "Megatron's iteration line 'loss scale: 1.0 | … skipped iterations: N'); a halving "
-           "from a large scale is routine and no fault"),
+           "Megatron's iteration line 'loss scale: 1.0 | … skipped iterations: N'; older "
+           "DeepSpeed fused_optimizer 'Reducing dynamic loss scale from %s to %s'). Dynamic "
+           "scaling starts near 2^16; a scale at or below 1 means even the unscaled gradients "
+           "overflow fp16 — the floor; a halving from a large scale is routine and no fault"),
     _p("nan_loss",
        r"(?:loss|grad(?:ient)?[_ ]?norm|total_norm)\W(?:(?!\|).){0,60}?\b(?:nan|[+-]?inf)\b"
        r"(?! iterations)|found NaN|"
