@@ -198,6 +198,7 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("framework_host_oom",
        r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError|"
        r"exceeds the memory usage threshold of|DefaultCPUAllocator: (?:can't|not enough memory)|"
+       r"Torch: not enough memory: you tried to allocate|"
        r"exceeded \d+% memory budget|killed by YARN for exceeding memory limits|"
        r"is running beyond physical memory limits|Container killed due to memory usage|"
        r"session crashed after using all available RAM|"
@@ -225,14 +226,14 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("sigbus",
        r"Signal 7 \(SIGBUS\)|exit ?code\s*:\s*-7\b|Caught signal 7\b|\bBus error\b|"
        r"insufficient shared memory|/dev/shm.*(?:No space|too small|full)|return code = -7\b|"
-       r"terminated with signal SIGBUS",
+       r"terminated with signal SIGBUS|<Signals\.SIGBUS: 7>",
        "crash", "infrastructure", weight=0.8,
        why="SIGBUS in a training process is nearly always a write past the end of a /dev/shm "
            "mapping (NCCL's intra-node buffers, DataLoader tensors): containers default to a "
            "64 MB /dev/shm — raise it (--shm-size / an emptyDir with medium Memory)"),
     _p("sigsegv",
        r"Signal 11 \(SIGSEGV\)|exit ?code\s*:\s*-11\b|Caught signal 11\b|Segmentation fault|"
-       r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b",
+       r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b|<Signals\.SIGSEGV: 11>",
        "crash", "unknown", weight=0.7,
        why="native crash in the process: extension, library, driver or memory (kernel: "
            "arch/x86/mm/fault.c 'segfault at %lx ip %px sp %px error %lx')"),
@@ -240,19 +241,20 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"Signal 9 \(SIGKILL\)|exit ?code\s*:\s*-9\b|exit(?:ed)? with (?:status|exit) code 137\b|"
        r"exit(?:ed)? with code 137\b|^(?:\[[\d,]+\]<std\w+>:)?Killed\s*$|"
        r"\btasks? [\d,-]+: Killed\b|exit code:? 137\b|return code = -9\b|"
-       r"terminated with signal SIGKILL|Exited \(137\)|^zsh: killed\s|"
+       r"terminated with signal SIGKILL|Exited \(137\)|^zsh: killed\s|<Signals\.SIGKILL: 9>|"
        r"^(?:.*: line \d+: )?(?:\[\d+\]\+?\s+)?(?:\d+\s+)?Killed\s+\S*python",
        "oom_host", "application", weight=0.45,
        why="SIGKILL that the launcher did not send: the kernel OOM killer is its usual sender "
            "on a training host (check `dmesg | grep -i oom`); low weight because an operator or "
            "scheduler can send it too (srun: src/srun/launch.c '%s: task %s: %s' with the "
            "signal's name; DeepSpeed deepspeed/launcher/launch.py '%s exits with return code = "
-           "%d'; torch/multiprocessing/spawn.py 'process %d terminated with signal %s'; the "
-           "shell's 'Killed' job report)"),
+           "%d'; torch/multiprocessing/spawn.py 'process %d terminated with signal %s'; "
+           "Python's CalledProcessError 'died with <Signals.SIGKILL: 9>' (the old "
+           "torch.distributed.launch); the shell's 'Killed' job report)"),
     _p("sigabrt",
        r"Signal 6 \(SIGABRT\)|exit ?code\s*:\s*-6\b|Aborted \(core dumped\)|"
        r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)|"
-       r"return code = -6\b|terminated with signal SIGABRT",
+       r"return code = -6\b|terminated with signal SIGABRT|<Signals\.SIGABRT: 6>",
        "crash", "unknown", symptom=True, weight=0.3,
        why="abort() after an uncaught C++ exception: the exception printed before it is the cause"),
     _p("agent_sigterm",
@@ -475,12 +477,13 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"PytorchStreamWriter failed writing|file write failed|Read-only file system|"
        r"(?:failed|unable) to (?:save|write) (?:the )?checkpoint|"
        r"^(?!.*(?:NCCL|NET/|libfabric|ibv_|fi_cq)).*(?:Input/output error|\bEIO\b)|"
-       r"Stale file handle|Buffer I/O error on dev|I/O error, dev \w+|"
+       r"Stale file handle|Buffer I/O error on dev|I/O error, dev \w+|File \S+ cannot be opened\.|"
        r"nfs: server \S+ not responding|LustreError|Lustre: .{0,80}(?:lost|evicted|timed out)",
        "filesystem", "infrastructure", weight=0.85,
        why="a write to the checkpoint/output filesystem failed (full, read-only, I/O error) or "
            "the shared filesystem stopped answering (kernel: block/blk-core.c 'I/O error, dev "
            "%s', fs/buffer.c 'Buffer I/O error on dev', fs/nfs 'nfs: server %s not responding', "
+           "torch.save's writer caffe2/serialize/inline_container.cc 'File %s cannot be opened.', "
            "Lustre client 'LustreError')"),
     _p("weights_only_load",
        r"Weights only load failed|WeightsUnpickler error",
@@ -499,6 +502,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"Unable to load weights from (?:pytorch )?checkpoint file|"
        r"(?:zero[- ]?(?:byte|size)|empty) (?:checkpoint|shard|file)|size (?:is )?0 bytes|"
        r"DataLossError|truncated record at|Error -3 while decompressing data|"
+       r"storage has wrong size: expected \d+ got \d+|"
        r"CheckpointingException|\bDATA_LOSS: |Consistency check failed: file should be of size",
        "checkpoint_corrupt", "infrastructure", weight=0.9,
        why="a checkpoint file cannot be read back — zero-byte or truncated: torch.load's zip "
