@@ -345,7 +345,7 @@ PATTERNS: tuple[LogPattern, ...] = (
        why="ncclRemoteError (src/init.cc ncclGetErrorString): a remote peer exited or the "
            "network failed; a symptom of the peer's fault"),
     _p("ib_completion_error",
-       r"NET/IB\s*:\s*Got completion (?:from peer (?P<peer>[\d.]+)\S*\s*)?with "
+       r"NET/IB\w*\s*:\s*Got completion (?:from peer (?:(?P<peer>\d[\d.]*)\S*|\S+)\s*)?with "
        r"(?:error|status=)|IBV_WC_\w+_ERR|transport retry counter exceeded|RETRY_EXC_ERR|"
        r"ibv_poll_cq.*fail|NET/IB.*async fatal event|"
        r"NET/IB\s*:.{0,40}Got async event\s*:\s*[^(]{0,40}?(?:error|catastrophic)|"
