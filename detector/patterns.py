@@ -637,7 +637,9 @@ OWN_REPORTS = re.compile(r"checkpoint of step \d+ (?:failed|holds NaN)")
 
 # Rank in a line's own prefix, in the forms launchers and PyTorch print.
 _RANK_RE = (
-    re.compile(r"^\[rank(?P<rank>\d+)\]:"),                      # torch >= 2.2 log prefix
+    # torch >= 2.2 log prefix, also behind torchrun's --tee prefix ([default0]:) or Ray's
+    # actor prefix ((WorkerDict pid=…))
+    re.compile(r"^(?:\[[A-Za-z_]+\d+\]:|\([^)]*pid=\d+[^)]*\)\s*)?\[rank(?P<rank>\d+)\]:"),
     re.compile(r"\[Rank (?P<rank>\d+)\]"),                         # ProcessGroupNCCL
     re.compile(r"\[PG [^\]]*?\bRank (?P<rank>\d+)\]"),               # ProcessGroupNCCL, torch >= 2.3
     re.compile(r"^\[(?P<rank>\d+)\]<std(?:out|err)>:"),            # horovodrun / mpirun -tag
