@@ -97,12 +97,14 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("uncorrectable_nvlink",
        r"uncorrectable NVLink error|cudaErrorNvlinkUncorrectable|NVLink: fatal error",
        "nvlink", "hardware", weight=0.9,
-       why="CUDA runtime error 220 (cudaErrorNvlinkUncorrectable)"),
+       why="CUDA runtime error 220 (cudaErrorNvlinkUncorrectable, CUDA Runtime API 'Error "
+           "Handling' docs)"),
     _p("gpu_thermal",
        r"(?:HW|SW) (?:Thermal )?Slowdown\s*:\s*Active|thermal (?:slowdown|throttl\w*)|"
        r"GPU (?:is )?(?:over ?heat\w*|running hot)|clocks? (?:are )?throttled.*therm",
        "thermal", "hardware", weight=0.8,
-       why="NVML clock-event reasons SwThermalSlowdown / HwThermalSlowdown / HwSlowdown"),
+       why="NVML clock-event reasons SwThermalSlowdown / HwThermalSlowdown / HwSlowdown "
+           "(NVML API nvmlClocksEventReasons; nvidia-smi -q 'HW Thermal Slowdown : Active')"),
     _p("cuda_unknown_error",
        r"CUDA error: unknown error|cudaErrorUnknown\b|CUDA_ERROR_UNKNOWN",
        "gpu_xid", "hardware", weight=0.5,
@@ -230,7 +232,10 @@ PATTERNS: tuple[LogPattern, ...] = (
        "crash", "infrastructure", weight=0.8,
        why="SIGBUS in a training process is nearly always a write past the end of a /dev/shm "
            "mapping (NCCL's intra-node buffers, DataLoader tensors): containers default to a "
-           "64 MB /dev/shm — raise it (--shm-size / an emptyDir with medium Memory)"),
+           "64 MB /dev/shm — raise it (--shm-size / an emptyDir with medium Memory). Formats: "
+           "torch/utils/data/_utils/signal_handling.py ('Unexpected bus error encountered in "
+           "worker. This might be caused by insufficient shared memory (shm)'), torchelastic "
+           "'Signal 7 (SIGBUS) received by PID'"),
     _p("sigsegv",
        r"Signal 11 \(SIGSEGV\)|exit ?code\s*:\s*-11\b|Caught signal 11\b|Segmentation fault|"
        r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b|<Signals\.SIGSEGV: 11>",
@@ -256,7 +261,8 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)|"
        r"return code = -6\b|terminated with signal SIGABRT|<Signals\.SIGABRT: 6>",
        "crash", "unknown", symptom=True, weight=0.3,
-       why="abort() after an uncaught C++ exception: the exception printed before it is the cause"),
+       why="abort() after an uncaught C++ exception (libstdc++ 'terminate called after "
+           "throwing an instance of'): the exception printed before it is the cause"),
     _p("agent_sigterm",
        r"Received Signals\.SIGTERM death signal|SignalException: Process \d+ got signal: 15\b",
        "crash", "infrastructure", symptom=True, weight=0.3,
@@ -433,24 +439,30 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"NCCL WARN.*(?:Connection reset by peer|Connection refused|Broken pipe|"
        r"Connection timed out|No route to host)|socketProgress.*(?:reset|refused)",
        "network", "infrastructure", symptom=True, weight=0.5,
-       why="NCCL's bootstrap/proxy socket failed; either side can be the cause"),
+       why="NCCL's bootstrap/proxy socket failed (NVIDIA/nccl src/misc/socket.cc, "
+           "src/bootstrap.cc: strerror of connect/send/recv); either side can be the cause"),
     _p("gloo_peer_reset",
        r"(?:gloo|pair\.cc).*(?:Connection reset by peer|Connection closed by peer|Read error|"
        r"Write error|Broken pipe)|Connection closed by peer \[|Transport endpoint is not connected",
        "network", "infrastructure", symptom=True, weight=0.5,
-       why="gloo pair lost its peer: after a rank dies its ring neighbours see this within "
-           "tens of ms (findings: 20–35 ms) — a symptom of the death"),
+       why="gloo pair lost its peer (gloo/transport/tcp/pair.cc 'Read error', 'Connection "
+           "closed by peer', 'Write error'): after a rank dies its ring neighbours see this "
+           "within tens of ms (findings: 20–35 ms) — a symptom of the death"),
     _p("horovod_stall",
        r"Stalled ops:|\[ready ranks: (?P<ready>[\d, ]+)\]|One or more tensors were submitted to "
        r"be reduced, gathered or broadcasted by subset of ranks",
        "hang", "unknown", weight=0.6,
-       why="Horovod's stall inspector lists the ranks that are ready; the missing ones are hung"),
+       why="Horovod's stall inspector (horovod/common/stall_inspector.cc: 'One or more tensors "
+           "were submitted to be reduced, gathered or broadcasted by subset of ranks', '[ready "
+           "ranks: …]') lists the ranks that are ready; the missing ones are hung"),
     _p("collective_mismatch",
        r"Detected mismatch between collectives|Expected to have finished reduction in the prior "
        r"iteration|Parameters which did not receive grad",
        "app_exception", "application", weight=0.9,
        why="ranks took different code paths (collective fingerprint or DDP unused parameters): "
-           "a program error on every rank, restarting repeats it (torch's warning that "
+           "a program error on every rank, restarting repeats it (torch/csrc/distributed/c10d/"
+           "ProcessGroupWrapper.cpp 'Detected mismatch between collectives on ranks', reducer.cpp "
+           "'Expected to have finished reduction in the prior iteration'; torch's warning that "
            "find_unused_parameters=True found none unused is no error: the Hugging Face Trainer "
            "sets it by default)"),
     # ==== CUDA application errors ===============================================================
@@ -467,12 +479,15 @@ PATTERNS: tuple[LogPattern, ...] = (
     _p("cuda_device_assert",
        r"device-side assert(?:ion)? triggered|Assertion `.*` failed\.?$",
        "app_exception", "application", weight=0.9,
-       why="a device-side assert (index out of range, bad label): deterministic program error"),
+       why="a device-side assert (cudaErrorAssert 710 'device-side assert triggered'; the "
+           "kernel's own 'Assertion `…` failed.'): index out of range, bad label — a "
+           "deterministic program error"),
     # ==== storage and checkpoints ===============================================================
     _p("disk_full",
        r"No space left on device|\bENOSPC\b|Disk quota exceeded|\bEDQUOT\b",
        "filesystem", "infrastructure", weight=0.95,
-       why="the filesystem (or quota) is full"),
+       why="the filesystem (or quota) is full (strerror of ENOSPC 28 'No space left on "
+           "device', EDQUOT 122 'Disk quota exceeded')"),
     _p("checkpoint_write_failed",
        r"PytorchStreamWriter failed writing|file write failed|Read-only file system|"
        r"(?:failed|unable) to (?:save|write) (?:the )?checkpoint|"
@@ -614,17 +629,23 @@ PATTERNS: tuple[LogPattern, ...] = (
        r"\bnan\b(?! iterations).{0,30}(?:loss|grad)|anomaly.*returned nan|"
        r"(?:loss|grad\w*) (?:is|became|= ?)\s*(?:not finite|non-finite)",
        "nan_loss", "application", weight=0.85,
-       why="loss or gradient norm became NaN/Inf: numerics or data; roll back to a checkpoint"),
+       why="loss or gradient norm became NaN/Inf (Megatron training_log 'lm loss: nan', "
+           "megatron-core 'found NaN in local grad norm', Lightning 'The loss returned in "
+           "`training_step` is nan', torch.autograd anomaly mode \"Function '…' returned nan "
+           "values\"): numerics or data; roll back to a checkpoint"),
     # ==== generic ===============================================================================
     _p("launcher_child_failed",
        r"ChildFailedError|elastic\.multiprocessing\.api:failed|Root Cause \(first observed",
        "crash", "unknown", symptom=True, weight=0.2,
-       why="torchrun's summary of a failed worker: the worker's own lines say why"),
+       why="torchrun's summary of a failed worker (torch/distributed/elastic/multiprocessing/"
+           "errors/__init__.py ChildFailedError, 'Root Cause (first observed failure)'): the "
+           "worker's own lines say why"),
     _p("python_exception",
        r"^(?:\[[\w, ]+\](?:<std\w+>)?:\s*)?(?:[\w.]+\.)?(?P<exc>[A-Z]\w*(?:Error|Exception))"
        r"(?::\s|$)",
        "app_exception", "application", weight=0.5,
-       why="an exception raised by the training program", flags=0),
+       why="an exception raised by the training program (the last line of a CPython "
+           "traceback, '<Type>: <message>')", flags=0),
 )
 
 #: Lines that are never faults on their own (they would otherwise match a generic row).
