@@ -44,6 +44,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard", RUNTIME, False),  # the package: `trainguard.run` (lazily the shim)
     ("trainguard.worker", RUNTIME, False), ("trainguard.hooks", RUNTIME, False),
     ("trainguard.spare", RUNTIME, False), ("trainguard.launch", RUNTIME, False),
+    ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
+    ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
     ("trainguard.rendezvous", RUNTIME, False), ("trainguard.checkpoint", RUNTIME, False),
     ("trainguard.integrations", RUNTIME, False),
     # commands: the CLI and what only it runs

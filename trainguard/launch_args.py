@@ -35,7 +35,8 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+
+from .launch_config import StdSpec
 
 from trainguard.schemas import subjects
 
@@ -60,18 +61,6 @@ UNSUPPORTED: dict[str, str] = {
 RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout",
                   "timeout", "keep_alive_interval", "keep_alive_max_attempt", "is_host",
                   "use_libuv", "rank")
-
-
-@dataclass(frozen=True)
-class StdSpec:
-    """Which local ranks' stdout (1) and stderr (2) go to files: ``--redirects``/``--tee`` as
-    torchrun reads them (``"3"`` for every rank, or ``"0:1,1:2"`` per local rank)."""
-
-    default: int = 0
-    per_rank: tuple[tuple[int, int], ...] = ()
-
-    def of(self, local_rank: int) -> int:
-        return dict(self.per_rank).get(local_rank, self.default)
 
 
 def parse_std(spec: str) -> StdSpec:
@@ -224,7 +213,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def parse(argv: list[str], description: str = ""):
     """Parse ``trainguard launch`` arguments into a ``trainguard.launcher.LaunchConfig``.
     Bad input exits through argparse's usage error (status 2) with the reason."""
-    from .launcher import LaunchConfig
+    from .launch_config import LaunchConfig
 
     p = build_parser(description)
     a = p.parse_args(argv)

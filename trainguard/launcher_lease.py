@@ -22,11 +22,12 @@ from redis.exceptions import RedisError
 from trainguard import schemas
 from trainguard.schemas import JobSettings, subjects
 
+from .auth import redact
 from .launcher_loop import GroupRestarted, LeaseRenewalFailed
 from .state import LauncherConflict, StateStore
 
 if TYPE_CHECKING:
-    from .launcher import LaunchConfig
+    from .launch_config import LaunchConfig
 
 __all__ = ["JobLease"]
 
@@ -106,7 +107,7 @@ class JobLease:
             raise SystemExit(f"trainguard launch: {exc}") from None
         except (ConnectionError, OSError, RedisError, TimeoutError) as exc:
             raise SystemExit(f"trainguard launch: cannot register job {cfg.job!r} in the state "
-                             f"store at {cfg.redis_url} ({type(exc).__name__}: {exc}): start "
+                             f"store at {redact(cfg.redis_url)} ({type(exc).__name__}: {exc}): start "
                              f"one with `trainguard up` or set REDIS_URL / --redis-url") from None
         return generation
 

@@ -24,7 +24,7 @@ from trainguard.schemas import subjects
 from .executor import EXIT_STOPPED, LocalRank, plan_node
 
 if TYPE_CHECKING:
-    from .launcher import LaunchConfig
+    from .launch_config import LaunchConfig
 
 __all__ = ["LaunchState", "RankExited", "DecisionReceived", "GroupRestarted", "RefillPool",
            "StopRequested", "LeaseRenewalFailed", "RunLoop"]

@@ -30,7 +30,7 @@ from .launcher_loop import RankExited, RefillPool
 
 if TYPE_CHECKING:
     from .checkpoint.writer import NodeWriter
-    from .launcher import LaunchConfig
+    from .launch_config import LaunchConfig
 
 __all__ = ["ProcessPool", "RankProcess", "pdeathsig_kill"]
 
