@@ -25,15 +25,17 @@ class DetectorConfig:
     hang detection set ``hang_timeout_s``, e.g. 2 s in the demo — but in the phases of
     ``progress.SLOW_PHASES`` (start-up, compile, checkpoint, recovery, eval) a live rank can
     stall longer, so there it is ``silence_phase_s`` = 10 s); for a rank that beats slower,
-    ``silence_beats`` (15) × its own ``interval_s`` when that is longer. A job's ``hang_timeout_s`` overrides both.
+    ``silence_beats`` (15) × its own ``interval_s`` when that is longer. A job's
+    ``hang_timeout_s`` overrides both.
 
     Hang (no progress while beating): ``step_timeout = clamp(step_timeout_factor × p99 step
     time, step_timeout_floor_s, step_timeout_ceiling_s)`` over the job's last
     ``step_window`` step times. Factor 5: a healthy job's p99 step is rarely exceeded by 2× (data
     loader hiccups, eval steps), 5× leaves room without waiting minutes. Floor 10 s: below that,
     ordinary noise of a loaded host (steps slowed 0.28 → 0.42 s while a checkpoint was staged;
-    multi-second stalls of every rank at load 9 on 2 cores) would trip it. Ceiling 600 s: NCCL's default collective timeout in recent PyTorch is
-    10 min; beyond it the collective itself fails. Until ``min_step_samples`` step times are
+    multi-second stalls of every rank at load 9 on 2 cores) would trip it. Ceiling 600 s:
+    NCCL's default collective timeout in recent PyTorch is 10 min; beyond it the collective
+    itself fails. Until ``min_step_samples`` step times are
     known the floor is not trusted and ``unlearned_timeout_s`` (120 s) applies. Phases get
     their own, longer allowances (``phase_timeout_s``): startup 300 s (interpreter + torch import
     ≈ 4 s here, but dataset loading and a multi-node rendezvous take minutes), compile 900 s

@@ -91,10 +91,10 @@ class DetectorState:
     seen; ``records`` — the last job record read for each job (absent until one was read);
     ``nodes`` — per-node liveness and GPU counters; ``node_jobs`` — node → jobs with members on
     it, from the records; ``emitted`` — incident key → when it was published; ``reads`` — job
-    → (sequence number, when issued) of its record read in flight; ``due`` — jobs to read at
-    the next tick (first seen since the last refresh); ``last_eval`` / ``last_refresh`` /
-    ``last_gc`` — when the periodic parts last ran (−inf: at the first tick); ``anomalies`` —
-    anomalies published so far."""
+    → (sequence number, when issued) of its record read in flight, numbered by ``read_seq``;
+    ``due`` — jobs to read at the next tick (first seen since the last refresh);
+    ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
+    the first tick); ``anomalies`` — anomalies published so far."""
 
     config: DetectorServiceConfig = field(default_factory=DetectorServiceConfig)
     jobs: dict[str, JobState] = field(default_factory=dict)
@@ -268,8 +268,8 @@ def _on_save_failed(state: DetectorState, inp: Received, now: float) -> list[Eff
     if ev.error.startswith("skipped:"):
         return []  # overlap_policy="skip" did what it was asked to: nothing failed
     out: list[Effect] = []
-    _emit(state, out, _job_of(inp), save_failed_finding(
-        ev.rank, ev.node, ev.step, ev.error, ev.errno, ev.generation, ev.ts), now, inp.wall_ns, ev)
+    f = save_failed_finding(ev.rank, ev.node, ev.step, ev.error, ev.errno, ev.generation, ev.ts)
+    _emit(state, out, _job_of(inp), f, now, inp.wall_ns, ev)
     return out
 
 

@@ -117,7 +117,8 @@ def xid_rule(xid: int, node: str | None, pci: str, gpu_index: int | None, pid: i
         evidence=[raw or f"XID {xid} on {node} {pci}: {message}",
                   f"XID {xid} {info.mnemonic}: {info.description} ({info.source})"],
         detail={"xid": xid, "pci": pci, "gpu_index": gpu_index, "pid": pid,
-                "mnemonic": info.mnemonic, "layer": info.layer, "xid_severity": info.severity, "weight": 0.95 if info.layer != "unknown" else 0.5},
+                "mnemonic": info.mnemonic, "layer": info.layer, "xid_severity": info.severity,
+                "weight": 0.95 if info.layer != "unknown" else 0.5},
         ts=ts)
 
 
