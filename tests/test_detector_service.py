@@ -176,3 +176,19 @@ async def test_failed_save_is_flagged_and_training_goes_on(servers, redis_db):
         assert (v.fault_class, v.culprit.ranks) == ("checkpoint_save", [1])
         assert rule_for(v.fault_class, v.layer).action == "none"
         assert not st.dlq
+
+
+async def test_refresh_now_reads_the_records_at_once(servers, redis_db):
+    """``refresh_now`` re-reads every known job's record and returns once the replies are
+    stepped: with the periodic refresh an hour away, the members registered after the detector
+    first read the job are known right after it."""
+    job = "refreshjob"
+    async with Stack(servers, job) as st:
+        st.det.dc.job_refresh_s = 3600.0
+        await st.pub(subjects.rank_hb(job, 0), schemas.RankHeartbeat(job=job, node="r1", rank=0))
+        assert await st.wait(lambda: job in st.det.job_cfg)   # the new job's first read
+        assert st.det.node_jobs == {}
+        await st.state.register_job(job, generation=4, members=[
+            {"rank": 0, "node": "r1", "local_rank": 0}])
+        await st.det.refresh_now()
+        assert st.det.node_jobs == {"r1": {job}} and st.det.job_cfg[job].generation == 4

@@ -1,0 +1,453 @@
+"""The detector as a reducer: ``step(state, input, now) -> (state, effects)``.
+
+Everything that decides what the detector publishes is here, pure (``trainguard.reducer`` for
+the inputs and effects): the service (``detector.service``) only subscribes, ticks and carries
+the effects out, and a table test or an offline replay drives ``step`` through ``run_offline``.
+
+``now`` is the service clock in seconds (monotonic live, virtual offline); the windows and the
+dedup memory are kept in it. Wall-clock times come from the input's ``wall_ns`` (Unix ns), never
+from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts`` the finding's
+(the event's own time) or, for a finding without one, the input's — for the periodic rules
+(silence, node lost, stall, straggler, throughput, missing member) the ``Tick``'s.
+
+What ``step`` decides, by input:
+
+* ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
+  ``detector.signals``) and the one-off rules run: crash, log line, failed save, NaN loss, XID,
+  telemetry. A job first seen is read from the job record at the next tick. Event types the
+  detector does not consume produce nothing.
+* ``Tick`` — silence and node lost on every tick; stall, missing member, straggler and
+  throughput every ``eval_s``; the job records re-read every ``job_refresh_s`` (one
+  ``Call("state", "job", (name,), reply=("job", name, seq), wait=False)`` per job, none for a
+  job whose previous read is still out, unless it is ``refresh_timeout_s`` old); memory
+  collected every ``gc_s``.
+* ``Reply`` to a record read — the record replaces the last one (members, per-job timeouts,
+  generation) and re-indexes node → jobs; a record whose ``runs`` grew resets that job's
+  windows (a new launch: the old run's ranks and step times are not this run's); a failed read
+  keeps the last record (a ``Log`` warning says so).
+
+Publication: one anomaly per incident key (``Finding.dedup_key``: job, subject, kind, pattern,
+generation) per ``dedup_ttl_s``, on ``tg.job.<job>.anomaly``. A node finding (node lost, XID,
+thermal, ECC counters) goes to ``tg.node.<node>.anomaly`` and to every job with members on that
+node, its culprit ranks those members — for a GPU finding, the member whose local rank is the
+GPU's index when one is.
+
+The state object is the reducer's own: ``step`` changes it in place and returns it. Input
+events are never changed.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from trainguard import schemas
+from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Reply, Tick
+from trainguard.schemas import JobRecord, subjects
+
+from .core import DetectorConfig, Finding
+from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_heartbeat,
+                       silence_rule, stall_rule, straggler_rule, throughput_rule)
+from .signals import (NodeState, crash_rule, log_rule, node_lost_rule, observe_node_heartbeat,
+                      save_failed_finding, telemetry_rule, xid_rule)
+
+__all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
+           "TOPICS"]
+
+#: The subjects the detector consumes.
+TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
+          "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry")
+
+
+@dataclass
+class DetectorServiceConfig:
+    """The detector's service parameters; times in seconds.
+
+    ``rules`` — rule parameters (``DetectorConfig``). ``job_refresh_s`` — how often the job
+    records (members, timeouts, generation) are re-read (2 s). ``eval_s`` — period of the
+    per-job stall / straggler / throughput / missing-member evaluation (0.25 s; silence and
+    node-lost run on every tick, 50 ms by ``ServiceConfig.tick_s``). ``forget_after_s`` — a rank
+    or node silent this long, and a job with no rank left first seen this long ago, is dropped
+    from memory (600 s). ``dedup_ttl_s`` — how long an incident key is remembered: the same
+    incident is published again after it (3600 s). ``gc_s`` — period of that collection
+    (30 s). ``refresh_timeout_s`` — a record read with no reply after this long is issued again
+    (10 s: a call lost with a dropped connection must not stop a job's refreshes for good).
+    """
+
+    rules: DetectorConfig = field(default_factory=DetectorConfig)
+    job_refresh_s: float = 2.0
+    eval_s: float = 0.25
+    forget_after_s: float = 600.0
+    dedup_ttl_s: float = 3600.0
+    gc_s: float = 30.0
+    refresh_timeout_s: float = 10.0
+
+
+@dataclass
+class DetectorState:
+    """The detector's memory. Times are service-clock seconds (``now``).
+
+    ``jobs`` — per-job windows; ``job_seen`` — when each job (or its current run) was first
+    seen; ``records`` — the last job record read for each job (absent until one was read);
+    ``nodes`` — per-node liveness and GPU counters; ``node_jobs`` — node → jobs with members on
+    it, from the records; ``emitted`` — incident key → when it was published; ``reads`` — job
+    → (sequence number, when issued) of its record read in flight, numbered by ``read_seq``;
+    ``due`` — jobs to read at the next tick (first seen since the last refresh);
+    ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
+    the first tick); ``anomalies`` — anomalies published so far."""
+
+    config: DetectorServiceConfig = field(default_factory=DetectorServiceConfig)
+    jobs: dict[str, JobState] = field(default_factory=dict)
+    job_seen: dict[str, float] = field(default_factory=dict)
+    records: dict[str, JobRecord] = field(default_factory=dict)
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    node_jobs: dict[str, set[str]] = field(default_factory=dict)
+    emitted: dict[tuple, float] = field(default_factory=dict)
+    reads: dict[str, tuple[int, float]] = field(default_factory=dict)
+    due: set[str] = field(default_factory=set)
+    read_seq: int = 0
+    last_eval: float = -math.inf
+    last_refresh: float = -math.inf
+    last_gc: float = -math.inf
+    anomalies: int = 0
+
+
+# ---- the step ----------------------------------------------------------------------------------
+def step(state: DetectorState, inp: Input, now: float) -> tuple[DetectorState, list[Effect]]:
+    """Fold ``inp`` into ``state`` at service time ``now`` (seconds); returns the state (the
+    same object, changed in place) and the effects to carry out, in order. See the module
+    docstring for what each input does."""
+    if isinstance(inp, Received):
+        handler = _HANDLERS.get(type(inp.event))
+        return state, (handler(state, inp, now) if handler is not None else [])
+    if isinstance(inp, Tick):
+        return state, _tick(state, inp.wall_ns, now)
+    if isinstance(inp, Reply):
+        return state, _reply(state, inp, now)
+    return state, []
+
+
+# ---- publication ---------------------------------------------------------------------------------
+def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, now: float,
+          wall_ns: int, source: schemas.Event | None = None,
+          node_scope: str | None = None) -> bool:
+    """Append the ``Publish`` of ``f`` unless its incident key was published less than
+    ``dedup_ttl_s`` ago; returns False when deduplicated."""
+    key = f.dedup_key(job or f"node:{node_scope}")
+    seen = state.emitted.get(key)
+    if seen is not None and now - seen < state.config.dedup_ttl_s:
+        return False
+    state.emitted[key] = now
+    extra = {"ts": wall_ns} if wall_ns else {}
+    a = schemas.Anomaly(
+        job=job, node=(f.nodes[0] if f.nodes else node_scope),
+        rank=f.ranks[0] if len(f.ranks) == 1 else None, kind=f.kind,
+        fault_class=f.fault_class,
+        culprit=schemas.Culprit(ranks=f.ranks, nodes=f.nodes, gpus=f.gpus),
+        symptom=f.symptom, severity=f.severity, first_ts=f.ts or wall_ns,
+        evidence=f.evidence, detail=f.detail,
+        source_event_ids=[source.event_id] if source is not None else [],
+        generation=f.generation,
+        trace=source.child_trace() if source is not None else {}, **extra)
+    subject = (subjects.job(job, "anomaly") if job
+               else subjects.node(node_scope or "unknown", "anomaly"))
+    out.append(Publish(subject, a))
+    state.anomalies += 1
+    return True
+
+
+def _emit_node(state: DetectorState, out: list[Effect], node: str, f: Finding, now: float,
+               wall_ns: int, source: schemas.Event | None = None) -> None:
+    """A node finding: on the node's subject and on every job with members on ``node``
+    (culprit ranks: those members; for a GPU finding, the members whose local rank is the GPU's
+    index when any is), each with its job's generation."""
+    _emit(state, out, None, f, now, wall_ns, source, node_scope=node)
+    gpu_index = f.detail.get("gpu_index")
+    for job in sorted(state.node_jobs.get(node, ())):
+        jc = state.records.get(job) or JobRecord()
+        on_node = [m for m in jc.members if m.get("node") == node]
+        if gpu_index is not None and any(m.get("local_rank") == gpu_index for m in on_node):
+            on_node = [m for m in on_node if m.get("local_rank") == gpu_index]
+        jf = Finding(f.kind, f.fault_class, ranks=sorted(int(m["rank"]) for m in on_node
+                                                         if "rank" in m),
+                     nodes=list(f.nodes), gpus=list(f.gpus), symptom=f.symptom,
+                     severity=f.severity, evidence=list(f.evidence), detail=dict(f.detail),
+                     ts=f.ts, generation=jc.generation)
+        _emit(state, out, job, jf, now, wall_ns, source)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+def _job(state: DetectorState, name: str, now: float) -> JobState:
+    js = state.jobs.get(name)
+    if js is None:
+        js = state.jobs[name] = JobState(name, state.config.rules.step_window)
+        state.job_seen[name] = now
+        state.due.add(name)  # learn its record at the next tick
+    return js
+
+
+def _node(state: DetectorState, name: str) -> NodeState:
+    ns = state.nodes.get(name)
+    if ns is None:
+        ns = state.nodes[name] = NodeState(name)
+    return ns
+
+
+def _job_of(inp: Received) -> str:
+    return inp.event.job or inp.subject.split(".")[2]
+
+
+def _node_of(inp: Received) -> str:
+    return inp.event.node or inp.subject.split(".")[2]
+
+
+# ---- received events -----------------------------------------------------------------------------
+def _on_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    job = ev.job or inp.subject.split(".")[2]
+    rank = ev.rank if ev.rank is not None else int(inp.subject.split(".")[4])
+    js = state.jobs.get(job) or _job(state, job, now)
+    observe_heartbeat(js, rank, ev.node, ev.local_rank, ev.generation, ev.step,
+                      ev.collective_seq, ev.phase, ev.step_time_s, now, state.config.rules,
+                      ev.interval_s, ev.compute_s)
+    if ev.loss is None or math.isfinite(ev.loss):
+        return []
+    out: list[Effect] = []
+    f = nan_loss_rule(ev.loss, rank, ev.node, ev.step, ev.generation, ev.ts)
+    if f is not None:
+        _emit(state, out, job, f, now, inp.wall_ns, ev)
+    return out
+
+
+def _on_worker_exited(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    job = _job_of(inp)
+    js = _job(state, job, now)
+    if ev.rank is not None and ev.rank in js.ranks:
+        js.ranks[ev.rank].exited = True
+    out: list[Effect] = []
+    f = crash_rule(ev.rank, ev.node, ev.exit_code, ev.signal, ev.oom_killed, ev.expected,
+                   ev.generation, ev.ts, ev.pid)
+    if f is not None:
+        _emit(state, out, job, f, now, inp.wall_ns, ev)
+    return out
+
+
+def _on_worker_started(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    js = _job(state, _job_of(inp), now)
+    rs = js.ranks.get(ev.rank) if ev.rank is not None else None
+    if rs is not None:
+        rs.exited = False
+        rs.last_hb = rs.last_advance = now
+        rs.phase = "startup"
+    return []
+
+
+def _on_log(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    job = _job_of(inp)
+    _job(state, job, now)
+    f = log_rule(ev.line, ev.stream, ev.rank, ev.node, ev.generation, ev.ts, ev.step)
+    if f is None:
+        return []
+    if f.symptom and ev.source == "launcher":
+        # a rank's stderr as the launcher relays it carries no reliable generation: a peer's
+        # collective error printed during a recovery would open a new incident. The shim
+        # reports those itself, with its generation; relayed lines count for root causes only
+        # (a CUDA error or segfault printed as a process dies)
+        return []
+    f.detail["stream"] = ev.stream
+    out: list[Effect] = []
+    _emit(state, out, job, f, now, inp.wall_ns, ev)
+    return out
+
+
+def _on_save_failed(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    if ev.error.startswith("skipped:"):
+        return []  # overlap_policy="skip" did what it was asked to: nothing failed
+    out: list[Effect] = []
+    f = save_failed_finding(ev.rank, ev.node, ev.step, ev.error, ev.errno, ev.generation, ev.ts)
+    _emit(state, out, _job_of(inp), f, now, inp.wall_ns, ev)
+    return out
+
+
+def _on_node_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    observe_node_heartbeat(_node(state, _node_of(inp)), inp.event.role, now)
+    return []
+
+
+def _on_xid(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    node = _node_of(inp)
+    f = xid_rule(ev.xid, node, ev.pci, ev.gpu_index, ev.pid, ev.raw, ev.ts, ev.message)
+    if f is None:
+        return []
+    if ev.gpu_uuid:
+        f.gpus.append(ev.gpu_uuid)
+    out: list[Effect] = []
+    _emit_node(state, out, node, f, now, inp.wall_ns, ev)
+    return out
+
+
+def _on_telemetry(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    if not ev.gpus:
+        return []
+    node = _node_of(inp)
+    out: list[Effect] = []
+    for f in telemetry_rule(_node(state, node), [g.model_dump() for g in ev.gpus],
+                            state.config.rules, ev.ts):
+        _emit_node(state, out, node, f, now, inp.wall_ns, ev)
+    return out
+
+
+#: event type -> handler; any other type is not the detector's and produces nothing
+_HANDLERS = {
+    schemas.RankHeartbeat: _on_heartbeat,
+    schemas.WorkerExited: _on_worker_exited,
+    schemas.WorkerStarted: _on_worker_started,
+    schemas.LogLine: _on_log,
+    schemas.CheckpointSaveFailed: _on_save_failed,
+    schemas.NodeHeartbeat: _on_node_heartbeat,
+    schemas.XidEvent: _on_xid,
+    schemas.NodeTelemetry: _on_telemetry,
+}
+
+
+# ---- ticks ---------------------------------------------------------------------------------------
+def _tick(state: DetectorState, wall_ns: int, now: float) -> list[Effect]:
+    dc, cfg = state.config, state.config.rules
+    out: list[Effect] = []
+    for name, js in state.jobs.items():
+        for f in silence_rule(js, now, cfg, state.records.get(name)):
+            _emit(state, out, name, f, now, wall_ns)
+    for ns in state.nodes.values():
+        f = node_lost_rule(ns, now, node_timeout(state, ns.name))
+        if f is not None:
+            _emit_node(state, out, ns.name, f, now, wall_ns)
+    if now - state.last_eval >= dc.eval_s:
+        state.last_eval = now
+        _evaluate(state, out, now, wall_ns)
+    if now - state.last_refresh >= dc.job_refresh_s:
+        state.last_refresh = now
+        out += refresh_calls(state, now)
+    elif state.due:
+        out += refresh_calls(state, now, sorted(state.due))
+    if now - state.last_gc >= dc.gc_s:
+        state.last_gc = now
+        _gc(state, now)
+    return out
+
+
+def node_timeout(state: DetectorState, node: str) -> float:
+    """Seconds of silence after which ``node`` is lost: the smallest ``node_timeout_s`` of the
+    records of the jobs with members on it, else ``DetectorConfig.node_timeout_s``."""
+    t = [state.records[j].node_timeout_s for j in state.node_jobs.get(node, ())
+         if j in state.records and state.records[j].node_timeout_s]
+    return min(t) if t else state.config.rules.node_timeout_s
+
+
+def _evaluate(state: DetectorState, out: list[Effect], now: float, wall_ns: int) -> None:
+    cfg = state.config.rules
+    for name, js in state.jobs.items():
+        jc = state.records.get(name)
+        found = stall_rule(js, now, cfg, jc)
+        if jc is not None:
+            found += missing_member_rule(js, jc, state.job_seen.get(name, now), now, cfg)
+        if js.dirty:
+            js.dirty = False
+            found += straggler_rule(js, cfg)
+        f = throughput_rule(js, now, cfg)
+        if f is not None:
+            found.append(f)
+        for f in found:
+            _emit(state, out, name, f, now, wall_ns)
+
+
+def refresh_calls(state: DetectorState, now: float, names: list[str] | None = None,
+                  wait: bool = False, force: bool = False) -> list[Call]:
+    """The record reads of ``names`` (default: every known job) as ``Call`` effects on the
+    state store, each with reply tag ``("job", name, seq)``. A job whose previous read is
+    still out is skipped unless that read is ``refresh_timeout_s`` old or ``force`` is set; a
+    reply to a read superseded by a newer one is dropped."""
+    out = []
+    for name in (list(state.jobs) if names is None else names):
+        if name not in state.jobs:
+            continue
+        state.due.discard(name)
+        pending = state.reads.get(name)
+        if (pending is not None and not force
+                and now - pending[1] < state.config.refresh_timeout_s):
+            continue
+        state.read_seq += 1
+        state.reads[name] = (state.read_seq, now)
+        out.append(Call("state", "job", (name,), reply=("job", name, state.read_seq),
+                        wait=wait))
+    return out
+
+
+# ---- replies -------------------------------------------------------------------------------------
+def _reply(state: DetectorState, inp: Reply, now: float) -> list[Effect]:
+    tag = inp.tag
+    if not (isinstance(tag, tuple) and len(tag) == 3 and tag[0] == "job"):
+        return []
+    _, name, seq = tag
+    pending = state.reads.get(name)
+    if pending is None or pending[0] != seq or name not in state.jobs:
+        return []  # superseded by a newer read, or the job was forgotten meanwhile
+    del state.reads[name]
+    if inp.error is not None or not isinstance(inp.value, JobRecord):
+        why = inp.error or f"not a job record: {type(inp.value).__name__}"
+        kept = "keeping the last one" if name in state.records else "none read yet"
+        return [Log(logging.WARNING, f"job {name}: cannot read its record ({why}); {kept}")]
+    jc: JobRecord = inp.value
+    old = state.records.get(name)
+    if old is not None and jc.runs > old.runs:
+        # the job was launched again: the old run's ranks, progress and step times are not
+        # this run's (a finished rank would otherwise be judged stalled)
+        state.jobs[name] = JobState(name, state.config.rules.step_window)
+        state.job_seen[name] = now
+    state.records[name] = jc
+    _index(state, name, old, jc)
+    return []
+
+
+def _index(state: DetectorState, name: str, old: JobRecord | None,
+           new: JobRecord | None) -> None:
+    """Move job ``name`` in ``node_jobs`` from the nodes of ``old``'s members to ``new``'s."""
+    for m in (old.members if old is not None else ()):
+        node = m.get("node")
+        jobs = state.node_jobs.get(str(node)) if node else None
+        if jobs is not None:
+            jobs.discard(name)
+            if not jobs:
+                del state.node_jobs[str(node)]
+    for m in (new.members if new is not None else ()):
+        if m.get("node"):
+            state.node_jobs.setdefault(str(m["node"]), set()).add(name)
+
+
+def _gc(state: DetectorState, now: float) -> None:
+    """Forget ranks and nodes silent for ``forget_after_s``, jobs with no rank left first seen
+    that long ago, and incident keys older than ``dedup_ttl_s``."""
+    dc = state.config
+    horizon = now - dc.forget_after_s
+    for name, js in list(state.jobs.items()):
+        for r, rs in list(js.ranks.items()):
+            if rs.last_hb and rs.last_hb < horizon:
+                del js.ranks[r]
+        if not js.ranks and state.job_seen.get(name, now) < horizon:
+            del state.jobs[name]
+            state.job_seen.pop(name, None)
+            state.reads.pop(name, None)
+            state.due.discard(name)
+            _index(state, name, state.records.pop(name, None), None)
+    for n, ns in list(state.nodes.items()):
+        if ns.last and max(ns.last.values()) < horizon:
+            del state.nodes[n]
+    old = now - dc.dedup_ttl_s
+    for k, t in list(state.emitted.items()):
+        if t <= old:
+            del state.emitted[k]

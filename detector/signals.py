@@ -1,0 +1,279 @@
+"""Rules over one-off signals: a worker's exit (crash), a log line (XID parser + the pattern
+table of ``detector.patterns``), a failed checkpoint save, a GPU XID, GPU telemetry (thermal,
+ECC / row-remap / PCIe-replay counters), and node heartbeats (node lost).
+
+Pure: nothing here does I/O or reads a clock; callers pass ``now`` (seconds on a monotonic
+clock) where a rule needs one, and event timestamps (Unix ns) as ``ts``. Each rule returns
+``Finding`` objects (``detector.core``).
+"""
+from __future__ import annotations
+
+from trainguard.schemas.vocabulary import FaultClass, Layer
+from trainguard.xid import XidMatch, parse_xid_line, xid_info
+
+from . import patterns as pat
+from .core import DetectorConfig, Finding
+
+# ---------------------------------------------------------------------------------------------
+# crash
+
+
+#: signal number -> (fault class, layer, name). SIGKILL with oom_killed is oom_host. SIGBUS is
+#: infrastructure: in a training process it is nearly always /dev/shm too small (patterns.py).
+SIGNALS: dict[int, tuple[FaultClass, Layer, str]] = {
+    9: (FaultClass.CRASH, Layer.UNKNOWN, "SIGKILL"),
+    11: (FaultClass.CRASH, Layer.UNKNOWN, "SIGSEGV"),
+    7: (FaultClass.CRASH, Layer.INFRASTRUCTURE, "SIGBUS"),
+    6: (FaultClass.CRASH, Layer.UNKNOWN, "SIGABRT"),
+    15: (FaultClass.CRASH, Layer.UNKNOWN, "SIGTERM"),
+    4: (FaultClass.CRASH, Layer.UNKNOWN, "SIGILL"),
+    8: (FaultClass.CRASH, Layer.APPLICATION, "SIGFPE"),
+}
+
+
+def crash_rule(rank: int | None, node: str | None, exit_code: int | None, signal: int | None,
+               oom_killed: bool, expected: bool, generation: int, ts: int,
+               pid: int = 0) -> Finding | None:
+    """``worker.exited`` that was not expected: killed by a signal or a non-zero exit code.
+    Exit codes above 128 are read as 128 + signal (shell convention)."""
+    if expected:
+        return None
+    sig = signal
+    if sig is None and exit_code is not None and 128 < exit_code < 160:
+        sig = exit_code - 128
+    if sig is None and (exit_code is None or exit_code == 0):
+        return None
+    ranks = [rank] if rank is not None else []
+    nodes = [node] if node else []
+    if sig == 9 and oom_killed:
+        return Finding("crash", "oom_host", ranks=ranks, nodes=nodes,
+                       evidence=[f"rank {rank} (pid {pid}) on {node} killed by the kernel OOM "
+                                 f"killer (SIGKILL)"],
+                       detail={"signal": 9, "oom_killed": True, "layer": "application",
+                               "weight": 0.95},
+                       ts=ts, generation=generation)
+    if sig is not None:
+        fc, layer, name = SIGNALS.get(sig, (FaultClass.CRASH, Layer.UNKNOWN, f"signal {sig}"))
+        why = f"rank {rank} (pid {pid}) on {node} killed by {name}"
+    else:
+        fc, layer = FaultClass.CRASH, Layer.UNKNOWN
+        why = f"rank {rank} (pid {pid}) on {node} exited with code {exit_code}"
+    return Finding("crash", fc, ranks=ranks, nodes=nodes, evidence=[why],
+                   detail={"signal": sig, "exit_code": exit_code, "layer": layer.value,
+                           "weight": 0.8},
+                   ts=ts, generation=generation)
+
+
+# ---------------------------------------------------------------------------------------------
+# nodes: lost, XID, telemetry
+
+
+class NodeState:
+    """Liveness and GPU counters of one node. ``last`` maps heartbeat role -> monotonic s."""
+
+    __slots__ = ("name", "last", "lost", "gpu_prev", "thermal_run")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.last: dict[str, float] = {}
+        self.lost = False
+        self.gpu_prev: dict[int, dict] = {}
+        self.thermal_run: dict[int, int] = {}
+
+
+def observe_node_heartbeat(ns: NodeState, role: str, now: float) -> None:
+    ns.last[role] = now
+    ns.lost = False
+
+
+def node_lost_rule(ns: NodeState, now: float, timeout: float) -> Finding | None:
+    """A node whose every heartbeat role (agent and launcher) has been silent for longer than
+    ``timeout`` seconds. Fires once until a heartbeat returns."""
+    if ns.lost or not ns.last:
+        return None
+    newest = max(ns.last.values())
+    silent = now - newest
+    if silent <= timeout:
+        return None
+    ns.lost = True
+    roles = ", ".join(sorted(ns.last))
+    return Finding("node_lost", "node_lost", nodes=[ns.name],
+                   evidence=[f"node {ns.name}: no heartbeat from {roles} for {silent:.2f} s "
+                             f"(timeout {timeout:.2f} s)"],
+                   detail={"silent_s": round(silent, 3), "timeout_s": timeout,
+                           "layer": "infrastructure", "weight": 0.9})
+
+
+def xid_rule(xid: int, node: str | None, pci: str, gpu_index: int | None, pid: int | None,
+             raw: str, ts: int, message: str = "") -> Finding | None:
+    """A GPU XID: fault class and layer from the XID table. Informational XIDs
+    (severity ``info``, e.g. 63 row-remap event) become warnings, not faults."""
+    info = xid_info(xid)
+    gpu = f"{node}:{gpu_index}" if gpu_index is not None and node else (pci or "")
+    sev = "warning" if info.severity == "info" else "error"
+    return Finding(
+        "gpu_fault", info.fault_class, nodes=[node] if node else [], gpus=[gpu] if gpu else [],
+        severity=sev,
+        evidence=[raw or f"XID {xid} on {node} {pci}: {message}",
+                  f"XID {xid} {info.mnemonic}: {info.description} ({info.source})"],
+        detail={"xid": xid, "pci": pci, "gpu_index": gpu_index, "pid": pid,
+                "mnemonic": info.mnemonic, "layer": info.layer, "xid_severity": info.severity,
+                "weight": 0.95 if info.layer != "unknown" else 0.5},
+        ts=ts)
+
+
+def xid_finding_from_match(m: XidMatch, node: str | None, ts: int = 0,
+                           gpu_index: int | None = None) -> Finding | None:
+    return xid_rule(m.xid, node, m.pci, gpu_index, m.pid, m.raw, ts, m.message)
+
+
+#: NVML clock-event reason bits that mean thermal slowdown (nvml.h: nvmlClocksEventReason*).
+THERMAL_REASON_BITS = {0x08: "HwSlowdown", 0x20: "SwThermalSlowdown", 0x40: "HwThermalSlowdown"}
+THERMAL_NAME_WORDS = ("thermal", "hwslowdown", "hw_slowdown")
+
+#: GPU counters whose rise is a fault: field -> (kind, fault class, severity). All hardware.
+COUNTER_RULES: dict[str, tuple[str, FaultClass, str]] = {
+    "ecc_volatile_uncorrected": ("ecc", FaultClass.ECC, "error"),
+    "ecc_aggregate_uncorrected": ("ecc", FaultClass.ECC, "error"),
+    "retired_pages_dbe": ("ecc", FaultClass.ECC, "error"),
+    "remapped_rows_uncorrectable": ("ecc", FaultClass.ECC, "error"),
+    "ecc_volatile_corrected": ("ecc_corrected", FaultClass.ECC, "warning"),
+    "remapped_rows_correctable": ("ecc_corrected", FaultClass.ECC, "warning"),
+    "pcie_replay_counter": ("pcie_replay", FaultClass.GPU_XID, "warning"),
+}
+#: GPU flags whose becoming True is a fault: field -> (kind, fault class, severity). Hardware.
+FLAG_RULES: dict[str, tuple[str, FaultClass, str]] = {
+    "remapped_rows_failure": ("ecc", FaultClass.ECC, "error"),
+    "retired_pages_pending": ("ecc", FaultClass.ECC, "warning"),
+    "remapped_rows_pending": ("ecc", FaultClass.ECC, "warning"),
+}
+
+
+def telemetry_rule(ns: NodeState, gpus: list[dict], cfg: DetectorConfig, ts: int = 0
+                   ) -> list[Finding]:
+    """Thermal slowdown from clock-event reasons, and ECC / row-remap / PCIe-replay counters
+    rising between two samples of the same GPU. ``gpus`` are ``GpuSample`` dicts."""
+    out = []
+    for g in gpus:
+        idx = int(g.get("index", 0))
+        gid = f"{ns.name}:{idx}"
+        reasons = g.get("clock_event_reasons") or 0
+        names = [str(n) for n in g.get("clock_event_names") or []]
+        hot = [THERMAL_REASON_BITS[b] for b in THERMAL_REASON_BITS if reasons & b]
+        hot += [n for n in names if any(w in n.lower() for w in THERMAL_NAME_WORDS)]
+        if hot:
+            run = ns.thermal_run.get(idx, 0) + 1
+            ns.thermal_run[idx] = run
+            if run == cfg.thermal_samples:
+                out.append(Finding(
+                    "thermal", "thermal", nodes=[ns.name], gpus=[gid], severity="warning",
+                    evidence=[f"GPU {gid} clock-event reasons {sorted(set(hot))} for {run} "
+                              f"samples, temperature {g.get('temperature_c')} °C"],
+                    detail={"gpu_index": idx, "reasons": sorted(set(hot)),
+                            "temperature_c": g.get("temperature_c"), "layer": "hardware",
+                            "weight": 0.8},
+                    ts=ts))
+        else:
+            ns.thermal_run[idx] = 0
+        prev = ns.gpu_prev.get(idx)
+        if prev is not None:
+            for fld, (kind, fc, sev) in COUNTER_RULES.items():
+                a, b = prev.get(fld), g.get(fld)
+                if a is not None and b is not None and b > a:
+                    out.append(Finding(
+                        kind, fc, nodes=[ns.name], gpus=[gid], severity=sev,
+                        evidence=[f"GPU {gid} {fld} rose {a} -> {b}"],
+                        detail={"gpu_index": idx, "counter": fld, "before": a, "after": b,
+                                "layer": "hardware", "weight": 0.9 if sev == "error" else 0.4},
+                        ts=ts))
+            for fld, (kind, fc, sev) in FLAG_RULES.items():
+                if g.get(fld) and not prev.get(fld):
+                    out.append(Finding(
+                        kind, fc, nodes=[ns.name], gpus=[gid], severity=sev,
+                        evidence=[f"GPU {gid} {fld} became true"],
+                        detail={"gpu_index": idx, "flag": fld, "layer": "hardware",
+                                "weight": 0.85},
+                        ts=ts))
+        ns.gpu_prev[idx] = {k: g.get(k) for k in (*COUNTER_RULES, *FLAG_RULES)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# log lines
+
+
+def log_rule(line: str, stream: str, rank: int | None, node: str | None,
+             generation: int | None, ts: int, step: int | None = None) -> Finding | None:
+    """A log line through the XID parser and the pattern table. A line from
+    ``stream == "exception"`` (a traceback the shim caught) that matches no specific row is an
+    application exception of the rank that sent it. For a multi-line traceback the last
+    matching line decides (Python prints the exception last)."""
+    lines = [ln for ln in line.splitlines() if ln.strip()] or [line]
+    found: pat.PatternMatch | None = None
+    hit = ""
+    for ln in lines:
+        x = pat_xid(ln, node, ts)
+        if x is not None:
+            x.ranks = [rank] if rank is not None else []
+            x.generation = generation
+            return x
+        m = pat.match_line(ln)
+        if m is not None and (found is None or _better(m, found)):
+            found, hit = m, ln.strip()
+    if found is None:
+        if stream != "exception":
+            return None
+        last = lines[-1].strip()
+        return Finding("log_pattern", "app_exception", ranks=[rank] if rank is not None else [],
+                       nodes=[node] if node else [], evidence=[last[:500]],
+                       detail={"pattern": "exception", "layer": "application", "weight": 0.6,
+                               "step": step},
+                       ts=ts, generation=generation)
+    p = found.pattern
+    r = rank if rank is not None else pat.line_rank(hit)
+    g = found.groups
+    detail = {"pattern": p.name, "layer": p.layer.value, "weight": p.weight,
+              "why": p.why, "step": step, **{k: v for k, v in g.items()}}
+    nodes = [node] if node else []
+    if "peer_host" in g and p.fault_class == "node_lost":
+        nodes = [g["peer_host"]]
+        detail["reporter_node"] = node
+        detail["reporter_rank"] = r
+    ranks = [r] if r is not None and p.fault_class != "node_lost" else []
+    if p.name == "horovod_stall" and "ready" in g:
+        ready = sorted({int(x) for x in g["ready"].replace(" ", "").split(",") if x})
+        ranks = [x for x in range(max(ready) + 1) if x not in ready] if ready else []
+        detail["ready_ranks"] = ready
+    return Finding("log_pattern", p.fault_class, ranks=ranks, nodes=nodes,
+                   symptom=p.symptom, evidence=[hit[:500]], detail=detail, ts=ts,
+                   generation=generation)
+
+
+def _better(a: pat.PatternMatch, b: pat.PatternMatch) -> bool:
+    """Within one multi-line message: a root-cause row beats a symptom row, then weight."""
+    if a.pattern.symptom != b.pattern.symptom:
+        return not a.pattern.symptom
+    return a.pattern.weight > b.pattern.weight
+
+
+def pat_xid(line: str, node: str | None, ts: int) -> Finding | None:
+    """The XID finding of a kernel-log line, or None when it is not an XID line."""
+    m = parse_xid_line(line)
+    return xid_finding_from_match(m, node, ts) if m else None
+
+
+def save_failed_finding(rank: int | None, node: str | None, step: int, error: str,
+                        errno: int | None, generation: int | None, ts: int) -> Finding:
+    """A checkpoint save that failed (schema ``ckpt.save_failed``). Its own fault class,
+    ``checkpoint_save``: the Checkpointer keeps training going and the last valid checkpoint in
+    place, so the policy flags it (policy table) instead of stopping the job the way the
+    ``filesystem`` class does for a rank that crashed on a full disk. A warning, like the other
+    flags: it does not settle an incident whose root cause is still to come. One anomaly per rank
+    and generation (the dedup key)."""
+    return Finding("log_pattern", "checkpoint_save", ranks=[rank] if rank is not None else [],
+                   nodes=[node] if node else [],
+                   evidence=[f"checkpoint save at step {step} failed: {error}"[:500]],
+                   severity="warning",
+                   detail={"pattern": "checkpoint_save_failed", "layer": "infrastructure",
+                           "weight": 0.8, "errno": errno, "step": step},
+                   ts=ts, generation=generation)

@@ -1,0 +1,311 @@
+"""The detector's reducer (``detector.reducer.step``) driven offline, no servers: dedup, fan-out of
+node findings, job-record refreshes, the periodic rules' cadence and timestamps, memory
+collection. The service test (``test_detector_service.py``) checks the same reducer's wiring.
+
+Service time starts at 100 s: the rules read 0.0 as "never" (``RankState.last_hb``)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from trainguard import schemas
+from trainguard.detector.reducer import (DetectorServiceConfig, DetectorState, node_timeout,
+                                         refresh_calls, step)
+from trainguard.detector.rules import DetectorConfig
+from trainguard.reducer import Call, Log, Publish, Received, Reply, Tick, run_offline
+from trainguard.schemas import JobRecord, subjects
+
+T0 = 100.0
+NS = 1_700_000_000_000_000_000  # Unix ns at service time T0
+
+
+def wall(t: float) -> int:
+    return NS + int(round((t - T0) * 1e9))
+
+
+def state(**kw) -> DetectorState:
+    rules = kw.pop("rules", None) or DetectorConfig(silence_timeout_s=1.0)
+    return DetectorState(config=DetectorServiceConfig(rules=rules, **kw))
+
+
+def hb(t, job="j", rank=0, node="n0", local_rank=0, step_=1, seq=1, **kw):
+    return t, Received(subjects.rank_hb(job, rank), schemas.RankHeartbeat(
+        job=job, rank=rank, node=node, local_rank=local_rank, step=step_, collective_seq=seq,
+        **kw), wall(t))
+
+
+def tick(t):
+    return t, Tick(wall(t))
+
+
+def exited(t, job="j", rank=0, node="n0", generation=0, signal=9):
+    return t, Received(subjects.job(job, "worker"), schemas.WorkerExited(
+        job=job, rank=rank, node=node, signal=signal, generation=generation, ts=wall(t)), wall(t))
+
+
+def xid(t, node="g1", gpu_index=None, number=79):
+    return t, Received(subjects.node(node, "xid"), schemas.XidEvent(
+        node=node, xid=number, pci="0000:4e:00", gpu_index=gpu_index, raw=f"Xid {number}",
+        ts=wall(t)), wall(t))
+
+
+def published(effects, kind=None):
+    return [e for e in effects if isinstance(e, Publish)
+            and (kind is None or e.event.kind == kind)]
+
+
+def records(table):
+    """A ``replies`` function for ``run_offline``: the record of each job read, from ``table``
+    (a dict job -> JobRecord, or -> a list consumed one read at a time; an exception in it is
+    raised as the store would)."""
+    def answer(call: Call):
+        assert (call.target, call.method) == ("state", "job") and call.wait is False
+        rec = table[call.args[0]]
+        if isinstance(rec, list):
+            rec = rec.pop(0) if len(rec) > 1 else rec[0]
+        if isinstance(rec, Exception):
+            raise rec
+        return rec
+    return answer
+
+
+MEMBERS = {
+    "a": JobRecord(runs=1, generation=3, members=[
+        {"rank": 0, "node": "g1", "local_rank": 0}, {"rank": 1, "node": "g1", "local_rank": 1},
+        {"rank": 2, "node": "g2", "local_rank": 0}]),
+    "b": JobRecord(runs=1, generation=0, members=[
+        {"rank": 0, "node": "g1", "local_rank": 0}, {"rank": 1, "node": "g3", "local_rank": 0}]),
+    "c": JobRecord(runs=1, members=[{"rank": 0, "node": "g9", "local_rank": 0}]),
+}
+
+
+def learn_jobs(*jobs, t=T0):
+    """Inputs that make the detector know ``jobs`` (one heartbeat each) and read their records."""
+    return [hb(t, job=j) for j in jobs] + [tick(t + 0.05)]
+
+
+# ---- dedup ----------------------------------------------------------------------------------
+def test_one_anomaly_per_incident_key_and_again_after_the_ttl():
+    inputs = [exited(T0), exited(T0 + 1), exited(T0 + 2, rank=1),   # another rank: another key
+              exited(T0 + 3, generation=1),                            # another generation
+              exited(T0 + 9.9), exited(T0 + 10.0)]                     # TTL 10 s from T0
+    _, eff = run_offline(step, state(dedup_ttl_s=10.0), inputs)
+    got = [(e.event.rank, e.event.generation, e.event.first_ts) for e in published(eff)]
+    assert got == [(0, 0, wall(T0)), (1, 0, wall(T0 + 2)), (0, 1, wall(T0 + 3)),
+                   (0, 0, wall(T0 + 10.0))]
+
+
+def test_gc_forgets_expired_incident_keys():
+    s, _ = run_offline(step, state(dedup_ttl_s=10.0, gc_s=5.0),
+                       [exited(T0), tick(T0 + 1), tick(T0 + 6)])
+    assert len(s.emitted) == 1
+    s, _ = run_offline(step, s, [tick(T0 + 11)])
+    assert s.emitted == {}
+
+
+# ---- node findings fan out ------------------------------------------------------------------
+def test_gpu_xid_goes_to_the_node_and_to_each_job_with_members_there_narrowed_to_the_gpu():
+    inputs = learn_jobs("a", "b", "c") + [xid(T0 + 1, gpu_index=1)]
+    s, eff = run_offline(step, state(), inputs, records(dict(MEMBERS)))
+    assert s.node_jobs == {"g1": {"a", "b"}, "g2": {"a"}, "g3": {"b"}, "g9": {"c"}}
+    by_subject = {e.subject: e.event for e in published(eff)}
+    assert set(by_subject) == {"tg.node.g1.anomaly", "tg.job.a.anomaly", "tg.job.b.anomaly"}
+    a, b = by_subject["tg.job.a.anomaly"], by_subject["tg.job.b.anomaly"]
+    assert a.culprit.ranks == [1] and a.generation == 3      # the member on GPU 1 of g1
+    assert b.culprit.ranks == [0] and b.generation == 0      # no member on GPU 1: all on g1
+    assert by_subject["tg.node.g1.anomaly"].job is None
+    assert all(e.event.fault_class == "gpu_xid" and e.event.culprit.nodes == ["g1"]
+               for e in published(eff))
+
+
+def test_node_lost_names_every_member_on_the_node_and_uses_the_jobs_node_timeout():
+    recs = {"a": JobRecord(runs=1, node_timeout_s=10.0, members=MEMBERS["a"].members)}
+    beat = (T0, Received(subjects.node("g1", "heartbeat"),
+                         schemas.NodeHeartbeat(node="g1", role="agent"), wall(T0)))
+    inputs = learn_jobs("a") + [beat] + [tick(T0 + k * 0.5) for k in range(1, 24)]
+    s, eff = run_offline(step, state(), inputs, records(recs))
+    assert node_timeout(s, "g1") == 10.0 and node_timeout(s, "g2") == 10.0
+    assert node_timeout(s, "elsewhere") == 3.0                 # DetectorConfig.node_timeout_s
+    lost = published(eff, "node_lost")
+    assert [(e.subject, e.event.culprit.ranks) for e in lost] == [
+        ("tg.node.g1.anomaly", []), ("tg.job.a.anomaly", [0, 1])]
+    assert lost[0].event.first_ts == wall(T0 + 10.5)           # the first tick past 10 s
+
+
+# ---- job-record refresh ---------------------------------------------------------------------
+def test_a_new_job_is_read_at_the_next_tick_then_every_job_refresh_s():
+    inputs = [hb(T0), tick(T0 + 0.05), tick(T0 + 0.1), hb(T0 + 0.2, job="k"), tick(T0 + 0.25),
+              tick(T0 + 2.0), tick(T0 + 2.1)]
+    _, eff = run_offline(step, state(job_refresh_s=2.0), inputs,
+                         records({"j": JobRecord(), "k": JobRecord()}))
+    reads = [e.args[0] for e in eff if isinstance(e, Call)]
+    assert reads == ["j", "k", "j", "k"]
+    assert all(e.reply[:2] == ("job", e.args[0]) and e.wait is False
+               for e in eff if isinstance(e, Call))
+
+
+def test_a_read_still_out_is_not_issued_again_and_a_superseded_reply_is_dropped():
+    s = state(refresh_timeout_s=10.0)
+    s, _ = step(s, hb(T0)[1], T0)
+    [first] = refresh_calls(s, T0)
+    assert refresh_calls(s, T0 + 5) == []                     # the first is still out
+    [second] = refresh_calls(s, T0 + 11)                       # lost, presumably: again
+    old, new = JobRecord(generation=1), JobRecord(generation=2)
+    s, _ = step(s, Reply(second.reply, new), T0 + 11.1)
+    s, _ = step(s, Reply(first.reply, old), T0 + 11.2)         # late reply of the old read
+    assert s.records["j"].generation == 2 and s.reads == {}
+
+
+def test_a_relaunched_job_starts_its_windows_over():
+    recs = {"j": [JobRecord(runs=1, members=[{"rank": 0, "node": "n0"}, {"rank": 1, "node": "n0"}]),
+                  JobRecord(runs=2, members=[{"rank": 0, "node": "n1"}])]}
+    # rank 1 finished its run and fell silent; the next launch moved the job to n1
+    inputs = [hb(T0, rank=0), hb(T0, rank=1), tick(T0 + 0.05)]
+    s, _ = run_offline(step, state(job_refresh_s=1.0), inputs, records(recs))
+    assert set(s.jobs["j"].ranks) == {0, 1} and s.records["j"].runs == 1
+    s, eff = run_offline(step, s, [tick(T0 + 1.1)] + [tick(T0 + 1.1 + 0.25 * k)
+                                                     for k in range(1, 12)], records(recs))
+    assert s.records["j"].runs == 2 and s.jobs["j"].ranks == {}
+    assert s.node_jobs == {"n1": {"j"}}
+    assert published(eff) == []          # no silence anomaly for the old run's ranks
+
+
+def test_a_failed_read_keeps_the_last_record():
+    good = JobRecord(runs=1, hang_timeout_s=7.0, members=[{"rank": 0, "node": "g1"}])
+    recs = {"j": [good, ConnectionError("valkey gone")]}
+    inputs = [hb(T0), tick(T0 + 0.05), tick(T0 + 2.1)]
+    s, eff = run_offline(step, state(job_refresh_s=2.0), inputs, records(recs))
+    assert s.records["j"] is good and s.node_jobs == {"g1": {"j"}}
+    [warning] = [e for e in eff if isinstance(e, Log)]
+    assert warning.level == logging.WARNING
+    assert "ConnectionError: valkey gone" in warning.message
+    assert "keeping the last" in warning.message
+
+
+def test_a_failed_first_read_stores_no_record_and_does_not_reset_later():
+    recs = {"j": [ConnectionError("down"), JobRecord(runs=1)]}
+    inputs = [hb(T0), tick(T0 + 0.05)]
+    s, _ = run_offline(step, state(job_refresh_s=2.0), inputs, records(recs))
+    assert "j" not in s.records
+    s, _ = run_offline(step, s, [tick(T0 + 2.1)], records(recs))
+    assert s.records["j"].runs == 1 and set(s.jobs["j"].ranks) == {0}   # windows kept
+
+
+# ---- periodic rules ------------------------------------------------------------------------
+def test_a_silent_rank_gives_exactly_one_hang_with_the_ticks_time():
+    inputs = []
+    for k in range(40):                                        # 0.1 s beats for 4 s
+        t = T0 + 0.1 * k
+        inputs += [hb(t, rank=0, phase="train")]
+        if k < 10:                                             # rank 1 stops at T0 + 0.9
+            inputs += [hb(t, rank=1, phase="train")]
+        inputs += [tick(t + 0.05)]
+    _, eff = run_offline(step, state(), inputs)
+    [hang] = published(eff)
+    a = hang.event
+    assert (a.kind, a.culprit.ranks, a.detail["rule"]) == ("hang", [1], "silence")
+    # the rank's allowance is silence_beats (15) x its 0.1 s interval = 1.5 s after its last beat
+    # at T0 + 0.9: the first tick past it is T0 + 2.45, which is no evaluation tick (those are
+    # T0 + 0.05 + k * eval_s 0.25): silence is judged on every tick
+    assert a.detail["timeout_s"] == 1.5
+    assert a.first_ts == a.ts == wall(T0 + 2.45)
+    assert hang.subject == "tg.job.j.anomaly"
+
+
+def test_stragglers_are_judged_every_eval_s_not_every_tick():
+    inputs = []
+    for k in range(12):                    # rank 3 is 10x slower from its step 2 (T0 + 0.2)
+        t = T0 + 0.1 * k
+        for r in range(4):
+            inputs.append(hb(t, rank=r, step_=k, seq=k, phase="train",
+                             step_time_s=1.0 if r == 3 and k >= 2 else 0.1))
+        inputs.append(tick(t + 0.01))
+    s, eff = run_offline(step, state(eval_s=1.0), inputs)
+    [st] = published(eff, "straggler")
+    assert st.event.culprit.ranks == [3]
+    # its median of 5 was slow from T0 + 0.4 on, but the evaluation after the first (T0 + 0.01)
+    # ran only at the first tick eval_s later
+    assert st.event.first_ts == wall(T0 + 1.01) and s.last_eval == pytest.approx(T0 + 1.01)
+
+
+def test_missing_member_needs_the_record():
+    rec = {"j": JobRecord(runs=1, startup_timeout_s=2.0, members=[
+        {"rank": 0, "node": "n0"}, {"rank": 1, "node": "n1"}])}
+    inputs = [hb(T0 + 0.5 * k, rank=0) for k in range(8)]
+    inputs = [x for pair in zip(inputs, [tick(T0 + 0.5 * k + 0.1) for k in range(8)])
+              for x in pair]
+    _, without = run_offline(step, state(), inputs)
+    assert published(without) == []
+    _, eff = run_offline(step, state(), inputs, records(rec))
+    [m] = published(eff)
+    assert m.event.culprit.ranks == [1] and m.event.detail["rule"] == "never_started"
+    assert m.event.first_ts == wall(T0 + 2.1)
+
+
+# ---- events ----------------------------------------------------------------------------------
+def test_nan_loss_gives_one_anomaly_stamped_with_the_heartbeats_time():
+    ev_ts = NS - 5
+    inputs = [hb(T0, loss=float("nan"), ts=ev_ts), hb(T0 + 0.1, loss=float("nan"), ts=ev_ts + 1)]
+    _, eff = run_offline(step, state(), inputs)
+    [a] = published(eff)
+    assert (a.event.kind, a.event.first_ts, a.event.ts) == ("nan_loss", ev_ts, wall(T0))
+
+
+def test_events_that_are_not_the_detectors_change_nothing():
+    s = state()
+    verdict = schemas.Verdict(job="j", fault_class="crash", layer="unknown", confidence="high")
+    for inp in (Received(subjects.job("j", "verdict"), verdict, wall(T0)),
+                Received(subjects.job("j", "worker"), schemas.TrainingResumed(
+                    job="j", generation=1, world_size=2, restored_step=1, resumed_step=2)),
+                Reply(("toy", 1), 3), Reply("not-a-tuple")):
+        s, eff = step(s, inp, T0)
+        assert eff == []
+    assert s.jobs == {} and s.nodes == {} and s.emitted == {} and s.due == set()
+
+
+def test_relayed_symptoms_are_ignored_and_skipped_saves_are_no_fault():
+    line = "RuntimeError: [pair.cc:598] Connection closed by peer [127.0.0.1]:1234"
+    relayed = (T0, Received(subjects.job("j", "log"), schemas.LogLine(
+        job="j", rank=1, node="n0", line=line, source="launcher"), wall(T0)))
+    own = (T0, Received(subjects.job("j", "log"), schemas.LogLine(
+        job="j", rank=1, node="n0", line=line, stream="exception"), wall(T0)))
+    skipped = (T0, Received(subjects.job("j", "ckpt"), schemas.CheckpointSaveFailed(
+        job="j", rank=0, node="n0", step=5, error="skipped: busy"), wall(T0)))
+    failed = (T0, Received(subjects.job("j", "ckpt"), schemas.CheckpointSaveFailed(
+        job="j", rank=0, node="n0", step=5, error="[Errno 28] No space left"), wall(T0)))
+    _, eff = run_offline(step, state(), [relayed, skipped])
+    assert published(eff) == []
+    _, eff = run_offline(step, state(), [own, failed])
+    assert [(e.event.fault_class, e.event.detail.get("stream")) for e in published(eff)] == [
+        ("network", "exception"), ("checkpoint_save", None)]
+
+
+def test_input_events_are_not_changed():
+    ev = schemas.XidEvent(node="g1", xid=79, pci="p", gpu_index=0, gpu_uuid="GPU-1", raw="x")
+    log_ev = schemas.LogLine(job="a", rank=0, node="g1", line="CUDA error: an illegal memory "
+                                                            "access was encountered")
+    before = (ev.model_dump(), log_ev.model_dump())
+    inputs = learn_jobs("a") + [(T0 + 1, Received("tg.node.g1.xid", ev, wall(T0 + 1))),
+                                (T0 + 1, Received("tg.job.a.log", log_ev, wall(T0 + 1)))]
+    _, eff = run_offline(step, state(), inputs, records(dict(MEMBERS)))
+    assert len(published(eff)) == 3
+    assert (ev.model_dump(), log_ev.model_dump()) == before
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def test_gc_forgets_silent_ranks_then_the_job_and_its_record():
+    inputs = learn_jobs("a") + [tick(T0 + 5), tick(T0 + 30.1)]
+    s, _ = run_offline(step, state(forget_after_s=20.0, gc_s=10.0), inputs,
+                       records(dict(MEMBERS)))
+    assert s.jobs == {} and s.records == {} and s.node_jobs == {} and s.job_seen == {}
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_refresh_calls_reads_every_known_job(wait):
+    s = state()
+    for j in ("x", "y"):
+        s, _ = step(s, hb(T0, job=j)[1], T0)
+    calls = refresh_calls(s, T0, wait=wait)
+    assert [(c.args, c.wait) for c in calls] == [(("x",), wait), (("y",), wait)]
+    assert s.due == set()
