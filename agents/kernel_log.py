@@ -104,11 +104,26 @@ def message_of(line: str) -> str:
 
 
 def classify_kernel_line(line: str) -> str | None:
-    """Name of the first ``KERNEL_LINE_PATTERNS`` row matching ``line``, else None."""
+    """Name of the first ``KERNEL_LINE_PATTERNS`` row matching ``line``; else the name of the
+    detector's log-pattern row (``trainguard.detector.patterns``) that matches it with a
+    hardware or system-software layer (a machine-check, a NIC or PCIe error, an NFS server not
+    responding); else None. Application rows (a Python exception's shape) never match here:
+    the kernel prints none."""
     for name, pattern in KERNEL_LINE_PATTERNS:
         if pattern.search(line):
             return name
+    if "NVRM: Xid" in line:
+        return None  # an XID line is the XID parser's (``XidEvent``), never a log line
+    m = _patterns().match_line(line)
+    if m is not None and m.pattern.layer in ("hardware", "system_software", "infrastructure"):
+        return m.pattern.name
     return None
+
+
+def _patterns():
+    from trainguard.detector import patterns  # the table the detector reads the line with
+
+    return patterns
 
 
 @dataclass

@@ -56,7 +56,15 @@ __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "n
 
 #: The subjects the detector consumes.
 TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry")
+          "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry", "tg.node.*.kernel")
+
+#: Fault classes a node's kernel log shows for the whole node (a NIC link down, an NFS server
+#: gone, a machine-check, a GPU off the bus): such a finding goes to every job with members on
+#: the node. Any other kernel line (an OOM kill, a segfault, a hung task) names one process the
+#: kernel does not tie to a job: it is published for the node only (its history), and the rank's
+#: own exit (``worker.exited``, ``oom_killed``) is what its job hears.
+NODE_WIDE_KERNEL_CLASSES = frozenset({"gpu_xid", "ecc", "nvlink", "network", "filesystem",
+                                      "thermal", "node_lost"})
 
 
 @dataclass
@@ -246,6 +254,8 @@ def _on_worker_started(state: DetectorState, inp: Received, now: float) -> list[
 
 def _on_log(state: DetectorState, inp: Received, now: float) -> list[Effect]:
     ev = inp.event
+    if ev.job is None and inp.subject.startswith("tg.node."):
+        return _on_kernel_line(state, inp, now)
     job = _job_of(inp)
     _job(state, job, now)
     f = log_rule(ev.line, ev.stream, ev.rank, ev.node, ev.generation, ev.ts, ev.step)
@@ -260,6 +270,24 @@ def _on_log(state: DetectorState, inp: Received, now: float) -> list[Effect]:
     f.detail["stream"] = ev.stream
     out: list[Effect] = []
     _emit(state, out, job, f, now, inp.wall_ns, ev)
+    return out
+
+
+def _on_kernel_line(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    """A line of a node's kernel log (``tg.node.<node>.kernel``, forwarded by the node agent)."""
+    ev = inp.event
+    node = _node_of(inp)
+    f = log_rule(ev.line, "kernel", None, node, None, ev.ts)
+    if f is None:
+        return []
+    f.nodes = [node]
+    f.ranks = []
+    f.detail["stream"] = "kernel"
+    out: list[Effect] = []
+    if f.fault_class in NODE_WIDE_KERNEL_CLASSES:
+        _emit_node(state, out, node, f, now, inp.wall_ns, ev)
+    else:
+        _emit(state, out, None, f, now, inp.wall_ns, ev, node_scope=node)
     return out
 
 

@@ -97,6 +97,9 @@ def test_classify_kernel_line_table():
     assert classify_kernel_line("Memory cgroup out of memory: Killed process 77 (python) "
                                 "total-vm:1kB") == "oom_kill"
     assert classify_kernel_line("eth0: link up") is None
+    # the detector's machine rows are forwarded too; a program's lines are not the kernel's
+    assert classify_kernel_line("EDAC MC0: 1 UE memory read error on CPU_SrcID#0") is not None
+    assert classify_kernel_line("RuntimeError: boom") is None
 
 
 def test_file_follower_follows_appends_only_new_lines(tmp_path, follow):

@@ -119,6 +119,31 @@ def test_gpu_xid_goes_to_the_node_and_to_each_job_with_members_there_narrowed_to
                for e in published(eff))
 
 
+def kernel(t, line, node="g1"):
+    return t, Received(subjects.node(node, "kernel"), schemas.LogLine(
+        node=node, job=None, stream="kernel", source="agent", line=line, ts=wall(t)), wall(t))
+
+
+def test_a_node_wide_kernel_line_goes_to_every_job_on_the_node():
+    inputs = learn_jobs("a", "b", "c") + [
+        kernel(T0 + 1, "nfs: server fs1 not responding, still trying")]
+    _, eff = run_offline(step, state(), inputs, records(dict(MEMBERS)))
+    by_subject = {e.subject: e.event for e in published(eff)}
+    assert set(by_subject) == {"tg.node.g1.anomaly", "tg.job.a.anomaly", "tg.job.b.anomaly"}
+    assert by_subject["tg.job.a.anomaly"].culprit.ranks == [0, 1]
+    assert all(e.fault_class == "filesystem" and e.culprit.nodes == ["g1"]
+               for e in by_subject.values())
+
+
+def test_a_kernel_oom_kill_is_the_nodes_alone_no_job_is_blamed():
+    """The kernel names a pid, not a job: the rank's own exit tells its job."""
+    inputs = learn_jobs("a", "b") + [kernel(
+        T0 + 1, "Memory cgroup out of memory: Killed process 77 (python) total-vm:1kB")]
+    _, eff = run_offline(step, state(), inputs, records(dict(MEMBERS)))
+    assert [(e.subject, e.event.fault_class) for e in published(eff)] == [
+        ("tg.node.g1.anomaly", "oom_host")]
+
+
 def test_node_lost_names_every_member_on_the_node_and_uses_the_jobs_node_timeout():
     recs = {"a": JobRecord(runs=1, node_timeout_s=10.0, members=MEMBERS["a"].members)}
     beat = (T0, Received(subjects.node("g1", "heartbeat"),
