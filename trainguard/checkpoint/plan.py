@@ -118,7 +118,7 @@ class SavePlan:
     writer_items: tuple[dict, ...]
     keys: dict[str, dict]
     signature: tuple
-    _metadata_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _metadata_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan_id, int) or self.plan_id <= 0:
