@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from . import collectives, statedict
-from . import format as fmt
 from .config import CheckpointConfig
 from .index import doomed, fetch_index
 from .plan import SavePlan, make_plan, new_plan_id, signature, trim_heap

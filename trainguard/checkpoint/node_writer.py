@@ -116,7 +116,7 @@ def _preload() -> None:
     gc.freeze()
 
 
-def _listen(path: str, until_stdin_closes: bool = False) -> None:
+def listen(path: str, until_stdin_closes: bool = False) -> None:
     """The node writer daemon: accept ranks on ``path`` and fork one writer per connection.
     With ``until_stdin_closes``, end of file on stdin (its starter closed the pipe or died) ends
     it gracefully: no new connections, the writers finish, their staging files are removed,

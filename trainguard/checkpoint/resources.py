@@ -42,10 +42,6 @@ class CheckpointResources:
             self._seq += 1
             return self._seq
 
-    @property
-    def seq(self) -> int:
-        return self._seq
-
     def busy(self) -> bool:
         """True while a save is in flight (started and not yet durable or failed)."""
         p = self.inflight

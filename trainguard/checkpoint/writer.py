@@ -27,7 +27,7 @@ import signal
 import socket
 
 from .client import connect_writer, spawn_writer
-from .node_writer import NodeWriter, _listen
+from .node_writer import NodeWriter, listen
 from .protocol import recv_msg, send_msg
 from .serve import CHUNK, SaveAborted, WriterConnection, serve_connection
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.fd is not None:
         serve_connection(socket.socket(fileno=a.fd))
     elif a.listen:
-        _listen(a.listen, a.until_stdin_closes)
+        listen(a.listen, a.until_stdin_closes)
     else:
         p.error("give --fd or --listen")
 
