@@ -1,9 +1,9 @@
 """The checkpoint validator service: ``ckpt.saved`` → verify → mark in the state store →
 ``ckpt.validated`` | ``ckpt.invalid`` on ``tg.job.<job>.ckpt``.
 
-Thin: the verdict is ``validate.validate_checkpoint`` (pure, unit-tested); the check runs in a
-worker thread so that the service keeps answering health requests while it reads a large
-checkpoint. A failure on one message is logged and counted by the bus; the service goes on.
+Thin: the verdict is ``trainguard.checkpoint.verify.validate_checkpoint`` (pure, unit-tested,
+shared with the rank-side restore); the check runs in a worker thread so that the service keeps
+answering health requests while it reads a large checkpoint. A failure on one message is logged and counted by the bus; the service goes on.
 """
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import logging
 from typing import Any
 
 from trainguard import schemas
+from trainguard.checkpoint.verify import validate_checkpoint
 from trainguard.schemas import subjects
 from trainguard.service import Service, ServiceConfig, main
-
-from .validate import validate_checkpoint
 
 log = logging.getLogger("checkpoint_validator")
 

@@ -9,10 +9,10 @@ import subprocess
 import pytest
 import torch
 
-from trainguard.checkpoint_validator.validate import validate_checkpoint
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import format as fmt
 from trainguard.checkpoint.staging import template
+from trainguard.checkpoint.verify import validate_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,9 +49,9 @@ def root(tmp_path):
     return str(tmp_path / "ckpt")
 
 
-def _ckpt(m, o, root, job, **kw):
+def _ckpt(m, o, root, job, resources=None, **kw):
     return Checkpointer(m, o, config=CheckpointConfig(root=root, **kw), job=job, rank=0,
-                        world_size=1)
+                        world_size=1, resources=resources)
 
 
 def test_template_matches_torch_save():
@@ -103,9 +103,10 @@ def test_save_restore_plain_dcp_and_shm(root):
     assert c3.restore_source == "disk" and c3.restored_step == 2
     assert c3.restored_loss == pytest.approx(loss)
     assert _equal_state((m, o), (m3, o3))
-    # the same job's staged copy in /dev/shm is byte-identical: restore from it
+    # the same job's staged copy in /dev/shm is byte-identical: restore from it (with the
+    # first one's resources, as the Checkpointer of the next generation gets them)
     m4, o4 = _model(seed=3)
-    c4 = _ckpt(m4, o4, root, "t-basic")
+    c4 = _ckpt(m4, o4, root, "t-basic", resources=c.resources)
     assert c4.restore() == 3 and c4.restore_source == "shm"
     assert _equal_state((m, o), (m4, o4))
     # post-recovery check material
@@ -340,19 +341,17 @@ def test_abandoned_inflight_save_is_cancelled_not_committed(root):
     gone): abandoning it frees the coordinator at once instead of after the commit timeout."""
     import time
 
-    from trainguard.checkpoint.checkpointer import abandon_inflight
-
     m, o = _model()
     c = Checkpointer(m, o, config=CheckpointConfig(root=root, commit_timeout_s=300), job="t-ab",
                      rank=0, world_size=2)
     assert c.save(3)
     assert not c.wait(1.0)  # rank 1's shard never comes: the commit waits
     t0 = time.monotonic()
-    assert abandon_inflight("t-ab") is True
+    assert c.abandon_inflight() is True
     assert c.wait(10.0), "the cancelled save did not finish"
     assert time.monotonic() - t0 < 10.0
     assert c.stats["failed"] == 1 and "cancelled" in c.stats["last_error"]
     assert fmt.list_checkpoints(root) == []
     assert not [n for n in os.listdir(root) if n.startswith(fmt.TMP_PREFIX)]
-    assert abandon_inflight("t-ab") is False  # nothing in flight any more
+    assert c.abandon_inflight() is False  # nothing in flight any more
     c.finalize()

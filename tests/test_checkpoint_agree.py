@@ -17,14 +17,13 @@ pytestmark = pytest.mark.timeout(120)
 RANK = r"""
 import datetime, json, sys
 import torch, torch.distributed as dist
-from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.collectives import all_gather_small
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-ck = Checkpointer(torch.nn.Linear(2, 2), None, config=CheckpointConfig(root=out), job="agree",
-                  rank=rank, world_size=2, group=dist.new_group(backend="gloo"))
-small = ck._all_gather_small({"rank": rank, "byte_lens": [rank, 7]})
-big = ck._all_gather_small({"rank": rank, "pad": "x" * (5000 if rank == 1 else 0)})
+group = dist.new_group(backend="gloo")
+small = all_gather_small({"rank": rank, "byte_lens": [rank, 7]}, group, 2)
+big = all_gather_small({"rank": rank, "pad": "x" * (5000 if rank == 1 else 0)}, group, 2)
 if rank == 0:
     json.dump({"small": small, "big": [[b["rank"], len(b["pad"])] for b in big]},
               open(out + "/agree.json", "w"))

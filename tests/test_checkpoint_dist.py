@@ -83,7 +83,7 @@ def test_killed_writer_leaves_no_restorable_partial(tmp_path):
     c.world_size = 2
     assert c.save(2)
     time.sleep(0.3)
-    pid = c._res.writer.proc.pid
+    pid = c.resources.writer.proc.pid
     os.kill(pid, signal.SIGKILL)
     assert c.wait(10)
     assert c.stats["failed"] == 1 and "died" in c.stats["last_error"]

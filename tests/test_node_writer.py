@@ -50,7 +50,7 @@ def test_saves_go_through_the_node_writer_and_close_lets_them_finish(tmp_path, m
     try:
         assert ck.save(1)
         ck.wait()
-        assert ck._res.writer.proc is None  # no writer of its own: the daemon's child wrote it
+        assert ck.resources.writer.proc is None  # no writer of its own: the daemon's child wrote it
         assert len(psutil.Process(daemon).children()) == 1
         assert ck.save(2)
         nw.close()  # the launcher ends while a save is in flight
@@ -83,13 +83,13 @@ def test_node_writer_exits_when_its_owner_is_killed(tmp_path, monkeypatch):
                           job="nw-owner", rank=0, world_size=1)
         assert ck.save(3)
         ck.wait()
-        staged = ck._res.staging.path
+        staged = ck.resources.staging.path
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
         time.sleep(0.3)
         assert not os.path.exists(sock)  # no new ranks
         assert psutil.pid_exists(daemon) and os.path.exists(staged)  # the rank still lives
-        ck._res.writer.close()  # the rank goes (as if killed: no finalize)
+        ck.resources.writer.close()  # the rank goes (as if killed: no finalize)
         assert _gone(daemon, 10.0), "node writer outlived its killed owner and its rank"
         assert not os.path.exists(staged) and not os.path.exists(staged + ".meta")
         assert validate_checkpoint(fmt.list_checkpoints(str(tmp_path / "ck"))[0].path).ok
@@ -107,7 +107,7 @@ def test_unreachable_node_writer_falls_back_to_a_writer_of_its_own(tmp_path, mon
         with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
             assert ck.save(5)
             ck.wait()
-        assert ck._res.writer.proc is not None
+        assert ck.resources.writer.proc is not None
         assert "starts a writer of its own" in caplog.text
         newest = fmt.list_checkpoints(root)[0]
         assert newest.step == 5 and validate_checkpoint(newest.path).ok

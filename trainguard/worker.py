@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import sys
 import threading
@@ -60,6 +59,9 @@ class _Runtime:
         self.last_step_before_fault = -1
         self.pending_resume: dict[str, Any] | None = None
         self.current_decision_id = ""
+        # trainguard.checkpoint.CheckpointResources of the Checkpointers this process made
+        # (Context.checkpointer): one per process, reused by every generation
+        self.ckpt_resources = None
 
     # ---- bus ----------------------------------------------------------------------------------
     def start(self, decisions: bool = True) -> None:
@@ -178,9 +180,9 @@ class _Runtime:
                   f"{'collective failed (a peer faulted)' if symptom else 'fault'}:\n{text}",
                   file=sys.stdout, flush=True)
         self.abort()  # after the report: the root cause goes on the bus first
-        if "trainguard.checkpoint.checkpointer" in sys.modules:
+        if self.ckpt_resources is not None:
             # a save of the ended generation may wait for a dead rank's shard: drop it
-            sys.modules["trainguard.checkpoint.checkpointer"].abandon_inflight(cfg.job)
+            self.ckpt_resources.abandon_inflight()
         self.p.phase = "recovery"
         if cfg.mode != "action":
             raise exc
@@ -276,11 +278,11 @@ class Context:
             decision_id=rt.current_decision_id))
         saved_loss = getattr(self._ckpt, "restored_loss", None)
         if saved_loss is not None and loss is not None:
-            tol = 0.5
-            ok = math.isfinite(loss) and abs(loss - saved_loss) <= tol * max(1.0, abs(saved_loss))
+            check = self._ckpt.recovery_check(float(loss))  # config.loss_tolerance
             rt.publish(subjects.job(cfg.job, "recovery"), schemas.RecoveryVerified(
                 **rt._ids(), generation=cfg.generation, restored_step=restored,
-                loss_at_save=saved_loss, loss_after=float(loss), tolerance=tol, ok=ok))
+                loss_at_save=saved_loss, loss_after=float(loss),
+                tolerance=check["tolerance"], ok=bool(check["ok"])))
 
     def ddp(self, model, **kwargs: Any):
         """``DistributedDataParallel(model, **kwargs)`` with a communication hook that records
@@ -321,15 +323,18 @@ class Context:
         """An async, validated, resharding ``trainguard.checkpoint.Checkpointer`` bound to this
         rank and generation. ``config`` fields go to ``CheckpointConfig`` (``root`` defaults to
         ``$TG_CKPT_DIR/<job>`` or ``./checkpoints/<job>``)."""
-        from .checkpoint import CheckpointConfig, Checkpointer
+        from .checkpoint import CheckpointConfig, Checkpointer, CheckpointResources
 
         rt, cfg = self._rt, self._rt.cfg
         config.setdefault("root", os.path.join(cfg.ckpt_dir or "checkpoints", cfg.job))
+        if rt.ckpt_resources is None:
+            rt.ckpt_resources = CheckpointResources()
         self._ckpt = Checkpointer(model, optimizer, config=CheckpointConfig(**config),
                                   job=cfg.job, rank=cfg.rank, world_size=cfg.world_size,
                                   generation=cfg.generation, group=rt.ckpt_group, bus=rt.bus,
                                   redis_url=cfg.redis_url or None,
-                                  interrupt=self._checkpoint_wait)
+                                  interrupt=self._checkpoint_wait,
+                                  resources=rt.ckpt_resources)
         return self._ckpt
 
     def log(self, line: str, stream: str = "stdout") -> None:

@@ -10,8 +10,19 @@ def staging_path(shm_dir: str, job: str, rank: int) -> str:
     ``.meta`` file beside it). Torch-free, so the launcher can clean up without importing torch."""
     return os.path.join(shm_dir, f"trainguard-{job}-r{rank}.stage")
 
+
 OVERLAP_POLICIES = ("wait", "skip")
 CHECKSUMS = ("xxh3_64",)
+
+#: Relative tolerance of the post-recovery loss check (``CheckpointConfig.loss_tolerance``;
+#: ``recovery.verified`` carries it, and its schema default is the same number). The loss
+#: compared after a restore is that of the next step — another batch, one more update — so the
+#: check must pass the ordinary spread of a minibatch loss between neighbouring steps; it is
+#: meant to catch a restore that did not take (a model left at its initialisation, whose loss
+#: is usually a multiple of the trained one) or a non-finite loss, not small drifts. ±50 % of
+#: the saved loss (±0.5 absolute below 1) is that band; it is a judgement, not a measurement:
+#: set ``loss_tolerance`` tighter for a smooth loss, looser for a noisy one.
+DEFAULT_LOSS_TOLERANCE = 0.5
 
 
 @dataclass
@@ -43,9 +54,10 @@ class CheckpointConfig:
     chosen checkpoint and the world is unchanged (default True).
     ``state_timeout_s`` — seconds to wait for the state store at restore before verifying
     manifests locally (default 2).
-    ``loss_tolerance`` — relative tolerance of the post-recovery loss check (default 0.5, the
-    ``recovery.verified`` schema default): ok when
-    ``|loss_after - loss_at_save| <= tol * max(1, |loss_at_save|)``.
+    ``loss_tolerance`` — relative tolerance of the post-recovery loss check that
+    ``trainguard.run`` publishes as ``recovery.verified`` (``Checkpointer.recovery_check``): ok
+    when ``|loss_after - loss_at_save| <= tol * max(1, |loss_at_save|)``. Default
+    ``DEFAULT_LOSS_TOLERANCE`` (0.5; its reason is there). Must be ≥ 0.
     """
 
     root: str = "checkpoints"
@@ -59,7 +71,7 @@ class CheckpointConfig:
     reverify_valid: bool = True
     restore_from_shm: bool = True
     state_timeout_s: float = 2.0
-    loss_tolerance: float = 0.5
+    loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
 
     def __post_init__(self) -> None:
         if self.overlap_policy not in OVERLAP_POLICIES:
@@ -67,6 +79,9 @@ class CheckpointConfig:
                              f"got {self.overlap_policy!r}")
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {CHECKSUMS}, got {self.checksum!r}")
+        if not self.loss_tolerance >= 0:
+            raise ValueError(f"loss_tolerance must be ≥ 0 (a relative band around the saved "
+                             f"loss), got {self.loss_tolerance!r}")
         if int(self.keep) < 1:
             raise ValueError(f"keep must be ≥ 1 (the newest valid checkpoint is always kept), "
                              f"got {self.keep}")
