@@ -41,7 +41,6 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from trainguard.checkpoint import checkpointer as ckmod  # noqa: E402
 from trainguard.checkpoint import format as fmt  # noqa: E402
 from trainguard.checkpoint.writer import NodeWriter  # noqa: E402
 
@@ -90,7 +89,6 @@ class Reference:
 
 
 def child(root: str, generation: int, poison: bool) -> None:
-    ckmod._REGISTRY.clear()  # resources of the parent are not ours
     m, opt = build(seed=generation + 1)
     c = Checkpointer(m, opt, config=CheckpointConfig(root=root, keep=3, commit_timeout_s=2.0,
                                                      writer_nice=0),
@@ -230,9 +228,8 @@ def run(trials: int, seed: int, verbose: bool = False) -> dict:
                 out["restore_failures"] += 1
                 problem = f"restore raised {type(exc).__name__}: {exc}"
             finally:
-                res = ckmod._REGISTRY.pop(JOB, None)
-                if res is not None and res.staging is not None:
-                    res.staging.close(unlink=False)
+                if c.resources.staging is not None:
+                    c.resources.staging.close(unlink=False)
             if problem is None:
                 src = c.restore_source
                 out["restore_sources"][src] = out["restore_sources"].get(src, 0) + 1

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.detector", RULES, False), ("trainguard.attributor", RULES, False),
     ("trainguard.remediator", RULES, False), ("trainguard.checkpoint_validator", RULES, False),
     ("trainguard.executor", RULES, False),
+    ("trainguard.checkpoint.verify", RULES, False),  # the integrity check validator and restore share
     # services (their wiring modules) and the node agent
     ("trainguard.detector.service", SERVICE, True), ("trainguard.attributor.service", SERVICE, True),
     ("trainguard.remediator.service", SERVICE, True),

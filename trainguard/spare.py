@@ -32,7 +32,7 @@ def warm() -> None:
     import trainguard.rendezvous
 
     for name in ("trainguard.checkpoint.checkpointer", "torch.distributed.checkpoint",
-                 "trainguard.state", "trainguard.bus", "trainguard.checkpoint_validator.validate"):
+                 "trainguard.state", "trainguard.bus", "trainguard.checkpoint.verify"):
         try:
             importlib.import_module(name)
         except ImportError:

@@ -46,11 +46,6 @@ __all__ = ["Checkpointer", "loss_matches"]
 
 log = logging.getLogger("trainguard.checkpoint")
 
-#: Always empty, never read: the module-global registry of resources is gone (they are a
-#: ``CheckpointResources`` object now). Kept only because bench/checkpoint_crash.py still
-#: clears it; remove with those lines.
-_REGISTRY: dict = {}
-
 
 class Checkpointer:
     """Async, validated, resharding checkpoints of ``model`` (and ``optimizer``) for one rank.
