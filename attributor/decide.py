@@ -2,27 +2,39 @@
 
 ``decide(anomalies, history, config) -> VerdictSpec``
 
-1. Evidence is ordered in time (``first_ts``, then arrival order).
-2. Root cause: the anomalies that are not symptoms; among them the most telling fault class
-   (the priority of ``schemas.vocabulary.VOCABULARY``: a GPU's XID explains the crash of the
-   rank on it, the OOM killer explains the SIGKILL), then the earliest. Only when every anomaly is a symptom (a peer's connection reset,
-   a watchdog timeout) is the strongest symptom attributed on its own — at lower confidence.
-3. Cascades: symptoms whose ranks/nodes differ from the root's are the root's victims; they are
-   folded into the verdict as evidence (``detail["symptoms"]``), never culprits.
-4. Hung vs blocked: for hangs, the culprit is the rank the detector found behind; watchdog
-   timeouts from the blocked ranks are symptoms. Among symptom-only watchdog timeouts, the rank
-   with the lowest collective sequence number is named, at low confidence.
+1. Evidence is ordered in time: each anomaly's onset (``evidence.onset_ns``: ``first_ts``, less
+   the silence or stall its rule waited for), then arrival order.
+2. Cascades (``evidence.victims``): the errors peers report after a rank's or a node's death —
+   connection resets, IB/NCCL completion errors, watchdog and collective timeouts, c10d store
+   errors —, from another rank or node within ``causal_window_s`` of it, are that death's
+   symptoms whatever their class; they are folded into the verdict as evidence
+   (``detail["symptoms"]``, ``detail["victims"]``), never culprits.
+3. Root cause (``evidence.choose_root``): the earliest root-cause anomaly wins; a later one
+   replaces it only when it explains it — the same rank or node and a stronger class of
+   ``schemas.vocabulary.VOCABULARY`` (a GPU's XID explains the crash of the rank on it, the OOM
+   killer explains the SIGKILL). Only when every anomaly is a symptom (a peer's connection reset,
+   a watchdog timeout) is the strongest symptom attributed on its own — at low confidence.
+4. Hung vs blocked: for hangs, the culprit is the rank the detector found behind (its
+   collective counts: ``detail["in_compute"]`` / ``["blocked"]``); watchdog timeouts from the
+   blocked ranks are symptoms. Among symptom-only watchdog timeouts, the rank with the lowest
+   collective sequence number is named, at low confidence.
 5. Cross-job history (``History``, filled by the service from the state store):
    * a culprit node with hardware, system-software or infrastructure faults in
      ``node_repeat_jobs`` (2) or more different jobs within the window is a node fault:
      ``detail["repeat_offender"]`` names it (and an unknown or application layer becomes
      hardware);
    * the same failure signature on ``app_repeat_nodes`` (2) or more different nodes of one job
-     is an application fault: layer ``application``, ``detail["systematic"]`` names the nodes
-     (a restart elsewhere would repeat it);
+     (earlier incidents or this one) is an application fault: layer ``application``,
+     ``detail["systematic"]`` names the nodes and ``detail["systematic_error"]`` quotes the
+     error (a restart elsewhere would repeat it: the remediator's policy stops the job);
    * XIDs 13/31/43 (the catalog's application XIDs) from ``app_xid_pids`` (3) or more
      different processes on one GPU make that GPU suspect hardware (``gpu_xid``/``hardware``,
      ``detail["suspect_gpu"]``).
+6. Confidence (``evidence.agreeing_sources``): how many independent sources — exit status,
+   the program's log, a peer's log, the kernel log, an XID, telemetry, heartbeats, history —
+   agree with the verdict: one is ``medium``, two or more ``high``, symptoms alone ``low``
+   (``detail["sources"]`` lists them). The detector's per-rule weights order root candidates of
+   one place; they do not make a verdict more certain.
 
 The verdict names no action: the remediator's policy turns fault class, layer and these facts
 into one.
@@ -33,7 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trainguard.schemas import Anomaly
-from trainguard.schemas.vocabulary import FaultClass, Layer, default_layer, priority, signature, spec
+from trainguard.schemas.vocabulary import (FaultClass, Layer, default_layer, first_error_line,
+                                           signature, spec)
+
+from . import evidence as ev
+from .evidence import root_key  # noqa: F401 - re-exported for older callers
 
 #: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
 APP_XIDS = (13, 31, 43)
@@ -52,6 +68,8 @@ class AttributorConfig:
     symptom_hold_s: float = 1.0
     incident_window_s: float = 60.0
     history_window_s: float = 86400.0
+    causal_window_s: float = 60.0
+    cause_lead_s: float = 0.25
     node_repeat_jobs: int = 2
     app_repeat_nodes: int = 2
     app_xid_pids: int = 3
@@ -106,25 +124,10 @@ def _hint(a: Anomaly, key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def _weight(a: Anomaly) -> float:
-    try:
-        return float(a.detail.get("weight", 0.6))
-    except (TypeError, ValueError):
-        return 0.6
-
-
-def root_key(a: Anomaly) -> tuple:
-    """Sort key of root-cause candidates: non-symptom first, then priority, then earliest."""
-    return (a.symptom, -priority(a.fault_class) - 10 * _weight(a), a.first_ts or a.ts)
-
-
-def choose_root(anomalies: list[Anomaly]) -> Anomaly:
+def choose_root(anomalies: list[Anomaly], config: AttributorConfig | None = None) -> Anomaly:
     """The root cause among ``anomalies`` (non-empty); see module docstring."""
-    return min(enumerate(anomalies), key=lambda ia: (root_key(ia[1]), ia[0]))[1]
-
-
-def _confidence(score: float) -> str:
-    return "high" if score >= 0.8 else "medium" if score >= 0.55 else "low"
+    cfg = config or AttributorConfig()
+    return ev.choose_root(anomalies, cfg.causal_window_s, cfg.cause_lead_s)
 
 
 def _watchdog_behind(symptoms: Iterable[Anomaly]) -> tuple[list[int], str] | None:
@@ -151,19 +154,20 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
         raise ValueError("decide() needs at least one anomaly")
     cfg = config or AttributorConfig()
     hist = history or History()
-    ordered = sorted(enumerate(anomalies), key=lambda ia: (ia[1].first_ts or ia[1].ts, ia[0]))
+    ordered = sorted(enumerate(anomalies), key=lambda ia: (ev.onset_ns(ia[1]), ia[0]))
     ordered_a = [a for _, a in ordered]
-    root = choose_root(ordered_a)
-    roots = [a for a in ordered_a if not a.symptom]
+    root = choose_root(ordered_a, cfg)
+    victim_of = ev.victims(ordered_a, cfg.causal_window_s, cfg.cause_lead_s)
+    is_victim = [i in victim_of for i in range(len(ordered_a))]
+    roots = [a for a, v in zip(ordered_a, is_victim) if not a.symptom and not v]
     symptom_only = not roots
     fault_class = root.fault_class
     layer = str(_hint(root, "layer", default_layer(root.fault_class)))
-    score = _weight(root)
     notes: list[str] = []
     facts: dict[str, Any] = {}
 
     # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
-    # several OOM-killed ranks); symptoms never add culprits.
+    # several OOM-killed ranks); symptoms and victims never add culprits.
     ranks, nodes, gpus = list(root.culprit.ranks), list(root.culprit.nodes), list(root.culprit.gpus)
     for a in roots:
         if a is not root and a.fault_class == root.fault_class:
@@ -171,9 +175,11 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
             nodes += [n for n in a.culprit.nodes if n not in nodes]
             gpus += [g for g in a.culprit.gpus if g not in gpus]
 
-    symptoms = [a for a in ordered_a if a.symptom]
+    symptoms = [a for a, v in zip(ordered_a, is_victim) if a.symptom or v]
+    supporting = [a for a, v in zip(ordered_a, is_victim) if a is not root and (
+        v or a.fault_class == root.fault_class or (not symptom_only and ev.related(a, root)))]
     if symptom_only:
-        score -= 0.15
+        supporting = list(ordered_a)
         notes.append("only symptoms were seen; the strongest is attributed on its own")
         behind = _watchdog_behind(symptoms) if root.fault_class == "hang" else None
         if behind:
@@ -189,10 +195,19 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
             ranks, nodes, gpus = [], [], []
             notes.append("the reporters of a connection reset are its victims: culprit unknown")
     elif symptoms:
-        victims = sorted({r for s in symptoms for r in s.culprit.ranks} - set(ranks))
+        hit = sorted({r for s in symptoms for r in s.culprit.ranks} - set(ranks))
+        demoted = [a for a, v in zip(ordered_a, is_victim) if v and not a.symptom]
         notes.append(f"{len(symptoms)} symptom(s) folded into the root cause"
-                     + (f"; ranks {victims} were victims of the cascade" if victims else ""))
-        score += 0.05
+                     + (f"; ranks {hit} were victims of the cascade" if hit else ""))
+        if demoted:
+            notes.append(f"{len(demoted)} error(s) reported by peers after the death "
+                         f"({', '.join(sorted({a.fault_class for a in demoted}))}) are its "
+                         f"symptoms, whatever their class")
+    others = [a for a in roots if a is not root and a.fault_class != root.fault_class
+              and not ev.related(a, root)]
+    if others:
+        notes.append("a later fault elsewhere, not explained by the first: " + "; ".join(
+            f"{a.fault_class} on {_who(a)}" for a in others[:3]))
 
     # application XIDs recurring on one GPU across processes -> suspect hardware
     if root.kind == "gpu_fault" or any(a.kind == "gpu_fault" for a in roots):
@@ -201,7 +216,6 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                 fault_class, layer = FaultClass.GPU_XID.value, Layer.HARDWARE.value
                 gpus = gpus if g in gpus else gpus + [g]
                 facts["suspect_gpu"] = g
-                score = max(score, 0.75)
                 notes.append(f"application XIDs {APP_XIDS} on GPU {g} from {len(pids)} "
                              f"different processes: the GPU, not the program, is suspect")
                 break
@@ -216,7 +230,6 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                 facts["repeat_offender"] = [n]
                 if layer in (Layer.UNKNOWN, Layer.APPLICATION):
                     layer = Layer.HARDWARE.value
-                score = max(score, 0.8)
                 notes.append(f"node {n} had faults in {len(jobs)} different jobs "
                              f"({', '.join(sorted(jobs)[:5])}): a node fault")
                 break
@@ -227,37 +240,47 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
         if len(sig_nodes) >= cfg.app_repeat_nodes:
             layer = Layer.APPLICATION.value
             facts["systematic"] = sorted(sig_nodes)
-            score = max(score, 0.8)
+            facts["systematic_error"] = first_error_line(root.evidence[0]) if root.evidence \
+                else sig
             notes.append(f"the same failure happened on {len(sig_nodes)} different "
                          f"nodes of this job ({', '.join(sorted(sig_nodes)[:5])}): "
                          f"an application fault, a restart would repeat it")
 
     evidence: list[str] = []
-    for a in ordered_a:
-        who = (f"rank {','.join(map(str, a.culprit.ranks))}" if a.culprit.ranks
-               else f"node {','.join(a.culprit.nodes)}" if a.culprit.nodes else "job")
-        tag = "symptom" if a.symptom else "root" if a is root else "fault"
+    for a, vic in zip(ordered_a, is_victim):
+        tag = ("symptom" if a.symptom or vic else "root" if a is root else "fault")
         for line in a.evidence[:3]:
-            evidence.append(f"[{tag} {a.kind} {who}] {line}")
+            evidence.append(f"[{tag} {a.kind} {_who(a)}] {line}")
     if len(evidence) > cfg.max_evidence:
         evidence = evidence[:cfg.max_evidence - 1] + [f"… {len(evidence) - cfg.max_evidence + 1}"
                                                       f" more lines"]
-    score = max(0.05, min(0.99, score))
+    sources = ev.agreeing_sources(root, supporting, facts)
+    score = ev.score_of(len(sources), symptom_only)
     first_ts = min((a.first_ts or a.ts) for a in ordered_a)
     gens = [a.generation for a in ordered_a if a.generation is not None]
     detail = {"root_kind": root.kind, "root_anomaly": root.event_id,
               "pattern": root.detail.get("pattern") or root.detail.get("rule"),
-              "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only, **facts}
-    for k in ("xid", "signal", "step", "seq", "op"):
+              "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only,
+              "sources": sources, **facts}
+    victims = sorted({r for a, v in zip(ordered_a, is_victim) if v for r in a.culprit.ranks}
+                     - set(ranks))
+    if victims:
+        detail["victims"] = victims
+    for k in ("xid", "signal", "step", "seq", "op", "in_compute", "blocked"):
         if root.detail.get(k) is not None:
             detail[k] = root.detail[k]
     return VerdictSpec(
         fault_class=fault_class, layer=layer, ranks=sorted(set(ranks)),
-        nodes=nodes, gpus=gpus, confidence=_confidence(score), score=score, evidence=evidence,
+        nodes=nodes, gpus=gpus, confidence=ev.confidence(score), score=score, evidence=evidence,
         anomaly_ids=[a.event_id for a in ordered_a], first_ts=first_ts,
         generation=root.generation if root.generation is not None else (max(gens) if gens
                                                                         else None),
         detail=detail, signature=sig)
+
+
+def _who(a: Anomaly) -> str:
+    return (f"rank {','.join(map(str, a.culprit.ranks))}" if a.culprit.ranks
+            else f"node {','.join(a.culprit.nodes)}" if a.culprit.nodes else "job")
 
 
 def _program(fault_class: str) -> bool:

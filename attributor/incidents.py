@@ -8,7 +8,13 @@ clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
   the newest generation seen for its job.
 * A root-cause anomaly (``symptom=False``) is attributed at once. A symptom is held for
   ``symptom_hold_s`` waiting for a root cause; when one comes the symptom is folded into its
-  verdict, otherwise a ``Tick`` past the hold attributes the held symptoms on their own.
+  verdict, otherwise a ``Tick`` past the hold attributes the held symptoms on their own. A peer
+  report (``evidence.is_peer_report``: a connection reset, an IB/NCCL completion error, a
+  timeout, a c10d store error) is held the same way while the incident has no root-cause
+  verdict yet, even when its row is a root cause: the death it may be a symptom of can reach
+  the bus after it (an exit seen by another host's launcher, a node found lost after seconds of
+  silence), and a verdict published first would blame the survivor. A real network fault is
+  attributed when the hold ends, ``symptom_hold_s`` later.
 * Attribution first reads the cross-job history: ``Call("state", "node_history", (node,
   since_ns))`` for each culprit node, then ``Call("state", "signature_history", (signature,
   since_ns))`` for the root's signature, one after the other; the last reply completes the
@@ -38,6 +44,7 @@ from trainguard.schemas import subjects
 
 from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,
                      history_from_records, signature)
+from .evidence import is_peer_report
 
 Key = tuple[str, int]  # (job, generation)
 
@@ -113,7 +120,7 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
     if inc is None or now - inc.started > ac.incident_window_s:
         inc = Incident(job, gen, now)
     inc = replace(inc, anomalies=inc.anomalies + (ev,))
-    if ev.symptom:
+    if ev.symptom or (is_peer_report(ev) and not inc.settled):
         # a flag (a warning, e.g. a straggler) does not settle an incident: symptoms that
         # follow still wait for their root cause
         if not inc.settled and inc.hold_until is None:
@@ -150,14 +157,14 @@ def _attribute(state: AttributorState, key: Key, wall_ns: int
     seq = state.seq + 1
     r = Reading(key, nodes, {}, since, wall_ns)
     state = replace(state, seq=seq, reading={**state.reading, seq: r})
-    return state, [_next_read(r, seq, inc)]
+    return state, [_next_read(r, seq, inc, state.config)]
 
 
-def _next_read(r: Reading, seq: int, inc: Incident) -> Call:
+def _next_read(r: Reading, seq: int, inc: Incident, config: AttributorConfig) -> Call:
     if r.nodes:
         return store("node_history", r.nodes[0], r.since_ns, reply=("node_history", seq,
                                                                       r.nodes[0]))
-    root = choose_root(list(inc.anomalies))
+    root = choose_root(list(inc.anomalies), config)
     return store("signature_history", signature(root), r.since_ns,
                  reply=("signature_history", seq))
 
@@ -173,7 +180,7 @@ def _on_node_history(state: AttributorState, inp: Reply, now: float
         return _complete(state, seq, [], [_no_history(inp.error)])
     r = replace(r, nodes=r.nodes[1:], records={**r.records, node: list(inp.value or [])})
     state = replace(state, reading={**state.reading, seq: r})
-    return state, [_next_read(r, seq, inc)]
+    return state, [_next_read(r, seq, inc, state.config)]
 
 
 def _on_signature_history(state: AttributorState, inp: Reply, now: float
@@ -210,7 +217,7 @@ def _complete(state: AttributorState, seq: int, pairs: list, effects: list[Effec
     spec = decide(anomalies, hist, state.config)
     if inc.concluded is not None and conclusion(spec) == inc.concluded:
         return state, effects  # folded into the verdict already published
-    root = choose_root(anomalies)
+    root = choose_root(anomalies, state.config)
     verdict = _verdict(inc, spec, root, r.wall_ns)
     inc2 = replace(inc, concluded=conclusion(spec), settled=inc.settled or root.severity == "error",
                    hold_until=None, verdicts=inc.verdicts + 1)
