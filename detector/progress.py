@@ -21,10 +21,12 @@ from .core import DetectorConfig, Finding
 
 class RankState:
     """Last heartbeat facts of one rank. Times: ``last_hb``/``last_advance`` monotonic seconds
-    of this process. ``times`` is a ring of the last step times (float32 seconds)."""
+    of this process. ``times`` is a ring of the last step times (float32 seconds). ``seq``:
+    collectives (or steps) entered; ``done``: collectives completed, None when the sender does
+    not count them."""
 
-    __slots__ = ("rank", "node", "local_rank", "generation", "step", "seq", "phase", "last_hb",
-                 "last_advance", "times", "n_times", "exited", "interval")
+    __slots__ = ("rank", "node", "local_rank", "generation", "step", "seq", "done", "phase",
+                 "last_hb", "last_advance", "times", "n_times", "exited", "interval")
 
     def __init__(self, rank: int, ring: int = 16):
         self.rank = rank
@@ -33,6 +35,7 @@ class RankState:
         self.generation = 0
         self.step = -1
         self.seq = 0
+        self.done: int | None = None
         self.phase = "startup"
         self.last_hb = 0.0
         self.last_advance = 0.0
@@ -87,13 +90,15 @@ class JobState:
 def observe_heartbeat(job: JobState, rank: int, node: str | None, local_rank: int,
                       generation: int, step: int, seq: int, phase: str,
                       step_time_s: float | None, now: float, cfg: DetectorConfig,
-                      interval: float = 0.1, compute_s: float | None = None) -> RankState:
+                      interval: float = 0.1, compute_s: float | None = None,
+                      completed: int | None = None) -> RankState:
     """Fold one rank heartbeat into ``job``; returns the rank's state.
 
     The job's ring (learned hang timeout) takes the step wall time; the rank's ring (straggler
     score) takes ``compute_s`` when the shim measured it — in synchronous data parallelism every
     rank's wall time equals the slowest rank's, and only the time before the first collective
-    tells the straggler — else the wall time."""
+    tells the straggler — else the wall time. ``completed``: collectives completed (the hooks
+    of an unmodified script count them; None otherwise); a completion is progress too."""
     rs = job.ranks.get(rank)
     if rs is None:
         rs = job.ranks[rank] = RankState(rank, cfg.rank_ring)
@@ -108,7 +113,7 @@ def observe_heartbeat(job: JobState, rank: int, node: str | None, local_rank: in
         # a new process-group generation restarts from a checkpoint: steps may go back
         rs.generation = generation
         rs.last_advance = now
-        rs.step, rs.seq = -1, 0
+        rs.step, rs.seq, rs.done = -1, 0, None
     if node:
         rs.node = node
     rs.local_rank = local_rank
@@ -124,10 +129,12 @@ def observe_heartbeat(job: JobState, rank: int, node: str | None, local_rank: in
         t = compute_s if compute_s is not None and compute_s > 0 else step_time_s
         if t is not None and t > 0:
             rs.add_time(t)
-    elif seq > rs.seq:
+    elif seq > rs.seq or (completed is not None and rs.done is not None
+                          and completed > rs.done):
         rs.last_advance = now
     rs.step = step
     rs.seq = seq
+    rs.done = completed
     if step > job.max_step:
         job.max_step = step
     return rs
@@ -228,7 +235,13 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
                jc: JobRecord | None = None) -> list[Finding]:
     """Hang (b): every live rank still beats but none advanced for longer than the phase
     timeout. The culprit is the rank behind (lowest ``(step, collective_seq)``): the others
-    entered the next collective and wait for it. When all are level, no rank is singled out."""
+    entered the next collective and wait for it. When all are level, no rank is singled out.
+
+    With collective counts (``RankState.done``, from the hooks of an unmodified script) the
+    evidence says where each rank is: ``detail["in_compute"]`` — ranks that completed every
+    collective they entered (busy in their own step: the rank behind is one of them),
+    ``detail["blocked"]`` — ranks inside a collective (more entered than completed), waiting for
+    the rank behind; they are never culprits."""
     silence = (jc.hang_timeout_s if jc else None) or cfg.silence_timeout_s
     live = [rs for rs in job.ranks.values()
             if not rs.exited and rs.phase != "done" and rs.last_hb > 0.0
@@ -246,14 +259,24 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
     gen = max(rs.generation for rs in live)
     ranks = [] if level and len(live) > 1 else behind
     nodes = sorted({rs.node for rs in live if rs.rank in ranks and rs.node})
+    counted = [rs for rs in live if rs.done is not None]
+    in_compute = sorted(rs.rank for rs in counted if rs.seq <= rs.done)
+    blocked = sorted(rs.rank for rs in counted if rs.seq > rs.done)
+    where = ""
+    if counted:
+        where = (f"; in compute (every collective entered completed): {in_compute}, inside a "
+                 f"collective waiting: {blocked}")
     ev = [f"no rank advanced for {stalled:.2f} s (timeout {timeout:.2f} s); "
           + (f"ranks {behind} are behind at step {low[0]} / collective {low[1]}, the others "
              f"wait for them in the next collective" if not level or len(live) == 1
-             else f"all {len(live)} ranks level at step {low[0]} / collective {low[1]}")]
-    return [Finding("hang", "hang", ranks=ranks, nodes=nodes, evidence=ev,
-                    detail={"rule": "no_progress", "stalled_s": round(stalled, 3),
-                            "timeout_s": timeout, "step": low[0], "collective_seq": low[1],
-                            "layer": "unknown", "weight": 0.6 if level else 0.8},
+             else f"all {len(live)} ranks level at step {low[0]} / collective {low[1]}")
+          + where]
+    detail = {"rule": "no_progress", "stalled_s": round(stalled, 3), "timeout_s": timeout,
+              "step": low[0], "collective_seq": low[1], "layer": "unknown",
+              "weight": 0.6 if level else 0.8}
+    if counted:
+        detail.update(in_compute=in_compute, blocked=blocked)
+    return [Finding("hang", "hang", ranks=ranks, nodes=nodes, evidence=ev, detail=detail,
                     generation=gen)]
 
 

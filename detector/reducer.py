@@ -217,7 +217,7 @@ def _on_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effec
     js = state.jobs.get(job) or _job(state, job, now)
     observe_heartbeat(js, rank, ev.node, ev.local_rank, ev.generation, ev.step,
                       ev.collective_seq, ev.phase, ev.step_time_s, now, state.config.rules,
-                      ev.interval_s, ev.compute_s)
+                      ev.interval_s, ev.compute_s, ev.collectives_completed)
     if ev.loss is None or math.isfinite(ev.loss):
         return []
     out: list[Effect] = []

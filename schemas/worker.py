@@ -18,7 +18,12 @@ class RankHeartbeat(Event):
     * ``progress_ts`` — Unix ns when ``step`` last advanced;
     * ``phase`` — one of ``PHASES``;
     * ``generation`` — restart generation of the process group the rank is in;
-    * ``collective_seq`` — number of training steps whose collectives were entered;
+    * ``collective_seq`` — under ``trainguard.run``: number of training steps whose collectives
+      were entered; under the hooks of an unmodified script (``trainguard.hooks``): number of
+      collectives entered (the script's ``torch.distributed`` calls and DDP's gradient buckets);
+    * ``collectives_completed`` — how many of those collectives completed (the hooks only; None
+      from the shim and from older senders): a rank with ``collective_seq`` above it waits
+      inside a collective, a rank level with it computes;
     * ``compute_s`` — seconds of the last step spent before its first gradient collective (set
       when the model is wrapped with ``ctx.ddp``). In synchronous data parallelism every rank's
       step wall time is the same (all wait in the allreduce), so this is what tells the
@@ -36,6 +41,7 @@ class RankHeartbeat(Event):
     progress_ts: int = 0
     phase: str = "train"
     collective_seq: int = 0
+    collectives_completed: int | None = None
     compute_s: float | None = None
     interval_s: float = 0.1
 

@@ -99,6 +99,42 @@ def test_stall_names_the_rank_behind():
     assert len(f) == 1 and f[0].ranks == [1] and f[0].detail["collective_seq"] == 19
 
 
+@pytest.mark.parametrize("counts,culprit,in_compute,blocked", [
+    # rank 1 busy in its step (entered = completed), rank 0 inside the allreduce waiting
+    ({0: (41, 40), 1: (40, 40)}, [1], [1], [0]),
+    # both inside the same collective: a collective that never completes, nobody singled out
+    ({0: (41, 40), 1: (41, 40)}, [], [], [0, 1]),
+    # a rank still in an earlier collective is the one behind, and it is not in compute
+    ({0: (42, 41), 1: (41, 40), 2: (42, 41)}, [1], [], [0, 1, 2]),
+])
+def test_stall_with_collective_counts_names_the_rank_behind_not_the_blocked(
+        counts, culprit, in_compute, blocked):
+    """The hooks of an unmodified script report collectives entered (``collective_seq``) and
+    completed: at the same step, the rank with fewer entered is behind; the ranks with more
+    entered than completed wait inside a collective."""
+    js = JobState("j")
+    jc = JobRecord(hang_timeout_s=2.0)
+    for k in range(40):
+        for r, (seq, done) in counts.items():
+            rules.observe_heartbeat(js, r, "n0", r, 0, 7, seq, "train", 0.2, 0.1 * k, CFG,
+                                    completed=done)
+    assert rules.stall_rule(js, 1.9, CFG, jc) == []  # still within the timeout
+    [f] = rules.stall_rule(js, 2.2, CFG, jc)
+    assert f.ranks == culprit and f.fault_class == "hang"
+    assert (f.detail["in_compute"], f.detail["blocked"]) == (in_compute, blocked)
+    assert "inside a collective waiting" in f.evidence[0]
+
+
+def test_a_completed_collective_is_progress():
+    js = JobState("j")
+    jc = JobRecord(hang_timeout_s=2.0)
+    for k in range(30):  # rank 0 waits in a long collective that completes at 2.0 s
+        done = 40 if k < 20 else 41
+        rules.observe_heartbeat(js, 0, "n0", 0, 0, 7, 41, "train", 0.2, 0.1 * k, CFG,
+                                completed=done)
+    assert rules.stall_rule(js, 3.0, CFG, jc) == []
+
+
 def test_learned_timeout_clamps_and_phase_allowances():
     js = JobState("j")
     assert rules.learned_step_timeout(js, CFG) == CFG.unlearned_timeout_s

@@ -10,6 +10,8 @@ process trained which epoch when), the launchers' exit codes, and the decision o
 * 2 nodes × 2 ranks, action mode: SIGKILL of one rank → the whole group restarts from warm
   spares and resumes from the script's snapshot, on every rank, and finishes;
 * 1 node × 2 ranks: an exception in a rank; a hang (SIGSTOP) of a rank, named by the decision;
+  a rank that busy-loops inside its step (it runs and beats; its peer waits in the gradient
+  allreduce): named from the collective counts, the waiting rank not;
 * a script that fails at import is stopped as a loop after two tries;
 * torchrun's own command line, only the program name changed, with no stack configured (the
   launcher starts its own), SIGKILL of a rank → the group restarts as under torchrun; and the
@@ -286,6 +288,39 @@ def test_hang_is_named_and_the_group_restarts(stack, tmp_path, runs):
     assert ds[0]["action"] == "restart_workers" and ds[0]["ranks"] == [victim], ds[0]
     # detected after the hang timeout, not at the gloo timeout (30 min)
     assert min(f["t_ns"] for f in first.values()) - t_fault < 60e9
+
+
+def test_a_busy_rank_is_named_from_its_collective_counts(stack, tmp_path, runs):
+    """Rank 1 spins inside its step (not SIGSTOP: it keeps beating); rank 0 enters the
+    gradient allreduce and waits. The stall rule names rank 1 from the counts the hooks report
+    (rank 1: every collective it entered completed; rank 0: one more entered than completed),
+    and only rank 1 is named by the decision. About 25 s on the 2-core machine."""
+    marker = tmp_path / "busy"
+    run = Run(tmp_path, _job("busy"), epochs=FAULT_EPOCH + 4,
+              extra=("--busy-marker", str(marker), "--busy-rank", "1",
+                     "--busy-epoch", str(FAULT_EPOCH + 1)))
+    runs.append(run)
+    node0 = run.launch(stack, ["--nproc-per-node", "2", "--mode", "action", "--node", "node0",
+                               "--hang-timeout", "2"])
+    t0 = time.monotonic()
+    run.wait_epoch(2, FAULT_EPOCH, 150)
+    t_fault = time.time_ns()
+    t1 = time.monotonic()
+    marker.touch()
+    rc = node0.wait(120)
+    print(f"busy test: start-up {t1 - t0:.1f} s, fault to the end {time.monotonic() - t1:.1f} s")
+    assert rc == 0, run.tails()
+    assert not marker.exists(), "the busy rank never reached its loop"
+    ds = [d for d in decisions(stack, run.job) if d["execute"]]
+    assert ds, "no executed decision\n" + run.tails()
+    assert ds[0]["action"] == "restart_workers" and ds[0]["ranks"] == [1], ds[0]
+    [v] = [v for v in events(stack, run.job, "verdict") if v["fault_class"] == "hang"][:1]
+    assert v["culprit"]["ranks"] == [1], v
+    assert v["detail"]["in_compute"] == [1] and v["detail"]["blocked"] == [0], v["detail"]
+    ranks = run.by_rank()
+    assert all(rs[-1]["epoch"] == FAULT_EPOCH + 3 for rs in ranks.values()), run.tails()
+    assert min(r["t_ns"] for rs in ranks.values() for r in rs if r["t_ns"] > t_fault) - t_fault \
+        < 60e9
 
 
 def test_a_script_that_fails_at_import_is_stopped_as_a_loop(stack, tmp_path, runs):

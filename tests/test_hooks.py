@@ -30,6 +30,18 @@ opt = torch.optim.SGD(net.parameters(), lr=0.1)
 for _ in range(3):
     opt.zero_grad(); net(torch.ones(2, 4)).sum().backward(); opt.step()
 time.sleep(0.5)
+dist.all_reduce(torch.ones(1))                        # the script's own collectives count
+dist.all_reduce(torch.ones(1), async_op=True).wait()
+net2 = DDP(torch.nn.Linear(4, 1))                     # a comm hook of the script's own
+seen = []
+def my_hook(state, bucket):
+    seen.append(state)
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+net2.register_comm_hook("mine", my_hook)
+net2(torch.ones(2, 4)).sum().backward()
+assert seen == ["mine"], seen
+time.sleep(0.5)
 hooks.expect_framework_steps()                        # a framework callback's setup
 opt.zero_grad(); net(torch.ones(2, 4)).sum().backward(); opt.step()
 time.sleep(0.5)
@@ -81,11 +93,15 @@ def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
     assert all(h.phase == "startup" for h in hbs if h.step == -1)  # before the first step
     assert 2 in steps and 100 in steps          # optimizer-hook count, then the framework's
     at2 = next(h for h in hbs if h.step == 2)
-    assert at2.phase == "train" and at2.collective_seq == 6  # 3 DDP forwards + 3 steps
+    # collectives entered and completed: one gradient bucket per step
+    assert at2.phase == "train" and (at2.collective_seq, at2.collectives_completed) == (3, 3)
     assert at2.compute_s is not None and at2.compute_s >= 0
+    # + a sync and an async all_reduce, + the script's own comm hook's all_reduce
+    at_step2 = {(h.collective_seq, h.collectives_completed) for h in hbs if h.step == 2}
+    assert (6, 6) in at_step2 and max(at_step2) == (7, 7), at_step2
     assert next(h for h in hbs if h.step == 100).loss == 0.25
     # once a framework reports steps, an optimizer step only advances the collective count
-    assert max(h.collective_seq for h in hbs if h.step == 2) == 8
+    assert max(h.collective_seq for h in hbs if h.step == 2) == 7
     assert 3 not in steps
     resumed = [e for e in got if isinstance(e, schemas.TrainingResumed)]
     assert len(resumed) == 1 and resumed[0].resumed_step == 0

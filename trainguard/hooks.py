@@ -8,11 +8,18 @@ The warm spare that becomes a rank calls ``install()`` before it runs the script
   a restarted group never reads the addresses of the attempt that died (torchrun's shared store
   does, pytorch/pytorch#135712; findings), and two jobs on one store never meet.
 * **Progress without code changes.** A global optimizer step hook counts steps and times them;
-  each ``DistributedDataParallel`` forward and each optimizer step advances ``collective_seq``
-  (a hung rank is the one whose count is behind) and the time from the end of the last step to
-  the end of the forward is ``compute_s`` (the straggler signal). A heartbeat thread publishes
-  them (``rank.heartbeat``) every ``TG_HEARTBEAT_INTERVAL_S`` (0.1 s). Frameworks report their
-  own global step and loss through ``report`` (``trainguard.integrations``).
+  the time from the end of the last step to the end of a ``DistributedDataParallel`` forward is
+  ``compute_s`` (the straggler signal). A heartbeat thread publishes them (``rank.heartbeat``)
+  every ``TG_HEARTBEAT_INTERVAL_S`` (0.1 s). Frameworks report their own global step and loss
+  through ``report`` (``trainguard.integrations``).
+* **Collectives entered and completed.** Every collective the script calls through
+  ``torch.distributed`` (``all_reduce``, ``broadcast``, ``barrier``, … ``COUNTED``) and every
+  gradient bucket DDP reduces (a communication hook that does what DDP's built-in allreduce
+  does; a hook the script registers itself is called from it) counts as entered when it starts
+  and as completed when it returns or its future completes: ``collective_seq`` and
+  ``collectives_completed`` in the heartbeat. The detector names the rank behind (fewest
+  entered) of a stalled job; ranks with more entered than completed wait inside a collective
+  for it and are not culprits. Cost: ``bench/collective_counting.py``.
 * **The fault first.** An exception that ends the script is published (``log.line``
   stream=exception, or stderr for a collective error caused by a peer) before the process exits.
 * **Resumed.** The first step after a group restart publishes ``recovery.resumed``.
@@ -125,6 +132,8 @@ def install() -> None:
         DDP.__init__ = _wrap_ddp_init(DDP.__init__)
         DDP._tg_hooked = True
     rt.hook_handle = register_step_post_hook(_on_optimizer_step)
+    rt.p.collectives_completed = 0
+    _count_collectives()
     rt.start()
 
 
@@ -190,12 +199,6 @@ def _wrap_ddp_init(init):
     import torch
 
     @torch.compiler.disable
-    def _pre(module, inputs):
-        rt = _RT
-        if rt is not None:
-            rt.p.collective_seq += 1
-
-    @torch.compiler.disable
     def _post(module, inputs, output):
         rt = _RT
         if rt is not None and rt.p._last_mono:
@@ -203,11 +206,140 @@ def _wrap_ddp_init(init):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self.register_forward_pre_hook(_pre)
         self.register_forward_hook(_post)
+        _install_bucket_hook(self)
 
     __init__.__wrapped__ = init  # type: ignore[attr-defined]
     return __init__
+
+
+# ---- collectives entered and completed -------------------------------------------------------
+#: The collectives of ``torch.distributed`` whose calls are counted (the script's own calls;
+#: torch's internal ones, e.g. DDP's start-up broadcast, run the same way on every rank).
+COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+           "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
+           "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+           "scatter", "scatter_object_list", "monitored_barrier")
+_ORIGINAL: dict[str, Any] = {}  # name -> torch.distributed's own function
+
+
+def _completed(_fut: Any = None) -> None:
+    rt = _RT
+    if rt is not None:
+        rt.p.collectives_completed += 1
+
+
+def _counted(name: str, fn: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        rt = _RT
+        if rt is None:
+            return fn(*args, **kwargs)
+        rt.p.collective_seq += 1
+        work = None
+        try:
+            work = fn(*args, **kwargs)
+            return work
+        finally:
+            fut = None
+            if work is not None and hasattr(work, "get_future"):
+                try:
+                    fut = work.get_future()
+                except RuntimeError:  # a backend without futures: count it done now
+                    fut = None
+            if fut is None:
+                _completed()
+            else:
+                fut.add_done_callback(_completed)
+
+    counted.__name__ = counted.__qualname__ = name
+    counted.__wrapped__ = fn  # type: ignore[attr-defined]
+    counted.__doc__ = fn.__doc__
+    return counted
+
+
+def _count_collectives() -> None:
+    """Wrap ``COUNTED`` in the ``torch.distributed`` namespace (once per process)."""
+    import torch.distributed as dist
+
+    for name in COUNTED:
+        fn = getattr(dist, name, None)
+        if fn is None or name in _ORIGINAL:
+            continue
+        _ORIGINAL[name] = fn
+        setattr(dist, name, _counted(name, fn))
+
+
+class _BucketHook:
+    """State of the communication hook of one DDP module: its process group and the hook the
+    script registered itself (None: DDP's own allreduce)."""
+
+    __slots__ = ("pg", "user")
+
+    def __init__(self, pg: Any):
+        self.pg = pg
+        self.user: tuple[Any, Any] | None = None
+
+
+def _bucket_hook(state: _BucketHook, bucket):
+    """DDP's built-in gradient allreduce (average: divide by the world, sum), counted; or the
+    script's own hook, whose collectives the ``torch.distributed`` wrappers count."""
+    if state.user is not None:
+        return state.user[1](state.user[0], bucket)
+    import torch.distributed as dist
+
+    pg = state.pg if state.pg is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.div_(pg.size())
+    rt = _RT
+    if rt is not None:
+        rt.p.collective_seq += 1
+    fut = _ORIGINAL.get("all_reduce", dist.all_reduce)(tensor, group=pg,
+                                                       async_op=True).get_future()
+
+    def done(f):
+        _completed()
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def _install_bucket_hook(ddp: Any) -> None:
+    """Register the counting hook on ``ddp``; ``register_comm_hook`` and the built-in hooks the
+    script registers afterwards are called from it (DDP allows one hook per module)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    import torch.distributed as dist
+
+    from torch.nn.parallel import DistributedDataParallel as cls
+
+    if not getattr(cls, "_tg_comm_hooked", False):
+        register, builtin = cls.register_comm_hook, cls._register_builtin_comm_hook
+
+        def register_comm_hook(self, state, hook):
+            st = getattr(self, "_tg_bucket_hook", None)
+            if st is None or st.user is not None:
+                return register(self, state, hook)  # not ours, or a second hook: DDP decides
+            self._check_comm_hook(hook)
+            st.user = (state, hook)
+
+        def _register_builtin_comm_hook(self, comm_hook_type):
+            st = getattr(self, "_tg_bucket_hook", None)
+            by_type = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                       dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+            if st is None or st.user is not None or comm_hook_type not in by_type:
+                return builtin(self, comm_hook_type)
+            st.user = (st.pg, by_type[comm_hook_type])
+
+        register_comm_hook.__doc__ = register.__doc__
+        cls.register_comm_hook = register_comm_hook
+        cls._register_builtin_comm_hook = _register_builtin_comm_hook
+        cls._tg_comm_hooked = True
+        cls._tg_register_comm_hook = register
+    st = _BucketHook(getattr(ddp, "process_group", None))
+    try:
+        cls._tg_register_comm_hook(ddp, st, _bucket_hook)
+    except (RuntimeError, ValueError, AttributeError):
+        return  # a DDP variant without comm hooks: its buckets go uncounted
+    ddp._tg_bucket_hook = st
 
 
 from .worker import _Runtime  # noqa: E402 - after the public API: the shim imports this module
@@ -237,7 +369,6 @@ class _PlainRuntime(_Runtime):
             self.framework_steps = True
         else:
             self.opt_steps += 1
-            p.collective_seq += 1
             if self.framework_steps:
                 return  # the framework's own step count is the one reported
             step = self.opt_steps - 1

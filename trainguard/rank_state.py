@@ -97,7 +97,7 @@ class _Progress:
     assignment atomic)."""
 
     __slots__ = ("step", "loss", "step_time_s", "progress_ts", "phase", "collective_seq",
-                 "compute_s", "arrived", "_last_mono")
+                 "collectives_completed", "compute_s", "arrived", "_last_mono")
 
     def __init__(self) -> None:
         self.step = -1
@@ -106,6 +106,7 @@ class _Progress:
         self.progress_ts = 0
         self.phase = "startup"
         self.collective_seq = 0
+        self.collectives_completed: int | None = None  # counted by trainguard.hooks only
         self.compute_s: float | None = None
         self.arrived = False
         self._last_mono = 0.0

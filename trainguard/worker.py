@@ -96,7 +96,8 @@ class _Runtime:
                 **self._ids(), local_rank=self.cfg.local_rank, world_size=self.cfg.world_size,
                 generation=self.cfg.generation, pid=os.getpid(), step=p.step, loss=p.loss,
                 step_time_s=p.step_time_s, progress_ts=p.progress_ts, phase=p.phase,
-                collective_seq=p.collective_seq, compute_s=p.compute_s,
+                collective_seq=p.collective_seq,
+                collectives_completed=p.collectives_completed, compute_s=p.compute_s,
                 interval_s=self.cfg.heartbeat_interval_s))
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
