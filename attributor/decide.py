@@ -261,7 +261,7 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     detail = {"root_kind": root.kind, "root_anomaly": root.event_id,
               "pattern": root.detail.get("pattern") or root.detail.get("rule"),
               "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only,
-              "sources": sources, **facts}
+              "sources": sources, "severity": root.severity, **facts}
     victims = sorted({r for a, v in zip(ordered_a, is_victim) if v for r in a.culprit.ranks}
                      - set(ranks))
     if victims:

@@ -15,8 +15,10 @@
   GPU the crashed rank ran on, the OOM kill of the killed rank). An unrelated later fault is a
   second fault, folded as evidence, not the root.
 * ``sources`` / ``confidence`` — how many independent sources agree with the verdict (see
-  ``SOURCES``); the confidence is a function of that count alone (``SCORES``), never of the
-  detector's per-rule weights.
+  ``SOURCES``); the confidence is a function of that count alone (``SCORES``: none — only a
+  guess or symptoms — low, one medium, two or more high), not of the detector's per-rule
+  weights (one exception: a row that infers its class, weight below ``GUESS_BELOW``, counts as
+  no source).
 
 Sources of the timing numbers: gloo's ring neighbours raise 20–35 ms after a SIGKILL
 (``shared/findings.md``); NCCL's watchdog and gloo's timeout raise at the collective timeout
@@ -60,6 +62,8 @@ DEFAULT_SOURCE = "telemetry"
 #: Score by the number of independent sources that agree: one source is a single observation
 #: (medium), two that agree are corroborated (high). Symptoms alone (no root seen) are low.
 SCORES = {0: 0.3, 1: 0.6, 2: 0.8, 3: 0.9}
+#: A row weight below this marks a class the row infers rather than observes (``is_guess``).
+GUESS_BELOW = 0.5
 SYMPTOM_ONLY_SCORES = {0: 0.25, 1: 0.35, 2: 0.45}
 
 
@@ -178,16 +182,27 @@ def source(a: Anomaly) -> str:
     return DEFAULT_SOURCE
 
 
+def is_guess(a: Anomaly) -> bool:
+    """True when the anomaly's class is an inference, not an observation: a row whose weight is
+    below ``GUESS_BELOW`` (e.g. a SIGKILL read as an OOM kill: an operator can send one too)."""
+    try:
+        return float(a.detail.get("weight", 0.6)) < GUESS_BELOW
+    except (TypeError, ValueError):
+        return False
+
+
 def agreeing_sources(root: Anomaly, supporting: Iterable[Anomaly], facts: dict) -> list[str]:
-    """The sources that agree with a verdict: the root's, those of the anomalies that support
-    it (explained by it or explaining it on the same rank or node, the same fault elsewhere,
-    its victims' reports as ``peer_log``), and ``history`` when a cross-job or cross-node fact
-    was found (``repeat_offender``, ``systematic``, ``suspect_gpu``)."""
-    out = {source(root)}
-    for a in supporting:
-        s = source(a)
-        out.add("peer_log" if s == "log" and (a.symptom or is_peer_report(a))
-                and a.culprit.ranks != root.culprit.ranks else s)
+    """The independent sources that agree with a verdict: the root's and those of the
+    anomalies that support it (the same fault elsewhere, or a fault of the same rank or node
+    the root explains or is explained by), and ``history`` when a cross-job or cross-node fact
+    was found (``repeat_offender``, ``systematic``, ``suspect_gpu``). Peers' reports and other
+    symptoms are not counted (they show that something died, not what), nor anomalies whose
+    class is a guess (``is_guess``)."""
+    out = set()
+    for a in (root, *supporting):
+        if a.symptom or is_peer_report(a) or is_guess(a):
+            continue
+        out.add(source(a))
     if any(facts.get(k) for k in ("repeat_offender", "systematic", "suspect_gpu")):
         out.add("history")
     return sorted(out)

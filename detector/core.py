@@ -66,6 +66,12 @@ class DetectorConfig:
 
     Thermal: ``thermal_samples`` (2) consecutive telemetry samples with a thermal clock-event
     reason.
+
+    Host and link telemetry (``detector.telemetry``): ``telemetry`` (``TelemetryConfig``).
+
+    A throughput drop names the slowest rank when its median step time (compute time where the
+    heartbeats carry it) is ``throughput_culprit_ratio`` (1.25) × the median of the others or
+    more; else no culprit.
     """
 
     silence_timeout_s: float = 5.0
@@ -93,6 +99,44 @@ class DetectorConfig:
     throughput_warmup_windows: int = 6
     node_timeout_s: float = 3.0
     thermal_samples: int = 2
+    throughput_culprit_ratio: float = 1.25
+    telemetry: "TelemetryConfig" = field(default_factory=lambda: TelemetryConfig())
+
+
+@dataclass
+class TelemetryConfig:
+    """Thresholds of the host and link rules (``detector.telemetry.RULES``). Times in seconds.
+
+    Host memory: ``mem_critical_ratio`` (0.97) of the total in use (total − available) — the
+    kernel's OOM killer runs when an allocation finds no memory to reclaim (linux
+    mm/oom_kill.c), and MemAvailable (proc(5)) is its estimate of what is left;
+    ``mem_trend_window_s`` (60) of samples fitted by least squares, flagged when the fit reaches
+    the total within ``mem_horizon_s`` (120) while ``mem_trend_floor_ratio`` (0.8) is in use
+    (a growing but small heap is no pressure). CPU: ``cpu_saturated_percent`` (95) for
+    ``cpu_samples`` (5) consecutive samples (the agent samples every second: 5 s of a host with
+    no idle CPU, which slows every rank on it — findings: oversubscribed cores stall each gloo
+    collective). Latency to a peer: TCP connect round trip ≥ ``latency_warn_s`` (0.05: a data
+    centre LAN answers in well under 1 ms) or unreachable, for ``latency_samples`` (3)
+    consecutive samples. NVLink: a rise of a replay or recovery counter above
+    ``nvlink_error_limit`` (1) between samples, or CRC errors at ``nvlink_crc_per_s`` (100) per
+    second or more; PCIe replays at ``pcie_replays_per_min`` (8) per minute or more — NVIDIA
+    DCGM's hardware limits (dcgm_gpu_hardware_limits.h: DCGM_LIMIT_MAX_LWLINK_ERROR 1,
+    DCGM_LIMIT_MAX_LWLINK_CRC_ERROR 100 per second, DCGM_LIMIT_MAX_PCIREPLAY_RATE 8 per
+    minute).
+    """
+
+    mem_critical_ratio: float = 0.97
+    mem_trend_window_s: float = 60.0
+    mem_horizon_s: float = 120.0
+    mem_trend_floor_ratio: float = 0.8
+    mem_trend_min_samples: int = 5
+    cpu_saturated_percent: float = 95.0
+    cpu_samples: int = 5
+    latency_warn_s: float = 0.05
+    latency_samples: int = 3
+    nvlink_error_limit: int = 1
+    nvlink_crc_per_s: float = 100.0
+    pcie_replays_per_min: float = 8.0
 
 
 # ---------------------------------------------------------------------------------------------

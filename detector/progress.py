@@ -366,9 +366,29 @@ def straggler_rule(job: JobState, cfg: DetectorConfig) -> list[Finding]:
     return out
 
 
+def slowest_rank(job: JobState, cfg: DetectorConfig) -> tuple[RankState, float, float] | None:
+    """The live training rank whose median recent step time (compute time where the heartbeats
+    carry it) is ``throughput_culprit_ratio`` × the median of the others' or more:
+    ``(rank state, its median, the others' median)``; None when no rank stands out."""
+    med = {}
+    for rs in job.ranks.values():
+        t = sorted(rs.recent(cfg.straggler_recent)) if not rs.exited else []
+        if t:
+            med[rs.rank] = t[len(t) // 2]
+    if len(med) < 2:
+        return None
+    worst = max(med, key=lambda r: (med[r], -r))
+    rest = sorted(v for r, v in med.items() if r != worst)
+    ref = rest[len(rest) // 2]
+    if ref <= 0 or med[worst] < cfg.throughput_culprit_ratio * ref:
+        return None
+    return job.ranks[worst], med[worst], ref
+
+
 def throughput_rule(job: JobState, now: float, cfg: DetectorConfig) -> Finding | None:
     """Job step rate over the last window against its own moving-average baseline; evaluated
-    when a window closes (call as often as you like)."""
+    when a window closes (call as often as you like). The finding names the slowest rank
+    (``slowest_rank``) when one stands out, else no culprit."""
     if job.tp_mark == 0.0:
         job.tp_mark, job.tp_step = now, job.max_step
         return None
@@ -385,10 +405,18 @@ def throughput_rule(job: JobState, now: float, cfg: DetectorConfig) -> Finding |
     finding = None
     if job.tp_windows > cfg.throughput_warmup_windows and rate < cfg.throughput_drop_ratio * base:
         gen = max((rs.generation for rs in job.ranks.values()), default=0)
+        slow = slowest_rank(job, cfg)
+        ev = [f"job {job.name} made {rate:.2f} steps/s over the last {span:.0f} s "
+              f"against its baseline of {base:.2f} steps/s"]
+        ranks, nodes = [], []
+        if slow is not None:
+            rs, mine, others = slow
+            ranks, nodes = [rs.rank], [rs.node] if rs.node else []
+            ev.append(f"slowest: rank {rs.rank} on {rs.node or '?'}, median step "
+                      f"{mine:.3f} s against {others:.3f} s for the others")
         finding = Finding(
-            "throughput_drop", "straggler", symptom=True, severity="warning",
-            evidence=[f"job {job.name} made {rate:.2f} steps/s over the last {span:.0f} s "
-                      f"against its baseline of {base:.2f} steps/s"],
+            "throughput_drop", "straggler", ranks=ranks, nodes=nodes, symptom=True,
+            severity="warning", evidence=ev,
             detail={"rate": round(rate, 4), "baseline": round(base, 4), "layer": "unknown",
                     "weight": 0.5},
             generation=gen)

@@ -14,7 +14,8 @@ What ``step`` decides, by input:
 
 * ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
   ``detector.signals``) and the one-off rules run: crash, log line, failed save, NaN loss, XID,
-  telemetry. A job first seen is read from the job record at the next tick. Event types the
+  telemetry (GPU counters, and the host and link rules of ``detector.telemetry``). A job
+  first seen is read from the job record at the next tick. Event types the
   detector does not consume produce nothing.
 * ``Tick`` — silence and node lost on every tick; stall, missing member, straggler and
   throughput every ``eval_s``; the job records re-read every ``job_refresh_s`` (one
@@ -50,6 +51,7 @@ from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_hea
                        silence_rule, stall_rule, straggler_rule, throughput_rule)
 from .signals import (NodeState, crash_rule, log_rule, node_lost_rule, observe_node_heartbeat,
                       save_failed_finding, telemetry_rule, xid_rule)
+from .telemetry import host_rules, link_rules
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
            "TOPICS"]
@@ -321,12 +323,16 @@ def _on_xid(state: DetectorState, inp: Received, now: float) -> list[Effect]:
 
 def _on_telemetry(state: DetectorState, inp: Received, now: float) -> list[Effect]:
     ev = inp.event
-    if not ev.gpus:
-        return []
     node = _node_of(inp)
+    ns, cfg = _node(state, node), state.config.rules
+    found = host_rules(ns.host, node, ev.cpu_percent, ev.mem_used_bytes, ev.mem_total_bytes,
+                       ev.net_latency_s, now, cfg, ev.ts)
+    if ev.gpus:
+        gpus = [g.model_dump() for g in ev.gpus]
+        found += telemetry_rule(ns, gpus, cfg, ev.ts) + link_rules(ns.host, node, gpus, now,
+                                                                   cfg, ev.ts)
     out: list[Effect] = []
-    for f in telemetry_rule(_node(state, node), [g.model_dump() for g in ev.gpus],
-                            state.config.rules, ev.ts):
+    for f in found:
         _emit_node(state, out, node, f, now, inp.wall_ns, ev)
     return out
 

@@ -13,6 +13,7 @@ from trainguard.xid import XidMatch, parse_xid_line, xid_info
 
 from . import patterns as pat
 from .core import DetectorConfig, Finding
+from .telemetry import HostWindow
 
 # ---------------------------------------------------------------------------------------------
 # crash
@@ -69,9 +70,10 @@ def crash_rule(rank: int | None, node: str | None, exit_code: int | None, signal
 
 
 class NodeState:
-    """Liveness and GPU counters of one node. ``last`` maps heartbeat role -> monotonic s."""
+    """Liveness and GPU counters of one node. ``last`` maps heartbeat role -> monotonic s;
+    ``host``: the recent host and link samples (``telemetry.HostWindow``)."""
 
-    __slots__ = ("name", "last", "lost", "gpu_prev", "thermal_run")
+    __slots__ = ("name", "last", "lost", "gpu_prev", "thermal_run", "host")
 
     def __init__(self, name: str):
         self.name = name
@@ -79,6 +81,7 @@ class NodeState:
         self.lost = False
         self.gpu_prev: dict[int, dict] = {}
         self.thermal_run: dict[int, int] = {}
+        self.host = HostWindow()
 
 
 def observe_node_heartbeat(ns: NodeState, role: str, now: float) -> None:

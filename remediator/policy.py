@@ -11,6 +11,10 @@ The policy is data:
   jobs, a job that fails the same way on different nodes) that call for a *stronger* action than
   the table's, taken when the verdict is confident enough.
 * ``ACTION_ALIASES`` — actions no executor carries out, mapped to one that does.
+* ``ACTING_WARNINGS`` — a verdict whose root is a warning (``detail["severity"]``: a
+  corrected-ECC count, a PCIe replay rate, host memory pressure before any kill) is flagged,
+  never acted on, unless its root is one of these kinds: a rank measured slow or a throttled
+  GPU, which a spare node may replace (their rows require a spare and a culprit).
 
 * ``ESCALATIONS`` — checks run after the table, in order; the first that fires replaces the
   action (retry budget spent, the same fault at the same step again → stop).
@@ -157,6 +161,12 @@ FACT_RULES: tuple[FactRule, ...] = (
              "repeat it (docs/design.md)"),
 )
 
+#: Root kinds whose warning verdict may act: their rows replace a measured slow rank's node or
+#: a throttled GPU's node by a spare (``requires_spare``), else flag. Every other warning —
+#: telemetry trends, corrected errors, informational XIDs — is flagged: a warning says a node
+#: is unhealthy, not that a rank failed (``detector.telemetry``).
+ACTING_WARNINGS: tuple[str, ...] = ("straggler", "throughput_drop", "thermal")
+
 #: Actions without an executor and what is done instead (no row of ``TABLE`` names them).
 ACTION_ALIASES: dict[str, str] = {
     A.RESET_GPU: A.EXCLUDE_NODE_AND_REQUEUE,  # the node is drained so the GPU can be reset
@@ -208,6 +218,7 @@ class Policy:
     watchdog_ladder: dict[str, str] = field(default_factory=lambda: dict(WATCHDOG_LADDER))
     default_mode: str = "observe"
     default_retry_budget: int = 10
+    acting_warnings: tuple[str, ...] = ACTING_WARNINGS
 
 
 DEFAULT_POLICY = Policy()
@@ -264,9 +275,20 @@ def _fact(verdict: Verdict, action: str, policy: Policy) -> tuple[str, str] | No
             continue
         found = verdict.detail[f.fact]
         found = ", ".join(map(str, found)) if isinstance(found, list) else str(found)
-        return f.action, (f"{f.fact.replace('_', ' ')} ({found}, {verdict.confidence} "
-                          f"confidence): {f.source}")
+        why = (f"{f.fact.replace('_', ' ')} ({found}, {verdict.confidence} confidence): "
+               f"{f.source}")
+        error = verdict.detail.get(f"{f.fact}_error") or _root_line(verdict)
+        return f.action, why + (f"; the error: {error}" if error else "")
     return None
+
+
+def _root_line(verdict: Verdict) -> str:
+    """The error line of the verdict's root cause: its first ``[root …]`` evidence entry
+    (evidence is in time order, so the first entry may be a symptom), else the first entry."""
+    for e in verdict.evidence:
+        if e.startswith("[root "):
+            return first_error_line(e)
+    return first_error_line(verdict.evidence[0]) if verdict.evidence else ""
 
 
 def _conf(c: str) -> int:
@@ -344,6 +366,11 @@ def table_action(verdict: Verdict, job: JobRecord,
     for ``verdict``, before the escalation checks; and the reasons, in words."""
     rule = rule_for(verdict.fault_class, verdict.layer, policy)
     action, reasons = rule.action, [f"{verdict.fault_class}/{verdict.layer}: {rule.source}"]
+    root_kind = verdict.detail.get("root_kind")
+    if (verdict.detail.get("severity") == "warning" and action != A.NONE
+            and root_kind not in policy.acting_warnings):
+        reasons.append(f"a warning ({root_kind}): flagged, no action until an error confirms it")
+        return A.NONE, reasons
     fact = _fact(verdict, action, policy) if rule.overridable else None
     if fact:
         action, why = fact
@@ -351,10 +378,15 @@ def table_action(verdict: Verdict, job: JobRecord,
     if action in policy.action_aliases:
         reasons.append(f"{action} is carried out as {policy.action_aliases[action]}")
         action = policy.action_aliases[action]
-    if action == A.EXCLUDE_NODE_AND_REQUEUE and rule.requires_spare and not _spare_left(
-            job, verdict):
-        reasons.append(f"no spare node registered: {rule.fallback} (flag only)")
-        action = rule.fallback
+    if action == A.EXCLUDE_NODE_AND_REQUEUE and rule.requires_spare:
+        # an optional replacement: only with a spare and a culprit to replace (a throughput
+        # drop with no rank standing out names none: flag it, never stop the job)
+        if not _spare_left(job, verdict):
+            reasons.append(f"no spare node registered: {rule.fallback} (flag only)")
+            action = rule.fallback
+        elif not (verdict.culprit.nodes or verdict.culprit.ranks):
+            reasons.append(f"no culprit rank or node named: {rule.fallback} (flag only)")
+            action = rule.fallback
     return action, reasons
 
 
@@ -387,7 +419,7 @@ def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], faul
             reasons.append(esc.reason.format(**facts))
             action = esc.then
             if verdict.evidence:  # the user reads why in the decision itself
-                reasons.append(f"the error: {first_error_line(verdict.evidence[0])}")
+                reasons.append(f"the error: {_root_line(verdict)}")
             break
 
     ranks = sorted(set(verdict.culprit.ranks))
