@@ -195,6 +195,31 @@ def test_throughput_drop_against_own_baseline():
             if f:
                 found.append((w, f))
     assert found and found[0][0] >= 8 and found[0][1].fault_class == "straggler"
+    assert found[0][1].ranks == []  # no rank heartbeats: no culprit to name
+
+
+@pytest.mark.parametrize("times,culprit", [
+    ({0: 0.10, 1: 0.11, 2: 0.30, 3: 0.10}, [2]),   # rank 2 computes 3x longer: named
+    ({0: 0.10, 1: 0.11, 2: 0.12, 3: 0.10}, []),    # all alike: the job slowed, no culprit
+])
+def test_a_throughput_drop_names_the_slowest_rank(times, culprit):
+    cfg = DetectorConfig(throughput_window_s=1.0, throughput_warmup_windows=3)
+    js = JobState("j")
+    for r, st in times.items():
+        for k in range(6):
+            rules.observe_heartbeat(js, r, f"n{r // 2}", r % 2, 0, k, k, "train", st,
+                                    0.0, cfg, compute_s=st)
+    t, step, found = 0.0, 0, []
+    for w in range(12):
+        for _ in range(10):
+            t += 0.1
+            step += (10 if w < 8 else 3) / 10
+            js.max_step = int(step)
+            f = rules.throughput_rule(js, t, cfg)
+            if f:
+                found.append(f)
+    assert found[0].ranks == culprit and found[0].nodes == [f"n{r // 2}" for r in culprit]
+    assert ("slowest: rank 2" in " ".join(found[0].evidence)) == bool(culprit)
 
 
 # ---- nodes ---------------------------------------------------------------------------------------

@@ -281,3 +281,46 @@ def test_plan_and_escalate_change_none_of_their_inputs():
     snap = prev.model_dump()
     nxt = escalate(prev, job(), "not followed by training")
     assert nxt.action == "exclude_node_and_requeue" and prev.model_dump() == snap
+
+
+@pytest.mark.parametrize("fault_class,layer,root_kind,ranks,nodes,spares,expected", [
+    # a throughput drop naming its slowest rank: replaced by a spare, flagged without one
+    ("straggler", "unknown", "throughput_drop", [3], ["n2"], ["s1"], "exclude_node_and_requeue"),
+    ("straggler", "unknown", "throughput_drop", [3], ["n2"], [], "none"),
+    # ... and naming none: flagged even with a spare (it once became a stop: "exclusion needs
+    # a culprit node")
+    ("straggler", "unknown", "throughput_drop", [], [], ["s1"], "none"),
+    # telemetry and counter warnings are flagged whatever their class's row does for an error
+    ("oom_host", "application", "host_memory_trend", [], ["n2"], ["s1"], "none"),
+    ("gpu_xid", "hardware", "pcie_replay_rate", [2], ["n2"], ["s1"], "none"),
+    ("nvlink", "hardware", "nvlink_errors", [2], ["n2"], ["s1"], "none"),
+    ("network", "infrastructure", "peer_latency", [], ["n2"], [], "none"),
+    ("straggler", "system_software", "cpu_saturated", [], ["n2"], ["s1"], "none"),
+    ("ecc", "hardware", "ecc_corrected", [2], ["n2"], ["s1"], "none"),
+    # a measured straggler and a throttled GPU keep their rows
+    ("straggler", "unknown", "straggler", [3], ["n2"], ["s1"], "exclude_node_and_requeue"),
+    ("thermal", "hardware", "thermal", [3], ["n2"], ["s1"], "exclude_node_and_requeue"),
+])
+def test_warnings_flag_unless_a_spare_replaces_a_measured_slow_rank(
+        fault_class, layer, root_kind, ranks, nodes, spares, expected):
+    v = verdict(fault_class, layer, ranks=ranks, nodes=nodes,
+                detail={"severity": "warning", "root_kind": root_kind})
+    d = decide(v, job(spare_nodes=spares))
+    assert d.action == expected, d.reason
+    assert d.action != "stop_job_notify_user"
+    # the same classes as errors keep their rows
+    if fault_class in ("gpu_xid", "nvlink", "ecc"):
+        err = verdict(fault_class, layer, ranks=ranks, nodes=nodes,
+                      detail={"severity": "error", "root_kind": "gpu_fault"})
+        assert decide(err, job(spare_nodes=spares)).action == "exclude_node_and_requeue"
+
+
+def test_a_systematic_stop_quotes_the_roots_error_and_the_nodes():
+    v = verdict("app_exception", ranks=[0, 2], nodes=["n1", "n2"], confidence="high",
+                evidence=["[symptom log_pattern rank 1] RuntimeError: Connection closed by peer",
+                          "[root log_pattern rank 0] ValueError: bad batch at step 50"],
+                detail={"systematic": ["n1", "n2"]})
+    d = decide(v, job())
+    assert d.action == "stop_job_notify_user"
+    assert "systematic (n1, n2, high confidence)" in d.reason
+    assert d.reason.endswith("the error: ValueError: bad batch at step 50"), d.reason
