@@ -161,10 +161,8 @@ FACT_RULES: tuple[FactRule, ...] = (
              "repeat it (docs/design.md)"),
 )
 
-#: Root kinds whose warning verdict may act: their rows replace a measured slow rank's node or
-#: a throttled GPU's node by a spare (``requires_spare``), else flag. Every other warning —
-#: telemetry trends, corrected errors, informational XIDs — is flagged: a warning says a node
-#: is unhealthy, not that a rank failed (``detector.telemetry``).
+#: Root kinds whose warning verdict may act (their rows replace a measured slow rank's node or a
+#: throttled GPU's by a spare); any other warning is flagged (see the module docstring).
 ACTING_WARNINGS: tuple[str, ...] = ("straggler", "throughput_drop", "thermal")
 
 #: Actions without an executor and what is done instead (no row of ``TABLE`` names them).
@@ -283,8 +281,7 @@ def _fact(verdict: Verdict, action: str, policy: Policy) -> tuple[str, str] | No
 
 
 def _root_line(verdict: Verdict) -> str:
-    """The error line of the verdict's root cause: its first ``[root …]`` evidence entry
-    (evidence is in time order, so the first entry may be a symptom), else the first entry."""
+    """The error line of the root cause's first ``[root …]`` evidence entry, else the first."""
     for e in verdict.evidence:
         if e.startswith("[root "):
             return first_error_line(e)
@@ -369,8 +366,7 @@ def table_action(verdict: Verdict, job: JobRecord,
     root_kind = verdict.detail.get("root_kind")
     if (verdict.detail.get("severity") == "warning" and action != A.NONE
             and root_kind not in policy.acting_warnings):
-        reasons.append(f"a warning ({root_kind}): flagged, no action until an error confirms it")
-        return A.NONE, reasons
+        return A.NONE, reasons + [f"a warning ({root_kind}): flagged until an error confirms it"]
     fact = _fact(verdict, action, policy) if rule.overridable else None
     if fact:
         action, why = fact
@@ -379,8 +375,7 @@ def table_action(verdict: Verdict, job: JobRecord,
         reasons.append(f"{action} is carried out as {policy.action_aliases[action]}")
         action = policy.action_aliases[action]
     if action == A.EXCLUDE_NODE_AND_REQUEUE and rule.requires_spare:
-        # an optional replacement: only with a spare and a culprit to replace (a throughput
-        # drop with no rank standing out names none: flag it, never stop the job)
+        # an optional replacement needs a spare and a culprit (never a stop for want of one)
         if not _spare_left(job, verdict):
             reasons.append(f"no spare node registered: {rule.fallback} (flag only)")
             action = rule.fallback
