@@ -68,9 +68,9 @@ def report(step: int | None = None, loss: float | None = None) -> None:
 
 def expect_framework_steps() -> None:
     """A framework will report its own global steps (``report(step=…)``, from the callbacks of
-    ``trainguard.integrations``): from now on optimizer steps only advance ``collective_seq``,
-    and ``recovery.resumed`` carries the framework's first step after a restart, not the
-    optimizer count of this process. Call it before the first step (a callback's setup).
+    ``trainguard.integrations``): from now on optimizer steps no longer count steps (the
+    collectives they run are still counted), and ``recovery.resumed`` carries the framework's
+    first step after a restart, not the optimizer count of this process. Call it before the first step (a callback's setup).
     No-op when not ``active()``."""
     rt = _RT
     if rt is not None:
