@@ -294,7 +294,8 @@ def test_a_busy_rank_is_named_from_its_collective_counts(stack, tmp_path, runs):
     """Rank 1 spins inside its step (not SIGSTOP: it keeps beating); rank 0 enters the
     gradient allreduce and waits. The stall rule names rank 1 from the counts the hooks report
     (rank 1: every collective it entered completed; rank 0: one more entered than completed),
-    and only rank 1 is named by the decision. About 25 s on the 2-core machine."""
+    and only rank 1 is named by the decision. From the fault to the end of the job ≈ 10 s; the
+    launch before it takes what the host's load allows (100 s at a load of 31 on 2 cores)."""
     marker = tmp_path / "busy"
     run = Run(tmp_path, _job("busy"), epochs=FAULT_EPOCH + 4,
               extra=("--busy-marker", str(marker), "--busy-rank", "1",
@@ -302,13 +303,10 @@ def test_a_busy_rank_is_named_from_its_collective_counts(stack, tmp_path, runs):
     runs.append(run)
     node0 = run.launch(stack, ["--nproc-per-node", "2", "--mode", "action", "--node", "node0",
                                "--hang-timeout", "2"])
-    t0 = time.monotonic()
     run.wait_epoch(2, FAULT_EPOCH, 150)
     t_fault = time.time_ns()
-    t1 = time.monotonic()
     marker.touch()
     rc = node0.wait(120)
-    print(f"busy test: start-up {t1 - t0:.1f} s, fault to the end {time.monotonic() - t1:.1f} s")
     assert rc == 0, run.tails()
     assert not marker.exists(), "the busy rank never reached its loop"
     ds = [d for d in decisions(stack, run.job) if d["execute"]]
