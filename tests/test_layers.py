@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
     ("trainguard.reducer", CORE, False), ("trainguard.embedded", CORE, False),
     ("trainguard.auth", CORE, False),
+    ("trainguard.metrics", CORE, False), ("trainguard.goodput", CORE, False),
     ("trainguard.xid", CORE, False), ("trainguard.checkpoint.format", CORE, False),
     # rules: pure decisions, shared by live services and offline tools
     ("trainguard.detector", RULES, False), ("trainguard.attributor", RULES, False),
@@ -36,6 +37,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.remediator.service", SERVICE, True),
     ("trainguard.checkpoint_validator.service", SERVICE, True),
     ("trainguard.agents", SERVICE, True), ("trainguard.controllers", SERVICE, True),
+    ("trainguard.alerts", SERVICE, True),
     ("trainguard.detector.__main__", COMMAND, False),
     ("trainguard.attributor.__main__", COMMAND, False),
     ("trainguard.remediator.__main__", COMMAND, False),
@@ -57,6 +59,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.demo", COMMAND, False), ("trainguard.diagnose", COMMAND, False),
     ("trainguard.replay", COMMAND, False), ("trainguard.console", COMMAND, False),
     ("trainguard.schemas_cli", COMMAND, False),
+    ("trainguard.replay_decide", COMMAND, False), ("trainguard.memstore", COMMAND, False),
+    ("trainguard.report", COMMAND, False),
 ]
 
 

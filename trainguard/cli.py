@@ -1,4 +1,4 @@
-"""``trainguard`` command line: up, launch, demo, diagnose, replay, schemas.
+"""``trainguard`` command line: up, launch, demo, diagnose, replay, report, schemas.
 
 Each subcommand lives in its own module and is imported only when used (start-up stays fast).
 """
@@ -12,7 +12,9 @@ COMMANDS = {
     "launch": ("trainguard.launcher", "Start the ranks of one node (torchrun-compatible)."),
     "demo": ("trainguard.demo", "Train a real model under injected faults and report recovery."),
     "diagnose": ("trainguard.diagnose", "Attribute saved job logs / dmesg offline."),
-    "replay": ("trainguard.replay", "Record events from the bus, or replay a recording into it."),
+    "replay": ("trainguard.replay", "Record events, replay them into the bus, or re-decide "
+                                    "them offline."),
+    "report": ("trainguard.report", "Continuity report and timeline of a job (history + audit)."),
     "schemas": ("trainguard.schemas_cli", "Export the event JSON Schemas."),
 }
 

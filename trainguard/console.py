@@ -1,6 +1,6 @@
 """A small read-only console over the state store: a JSON API and one web page.
 
-``python -m trainguard.console --redis-url URL [--host 127.0.0.1] [--port 8080]``
+``python -m trainguard.console --redis-url URL [--nats-url URL] [--host 127.0.0.1] [--port 8080]``
 
 * ``GET /healthz`` — ``{"ok": true}`` when Redis/Valkey answers, else HTTP 503 with the error;
 * ``GET /jobs`` — ``[{"job", "mode", "generation", "world_size", "status", "retries_used",
@@ -8,35 +8,92 @@
 * ``GET /jobs/{job}`` — ``{"job", "state": <the job record, every field>, "audit": [records,
   oldest first], "checkpoints": [{"path", "step", "status", "reasons"}, newest first]}``; 404
   for an unknown job;
+* ``GET /api/jobs/{job}/goodput`` — the job's goodput ledger (``trainguard.goodput.Ledger``
+  as JSON) from its stored history (JetStream; needs ``--nats-url``, else HTTP 503; 404 when
+  nothing of the job is stored);
+* ``GET /metrics`` — Prometheus: ``tg_job_training_goodput{job}`` and
+  ``tg_job_gpu_seconds_lost{job, phase}`` of the jobs in the state store, from ledgers
+  refreshed every ``refresh_s`` (15 s) in the background (with ``--nats-url``);
 * ``GET /`` — a page listing the jobs and, for a chosen job, its decisions.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import logging
 import os
 import sys
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from .goodput import Ledger, ledger
 from .state import StateStore
+
+log = logging.getLogger("trainguard.console")
 
 SUMMARY_FIELDS = ("mode", "generation", "world_size", "status", "retries_used", "retry_budget")
 
 
-def create_app(redis_url: str) -> FastAPI:
-    """The console app reading the state store at ``redis_url``."""
+def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> FastAPI:
+    """The console app reading the state store at ``redis_url`` and, with ``nats_url``, the
+    stored history (goodput); ``refresh_s``: period of the ledgers behind ``/metrics``."""
+    from .metrics import Metrics, job_collector
+
     store: dict[str, StateStore] = {}
+    ledgers: dict[str, Ledger] = {}
+    metrics = Metrics()
+    job_collector(metrics, lambda: list(ledgers.values()))
+
+    async def goodput_of(job: str) -> Ledger | None:
+        from .report import job_events
+
+        events = await job_events(nats_url, job)
+        if not events:
+            return None
+        led = ledgers[job] = ledger(events, job)
+        return led
+
+    async def refresh() -> None:
+        while True:
+            try:
+                for job in await store["s"].jobs():
+                    await goodput_of(job)
+            except Exception as exc:  # noqa: BLE001 - a failed refresh is tried again later
+                log.warning("goodput refresh failed: %s", exc)
+            await asyncio.sleep(refresh_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store["s"] = StateStore(redis_url)
+        task = asyncio.create_task(refresh()) if nats_url else None
         yield
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await store["s"].close()
 
     app = FastAPI(title="trainguard console", lifespan=lifespan)
+
+    @app.get("/api/jobs/{job}/goodput")
+    async def goodput(job: str) -> Any:
+        if not nats_url:
+            return JSONResponse({"error": "the console has no NATS URL (--nats-url): the "
+                                          "goodput comes from the stored history"},
+                                status_code=503)
+        try:
+            led = await goodput_of(job)
+        except (ConnectionError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
+        if led is None:
+            raise HTTPException(404, f"nothing stored of job {job!r}")
+        return led.to_dict()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/healthz")
     async def healthz() -> Any:
@@ -101,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainguard.console",
                                 description="Read-only web console over the trainguard state.")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""),
+                   help="NATS (reader role) for the goodput of the stored history")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=int(os.environ.get("TG_CONSOLE_PORT", "8080")))
     args = p.parse_args(argv)
@@ -110,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(args.redis_url, args.nats_url), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

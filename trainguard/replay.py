@@ -13,6 +13,10 @@
     and heartbeats 1 hour: ``trainguard.bus.STREAMS``), oldest first across the streams, with
     ``recv_ns`` the time the server stored each message; it ends when the history is written.
 
+``trainguard replay decide FILE [--policy PATH] [--set ROW=ACTION] [--json]``
+    re-decides the recording offline through the current detector, attributor and remediator
+    (``trainguard.replay_decide``) and marks the decisions that differ from the recorded ones.
+
 ``trainguard replay play FILE [--speed X] [--subject-prefix P]``
     republishes every line with the original spacing divided by ``--speed`` (2 = twice as fast,
     0 = as fast as possible), so a service under a debugger sees what it saw live.
@@ -241,6 +245,11 @@ def summarize(records: list[Record]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["decide"]:  # offline: no bus (trainguard.replay_decide)
+        from .replay_decide import main as decide_main
+
+        return decide_main(argv[1:])
     p = argparse.ArgumentParser(prog="trainguard replay",
                                 description="Record bus events to a file or play them back.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -259,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--subject-prefix", default="",
                     help="subject tokens put before every subject: 'test' → test.tg.…")
     pl.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
+    sub.add_parser("decide", help="re-decide a recording offline with the current services "
+                                  "(`trainguard replay decide --help`)", add_help=False)
     args = p.parse_args(argv)
     if not args.nats_url:
         print("trainguard replay: no NATS URL: pass --nats-url or set NATS_URL (`trainguard up` "

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from trainguard.schemas import subjects
 
-from . import tracing
+from . import metrics, tracing
 from .auth import redact
 from .bus import Bus, Handler
 from .state import StateStore
@@ -67,6 +67,7 @@ class Service:
             raise SystemExit(f"{self.name}: no Redis URL: pass --redis-url or set REDIS_URL")
         self.bus = Bus(self.config.nats_url, self.name)
         self.state: StateStore | None = None
+        self.metrics: Any = None  # trainguard.metrics.Metrics when TG_METRICS_PORT is set
         self._stop = asyncio.Event()
 
     # ---- to override ------------------------------------------------------------------------
@@ -98,6 +99,7 @@ class Service:
             await self.bus.subscribe(subject, tracing.traced(self.name, handler),
                                      queue=self.config.queue)
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
+        self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         await self.bus.flush()
         log.info("%s ready (nats=%s)", self.name, redact(self.config.nats_url))
 
@@ -106,7 +108,8 @@ class Service:
         body = {"ok": True, "name": self.name, "pid": os.getpid(),
                 "stats": {"received": s.received, "published": s.published,
                           "dropped": s.dropped, "handler_errors": s.handler_errors,
-                          "bad": dict(s.bad), **self.extra_stats()}, **self.health()}
+                          "bad": dict(s.bad), **self.extra_stats()},
+                "metrics_port": self.metrics.port if self.metrics else None, **self.health()}
         await msg.respond(json.dumps(body).encode())
 
     async def run(self) -> None:
@@ -129,6 +132,8 @@ class Service:
         self._stop.set()
 
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         await self.bus.close()
         if self.state is not None:
             await self.state.close()
@@ -142,7 +147,12 @@ def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = N
     p.add_argument("--node", default=subjects.default_node())
     p.add_argument("--queue", default=os.environ.get("TG_QUEUE", ""))
     p.add_argument("--log-level", default=os.environ.get("TG_LOG_LEVEL", "INFO"))
+    p.add_argument("--metrics-port", default=None,
+                   help="serve Prometheus /metrics on this port (0: ephemeral; env "
+                        "TG_METRICS_PORT; default off)")
     args, _ = p.parse_known_args(argv)
+    if args.metrics_port is not None:
+        os.environ["TG_METRICS_PORT"] = args.metrics_port
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServiceConfig(nats_url=args.nats_url, redis_url=args.redis_url, node=args.node,

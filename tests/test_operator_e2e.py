@@ -1,0 +1,204 @@
+"""The operator's view end to end, on one real demo run (4 gloo ranks on 2 simulated nodes,
+action mode, a SIGKILL and a Python exception) on an embedded stack whose services serve
+``/metrics`` on ephemeral ports:
+
+* the run's stored history, re-decided offline (``trainguard replay decide``) through the
+  current detector, attributor and remediator, gives exactly the recorded decisions; a changed
+  policy row changes them;
+* every metric the Grafana dashboard queries is exported by a running service or the console;
+* ``trainguard report`` and the console's goodput API read the same history.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+JOB = "ops-e2e"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The stack (metrics on), one demo run of JOB, its stored history and its settings."""
+    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.replay import history, read_recording
+    from trainguard.stack import Stack
+    from trainguard.state import StateStore
+
+    tmp = tmp_path_factory.mktemp("ops")
+    st = Stack(services=("agent", "detector", "attributor", "remediator",
+                         "checkpoint_validator"), agent_nodes=("node0", "node1"),
+               rendezvous=True, log_dir=str(tmp / "logs"), kernel_log_dir=str(tmp),
+               env={"TG_METRICS_PORT": "0"})
+    st.start(timeout=120)
+    try:
+        faults = [{"id": 1, "kind": "sigkill", "rank": 1, "step": 40},
+                  {"id": 2, "kind": "exception", "rank": 2, "step": 80}]
+        cfg = DemoConfig(mode="action", job=JOB, steps=120, faults=faults,
+                         run_dir=str(tmp / "demo"), ckpt_every=10, step_sleep_s=0.01,
+                         recovery_timeout_s=60, quiet=True)
+        rep = Demo(cfg, stack=st).run()
+        time.sleep(0.5)  # the last events stored
+        buf = io.StringIO()
+        asyncio.run(history(st.nats_url, buf, "tg.>"))
+        path = tmp / "history.jsonl"
+        path.write_text(buf.getvalue())
+
+        async def settings():
+            s = StateStore(st.redis_url)
+            try:
+                return (await s.job(JOB)).settings()
+            finally:
+                await s.close()
+        import dataclasses
+        snap = dataclasses.asdict(asyncio.run(settings()))
+        (tmp / "job.json").write_text(json.dumps(snap))
+        yield {"stack": st, "demo": rep, "path": path, "records": list(read_recording(
+            io.StringIO(buf.getvalue()))), "snapshot": snap, "tmp": tmp}
+    finally:
+        st.stop()
+
+
+def test_replay_reproduces_the_recorded_decisions_and_a_policy_change_changes_them(run):
+    from trainguard.replay_decide import decide, parse_row, policy_with
+
+    rep = run["demo"]
+    assert all(f["recovered"] for f in rep["faults"]), rep["faults"]
+    res = decide(run["records"], job_records={JOB: run["snapshot"]})
+    mine = [r for r in res.rows if (r["replayed"] or r["recorded"]).job == JOB]
+    actions = [r["replayed"].action for r in mine if r["replayed"]]
+    assert "restart_workers" in actions and "restart_in_process" in actions, mine
+    assert all(r["status"] == "same" for r in res.rows), [
+        (r["status"], r["recorded"], r["replayed"]) for r in res.changed]
+    recorded = [d for d in rep["decisions"]]
+    assert len(res.replayed) == len(recorded)
+    assert [d.generation for d in res.replayed] == [d["generation"] for d in recorded]
+
+    # backtest: a crash stops the job → the first decision changes, the rest never happen
+    res2 = decide(run["records"], policy_with([parse_row("crash=stop_job_notify_user")]),
+                  job_records={JOB: run["snapshot"]})
+    first = res2.rows[0]
+    assert first["status"] == "changed" and first["differs"][:1] == ["action"], first
+    assert first["replayed"].action == "stop_job_notify_user"
+    assert any(r["status"] == "missing" for r in res2.rows[1:])
+
+    # the command line says the same
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", "decide",
+                          str(run["path"]), "--job-record", str(run["tmp"] / "job.json"),
+                          "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["changed"] == 0
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", "decide",
+                          str(run["path"]), "--job-record", str(run["tmp"] / "job.json"),
+                          "--set", "crash=stop_job_notify_user"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "≠" in out.stdout and "stop_job_notify_user" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", "decide",
+                          str(run["path"]), "--set", "crash=reboot_the_moon"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and "unknown action 'reboot_the_moon'" in bad.stderr
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _console(run):
+    from trainguard.embedded import free_port
+
+    st = run["stack"]
+    port = free_port()
+    nats_url, redis_url = st.urls("reader")
+    env = {**os.environ, "PYTHONPATH": ROOT, "NATS_URL": nats_url, "REDIS_URL": redis_url}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"console did not start: {proc.stderr.read().decode()[-2000:]}")
+
+
+def test_dashboard_queries_only_metrics_the_services_export(run):
+    from trainguard.metrics import METRIC_NAMES
+
+    st = run["stack"]
+    texts = {}
+    for name in ("detector", "attributor", "remediator", "checkpoint_validator",
+                 "agent-node0"):
+        port = st.health(name, timeout=3.0)["metrics_port"]
+        assert port, name
+        texts[name] = _scrape(port)
+    proc, port = _console(run)
+    try:
+        for _ in range(100):  # the console's first goodput refresh
+            texts["console"] = _scrape(port)
+            if f'tg_job_training_goodput{{job="{JOB}"}}' in texts["console"]:
+                break
+            time.sleep(0.2)
+        goodput = json.loads(urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/api/jobs/{JOB}/goodput", timeout=30).read())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    exported = {m.group(1) for t in texts.values()
+                for m in re.finditer(r"^# TYPE (\w+) ", t, re.M)}
+    exported |= {n + "_total" for n in list(exported)}  # a counter's TYPE line has no _total
+    dash = json.load(open(os.path.join(ROOT, "deploy", "grafana", "trainguard.json")))
+    queried = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            queried |= set(re.findall(r"\btg_[a-z0-9_]+", t["expr"]))
+    queried = {re.sub(r"_(bucket|sum|count)$", "", q) for q in queried}
+    assert queried, "the dashboard queries nothing"
+    assert queried <= exported, sorted(queried - exported)
+    assert queried <= set(METRIC_NAMES)
+    # real values behind them: the faults were counted and timed
+    det, rem = texts["detector"], texts["remediator"]
+    assert re.search(r'tg_anomalies_total\{fault_class="crash"', det), det[-3000:]
+    assert re.search(r'tg_fault_to_decision_seconds_count\{action="restart_workers",'
+                     r'fault_class="crash"\} [1-9]', rem), rem[-3000:]
+    assert re.search(r'tg_events_handled_total\{service="detector"\} [1-9]', det)
+    assert re.search(r'tg_node_cpu_percent\{node="node0"\} ', texts["agent-node0"])
+    assert f'tg_job_training_goodput{{job="{JOB}"}}' in texts["console"]
+    assert 0 < goodput["training_goodput"] <= 1 and len(goodput["incidents"]) == 2
+
+
+def test_report_of_the_stored_history(run, tmp_path):
+    st = run["stack"]
+    nats_url, redis_url = st.urls("reader")
+    env = {**os.environ, "PYTHONPATH": ROOT, "NATS_URL": nats_url, "REDIS_URL": redis_url}
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "report", JOB, "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads((tmp_path / f"{JOB}-report.json").read_text())
+    kill, exc = rep["recoveries"]
+    assert kill["action"] == "restart_workers" and kill["verdict"]["ranks"] == [1]
+    assert exc["action"] == "restart_in_process" and exc["verdict"]["ranks"] == [2]
+    demo = {f["kind"]: f for f in run["demo"]["faults"]}
+    assert kill["restored_step"] == demo["sigkill"]["restored_step"]
+    for r in (kill, exc):
+        s = r["seconds_from_fault"]
+        assert 0 <= s["detected"] <= s["decided"] < s["resumed"] < 30, r
+        assert r["loss_before"] is not None and r["loss_after"] is not None
+    assert rep["audit"]["by_type"].get("decision", 0) >= 2
+    md = (tmp_path / f"{JOB}-report.md").read_text()
+    assert "## Recovery 1: crash → restart_workers" in md
+    png = (tmp_path / f"{JOB}-timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

@@ -1,0 +1,410 @@
+"""Re-decide a recording: feed a recorded event stream through the current detector, attributor
+and remediator reducers in virtual time, with no server, and compare the decisions.
+
+``trainguard replay decide FILE [--policy PATH] [--set ROW=ACTION …] [--job-record PATH]
+[--json]``
+
+FILE is what ``trainguard replay record`` (or ``record --history``) writes. Every recorded
+input of the chain (heartbeats, worker and log lines, checkpoints, node heartbeats, telemetry,
+XIDs, kernel lines, action results, recovery events) is stepped, in file order, through
+``run_offline`` of each reducer that consumes its subject, at the virtual time of its
+``recv_ns``; each service also gets a ``Tick`` every ``tick_s`` (50 ms, as live). What a
+reducer publishes goes on to the reducers that subscribe to it (anomaly → attributor, verdict
+→ remediator) at the same virtual time. The recorded anomalies, verdicts and decisions are not
+inputs: they are what the replay is compared with.
+
+The calls on the state store are answered by ``trainguard.memstore.MemoryStore``: claims,
+the job records (seeded from ``--job-record``, a JSON object of record fields, or of job →
+fields; what it leaves out comes from the recording: members from ``worker.started`` and
+heartbeats, the first generation seen, the mode and retry budget of the job's first recorded
+decision), the commits and generation bumps the replayed remediator makes, the cross-job history
+the replayed attributor writes (empty at the start: faults other jobs left in the live store
+are not in a recording), and the audit trail. The controller records exclusions only.
+
+Decisions are compared on action, culprit (ranks, nodes) and generation, aligned per job in
+order (``difflib``): a decision only the recording has is ``missing``, one only the replay has
+is ``new``, a pair that differs is ``changed``.
+
+Policy backtesting: ``--set crash=stop_job_notify_user`` (``FAULT_CLASS[/LAYER]=ACTION``) or
+``--policy FILE`` (JSON: ``{"rows": [{"fault_class", "layer", "action", "source"}],
+"default_mode", "default_retry_budget"}``) changes rows of ``remediator.policy.TABLE`` for the
+replay; the report then shows what the change would have decided.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from trainguard import schemas
+from trainguard.attributor import incidents as att
+from trainguard.detector import reducer as det
+from trainguard.reducer import Call, Publish, Received, Tick, run_offline
+from trainguard.remediator import reducer as rem
+from trainguard.remediator import policy as pol
+from trainguard.schemas.vocabulary import Action, FaultClass, Layer
+
+from .memstore import MemoryController, MemoryStore
+from .replay import Record, read_recording
+
+__all__ = ["ReplayError", "Row", "DecisionRow", "ReplayResult", "policy_with", "decide",
+           "main"]
+
+#: Events the chain's services publish themselves: outcomes, never inputs, of a replay.
+OUTPUT_SCHEMAS = frozenset({"anomaly", "verdict", "decision"})
+ATTRIBUTOR_TOPICS = ("tg.job.*.anomaly",)
+REMEDIATOR_TOPICS = ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery")
+
+
+class ReplayError(ValueError):
+    """A policy row or a job-record snapshot that cannot be used (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One policy change: ``fault_class`` (``layer`` None: any layer) → ``action``."""
+
+    fault_class: str
+    layer: str | None
+    action: str
+    source: str = "replay override"
+
+
+def parse_row(text: str) -> Row:
+    """``FAULT_CLASS[/LAYER]=ACTION`` → ``Row``. Raises ``ReplayError`` for an unknown word."""
+    key, sep, action = text.partition("=")
+    fc, _, layer = key.strip().partition("/")
+    row = Row(fc, layer or None, action.strip())
+    if not sep:
+        raise ReplayError(f"--set {text!r}: expected FAULT_CLASS[/LAYER]=ACTION")
+    _check_row(row, f"--set {text!r}")
+    return row
+
+
+def _check_row(row: Row, where: str) -> None:
+    if row.fault_class not in set(FaultClass):
+        raise ReplayError(f"{where}: unknown fault class {row.fault_class!r}; known: "
+                          f"{', '.join(FaultClass)}")
+    if row.layer is not None and row.layer not in set(Layer):
+        raise ReplayError(f"{where}: unknown layer {row.layer!r}; known: {', '.join(Layer)}")
+    if row.action not in set(Action):
+        raise ReplayError(f"{where}: unknown action {row.action!r}; known: {', '.join(Action)}")
+
+
+def load_policy_file(path: str) -> tuple[list[Row], dict[str, Any]]:
+    """Rows and ``Policy`` settings (``default_mode``, ``default_retry_budget``) of a policy
+    file (JSON, see the module docstring). Raises ``ReplayError``."""
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"--policy {path}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ReplayError(f"--policy {path}: expected a JSON object")
+    rows = []
+    for i, r in enumerate(obj.get("rows", [])):
+        try:
+            row = Row(r["fault_class"], r.get("layer"), r["action"],
+                      r.get("source", f"policy file {path}"))
+        except (KeyError, TypeError):
+            raise ReplayError(f"--policy {path}: row {i} needs fault_class and action") from None
+        _check_row(row, f"--policy {path} row {i}")
+        rows.append(row)
+    settings = {k: obj[k] for k in ("default_mode", "default_retry_budget") if k in obj}
+    return rows, settings
+
+
+def policy_with(rows: Iterable[Row], base: pol.Policy = pol.DEFAULT_POLICY,
+                **settings: Any) -> pol.Policy:
+    """``base`` with ``rows`` replacing the table rows of the same fault class and layer (or
+    added), and ``settings`` (``Policy`` fields) replaced."""
+    table = list(base.table)
+    for row in rows:
+        new = pol.Rule(row.fault_class, row.layer, row.action, row.source)
+        at = [i for i, r in enumerate(table)
+              if r.fault_class == row.fault_class and r.layer == row.layer]
+        if at:
+            table[at[0]] = dataclasses.replace(table[at[0]], action=row.action,
+                                               source=row.source, requires_spare=False)
+        else:
+            table.insert(0, new)
+    return dataclasses.replace(base, table=tuple(table), **settings)
+
+
+# ---- the replay ------------------------------------------------------------------------------
+@dataclass
+class DecisionRow:
+    """A decision for the comparison. ``t_s``: seconds from the recording's start."""
+
+    job: str
+    action: str
+    ranks: list[int]
+    nodes: list[str]
+    generation: int
+    t_s: float = 0.0
+    fault_class: str = ""
+    mode: str = ""
+    reason: str = ""
+
+    @classmethod
+    def of(cls, d: schemas.Decision, t_s: float) -> "DecisionRow":
+        return cls(d.job or "", d.action, sorted(d.ranks), sorted(d.nodes), d.generation,
+                   round(t_s, 3), d.fault_class, d.mode, d.reason)
+
+    def key(self) -> tuple:
+        return (self.job, self.action, tuple(self.ranks), tuple(self.nodes), self.generation)
+
+
+@dataclass
+class ReplayResult:
+    """``rows``: ``{"status": same|changed|new|missing, "replayed": DecisionRow|None,
+    "recorded": DecisionRow|None, "differs": [field names]}`` in replay order; ``inputs`` —
+    records stepped; ``skipped`` — records that did not decode."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    inputs: int = 0
+    skipped: int = 0
+    anomalies: int = 0
+    verdicts: int = 0
+    store: MemoryStore | None = None
+
+    @property
+    def replayed(self) -> list[DecisionRow]:
+        return [r["replayed"] for r in self.rows if r["replayed"] is not None]
+
+    @property
+    def changed(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] != "same"]
+
+    def to_json(self) -> dict[str, Any]:
+        conv = (lambda d: None if d is None else dataclasses.asdict(d))
+        return {"inputs": self.inputs, "skipped": self.skipped, "anomalies": self.anomalies,
+                "verdicts": self.verdicts, "changed": len(self.changed),
+                "decisions": [{**r, "replayed": conv(r["replayed"]),
+                               "recorded": conv(r["recorded"])} for r in self.rows]}
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _recorded_facts(events: list[tuple[Record, schemas.Event]]) -> dict[str, dict[str, Any]]:
+    """Job → record fields the recording shows: the first decision's mode and retry budget."""
+    facts: dict[str, dict[str, Any]] = {}
+    for _rec, ev in events:
+        if isinstance(ev, schemas.Decision) and ev.job and ev.job not in facts:
+            facts[ev.job] = {"mode": ev.mode, "retry_budget": ev.retry_budget}
+    return facts
+
+
+def decide(records: Iterable[Record], policy: pol.Policy | None = None,
+           job_records: dict[str, dict[str, Any]] | None = None, tick_s: float = 0.05,
+           tail_s: float = 2.0, detector_config: det.DetectorServiceConfig | None = None,
+           remediator_config: rem.RemediatorConfig | None = None) -> ReplayResult:
+    """Re-decide ``records`` (see the module docstring). ``job_records``: job → record fields
+    to seed (a snapshot); ``tick_s``: period of each service's ``Tick`` (s); ``tail_s``: ticks
+    go on this long after the last record (held symptoms, deadlines). Raises ``ReplayError``
+    for a snapshot field the job record does not have."""
+    res = ReplayResult()
+    events: list[tuple[Record, schemas.Event]] = []
+    for r in records:
+        try:
+            events.append((r, schemas.decode(r.data)))
+        except schemas.DecodeError:
+            res.skipped += 1
+    store, ctl = MemoryStore(), MemoryController()
+    res.store = store
+    seeds = {j: dict(f) for j, f in _recorded_facts(events).items()}
+    for job, fields in (job_records or {}).items():
+        seeds.setdefault(job, {}).update(fields)
+    for job, fields in seeds.items():
+        try:
+            store.seed(job, fields)
+        except (KeyError, ValueError) as exc:
+            raise ReplayError(f"job record of {job!r}: {exc}") from None
+    rcfg = remediator_config or rem.RemediatorConfig(controller="local")
+    if policy is not None:
+        rcfg = dataclasses.replace(rcfg, policy=policy)
+    states: dict[str, Any] = {
+        "detector": det.DetectorState(config=detector_config or det.DetectorServiceConfig()),
+        "attributor": att.AttributorState(),
+        "remediator": rem.RemediatorState(config=rcfg, controller=ctl.name)}
+    steps: dict[str, Callable] = {"detector": det.step, "attributor": att.step,
+                                  "remediator": rem.step}
+    topics = {"detector": det.TOPICS, "attributor": ATTRIBUTOR_TOPICS,
+              "remediator": REMEDIATOR_TOPICS}
+    targets = {"state": store, "controller": ctl}
+
+    def replies(call: Call) -> Any:
+        return getattr(targets[call.target], call.method)(*call.args, **call.kwargs)
+
+    if not events:
+        return res
+    t0 = events[0][0].recv_ns
+    replayed: list[DecisionRow] = []
+
+    def run(now: float, first: list[tuple[str, Any]]) -> None:
+        queue = deque(first)
+        while queue:
+            svc, inp = queue.popleft()
+            states[svc], effects = run_offline(steps[svc], states[svc], [(now, inp)], replies)
+            for eff in effects:
+                if not isinstance(eff, Publish):
+                    continue
+                ev = eff.event
+                if isinstance(ev, schemas.Anomaly):
+                    res.anomalies += 1
+                elif isinstance(ev, schemas.Verdict):
+                    res.verdicts += 1
+                elif isinstance(ev, schemas.Decision):
+                    replayed.append(DecisionRow.of(ev, now))
+                wall = t0 + int(now * 1e9)
+                for other, subs in topics.items():
+                    if any(_matches(p, eff.subject) for p in subs):
+                        queue.append((other, Received(eff.subject, ev, wall)))
+
+    next_tick = 0.0
+
+    def ticks_until(t: float) -> None:
+        nonlocal next_tick
+        while next_tick <= t:
+            wall = t0 + int(next_tick * 1e9)
+            run(next_tick, [(svc, Tick(wall)) for svc in steps])
+            next_tick = round(next_tick + tick_s, 9)
+
+    recorded: list[DecisionRow] = []
+    for rec, ev in events:
+        now = (rec.recv_ns - t0) / 1e9
+        if ev.SCHEMA == "decision":
+            recorded.append(DecisionRow.of(ev, now))
+        if ev.SCHEMA in OUTPUT_SCHEMAS or rec.subject.startswith("tg.dlq."):
+            continue
+        ticks_until(now)
+        store.observe(ev)
+        first = [(svc, Received(rec.subject, ev, rec.recv_ns)) for svc, subs in topics.items()
+                 if any(_matches(p, rec.subject) for p in subs)]
+        if first:
+            res.inputs += 1
+            run(now, first)
+    ticks_until((events[-1][0].recv_ns - t0) / 1e9 + tail_s)
+    res.rows = compare(recorded, replayed)
+    return res
+
+
+def compare(recorded: list[DecisionRow], replayed: list[DecisionRow]) -> list[dict[str, Any]]:
+    """Align the decisions per job in order and say how each differs (module docstring)."""
+    rows: list[tuple[float, dict[str, Any]]] = []
+    for job in sorted({d.job for d in recorded} | {d.job for d in replayed}):
+        a = [d for d in recorded if d.job == job]
+        b = [d for d in replayed if d.job == job]
+        sm = difflib.SequenceMatcher(a=[d.key() for d in a], b=[d.key() for d in b],
+                                     autojunk=False)
+        for op, i1, i2, j1, j2 in sm.get_opcodes():
+            olds, news = a[i1:i2], b[j1:j2]
+            for k in range(max(len(olds), len(news))):
+                old = olds[k] if k < len(olds) else None
+                new = news[k] if k < len(news) else None
+                if op == "equal":
+                    status, differs = "same", []
+                elif old is None:
+                    status, differs = "new", []
+                elif new is None:
+                    status, differs = "missing", []
+                else:
+                    status = "changed"
+                    differs = [f for f in ("action", "ranks", "nodes", "generation")
+                               if getattr(old, f) != getattr(new, f)]
+                t = (new or old).t_s  # type: ignore[union-attr]
+                rows.append((t, {"status": status, "replayed": new, "recorded": old,
+                                 "differs": differs}))
+    rows.sort(key=lambda x: x[0])
+    return [r for _, r in rows]
+
+
+# ---- command line ----------------------------------------------------------------------------
+def _fmt(d: DecisionRow | None) -> str:
+    if d is None:
+        return "-"
+    return (f"{d.action} ranks={d.ranks} nodes={d.nodes} generation={d.generation}")
+
+
+def print_result(res: ReplayResult, out=sys.stdout) -> None:
+    mark = {"same": "=", "changed": "≠", "new": "+", "missing": "-"}
+    for r in res.rows:
+        d = r["replayed"] or r["recorded"]
+        line = f"{mark[r['status']]} {d.t_s:9.3f}s {d.job} {d.fault_class or '?'}: "
+        if r["status"] == "same":
+            line += _fmt(r["replayed"])
+        elif r["status"] == "missing":
+            line += f"not decided in the replay (recorded: {_fmt(r['recorded'])})"
+        elif r["status"] == "new":
+            line += f"{_fmt(r['replayed'])} (not in the recording)"
+        else:
+            line += (f"{_fmt(r['replayed'])} (recorded: {_fmt(r['recorded'])}; differs in "
+                     f"{', '.join(r['differs'])})")
+        print(line, file=out)
+    same = sum(1 for r in res.rows if r["status"] == "same")
+    print(f"{len(res.rows)} decision(s): {same} as recorded, {len(res.changed)} differ "
+          f"({res.inputs} inputs, {res.anomalies} anomalies, {res.verdicts} verdicts, "
+          f"{res.skipped} undecodable)", file=out)
+
+
+def _job_records(path: str | None) -> dict[str, dict[str, Any]]:
+    if not path:
+        return {}
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"--job-record {path}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ReplayError(f"--job-record {path}: expected a JSON object")
+    if all(isinstance(v, dict) for v in obj.values()) and obj:
+        return obj
+    return {"*": obj}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainguard replay decide",
+                                description="Re-decide a recording with the current services "
+                                            "(and a changed policy), offline.")
+    p.add_argument("file", help="a recording (JSON lines of `trainguard replay record`)")
+    p.add_argument("--policy", default=None, help="JSON policy file: rows that replace "
+                                                  "rows of the table")
+    p.add_argument("--set", action="append", default=[], metavar="FAULT[/LAYER]=ACTION",
+                   help="change one policy row (repeatable)")
+    p.add_argument("--job-record", default=None,
+                   help="JSON of job record fields (or job → fields) to seed the replay with")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--tick", type=float, default=0.05, help="service tick in seconds")
+    args = p.parse_args(argv)
+    try:
+        rows, settings = load_policy_file(args.policy) if args.policy else ([], {})
+        rows += [parse_row(s) for s in args.set]
+        policy = policy_with(rows, **settings) if (rows or settings) else None
+        with open(args.file) as fh:
+            recs = list(read_recording(fh))
+        snap = _job_records(args.job_record)
+        if "*" in snap:  # fields for every job of the recording
+            jobs = {(r.subject.split(".")[2]) for r in recs if r.subject.startswith("tg.job.")}
+            snap = {j: snap["*"] for j in jobs}
+        res = decide(recs, policy, snap, tick_s=args.tick)
+    except (OSError, ValueError) as exc:  # ReplayError is a ValueError
+        print(f"trainguard replay decide: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(res.to_json(), indent=1))
+    else:
+        print_result(res)
+    return 0
