@@ -1,0 +1,94 @@
+"""Replay decide's parts without servers: policy rows, the in-memory store, a synthetic
+recording re-decided in virtual time. (The exact reproduction of a real run's decisions is in
+tests/test_operator_e2e.py.)"""
+import json
+
+import pytest
+
+from trainguard import schemas
+from trainguard.memstore import MemoryStore
+from trainguard.remediator import policy as pol
+from trainguard.replay import Record
+from trainguard.replay_decide import (ReplayError, decide, load_policy_file, parse_row,
+                                      policy_with)
+
+B = 1_700_000_000 * 10**9
+
+
+def test_rows_and_policy_files(tmp_path):
+    assert parse_row("crash=stop_job_notify_user").fault_class == "crash"
+    assert parse_row("crash/hardware=restart_workers").layer == "hardware"
+    for bad, why in (("crash", "expected"), ("crush=none", "unknown fault class"),
+                     ("crash/moon=none", "unknown layer"), ("crash=reboot", "unknown action")):
+        with pytest.raises(ReplayError, match=why):
+            parse_row(bad)
+    p = policy_with([parse_row("crash=stop_job_notify_user")])
+    assert pol.rule_for("crash", "unknown", p).action == "stop_job_notify_user"
+    assert pol.rule_for("crash", "hardware", p).action == "exclude_node_and_requeue"  # kept
+    assert pol.rule_for("crash", "unknown").action == "restart_workers"  # default untouched
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"rows": [{"fault_class": "hang", "layer": None,
+                                       "action": "restart_in_process"}],
+                             "default_retry_budget": 1}))
+    rows, settings = load_policy_file(str(f))
+    assert rows[0].action == "restart_in_process" and settings == {"default_retry_budget": 1}
+    f.write_text("[1]")
+    with pytest.raises(ReplayError, match="JSON object"):
+        load_policy_file(str(f))
+
+
+def test_memory_store_semantics():
+    s = MemoryStore()
+    assert s.claim("k", "a") is None and s.claim("k", "b") == "a" and s.claimed_by("k") == "a"
+    s.seed("j", {"mode": "action", "retry_budget": 3})
+    with pytest.raises(KeyError):
+        s.seed("j", {"nope": 1})
+    s.observe(schemas.WorkerStarted(job="j", rank=1, node="n1", local_rank=1, world_size=2,
+                                    generation=4))
+    s.observe(schemas.RankHeartbeat(job="j", rank=0, node="n0", local_rank=0, world_size=2,
+                                    generation=4))
+    r = s.job("j")
+    assert r.generation == 4 and r.world_size == 2 and r.mode == "action"
+    assert r.members == [{"rank": 0, "node": "n0", "local_rank": 0},
+                         {"rank": 1, "node": "n1", "local_rank": 1}]
+    assert s.bump_generation("j", 3) == 4 and s.bump_generation("j", 4) == 5
+    s.commit_decision("j", retries_used=1, last_decision={"id": "d"}, stopped=True,
+                      pending_decision={"deadline_ns": 5})
+    r = s.job("j")
+    assert r.status == "stopped" and r.pending_decision == {"deadline_ns": 5}
+    s.record_fault("n1", "j", "sig", {"fault_class": "crash"}, ts_ns=10)
+    s.record_fault("n1", "k", "sig", {"fault_class": "crash"}, ts_ns=20)
+    assert [h["job"] for h in s.node_history("n1", 15)] == ["k"]
+    assert s.signature_history("sig", 0) == [("j", "n1"), ("k", "n1")]
+
+
+def _records(events):
+    out = []
+    for t, subject, ev in events:
+        ev.ts = B + int(t * 1e9)
+        out.append(Record(B + int(t * 1e9), subject, schemas.encode(ev)))
+    return out
+
+
+def test_a_crash_in_a_synthetic_recording_is_decided_in_virtual_time():
+    evs = []
+    for r in range(2):
+        evs.append((0.0, "tg.job.s.worker", schemas.WorkerStarted(
+            job="s", rank=r, node=f"n{r}", local_rank=0, world_size=2)))
+    for i in range(20):
+        for r in range(2):
+            evs.append((0.1 + 0.1 * i, f"tg.job.s.rank.{r}.hb", schemas.RankHeartbeat(
+                job="s", rank=r, node=f"n{r}", local_rank=0, world_size=2, step=i)))
+    evs.append((2.05, "tg.job.s.worker", schemas.WorkerExited(
+        job="s", rank=1, node="n1", signal=9)))
+    evs.append((2.1, "tg.job.s.log", schemas.LogLine(job="s", line="\x00 not msgpack")))
+    recs = _records(evs) + [Record(B + int(2.2e9), "tg.job.s.log", b"\xc1junk")]
+    res = decide(recs, job_records={"s": {"mode": "action"}})
+    assert res.skipped == 1
+    (row,) = res.rows
+    assert row["status"] == "new" and row["recorded"] is None
+    d = row["replayed"]
+    assert (d.action, d.ranks, d.nodes, d.generation) == ("restart_workers", [1], ["n1"], 1)
+    assert 2.05 <= d.t_s < 2.5  # decided at the crash's virtual time, not the machine's
+    with pytest.raises(ReplayError, match="job record"):
+        decide(recs, job_records={"s": {"generation": "x", "nope": 1}})
