@@ -9,7 +9,8 @@ Per recovery (a decision other than ``none``, with the verdict it answered): tim
 detected, decided, every rank training again; Unix ns and seconds from the fault), the restored
 step and the steps replayed (``recovery.resumed``), the loss before (the last reported by a
 heartbeat before the fault) and after (the first after the resume; ``recovery.verified`` when
-present, with its verdict ``ok``), the verdict (fault class, layer, culprit, confidence) and
+present, with its verdict ``ok``), all of one rank (the lowest reporting a loss: each rank's
+loss is its own shard's), the verdict (fault class, layer, culprit, confidence) and
 the decision (action, generation, executed, reason). The job's goodput ledger
 (``trainguard.goodput``) heads the report.
 
@@ -72,9 +73,14 @@ def build_report(job: str, events: list[schemas.Event],
     evs = sorted((e for e in events if e.job == job), key=lambda e: e.ts)
     led: Ledger = ledger(evs, job)
     hbs = [e for e in evs if isinstance(e, schemas.RankHeartbeat)]
+    # losses differ by rank (each trains on its own shard): compare one rank's, the lowest
+    loss_rank = min((h.rank for h in hbs if h.loss is not None and h.rank is not None),
+                    default=None)
+    hbs_loss = [h for h in hbs if h.rank == loss_rank]
     verdicts = {e.event_id: e for e in evs if isinstance(e, schemas.Verdict)}
     decisions = {e.event_id: e for e in evs if isinstance(e, schemas.Decision)}
-    verified = [e for e in evs if isinstance(e, schemas.RecoveryVerified)]
+    verified = [e for e in evs if isinstance(e, schemas.RecoveryVerified)
+                and (loss_rank is None or e.rank in (None, loss_rank))]
     recoveries = []
     for inc in led.incidents:
         dec = decisions.get(inc.decision_id)
@@ -82,7 +88,7 @@ def build_report(job: str, events: list[schemas.Event],
         ver = next((x for x in verified if inc.resumed_ns is not None
                     and x.ts >= inc.decided_ns and x.generation >= inc.generation), None)
         loss_after = ver.loss_after if ver and ver.loss_after is not None else _loss_after(
-            hbs, inc.resumed_ns)
+            hbs_loss, inc.resumed_ns)
         recoveries.append({
             "fault_class": inc.fault_class, "action": inc.action, "generation": inc.generation,
             "times_ns": {"fault": inc.fault_ns, "detected": inc.detected_ns,
@@ -91,7 +97,8 @@ def build_report(job: str, events: list[schemas.Event],
                                    "decided": _s(inc.fault_ns, inc.decided_ns),
                                    "resumed": _s(inc.fault_ns, inc.resumed_ns)},
             "restored_step": inc.restored_step, "steps_replayed": inc.steps_rolled_back,
-            "loss_before": _loss_before(hbs, inc.fault_ns), "loss_after": loss_after,
+            "loss_rank": loss_rank, "loss_before": _loss_before(hbs_loss, inc.fault_ns),
+            "loss_after": loss_after,
             "loss_at_save": ver.loss_at_save if ver else None,
             "continuity_ok": ver.ok if ver else None,
             "verdict": None if v is None else {
@@ -142,7 +149,7 @@ def to_markdown(rep: dict[str, Any], picture: str | None = None) -> str:
                   f"{_f(sec['decided'])} s, training again {_f(sec['resumed'])} s",
                   f"* restored step {_f(r['restored_step'])}, steps replayed "
                   f"{_f(r['steps_replayed'])}",
-                  f"* loss before {_f(r['loss_before'], '{:.4f}')}, after "
+                  f"* loss (rank {r['loss_rank']}) before {_f(r['loss_before'], '{:.4f}')}, after "
                   f"{_f(r['loss_after'], '{:.4f}')}, at save {_f(r['loss_at_save'], '{:.4f}')}"
                   f"; continuity verdict: "
                   f"{ {True: 'ok', False: 'NOT ok', None: 'not checked'}[r['continuity_ok']] }"]
