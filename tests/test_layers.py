@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.replay", COMMAND, False), ("trainguard.console", COMMAND, False),
     ("trainguard.schemas_cli", COMMAND, False),
     ("trainguard.replay_decide", COMMAND, False), ("trainguard.memstore", COMMAND, False),
+    ("trainguard.replay_policy", COMMAND, False),
     ("trainguard.report", COMMAND, False),
 ]
 
