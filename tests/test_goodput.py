@@ -104,3 +104,30 @@ def test_no_heartbeats_no_goodput():
     led = ledger([decision(1, 2, 3, 1)])
     assert led.training_goodput is None and led.wall_s == 0
     assert led.incidents[0].resumed_ns is None
+
+
+def test_report_of_the_hand_computed_run(tmp_path):
+    from trainguard.report import build_report, to_markdown, write
+
+    evs = one_crash()
+    v = schemas.Verdict(job="j", fault_class="crash", layer="unknown", confidence="high",
+                        culprit=schemas.Culprit(ranks=[1], nodes=["n0"]), ts=T(11.2))
+    for e in evs:
+        if isinstance(e, schemas.Decision):
+            e.verdict_id = v.event_id
+        if isinstance(e, schemas.RankHeartbeat) and e.rank == 0:
+            e.loss = 10.0 - e.step * 0.1 if e.step >= 0 else None
+    rep = build_report("j", evs + [v], audit=[{"type": "decision"}, {"type": "folded"}])
+    (r,) = rep["recoveries"]
+    assert r["seconds_from_fault"] == {"detected": 0.5, "decided": 1.0, "resumed": 3.0}
+    assert r["restored_step"] == 5 and r["steps_replayed"] == 4
+    # rank 0's loss: step 9 (9.1) before the fault, step 6 (9.4) after the resume
+    assert r["loss_before"] == pytest.approx(9.1) and r["loss_after"] == pytest.approx(9.4)
+    assert r["verdict"]["ranks"] == [1] and r["decision"]["action"] == "restart_workers"
+    assert rep["audit"]["by_type"] == {"decision": 1, "folded": 1}
+    md = to_markdown(rep)
+    assert "## Recovery 1: crash → restart_workers (generation 1)" in md
+    assert "training goodput **71.1%**" in md
+    paths = write("j", evs + [v], None, str(tmp_path))
+    assert open(paths["png"], "rb").read(4) == b"\x89PNG"
+    assert "not read (no REDIS_URL)" in open(paths["md"]).read()

@@ -295,9 +295,14 @@ def _job_records(path: str | None) -> dict[str, dict[str, Any]]:
         raise ReplayError(f"--job-record {path}: {exc}") from None
     if not isinstance(obj, dict):
         raise ReplayError(f"--job-record {path}: expected a JSON object")
-    if all(isinstance(v, dict) for v in obj.values()) and obj:
+    from trainguard.schemas.job import FIELDS
+
+    if obj and not set(obj) <= set(FIELDS):  # job → fields
+        if not all(isinstance(v, dict) for v in obj.values()):
+            raise ReplayError(f"--job-record {path}: expected record fields, or job → fields "
+                              f"(unknown fields: {', '.join(sorted(set(obj) - set(FIELDS)))})")
         return obj
-    return {"*": obj}
+    return {"*": obj}  # record fields for every job of the recording
 
 
 def main(argv: list[str] | None = None) -> int:
