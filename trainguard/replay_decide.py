@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import gzip
 import json
 import sys
 from collections import deque
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="trainguard replay decide",
                                 description="Re-decide a recording with the current services "
                                             "(and a changed policy), offline.")
-    p.add_argument("file", help="a recording (JSON lines of `trainguard replay record`)")
+    p.add_argument("file", help="a recording (JSON lines of `trainguard replay record`; "
+                                "gzip when it ends in .gz)")
     p.add_argument("--policy", default=None, help="JSON policy file: rows that replace "
                                                   "rows of the table")
     p.add_argument("--set", action="append", default=[], metavar="FAULT[/LAYER]=ACTION",
@@ -323,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, settings = load_policy_file(args.policy) if args.policy else ([], {})
         rows += [parse_row(s) for s in args.set]
         policy = policy_with(rows, **settings) if (rows or settings) else None
-        with open(args.file) as fh:
+        opener = gzip.open if args.file.endswith(".gz") else open
+        with opener(args.file, "rt") as fh:
             recs = list(read_recording(fh))
         snap = _job_records(args.job_record)
         if "*" in snap:  # fields for every job of the recording
