@@ -130,7 +130,7 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
 _PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>trainguard</title>
 <style>body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}a{cursor:pointer;color:#06c}</style>
-</head><body><h1>trainguard</h1><table id="jobs"></table><h2 id="title"></h2>
+</head><body><h1>trainguard</h1><table id="jobs"></table><h2 id="title"></h2><p id="goodput"></p>
 <table id="audit"></table><script>
 const esc = s => String(s ?? "").replace(/[&<>]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;"}[c]));
 function row(cells, tag) { return "<tr>" + cells.map(c => `<${tag}>${c}</${tag}>`).join("") + "</tr>"; }
@@ -145,6 +145,10 @@ async function jobs() {
 async function show(job) {
   const j = await (await fetch("jobs/" + encodeURIComponent(job))).json();
   document.getElementById("title").textContent = job + " — audit trail";
+  const g = await fetch("api/jobs/" + encodeURIComponent(job) + "/goodput");
+  document.getElementById("goodput").textContent = g.ok ? (gp => `training goodput ${
+    gp.training_goodput === null ? "–" : (100 * gp.training_goodput).toFixed(1) + " %"}; GPU-s lost: ${
+    Object.entries(gp.gpu_s_lost).map(([k, v]) => k + " " + v.toFixed(1)).join(", ")}`)(await g.json()) : "";
   document.getElementById("audit").innerHTML =
     row(["type","action","generation","execute","reason"], "th") +
     j.audit.map(a => row([esc(a.type), esc(a.action), esc(a.generation), esc(a.execute),
