@@ -5,7 +5,8 @@ responder, and clean shutdown on SIGTERM/SIGINT.
 A service is thin: ``handle`` parses (the bus already decoded and validated the event), calls a
 pure decide function, and publishes what it returns. Each service also answers NATS requests on
 ``tg.svc.<name>.health`` with a JSON object ``{"ok": true, "name": …, "stats": {…}}``, which is
-what ``trainguard up`` waits for.
+what ``trainguard up`` waits for. With ``TG_METRICS_PORT`` (or ``--metrics-port``) set, it also
+serves Prometheus ``/metrics`` (``trainguard.metrics``; the port is in the health reply).
 
 Run one alone with ``python -m <service> --nats-url URL --redis-url URL`` (or env ``NATS_URL``,
 ``REDIS_URL``), which is what docker-compose and Kubernetes do.
@@ -95,11 +96,11 @@ class Service:
             await self.state.ping()
         await self.setup()
         tracing.configure_from_env(self.name)
+        self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         for subject, handler in self.subscriptions():
             await self.bus.subscribe(subject, tracing.traced(self.name, handler),
                                      queue=self.config.queue)
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
-        self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         await self.bus.flush()
         log.info("%s ready (nats=%s)", self.name, redact(self.config.nats_url))
 
