@@ -99,9 +99,9 @@ def test_replay_reproduces_the_recorded_decisions_and_a_policy_change_changes_th
                                      ("hang", "restart_workers", [3])], res.rows
     assert all(r["status"] == "same" for r in res.rows), [
         (r["status"], r["recorded"], r["replayed"]) for r in res.changed]
-    recorded = [d for d in rep["decisions"]]
-    assert len(res.replayed) == len(recorded)
-    assert [d.generation for d in res.replayed] == [d["generation"] for d in recorded]
+    # the demo saw the same decisions on the bus (a flag may come after it stopped looking)
+    seen = [(d["action"], d["generation"]) for d in rep["decisions"]]
+    assert [(d.action, d.generation) for d in res.replayed][:len(seen)] == seen
 
     # backtest: a crash stops the job → its decision changes, the later ones never happen
     res2 = decide(run["records"], policy_with([parse_row("crash=stop_job_notify_user")]),
