@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 
 import pytest
 
@@ -97,20 +98,29 @@ def test_replay_reproduces_the_recorded_decisions_and_a_policy_change_changes_th
     assert _faults(res.replayed) == [("crash", "restart_workers", [1]),
                                      ("app_exception", "restart_in_process", [2]),
                                      ("hang", "restart_workers", [3])], res.rows
-    assert all(r["status"] == "same" for r in res.rows), [
-        (r["status"], r["recorded"], r["replayed"]) for r in res.changed]
-    # the demo saw the same decisions on the bus (a flag may come after it stopped looking)
-    seen = [(d["action"], d["generation"]) for d in rep["decisions"]]
-    assert [(d.action, d.generation) for d in res.replayed][:len(seen)] == seen
+    # every recovery decision exactly as recorded. A flag (action none) of a rule the detector
+    # evaluates on its timer (straggler, throughput) may come out differently: it sees the
+    # windows at the ticks' instants, which a recording does not hold; under load (ticks late)
+    # one of four runs had a straggler flag only the replay raised. Reported, not failed.
+    recovery = [r for r in res.changed if "none" not in {
+        d.action for d in (r["recorded"], r["replayed"]) if d is not None}]
+    assert not recovery, [(r["status"], r["recorded"], r["replayed"]) for r in recovery]
+    if res.changed:
+        warnings.warn(f"flags differ in the replay: {res.changed}")
+    # the demo saw the same recoveries on the bus
+    seen = [(d["action"], d["generation"]) for d in rep["decisions"] if d["action"] != "none"]
+    assert [(d.action, d.generation) for d in res.replayed if d.action != "none"] == seen
 
     # backtest: a crash stops the job → its decision changes, the later ones never happen
     res2 = decide(run["records"], policy_with([parse_row("crash=stop_job_notify_user")]),
                   job_records={JOB: run["snapshot"]})
-    at = next(i for i, r in enumerate(res2.rows) if r["recorded"].fault_class == "crash")
+    at = next(i for i, r in enumerate(res2.rows)
+              if r["recorded"] is not None and r["recorded"].fault_class == "crash")
     crash = res2.rows[at]
     assert crash["status"] == "changed" and crash["differs"][:1] == ["action"], crash
     assert crash["replayed"].action == "stop_job_notify_user"
-    assert all(r["status"] == "same" for r in res2.rows[:at])
+    assert all(r["status"] == "same" for r in res2.rows[:at]
+               if r["recorded"] is not None and r["recorded"].action != "none")
     assert any(r["status"] == "missing" for r in res2.rows[at + 1:])
 
     # the command line says the same
@@ -119,7 +129,7 @@ def test_replay_reproduces_the_recorded_decisions_and_a_policy_change_changes_th
                           str(run["path"]), "--job-record", str(run["tmp"] / "job.json"),
                           "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["changed"] == 0
+    assert json.loads(out.stdout)["changed"] == len(res.changed)
     out = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", "decide",
                           str(run["path"]), "--job-record", str(run["tmp"] / "job.json"),
                           "--set", "crash=stop_job_notify_user"], capture_output=True,

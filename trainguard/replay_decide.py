@@ -22,8 +22,9 @@ the replayed attributor writes (empty at the start: faults other jobs left in th
 are not in a recording), and the audit trail. The controller records exclusions only.
 
 Decisions are compared on action, culprit (ranks, nodes) and generation, aligned per job in
-order (``difflib``): a decision only the recording has is ``missing``, one only the replay has
-is ``new``, a pair that differs is ``changed``.
+order (``difflib``); where they differ, a recorded and a replayed decision of the same fault
+class (in order) are a ``changed`` pair, a decision only the recording has is ``missing``, one
+only the replay has is ``new``.
 
 Policy backtesting: ``--set crash=stop_job_notify_user`` (``FAULT_CLASS[/LAYER]=ACTION``) or
 ``--policy FILE`` (JSON: ``{"rows": [{"fault_class", "layer", "action", "source"}],
@@ -237,23 +238,27 @@ def compare(recorded: list[DecisionRow], replayed: list[DecisionRow]) -> list[di
         sm = difflib.SequenceMatcher(a=[d.key() for d in a], b=[d.key() for d in b],
                                      autojunk=False)
         for op, i1, i2, j1, j2 in sm.get_opcodes():
-            olds, news = a[i1:i2], b[j1:j2]
-            for k in range(max(len(olds), len(news))):
-                old = olds[k] if k < len(olds) else None
-                new = news[k] if k < len(news) else None
-                if op == "equal":
-                    status, differs = "same", []
-                elif old is None:
-                    status, differs = "new", []
-                elif new is None:
-                    status, differs = "missing", []
-                else:
-                    status = "changed"
-                    differs = [f for f in ("action", "ranks", "nodes", "generation")
-                               if getattr(old, f) != getattr(new, f)]
-                t = (new or old).t_s  # type: ignore[union-attr]
-                rows.append((t, {"status": status, "replayed": new, "recorded": old,
-                                 "differs": differs}))
+            if op == "equal":
+                for old, new in zip(a[i1:i2], b[j1:j2]):
+                    rows.append((new.t_s, {"status": "same", "replayed": new, "recorded": old,
+                                           "differs": []}))
+                continue
+            # pair what differs by fault class, in order: a decision of the same fault that
+            # came out otherwise is "changed"; the rest is "missing" (recorded only) or "new"
+            news = list(b[j1:j2])
+            for old in a[i1:i2]:
+                new = next((n for n in news if n.fault_class == old.fault_class), None)
+                if new is None:
+                    rows.append((old.t_s, {"status": "missing", "replayed": None,
+                                           "recorded": old, "differs": []}))
+                    continue
+                news.remove(new)
+                differs = [f for f in ("action", "ranks", "nodes", "generation")
+                           if getattr(old, f) != getattr(new, f)]
+                rows.append((new.t_s, {"status": "changed", "replayed": new, "recorded": old,
+                                       "differs": differs}))
+            rows += [(n.t_s, {"status": "new", "replayed": n, "recorded": None, "differs": []})
+                     for n in news]
     rows.sort(key=lambda x: x[0])
     return [r for _, r in rows]
 
