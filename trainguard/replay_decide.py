@@ -26,6 +26,12 @@ order (``difflib``); where they differ, a recorded and a replayed decision of th
 class (in order) are a ``changed`` pair, a decision only the recording has is ``missing``, one
 only the replay has is ``new``.
 
+What a recording cannot hold: the instants of the live services' ticks. The detector evaluates
+its straggler and throughput rules on its timer (``eval_s``), over the windows as they are at
+that instant, so a warning flag near a threshold may differ between live and replay; the
+recovery decisions (crash, exception, hang, node loss: event-driven or threshold-crossing
+rules) came out the same in every recording tried.
+
 Policy backtesting: ``--set crash=stop_job_notify_user`` (``FAULT_CLASS[/LAYER]=ACTION``) or
 ``--policy FILE`` (JSON: ``{"rows": [{"fault_class", "layer", "action", "source"}],
 "default_mode", "default_retry_budget"}``) changes rows of ``remediator.policy.TABLE`` for the
