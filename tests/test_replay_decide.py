@@ -58,6 +58,13 @@ def test_memory_store_semantics():
                       pending_decision={"deadline_ns": 5})
     r = s.job("j")
     assert r.status == "stopped" and r.pending_decision == {"deadline_ns": 5}
+    s2 = MemoryStore()
+    for r in range(2):
+        s2.observe(schemas.WorkerStarted(job="f", rank=r, node="n0", local_rank=r))
+    s2.observe(schemas.WorkerExited(job="f", rank=0, node="n0", exit_code=0))
+    assert s2.job("f").status == "running"  # rank 1 of the node still runs
+    s2.observe(schemas.WorkerExited(job="f", rank=1, node="n0", exit_code=0))
+    assert s2.job("f").status == "finished"  # the node's launcher would end_run now
     s.record_fault("n1", "j", "sig", {"fault_class": "crash"}, ts_ns=10)
     s.record_fault("n1", "k", "sig", {"fault_class": "crash"}, ts_ns=20)
     assert [h["job"] for h in s.node_history("n1", 15)] == ["k"]

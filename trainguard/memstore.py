@@ -7,7 +7,8 @@ What the launchers write live (members, the generation a run starts at, its sett
 an event stream; ``MemoryStore.seed`` and ``MemoryStore.observe`` supply it: ``seed`` takes a
 snapshot of a job's record (``--job-record`` of ``trainguard replay decide``), ``observe`` folds
 the facts an event carries (a ``worker.started`` or heartbeat names a member: rank, node, local
-rank; its ``world_size``) into the record, as ``StateStore.add_members`` would.
+rank; its ``world_size``) into the record, as ``StateStore.add_members`` would, and the end of
+a run (every rank of a node exited 0: ``finished``, as its launcher's ``end_run``).
 No method does I/O or reads a clock: a time (``ts_ns``) is the caller's.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class MemoryStore:
         self.signatures: dict[str, list[tuple[str, str, int]]] = {}
         self._seeded: dict[str, set[str]] = {}
         self._observed: set[str] = set()
+        self._finished: dict[str, set[int]] = {}
 
     # ---- seeding from a snapshot and from events --------------------------------------------
     def seed(self, job: str, fields: dict[str, Any]) -> None:
@@ -52,7 +54,11 @@ class MemoryStore:
     def observe(self, ev: schemas.Event) -> None:
         """Fold what a launcher would have registered for ``ev``'s job: a member for a
         ``worker.started`` or rank heartbeat (rank, node, local rank), the world size (unless
-        seeded or already set), status ``running`` and ``runs`` 1 for a job first seen."""
+        seeded or already set), status ``running`` and ``runs`` 1 for a job first seen, status
+        ``finished`` after a ``worker.exited`` (see ``_on_exit``)."""
+        if isinstance(ev, schemas.WorkerExited) and ev.job and ev.rank is not None:
+            self._on_exit(ev)
+            return
         if not ev.job or not isinstance(ev, (schemas.WorkerStarted, schemas.RankHeartbeat)):
             return
         if ev.rank is None or not ev.node:
@@ -76,6 +82,22 @@ class MemoryStore:
         if m not in rec.members:
             rec.members = sorted([x for x in rec.members if x.get("rank") != m["rank"]] + [m],
                                  key=lambda x: x["rank"])
+
+    def _on_exit(self, ev: schemas.WorkerExited) -> None:
+        """A node's launcher marks the job ``finished`` once every rank of its node finished
+        (``exit_code`` 0; ``StateStore.end_run``); a stopped job stays stopped."""
+        done = self._finished.setdefault(ev.job or "", set())
+        if ev.exit_code == 0 and ev.signal is None:
+            done.add(int(ev.rank))  # type: ignore[arg-type]
+        else:
+            done.discard(int(ev.rank))  # type: ignore[arg-type]
+            return
+        rec = self.records.get(ev.job or "")
+        if rec is None or rec.status == "stopped" or "status" in self._seeded.get(ev.job, ()):
+            return
+        on_node = {int(m["rank"]) for m in rec.members if m.get("node") == ev.node}
+        if on_node and on_node <= done:
+            rec.status = "finished"
 
     def _rec(self, job: str) -> JobRecord:
         rec = self.records.get(job)
