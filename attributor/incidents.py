@@ -28,18 +28,26 @@ clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
   …)`` per culprit node and per XID anomaly, without a reply (a failed write is logged by the
   reducer base; the verdict stands).
 * A ``Tick`` drops incidents older than twice the window.
+* An anomaly already in its incident (same ``event_id``: redelivered after a restart, replayed
+  in a takeover, published again by a restarted detector) changes nothing.
+* A verdict's ``event_id`` is derived from (job, generation, conclusion), so the same
+  conclusion reached again — by a restarted or taking-over replica — is the same verdict, which
+  the stream and the remediator's claims keep once.
+* ``Released(job)`` drops the job's incidents (another replica serves it now).
 
 Reply tags: ``("node_history", seq, node)`` and ``("signature_history", seq)``, where ``seq``
 numbers the attribution in flight (``AttributorState.reading``).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard import schemas
-from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Reply, Tick, store
+from trainguard.reducer import (Call, Effect, Input, Log, Publish, Received, Released, Reply,
+                                Tick, store)
 from trainguard.schemas import subjects
 
 from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,
@@ -104,7 +112,16 @@ def step(state: AttributorState, inp: Input, now: float) -> tuple[AttributorStat
             return _on_node_history(state, inp, now)
         if inp.tag[0] == "signature_history":
             return _on_signature_history(state, inp, now)
+    if isinstance(inp, Released):
+        return _forget_job(state, inp.key), []
     return state, []
+
+
+def _forget_job(state: AttributorState, job: str) -> AttributorState:
+    keys = {k for k in state.incidents if k[0] == job}
+    return replace(state, incidents={k: v for k, v in state.incidents.items() if k not in keys},
+                   latest_gen={k: v for k, v in state.latest_gen.items() if k != job},
+                   reading={s: r for s, r in state.reading.items() if r.key not in keys})
 
 
 # ---- anomalies and ticks ----------------------------------------------------------------------
@@ -117,6 +134,8 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
     state = replace(state, latest_gen={**state.latest_gen, job: max(gen, latest)})
     key = (job, gen)
     inc = state.incidents.get(key)
+    if inc is not None and any(a.event_id == ev.event_id for a in inc.anomalies):
+        return state, []  # the same anomaly again: already in its incident
     if inc is None or now - inc.started > ac.incident_window_s:
         inc = Incident(job, gen, now)
     inc = replace(inc, anomalies=inc.anomalies + (ev,))
@@ -229,8 +248,10 @@ def _complete(state: AttributorState, seq: int, pairs: list, effects: list[Effec
 def _verdict(inc: Incident, spec: VerdictSpec, root: schemas.Anomaly, wall_ns: int
              ) -> schemas.Verdict:
     """The verdict event; ``ts`` is ``wall_ns`` (Unix ns) when the input gave one."""
+    vid = hashlib.blake2b(repr((inc.job, inc.generation, conclusion(spec))).encode(),
+                          digest_size=16).hexdigest()
     return schemas.Verdict(
-        job=inc.job, node=spec.nodes[0] if spec.nodes else None,
+        event_id=vid, job=inc.job, node=spec.nodes[0] if spec.nodes else None,
         rank=spec.ranks[0] if len(spec.ranks) == 1 else None,
         fault_class=spec.fault_class, layer=spec.layer,
         culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes, gpus=spec.gpus),

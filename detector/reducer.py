@@ -33,17 +33,28 @@ thermal, ECC counters) goes to ``tg.node.<node>.anomaly`` and to every job with 
 node, its culprit ranks those members — for a GPU finding, the member whose local rank is the
 GPU's index when one is.
 
+Replicas: every replica steps every node event (node windows are small and a takeover then
+needs no node history); a replica publishes the node-scoped anomaly of a node only when it
+serves ``node:<node>`` (``DetectorState.serves``), and a node finding reaches only the jobs it
+serves (it reads only their records). ``Released(job)`` forgets a job's windows and record.
+An anomaly's ``event_id`` is derived from its incident key and its source event (or, for a
+periodic rule, the ``dedup_ttl_s`` period it fell in), so the same incident found again — a
+redelivered event, a restarted or taking-over replica — carries the same id, which the stream
+and the attributor keep once.
+
 The state object is the reducer's own: ``step`` changes it in place and returns it. Input
 events are never changed.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from trainguard import schemas
-from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Reply, Tick
+from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Released, Reply, Tick
 from trainguard.schemas import JobRecord, subjects
 
 from .core import DetectorConfig, Finding
@@ -104,7 +115,8 @@ class DetectorState:
     → (sequence number, when issued) of its record read in flight, numbered by ``read_seq``;
     ``due`` — jobs to read at the next tick (first seen since the last refresh);
     ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
-    the first tick); ``anomalies`` — anomalies published so far."""
+    the first tick); ``anomalies`` — anomalies published so far; ``serves`` — whether this
+    replica serves a partition key (``node:<node>``; every key when alone)."""
 
     config: DetectorServiceConfig = field(default_factory=DetectorServiceConfig)
     jobs: dict[str, JobState] = field(default_factory=dict)
@@ -120,6 +132,7 @@ class DetectorState:
     last_refresh: float = -math.inf
     last_gc: float = -math.inf
     anomalies: int = 0
+    serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -134,7 +147,16 @@ def step(state: DetectorState, inp: Input, now: float) -> tuple[DetectorState, l
         return state, _tick(state, inp.wall_ns, now)
     if isinstance(inp, Reply):
         return state, _reply(state, inp, now)
+    if isinstance(inp, Released):
+        _forget_job(state, inp.key)
     return state, []
+
+
+def anomaly_id(key: tuple, source: schemas.Event | None, wall_ns: int, ttl_s: float) -> str:
+    """The event id of the anomaly of incident ``key``: 32 hex characters of blake2b over the
+    key and the source event's id (or the ``ttl_s`` period of ``wall_ns``, Unix ns)."""
+    anchor = source.event_id if source is not None else str(int(wall_ns // (ttl_s * 1e9)))
+    return hashlib.blake2b(repr((key, anchor)).encode(), digest_size=16).hexdigest()
 
 
 # ---- publication ---------------------------------------------------------------------------------
@@ -150,6 +172,7 @@ def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, 
     state.emitted[key] = now
     extra = {"ts": wall_ns} if wall_ns else {}
     a = schemas.Anomaly(
+        event_id=anomaly_id(key, source, wall_ns, state.config.dedup_ttl_s),
         job=job, node=(f.nodes[0] if f.nodes else node_scope),
         rank=f.ranks[0] if len(f.ranks) == 1 else None, kind=f.kind,
         fault_class=f.fault_class,
@@ -170,8 +193,10 @@ def _emit_node(state: DetectorState, out: list[Effect], node: str, f: Finding, n
                wall_ns: int, source: schemas.Event | None = None) -> None:
     """A node finding: on the node's subject and on every job with members on ``node``
     (culprit ranks: those members; for a GPU finding, the members whose local rank is the GPU's
-    index when any is), each with its job's generation."""
-    _emit(state, out, None, f, now, wall_ns, source, node_scope=node)
+    index when any is), each with its job's generation. The node's own subject only when this
+    replica serves the node."""
+    if state.serves(f"node:{node}"):
+        _emit(state, out, None, f, now, wall_ns, source, node_scope=node)
     gpu_index = f.detail.get("gpu_index")
     for job in sorted(state.node_jobs.get(node, ())):
         jc = state.records.get(job) or JobRecord()
@@ -288,7 +313,7 @@ def _on_kernel_line(state: DetectorState, inp: Received, now: float) -> list[Eff
     out: list[Effect] = []
     if f.fault_class in NODE_WIDE_KERNEL_CLASSES:
         _emit_node(state, out, node, f, now, inp.wall_ns, ev)
-    else:
+    elif state.serves(f"node:{node}"):
         _emit(state, out, None, f, now, inp.wall_ns, ev, node_scope=node)
     return out
 
@@ -461,6 +486,16 @@ def _index(state: DetectorState, name: str, old: JobRecord | None,
     for m in (new.members if new is not None else ()):
         if m.get("node"):
             state.node_jobs.setdefault(str(m["node"]), set()).add(name)
+
+
+def _forget_job(state: DetectorState, name: str) -> None:
+    """Drop job ``name``'s windows, record and reads (another replica serves it now); its
+    incident keys stay, so an incident published here is not published again if it returns."""
+    state.jobs.pop(name, None)
+    state.job_seen.pop(name, None)
+    state.reads.pop(name, None)
+    state.due.discard(name)
+    _index(state, name, state.records.pop(name, None), None)
 
 
 def _gc(state: DetectorState, now: float) -> None:

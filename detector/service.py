@@ -41,7 +41,12 @@ class Detector(ReducerService[DetectorState]):
         super().__init__(config)  # calls initial_state, which needs self.dc
 
     def initial_state(self) -> DetectorState:
-        return DetectorState(config=self.dc)
+        return DetectorState(config=self.dc, serves=self.membership.owns)
+
+    def accepts(self, subject: str) -> bool:
+        """Node events are stepped by every replica (see ``detector.reducer``); job events by
+        the replica that serves the job."""
+        return subject.startswith("tg.node.") or super().accepts(subject)
 
     def step(self, state: DetectorState, event, now: float):
         return reducer.step(state, event, now)

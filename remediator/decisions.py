@@ -12,7 +12,8 @@ from trainguard.schemas import ActionResult, Decision, JobRecord, Verdict, subje
 from trainguard.schemas.vocabulary import signature, stronger
 
 from . import policy as pol
-from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, done, fold,
+from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
+                    done, fold,
                     owner_action, owner_of, stamp, start, update, without_pending)
 
 
@@ -133,19 +134,51 @@ def on_bump(state, seq, w: Work, inp: Reply, now) -> Out:
     return state, [store("commit_decision", w.job, retries_used=dec.retries_used,
                          last_decision=brief(dec, w.fault_gen), last_fault=last_fault,
                          stopped=dec.action == "stop_job_notify_user",
-                         pending_decision=pending, **world, reply=("commit", seq))]
+                         pending_decision=pending, outbox=dec.to_dict(), **world,
+                         reply=("commit", seq))]
 
 
 def on_commit(state, seq, w: Work, inp: Reply, now) -> Out:
-    return _finish(state, seq, now, inp.wall_ns)
+    return _finish(state, seq, now, inp.wall_ns, in_outbox=True)
 
 
-def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int) -> Out:
+def on_outbox_put(state, seq, w: Work, inp: Reply, now) -> Out:
+    return _finish(state, seq, now, inp.wall_ns, in_outbox=True)
+
+
+def publish_decision(state: RemediatorState, dec: Decision) -> Out:
+    """Publish ``dec`` until a stream stored it (``Publish(stored=True)``); its reply
+    ``("published", job, decision id)`` drops it from the outbox (``on_published``)."""
+    assert dec.job
+    state = replace(state, publishing=state.publishing | {dec.event_id})
+    return state, [Publish(subjects.job(dec.job, "decision"), dec, stored=True,
+                           reply=("published", dec.job, dec.event_id))]
+
+
+def on_published(state: RemediatorState, inp: Reply) -> Out:
+    """A stored publish of a decision came back: stored → out of the outbox; not stored → it
+    stays there, and the next outbox sweep publishes it again."""
+    _, job, did = inp.tag
+    state = replace(state, publishing=state.publishing - {did})
+    if inp.error:
+        return state, [Log(logging.WARNING, f"{job}: decision {did} not stored yet "
+                                            f"({inp.error}); publishing it again")]
+    return count_outbox(state, "stored"), [store("outbox_done", job, did,
+                                                 reply=("outbox_done", job))]
+
+
+def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
+            in_outbox: bool = False) -> Out:
+    """Audit and publish the decision of work ``seq``; first into the outbox when the commit
+    did not put it there (observe mode, a flag): a decision is published only from there."""
     w = state.work[seq]
     dec = w.decision
     assert dec is not None
     job = w.job
+    if not in_outbox:
+        return state, [store("outbox_put", job, dec.to_dict(), reply=("outbox_put", seq))]
     state = count(state, "decisions")
+    state, publish = publish_decision(state, dec)
     effects: list[Effect] = [
         store("audit", job, {"type": "decision", "decision_id": dec.event_id,
                              "action": dec.action, "generation": dec.generation,
@@ -155,7 +188,7 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int) -> Out:
                              "ranks": dec.ranks, "nodes": dec.nodes,
                              "world_size": dec.world_size, "ts": dec.ts,
                              "decision": dec.to_dict()}),
-        Publish(subjects.job(job, "decision"), dec),
+        *publish,
         Log(logging.INFO, f"{job}: {dec.action} (generation {dec.generation}, "
                           f"execute={dec.execute}): {dec.reason}")]
     if dec.execute and dec.action in pol.RECOVERY_ACTIONS:

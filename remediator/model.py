@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from trainguard.reducer import Effect, store
 from trainguard.schemas import Decision, JobRecord, Verdict
@@ -24,7 +24,10 @@ class RemediatorConfig:
       ranks, as measured with gloo);
     * ``controller`` — node controller for exclusions: ``local`` (state store only), ``slurm``
       or ``kubernetes`` (env ``TG_NODE_CONTROLLER``, default ``local``);
-    * ``policy`` — the ``remediator.policy.Policy`` (default ``DEFAULT_POLICY``).
+    * ``policy`` — the ``remediator.policy.Policy`` (default ``DEFAULT_POLICY``);
+    * ``outbox_sweep_s`` — period, seconds, of the outbox sweep that publishes again the
+      decisions no stream acknowledged yet (2 s: a decision lost with the bus reaches the
+      stream within 2 s of its return).
     """
 
     decision_timeout_s: float = field(
@@ -32,6 +35,7 @@ class RemediatorConfig:
     controller: str = field(
         default_factory=lambda: os.environ.get("TG_NODE_CONTROLLER", "local"))
     policy: pol.Policy = field(default_factory=lambda: pol.DEFAULT_POLICY)
+    outbox_sweep_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,10 @@ class RemediatorState:
     """``config`` — the live ``RemediatorConfig`` (read at each step); ``controller`` — the node
     controller's name (``action.result.executor = controller:<name>``); ``pending`` — job →
     ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
-    decisions of the job records were re-armed (first ``Tick``)."""
+    decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
+    decisions whose stored publish is in flight; ``last_sweep`` — service time of the last
+    outbox sweep; ``outbox_counts`` — decisions stored in the stream, published again;
+    ``serves`` — whether this replica serves a job (every job when alone)."""
 
     config: RemediatorConfig = field(default_factory=RemediatorConfig)
     controller: str = "local"
@@ -81,6 +88,11 @@ class RemediatorState:
     seq: int = 0
     counts: dict[str, int] = field(default_factory=_zero_counts)
     armed: bool = False
+    publishing: frozenset = frozenset()
+    last_sweep: float = float("-inf")
+    serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
+    outbox_counts: dict[str, int] = field(default_factory=lambda: {"stored": 0,
+                                                                   "republished": 0})
 
 
 Out = tuple[RemediatorState, list[Effect]]
@@ -103,6 +115,11 @@ def done(state: RemediatorState, seq: int) -> RemediatorState:
 
 def count(state: RemediatorState, what: str) -> RemediatorState:
     return replace(state, counts={**state.counts, what: state.counts.get(what, 0) + 1})
+
+
+def count_outbox(state: RemediatorState, what: str) -> RemediatorState:
+    c = state.outbox_counts
+    return replace(state, outbox_counts={**c, what: c.get(what, 0) + 1})
 
 
 def without_pending(state: RemediatorState, job: str) -> RemediatorState:

@@ -31,6 +31,20 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
 A stage whose call failed (Valkey gone) ends that work with a ``Log``: nothing is published
 for a decision whose record was not written.
 
+Outbox: a decision is written to the job's outbox (``tg:job:<job>:outbox``) in the same step
+as its record — inside ``commit_decision`` in action mode, ``outbox_put`` otherwise — and only
+then published, with a JetStream ack (``Publish(stored=True)``, the decision id as
+``Nats-Msg-Id``); the reply ``("published", job, id)`` drops it from the outbox
+(``outbox_done``). Every ``outbox_sweep_s`` a ``Tick`` reads the outbox (``("outbox",)``) and
+publishes again what is still there and not in flight, for the jobs this replica serves: a
+remediator killed between storing and publishing, or a bus that was away, still gets every
+decision into the stream, once (the stream drops a second copy of an id; executors act once per
+idempotency key).
+
+Replicas: ``Gained(job)`` re-arms the job's pending decision from its record and sweeps the
+outbox at the next tick; ``Released(job)`` drops its pending decision here (the new owner
+re-arms it).
+
 Watchdog: ``pending`` holds one executed recovery decision per job with its deadline
 (``decision_timeout_s`` later). ``recovery.resumed`` with ``generation >=`` the decision's
 clears it; a failing ``action.result`` of an executor (not the controller) or a ``Tick`` past
@@ -44,12 +58,16 @@ from __future__ import annotations
 
 import logging
 
-from trainguard.reducer import Input, Log, Received, Reply, Tick
-from trainguard.schemas import ActionResult, TrainingResumed, Verdict
+from dataclasses import replace
+
+from trainguard import schemas
+from trainguard.reducer import Effect, Gained, Input, Log, Received, Released, Reply, Tick, store
+from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict
 
 from . import decisions as d
 from . import watchdog as wd
-from .model import Out, Pending, RemediatorConfig, RemediatorState, Work, done
+from .model import (Out, Pending, RemediatorConfig, RemediatorState, Work, count_outbox,
+                    done, without_pending)
 
 __all__ = ["RemediatorConfig", "RemediatorState", "Pending", "Work", "step"]
 
@@ -66,10 +84,23 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
             return wd.on_resumed(state, ev)
         return state, []
     if isinstance(inp, Tick):
-        return wd.on_tick(state, now, inp.wall_ns)
+        state, effects = wd.on_tick(state, now, inp.wall_ns)
+        if now - state.last_sweep >= state.config.outbox_sweep_s:
+            state = replace(state, last_sweep=now)
+            effects = effects + [store("outbox", reply=("outbox",))]
+        return state, effects
+    if isinstance(inp, Gained):
+        return replace(state, last_sweep=float("-inf")), [
+            store("job", inp.key, reply=("rearm_job", inp.key))]
+    if isinstance(inp, Released):
+        return without_pending(state, inp.key), []
     if isinstance(inp, Reply) and isinstance(inp.tag, tuple) and inp.tag:
         if inp.tag[0] in ("rearm_jobs", "rearm_job"):
             return wd.on_rearm(state, inp, now)
+        if inp.tag[0] == "published":
+            return d.on_published(state, inp)
+        if inp.tag[0] == "outbox":
+            return _on_outbox(state, inp)
         seq = inp.tag[1] if len(inp.tag) > 1 else None
         w = state.work.get(seq)  # type: ignore[arg-type]
         handler = _STAGES.get(inp.tag[0])
@@ -84,11 +115,32 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
     return state, []
 
 
+def _on_outbox(state: RemediatorState, inp: Reply) -> Out:
+    """Publish again the outbox entries of the jobs this replica serves, unless in flight."""
+    if inp.error:
+        return state, [Log(logging.WARNING, f"outbox unreadable ({inp.error}); next sweep")]
+    effects: list[Effect] = []
+    for job, entries in sorted((inp.value or {}).items()):
+        if not state.serves(job):
+            continue
+        for raw in entries:
+            try:
+                dec = schemas.from_dict(raw)
+            except Exception as exc:  # noqa: BLE001 - a bad entry is logged, not fatal
+                effects.append(Log(logging.WARNING, f"{job}: unreadable outbox entry ({exc})"))
+                continue
+            if not isinstance(dec, Decision) or dec.event_id in state.publishing:
+                continue
+            state, more = d.publish_decision(count_outbox(state, "republished"), dec)
+            effects += more
+    return state, effects
+
+
 #: Reply tag → the stage it completes (``tag = (stage, seq, …)``).
 _STAGES = {
     "verdict_claim": d.on_verdict_claim, "job": d.on_job, "flag_owner": d.on_flag_owner,
     "claim": d.on_claim, "escalation_claim": d.on_escalation_claim, "bump": d.on_bump,
-    "commit": d.on_commit, "exclude_claim": d.on_exclude_claim, "exclude": d.on_exclude,
+    "commit": d.on_commit, "outbox_put": d.on_outbox_put, "exclude_claim": d.on_exclude_claim, "exclude": d.on_exclude,
     "wd_job": wd.on_wd_job, "wd_claim": wd.on_wd_claim,
 }
 

@@ -17,6 +17,7 @@ claim is in Redis, never repeats one.
 from __future__ import annotations
 
 import time
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +30,15 @@ from . import reducer
 from .reducer import RemediatorConfig, RemediatorState
 
 __all__ = ["Remediator", "RemediatorConfig"]
+
+
+class _CrashBeforePublish:
+    """Test hook (``TG_TEST_CRASH_AFTER_OUTBOX=1``, set by tests only): the process dies at the
+    first decision publish, after the decision was stored in the outbox and before any of it
+    reached the bus — the window the outbox exists for."""
+
+    async def publish_stored(self, subject: str, event: Any, timeout: float = 2.0) -> int:
+        os._exit(70)
 
 
 class Remediator(ReducerService[RemediatorState]):
@@ -46,13 +56,17 @@ class Remediator(ReducerService[RemediatorState]):
 
     def initial_state(self) -> RemediatorState:
         name = self._controller.name if self._controller else self.rconfig.controller
-        return RemediatorState(config=self.rconfig, controller=name)
+        return RemediatorState(config=self.rconfig, controller=name,
+                               serves=self.membership.owns)
 
     def step(self, state, inp, now):
         return reducer.step(state, inp, now)
 
     def targets(self) -> dict[str, Any]:
-        return {"state": self.state, "controller": self._controller}
+        bus: Any = self.bus
+        if os.environ.get("TG_TEST_CRASH_AFTER_OUTBOX") == "1":
+            bus = _CrashBeforePublish()  # tests only: die with the decision stored, unpublished
+        return {"state": self.state, "controller": self._controller, "bus": bus}
 
     async def setup(self) -> None:
         assert self.state is not None

@@ -37,6 +37,7 @@ class Store:
         self.controller: dict[str, object] = {}  # node -> ControllerResult or an exception
         self.fail: set[str] = set()               # methods that raise ConnectionError
         self.excluded: list[str] = []
+        self.outboxes: dict[str, dict[str, dict]] = {}  # job -> decision id -> decision
 
     def __call__(self, call: Call):
         if call.method in self.fail:
@@ -66,6 +67,15 @@ class Store:
     def jobs(self):
         return sorted(self.records)
 
+    def outbox_put(self, job, decision):
+        self.outboxes.setdefault(job, {})[decision["event_id"]] = copy.deepcopy(decision)
+
+    def outbox_done(self, job, decision_id):
+        self.outboxes.get(job, {}).pop(decision_id, None)
+
+    def outbox(self, jobs=None):
+        return {j: list(v.values()) for j, v in self.outboxes.items() if v}
+
     def bump_generation(self, job, expected):
         rec = self.records[job]
         if rec.generation == expected:
@@ -74,8 +84,10 @@ class Store:
 
     def commit_decision(self, job, *, retries_used, last_decision, last_fault=None,
                         members=None, world_size=None, spare_nodes=None, stopped=False,
-                        pending_decision=None):
+                        pending_decision=None, outbox=None):
         rec = self.records[job]
+        if outbox is not None:
+            self.outbox_put(job, outbox)
         rec.retries_used, rec.last_decision = retries_used, last_decision
         rec.pending_decision = pending_decision
         for k, v in dict(last_fault=last_fault, members=members, world_size=world_size,
@@ -380,7 +392,8 @@ def test_rearm_after_a_restart():
     st.records["j"].pending_decision["deadline_ns"] = WALL + 5 * 10**9
     fresh = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local"))
     state, eff = run(st, [(10.0, Tick(WALL)), (14.0, Tick(WALL + 4 * 10**9))], fresh)
-    assert [c.method for c in eff if isinstance(c, Call)] == ["jobs", "job"]
+    assert [c.method for c in eff if isinstance(c, Call) and c.method != "outbox"] == [
+        "jobs", "job"]
     assert state.armed and state.pending["j"].decision.event_id == d.event_id
     assert state.pending["j"].deadline == pytest.approx(15.0)
     state, eff = run(st, [(15.0, Tick(WALL))], state)

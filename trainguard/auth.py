@@ -47,6 +47,20 @@ _JS_READ = ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
             "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.MSG.GET.*", "$JS.API.CONSUMER.CREATE.>",
             "$JS.API.CONSUMER.INFO.*.*", "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.>")
 _INBOX = "_INBOX.>"  # replies to this client's own requests (nats-py's default inbox prefix)
+
+
+def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a partitioned service needs to consume the streams durably
+    (``trainguard.consume``): publish — find a stream, create or look up its durable push
+    consumers and the short-lived replay consumers, pull the replay, ack what it handled;
+    subscribe — its consumers' delivery subjects ``tg.deliver.<service>.>``, the replies to its
+    own requests (its inbox prefix ``_INBOX.<service>``: JetStream API answers and publish
+    acks), its per-replica health subject."""
+    return (("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.CONSUMER.INFO.*.*",
+             "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
+             "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.TG_EVENTS.>",
+             "$JS.ACK.TG_TELEMETRY.>"),
+            (f"tg.deliver.{service}.>", f"_INBOX.{service}.>", f"tg.svc.{service}.health.*"))
 _DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
 
 
@@ -97,32 +111,38 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "`tg:job:<job>` and its lease set); checkpoint validity and everything else is "
          "read-only. Never a decision, an anomaly or a verdict."),
     Role("detector",
-         ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ),
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ) + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry", "tg.node.*.kernel",
-          "tg.svc.detector.health"),
-         "resetkeys %R~tg:* " + _READ_CMDS,
-         "turns raw signals into anomalies; reads job records (learned timeouts, members).",
+          "tg.svc.detector.health") + _consumer("detector")[1],
+         "resetkeys ~tg:members:detector %R~tg:* " + _SERVICE_CMDS,
+         "turns raw signals into anomalies; reads job records (learned timeouts, members); "
+         "holds its replica's lease (`tg:members:detector`); consumes the streams durably.",
          responses=True),
     Role("attributor",
-         ("tg.job.*.verdict", _DLQ),
-         ("tg.job.*.anomaly", "tg.node.*.anomaly", "tg.svc.attributor.health"),
-         "resetkeys ~tg:hist:* %R~tg:* " + _SERVICE_CMDS,
-         "turns anomalies into verdicts; writes the cross-job fault history (`tg:hist:*`).",
+         ("tg.job.*.verdict", _DLQ) + _consumer("attributor")[0],
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", "tg.svc.attributor.health")
+         + _consumer("attributor")[1],
+         "resetkeys ~tg:hist:* ~tg:members:attributor %R~tg:* " + _SERVICE_CMDS,
+         "turns anomalies into verdicts; writes the cross-job fault history (`tg:hist:*`) and "
+         "its replica's lease; consumes the streams durably.",
          responses=True),
     Role("remediator",
-         ("tg.job.*.decision", "tg.job.*.action", _DLQ),
+         ("tg.job.*.decision", "tg.job.*.action", _DLQ) + _consumer("remediator")[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
-          "tg.svc.remediator.health"),
-         "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* %R~tg:* " + _SERVICE_CMDS,
-         "the only chooser of actions: the only role that may publish decisions; publishes the "
-         "result of the actions it carries out itself (node exclusion); writes the job record, "
-         "the audit trail, idempotency keys and node status (exclusion).",
+          "tg.svc.remediator.health") + _consumer("remediator")[1],
+         "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:members:remediator %R~tg:* "
+         + _SERVICE_CMDS,
+         "the only chooser of actions: the only role that may publish decisions (with a "
+         "JetStream ack, from its outbox `tg:job:<job>:outbox`); publishes the result of the "
+         "actions it carries out itself (node exclusion); writes the job record, the audit "
+         "trail, idempotency keys, node status (exclusion) and its replica's lease.",
          responses=True),
     Role("checkpoint_validator",
-         ("tg.job.*.ckpt", _DLQ),
-         ("tg.job.*.ckpt", "tg.svc.checkpoint_validator.health"),
-         "resetkeys ~tg:ckpt:* %R~tg:* " + _SERVICE_CMDS,
+         ("tg.job.*.ckpt", _DLQ) + _consumer("checkpoint_validator")[0],
+         ("tg.job.*.ckpt", "tg.svc.checkpoint_validator.health")
+         + _consumer("checkpoint_validator")[1],
+         "resetkeys ~tg:ckpt:* ~tg:members:checkpoint_validator %R~tg:* " + _SERVICE_CMDS,
          "the only writer of checkpoint validity (`tg:ckpt:*`); publishes its verdict on "
          "`tg.job.<job>.ckpt`, which ranks also publish `ckpt.saved` on: on the bus that verdict "
          "is information only, the state store is what restore trusts.",

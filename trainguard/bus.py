@@ -29,7 +29,11 @@ from .errors import ServerUnreachable
 
 log = logging.getLogger("trainguard.bus")
 
-Handler = Callable[[str, Event], Awaitable[None] | None]
+Handler = Callable[..., Awaitable[None] | None]  # (subject, event, *extra)
+
+
+class NotStored(ConnectionError):
+    """A JetStream publish that no stream acknowledged (``Bus.publish_stored``)."""
 
 #: JetStream streams that keep event history for audit and replay.
 #: (name, subjects, max_age seconds). Telemetry and heartbeats are kept briefly.
@@ -97,9 +101,10 @@ class Bus:
     what to do when the server cannot be reached within ``timeout`` seconds.
     """
 
-    def __init__(self, url: str, name: str):
+    def __init__(self, url: str, name: str, inbox: str = "_INBOX"):
         self.url = url
         self.name = name
+        self.inbox = inbox  # replies to this client's requests come under ``<inbox>.>``
         self.nc: nats.NATS | None = None
         self.stats = BusStats()
         self._logged: set[str] = set()
@@ -118,7 +123,7 @@ class Bus:
                 self.nc = await asyncio.wait_for(nats.connect(
                     self.url, name=self.name, connect_timeout=min(timeout, 2.0),
                     max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
-                    error_cb=_err, pending_size=8 * 1024 * 1024,
+                    error_cb=_err, pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
                 ), max(0.1, deadline - loop.time()))
                 break
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
@@ -137,9 +142,28 @@ class Bus:
             self._logged.add(key)
             log.warning(msg, *args)
 
-    async def publish(self, subject: str, event: Event) -> None:
-        """Publish ``event`` on ``subject`` (core NATS; JetStream streams capture it)."""
-        await self.publish_raw(subject, schemas.encode(event))
+    async def publish(self, subject: str, event: Event, dedup: bool = False) -> None:
+        """Publish ``event`` on ``subject`` (core NATS; JetStream streams capture it).
+        ``dedup``: the event id goes in the ``Nats-Msg-Id`` header, so a stream keeps one copy
+        of an event published twice within its duplicate window (2 minutes) — a service that
+        re-decides the same event after a restart or a takeover."""
+        await self.publish_raw(subject, schemas.encode(event),
+                               headers={"Nats-Msg-Id": event.event_id} if dedup else None)
+
+    async def publish_stored(self, subject: str, event: Event, timeout: float = 2.0) -> int:
+        """Publish ``event`` and wait until a JetStream stream has stored it (the ``Nats-Msg-Id``
+        header is the event id: publishing it again stores nothing new). Returns the stream
+        sequence. Raises ``NotStored`` when no stream acknowledged it within ``timeout``
+        seconds (bus gone, no stream keeps ``subject``)."""
+        assert self.nc is not None, "call connect() first"
+        try:
+            ack = await self.nc.jetstream().publish(
+                subject, schemas.encode(event), timeout=timeout,
+                headers={"Nats-Msg-Id": event.event_id})
+        except Exception as exc:  # noqa: BLE001 - every failure means the same: not stored
+            raise NotStored(f"{subject}: {type(exc).__name__}: {exc}") from None
+        self.stats.published += 1
+        return int(ack.seq)
 
     async def publish_raw(self, subject: str, data: bytes, headers: dict | None = None) -> None:
         assert self.nc is not None, "call connect() first"
@@ -163,22 +187,7 @@ class Bus:
         assert self.nc is not None, "call connect() first"
 
         async def _cb(msg: Any) -> None:
-            self.stats.received += 1
-            try:
-                ev = schemas.decode(msg.data)
-            except DecodeError as exc:
-                await self.dead_letter(msg.subject, msg.data, exc)
-                return
-            try:
-                res = handler(msg.subject, ev)
-                if asyncio.iscoroutine(res):
-                    await res
-            except Exception as exc:  # noqa: BLE001 - one bad message never kills a service
-                self.stats.handler_errors += 1
-                self._log_once(f"handler:{type(exc).__name__}",
-                               "%s: handler error on %s (%s): %s", self.name, msg.subject,
-                               ev.SCHEMA, exc, )
-                log.debug("handler error", exc_info=True)
+            await self.handle(msg.subject, msg.data, handler)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=_cb)
         if last_stored:
@@ -186,6 +195,27 @@ class Bus:
             if raw is not None:
                 await _cb(raw)
         return sub
+
+    async def handle(self, subject: str, data: bytes, handler: Handler, *extra: Any) -> None:
+        """Decode ``data`` and call ``handler(subject, event, *extra)``: what every subscription
+        does with a message. Undecodable: dead-lettered; a handler error: counted, logged once
+        per type. Never raises."""
+        self.stats.received += 1
+        try:
+            ev = schemas.decode(data)
+        except DecodeError as exc:
+            await self.dead_letter(subject, data, exc)
+            return
+        try:
+            res = handler(subject, ev, *extra)
+            if asyncio.iscoroutine(res):
+                await res
+        except Exception as exc:  # noqa: BLE001 - one bad message never kills a service
+            self.stats.handler_errors += 1
+            self._log_once(f"handler:{type(exc).__name__}",
+                           "%s: handler error on %s (%s): %s", self.name, subject,
+                           ev.SCHEMA, exc, )
+            log.debug("handler error", exc_info=True)
 
     async def last_stored(self, subject: str) -> Any | None:
         """The newest message a JetStream stream keeps on exact ``subject`` (``.subject``,

@@ -12,17 +12,21 @@ Inputs to ``step``:
 
 * ``Received(subject, event, wall_ns)`` — an event from the bus;
 * ``Tick(wall_ns)`` — every ``ServiceConfig.tick_s`` seconds;
-* ``Reply(tag, value, error, wall_ns)`` — the result of a ``Call`` that asked for one.
+* ``Reply(tag, value, error, wall_ns)`` — the result of a ``Call`` that asked for one;
+* ``Gained(key)`` / ``Released(key)`` — this replica now serves partition ``key`` (a job; its
+  events of the relevance window were just stepped again from the stream) / no longer does
+  (forget it: another replica serves it now). See ``trainguard.membership``.
 
 ``now`` is the service clock in seconds: ``time.monotonic()`` live, the recording's receive
 time in a replay. Wall-clock times for event fields come from the inputs' ``wall_ns`` (Unix ns).
 
 Effects:
 
-* ``Publish(subject, event)`` — publish on the bus;
+* ``Publish(subject, event)`` — publish on the bus, the event id as ``Nats-Msg-Id`` (a stream
+  keeps one copy of an event a restarted or taking-over replica publishes again);
 * ``Call(target, method, args, kwargs, reply, wait)`` — await ``<target>.<method>(*args,
   **kwargs)`` where the service names its targets (``"state"`` is the ``StateStore``; the
-  remediator adds ``"controller"``). With ``reply`` set, the result comes back as
+  ``"bus"`` the ``Bus``, e.g. ``publish_stored``; the remediator adds ``"controller"``). With ``reply`` set, the result comes back as
   ``Reply(reply, value)`` or, when the call raised, ``Reply(reply, None, error="Type: text")``.
   ``wait=False`` runs the call in the background: later effects and inputs do not wait for it.
 * ``Log(level, message)`` — a log line (the service's logger).
@@ -40,8 +44,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Iterable, Sequence, TypeVar, Union
 
+from trainguard import schemas
 from trainguard.schemas import Event
 
+from . import consume
+from .membership import partition_key
 from .service import Service
 
 log = logging.getLogger("trainguard.reducer")
@@ -76,14 +83,36 @@ class Reply:
     wall_ns: int = 0
 
 
-Input = Union[Received, Tick, Reply]
+@dataclass(frozen=True)
+class Gained:
+    """This replica serves partition ``key`` from now on (its recent events were replayed)."""
+
+    key: str
+    wall_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Released:
+    """This replica no longer serves partition ``key``: drop what is kept of it."""
+
+    key: str
+    wall_ns: int = 0
+
+
+Input = Union[Received, Tick, Reply, Gained, Released]
 
 
 # ---- effects ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Publish:
+    """Publish ``event`` on ``subject``. ``stored``: in the background, until a JetStream
+    stream acknowledged it (``Bus.publish_stored``); ``reply`` then names the ``Reply`` that
+    says how it went (value: the stream sequence; error: not stored)."""
+
     subject: str
     event: Event
+    stored: bool = False
+    reply: Hashable | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +151,7 @@ class ReducerService(Service, Generic[S]):
 
     #: subjects this service consumes (NATS wildcards allowed)
     topics: Sequence[str] = ()
+    partitioned = True
 
     def __init__(self, config=None):
         super().__init__(config)
@@ -130,6 +160,7 @@ class ReducerService(Service, Generic[S]):
         self._background: set[asyncio.Task] = set()
         self.effects_run = 0
         self.effect_errors = 0
+        self.replayed_inputs = 0
 
     # ---- to implement -----------------------------------------------------------------------
     def initial_state(self) -> S:
@@ -140,13 +171,14 @@ class ReducerService(Service, Generic[S]):
 
     def targets(self) -> dict[str, Any]:
         """Call targets by name; ``"state"`` is the state store."""
-        return {"state": self.state}
+        return {"state": self.state, "bus": self.bus}
 
     def clock(self) -> float:
         return time.monotonic()
 
     def extra_stats(self) -> dict[str, Any]:
-        return {"effects": self.effects_run, "effect_errors": self.effect_errors}
+        return {"effects": self.effects_run, "effect_errors": self.effect_errors,
+                "replayed": self.replayed_inputs}
 
     # ---- wiring -----------------------------------------------------------------------------
     def subscriptions(self):
@@ -163,15 +195,60 @@ class ReducerService(Service, Generic[S]):
         async with self._lock:
             await self._dispatch(inp)
 
-    async def _dispatch(self, inp: Input) -> None:
-        self.model, effects = self.step(self.model, inp, self.clock())
+    async def _dispatch(self, inp: Input, now: float | None = None) -> None:
+        self.model, effects = self.step(self.model, inp, self.clock() if now is None else now)
         for eff in effects:
             await self._perform(eff)
 
+    async def members_changed(self, gained: set[str], lost: set[str]) -> None:
+        """Forget the lost jobs (``Released``); rebuild each gained job from the streams: the
+        messages of its topics stored within their relevance (``consume.RELEVANCE``), stepped
+        oldest first at the service time they arrived (``now`` minus their age), then
+        ``Gained``. Live messages of the job already stepped by the replay are skipped
+        (``Service.replayed``). Node keys are not replayed (every replica steps node events)."""
+        async with self._lock:
+            for key in sorted(lost):
+                await self._dispatch(Released(key, time.time_ns()))
+            for key in sorted(k for k in gained if not k.startswith("node:")):
+                await self._rebuild(key)
+                await self._dispatch(Gained(key, time.time_ns()))
+
+    async def _rebuild(self, job: str) -> None:
+        assert self.bus.nc is not None
+        now_ns = time.time_ns()
+        got: list[tuple[int, str, Any, consume.Stored]] = []
+        for topic in self.topics:
+            parts = topic.split(".")
+            if len(parts) < 3 or parts[:2] != ["tg", "job"] or parts[2] != "*":
+                continue
+            subject = ".".join(["tg", "job", job] + parts[3:])
+            since = now_ns - int(min(consume.max_age_s(topic), 86400.0) * 1e9)
+            try:
+                for m, st in await consume.replay(self.bus.nc, subject, since):
+                    got.append((st.stored_ns, m.subject, m.data, st))
+            except Exception as exc:  # noqa: BLE001 - rebuild what can be read
+                log.warning("%s: replay of %s failed: %s", self.name, subject, exc)
+        got.sort(key=lambda g: (g[0], g[3].seq))
+        for stored_ns, subject, data, st in got:
+            key = (st.stream, partition_key(subject) or "")
+            self.replayed[key] = max(self.replayed.get(key, 0), st.seq)
+            try:
+                ev = schemas.decode(data)
+            except schemas.DecodeError:
+                continue
+            self.replayed_inputs += 1
+            await self._dispatch(Received(subject, ev, stored_ns), self.clock() - st.age_s)
+
     async def _perform(self, eff: Effect) -> None:
         self.effects_run += 1
-        if isinstance(eff, Publish):
-            await self.bus.publish(eff.subject, eff.event)
+        if isinstance(eff, Publish) and eff.stored:
+            call = Call("bus", "publish_stored", (eff.subject, eff.event), reply=eff.reply,
+                        wait=False)
+            task = asyncio.create_task(self._call_later(call))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif isinstance(eff, Publish):
+            await self.bus.publish(eff.subject, eff.event, dedup=True)
         elif isinstance(eff, Log):
             logging.getLogger(f"trainguard.{self.name}").log(eff.level, "%s", eff.message)
         elif isinstance(eff, Call):
@@ -227,7 +304,8 @@ def run_offline(step: Step, state: S, inputs: Iterable[tuple[float, Input]],
     call's reply is stepped at once, as live; a background call's (``wait=False``) reply is
     stepped after the current input and its chain, before the next input (live it arrives
     whenever the call ends). Returns the final state and every effect, in the order they would
-    have been carried out. This is how table tests and an offline replay drive a service."""
+    have been carried out. A stored ``Publish`` with a reply is answered as stored (value 0),
+    like a background call. This is how table tests and an offline replay drive a service."""
     out: list[Effect] = []
     later: list[tuple[float, Reply]] = []
 
@@ -243,7 +321,9 @@ def run_offline(step: Step, state: S, inputs: Iterable[tuple[float, Input]],
         state, effects = step(state, inp, now)
         for eff in effects:
             out.append(eff)
-            if isinstance(eff, Call) and eff.reply is not None:
+            if isinstance(eff, Publish) and eff.stored and eff.reply is not None:
+                later.append((now, Reply(eff.reply, 0, None, getattr(inp, "wall_ns", 0))))
+            elif isinstance(eff, Call) and eff.reply is not None:
                 reply = _answer(eff, getattr(inp, "wall_ns", 0))
                 if eff.wait:
                     _run(now, reply)

@@ -10,6 +10,17 @@ serves Prometheus ``/metrics`` (``trainguard.metrics``; the port is in the healt
 
 Run one alone with ``python -m <service> --nats-url URL --redis-url URL`` (or env ``NATS_URL``,
 ``REDIS_URL``), which is what docker-compose and Kubernetes do.
+
+A ``partitioned`` service (detector, attributor, remediator, checkpoint validator) consumes every
+topic a JetStream stream keeps through its own durable consumer with explicit acks
+(``trainguard.consume``): a message is acked once handled, so a replica that restarts under the
+same ``--replica`` name handles what arrived while it was down, within each subject family's
+relevance (``consume.RELEVANCE``). Several replicas run side by side: each holds a lease in
+Valkey (``trainguard.membership``) and handles the events of the jobs it owns by rendezvous
+hashing over the live replicas; the others' events it acks unhandled. When the members change,
+``members_changed`` gets the keys this replica gained and lost (``ReducerService`` rebuilds a
+gained job from the stream and forgets a lost one). Topics no stream keeps stay plain NATS
+subscriptions, filtered the same way.
 """
 from __future__ import annotations
 
@@ -24,16 +35,18 @@ from typing import Any, Callable
 
 from trainguard.schemas import subjects
 
-from . import metrics, tracing
+from . import consume, metrics, tracing
 from .auth import redact
 from .bus import Bus, Handler
+from .membership import Membership, MembershipConfig, default_replica, partition_key
 from .state import StateStore
 
 log = logging.getLogger("trainguard.service")
 
 
-def health_subject(name: str) -> str:
-    return f"tg.svc.{name}.health"
+def health_subject(name: str, replica: str | None = None) -> str:
+    """``tg.svc.<name>.health`` (any replica answers), or ``….health.<replica>`` (that one)."""
+    return f"tg.svc.{name}.health" + (f".{replica}" if replica else "")
 
 
 @dataclass
@@ -43,14 +56,21 @@ class ServiceConfig:
     ``nats_url``/``redis_url`` — required (env ``NATS_URL``/``REDIS_URL``); there is no default
     so a service never talks to a server by accident. ``node`` — this host's node name
     (env ``TG_NODE``, default the hostname). ``tick_s`` — period of ``tick()`` in seconds.
-    ``queue`` — NATS queue group for running several replicas ("" = every replica sees all).
+    ``replica`` — this replica's name among the service's replicas (env ``TG_REPLICA``; default
+    ``<host>-<pid>``, unique to the process): a replica restarted under the same name resumes
+    its durable consumers, one with a new name starts from what arrives. ``durable`` — consume
+    through JetStream durable consumers where a stream keeps the topic (False: plain
+    subscriptions, nothing handled after a restart). ``membership`` — lease timing.
     """
 
     nats_url: str = field(default_factory=lambda: os.environ.get("NATS_URL", ""))
     redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", ""))
     node: str = field(default_factory=subjects.default_node)
     tick_s: float = 0.05
-    queue: str = ""
+    replica: str = field(default_factory=lambda: os.environ.get("TG_REPLICA") or
+                         default_replica())
+    durable: bool = True
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
 
 
 class Service:
@@ -58,6 +78,8 @@ class Service:
 
     name = "service"
     uses_state = True
+    #: jobs are partitioned among the service's replicas (see the module docstring)
+    partitioned = False
 
     def __init__(self, config: ServiceConfig | None = None):
         self.config = config or ServiceConfig()
@@ -66,10 +88,16 @@ class Service:
                              f"(`trainguard up` starts a local stack)")
         if self.uses_state and not self.config.redis_url:
             raise SystemExit(f"{self.name}: no Redis URL: pass --redis-url or set REDIS_URL")
-        self.bus = Bus(self.config.nats_url, self.name)
+        self.bus = Bus(self.config.nats_url, self.name, inbox=f"_INBOX.{self.name}")
         self.state: StateStore | None = None
         self.metrics: Any = None  # trainguard.metrics.Metrics when TG_METRICS_PORT is set
         self._stop = asyncio.Event()
+        self.membership = Membership(self.name, self.config.replica, self.config.membership)
+        self.consumed = {"durable": 0, "stale": 0, "foreign": 0, "replayed_before": 0}
+        self.known: set[str] = set()  # partition keys seen on the bus (owned or not)
+        self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
+        self._subs: list[Any] = []
+        self._member_task: asyncio.Task | None = None
 
     # ---- to override ------------------------------------------------------------------------
     def subscriptions(self) -> list[tuple[str, Handler]]:
@@ -88,28 +116,122 @@ class Service:
         """Counters of the service base class, added to the health reply's ``stats``."""
         return {}
 
+    def accepts(self, subject: str) -> bool:
+        """Whether this replica handles a message on ``subject``: its partition key is one it
+        owns (always, for a service that is not ``partitioned``)."""
+        if not self.partitioned:
+            return True
+        key = partition_key(subject)
+        if key is not None:
+            self.known.add(key)
+        return self.membership.owns(key)
+
+    async def members_changed(self, gained: set[str], lost: set[str]) -> None:
+        """The members changed: this replica now owns ``gained`` and no longer ``lost``
+        (partition keys it knew of). Called with no input being handled."""
+
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.bus.connect(timeout=10.0)
         if self.uses_state:
             self.state = StateStore(self.config.redis_url)
             await self.state.ping()
+        joined_others = False
+        if self.partitioned and self.state is not None:
+            await self.membership.renew(self.state)
+            joined_others = len(self.membership.members) > 1
         await self.setup()
         tracing.configure_from_env(self.name)
         self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         for subject, handler in self.subscriptions():
-            await self.bus.subscribe(subject, tracing.traced(self.name, handler),
-                                     queue=self.config.queue)
+            await self._consume(subject, tracing.traced(self.name, handler))
+        assert self.bus.nc is not None
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
+        await self.bus.nc.subscribe(health_subject(self.name, self.config.replica),
+                                    cb=self._health)
         await self.bus.flush()
-        log.info("%s ready (nats=%s)", self.name, redact(self.config.nats_url))
+        if self.partitioned and self.state is not None:
+            if joined_others:  # take over what the others served of ours: rebuild it
+                self.known.update(await self.state.jobs())
+                mine = {k for k in self.known if self.membership.owns(k)}
+                await self.members_changed(mine, set())
+            self._member_task = asyncio.create_task(self._renew_loop())
+        log.info("%s ready (replica %s, nats=%s)", self.name, self.config.replica,
+                 redact(self.config.nats_url))
+
+    async def _consume(self, topic: str, handler: Handler) -> None:
+        """Subscribe ``handler`` to ``topic``: a durable consumer when a stream keeps it (and
+        ``config.durable``), else a plain subscription; either way filtered by ``accepts``."""
+        assert self.bus.nc is not None
+        if self.config.durable and self.partitioned:
+            max_age = consume.max_age_s(topic)
+
+            async def on_message(msg: Any) -> None:
+                try:
+                    st = consume.stored_of(msg)
+                    if st is not None and st.age_s > max_age:
+                        self.consumed["stale"] += 1
+                    elif not self.accepts(msg.subject):
+                        self.consumed["foreign"] += 1
+                    elif st is not None and st.seq <= self.replayed.get(
+                            (st.stream, partition_key(msg.subject) or ""), 0):
+                        self.consumed["replayed_before"] += 1  # stepped in a takeover replay
+                    else:
+                        self.consumed["durable"] += 1
+                        await self.bus.handle(msg.subject, msg.data, handler)
+                finally:
+                    try:
+                        await msg.ack()
+                    except Exception:  # noqa: BLE001 - connection gone: redelivered later
+                        pass
+
+            sub = await consume.durable_subscribe(self.bus.nc, self.name, self.config.replica,
+                                                  topic, on_message)
+            if sub is not None:
+                self._subs.append(sub)
+                return
+
+        async def plain(subject: str, ev: Any) -> None:
+            if self.accepts(subject):
+                res = handler(subject, ev)
+                if asyncio.iscoroutine(res):
+                    await res
+            else:
+                self.consumed["foreign"] += 1
+
+        self._subs.append(await self.bus.subscribe(topic, plain))
+
+    async def _renew_loop(self) -> None:
+        """Renew the lease every ``renew_s``; on a change of members, ``members_changed``."""
+        assert self.state is not None
+        while not self._stop.is_set():
+            await asyncio.sleep(self.membership.config.renew_s)
+            before = {k for k in self.known if self.membership.owns(k)}
+            try:
+                changed = await self.membership.renew(self.state)
+            except Exception as exc:  # noqa: BLE001 - Valkey away: keep the last list
+                log.warning("%s: lease not renewed: %s", self.name, exc)
+                continue
+            if changed:
+                try:
+                    self.known.update(await self.state.jobs())
+                except Exception:  # noqa: BLE001
+                    pass
+                after = {k for k in self.known if self.membership.owns(k)}
+                try:
+                    await self.members_changed(after - before, before - after)
+                except Exception:  # noqa: BLE001 - a failed takeover is logged, not fatal
+                    log.exception("%s: taking over after a change of members failed",
+                                  self.name)
 
     async def _health(self, msg: Any) -> None:
         s = self.bus.stats
         body = {"ok": True, "name": self.name, "pid": os.getpid(),
+                "replica": self.config.replica, "members": list(self.membership.members),
                 "stats": {"received": s.received, "published": s.published,
                           "dropped": s.dropped, "handler_errors": s.handler_errors,
-                          "bad": dict(s.bad), **self.extra_stats()},
+                          "bad": dict(s.bad), "consumed": dict(self.consumed),
+                          **self.extra_stats()},
                 "metrics_port": self.metrics.port if self.metrics else None, **self.health()}
         await msg.respond(json.dumps(body).encode())
 
@@ -135,8 +257,15 @@ class Service:
     async def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self._member_task is not None:
+            self._member_task.cancel()
         await self.bus.close()
         if self.state is not None:
+            if self.partitioned:
+                try:
+                    await self.state.leave_member(self.name, self.config.replica)
+                except Exception:  # noqa: BLE001 - its lease runs out by itself
+                    pass
             await self.state.close()
 
 
@@ -146,7 +275,10 @@ def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = N
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
     p.add_argument("--node", default=subjects.default_node())
-    p.add_argument("--queue", default=os.environ.get("TG_QUEUE", ""))
+    p.add_argument("--replica", default=os.environ.get("TG_REPLICA", ""),
+                   help="this replica's name among the service's replicas; a replica "
+                        "restarted under the same name handles what arrived while it was down "
+                        "(default: <host>-<pid>)")
     p.add_argument("--log-level", default=os.environ.get("TG_LOG_LEVEL", "INFO"))
     p.add_argument("--metrics-port", default=None,
                    help="serve Prometheus /metrics on this port (0: ephemeral; env "
@@ -157,7 +289,7 @@ def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = N
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServiceConfig(nats_url=args.nats_url, redis_url=args.redis_url, node=args.node,
-                        queue=args.queue)
+                        **({"replica": args.replica} if args.replica else {}))
     svc = factory(cfg)
 
     async def _amain() -> None:

@@ -17,6 +17,9 @@ key                             type   content
 ``tg:ckpt:<job>:<path>``        hash   status (pending | valid | invalid), step, reasons (JSON)
 ``tg:hist:node:<node>``         zset   fault records on that node (JSON), score = Unix ns
 ``tg:hist:sig:<signature>``     zset   ``<job>|<node>`` pairs that saw that fault signature
+``tg:job:<job>:outbox``         hash   decision id → decision (JSON) stored, not yet seen stored
+                                       in JetStream (the remediator's outbox)
+``tg:members:<service>``        zset   live replicas of a service, score = lease expiry (Unix ms)
 ==============================  =====  ============================================================
 """
 from __future__ import annotations
@@ -170,7 +173,9 @@ class StateStore:
         the decision (``last_decision``), the fault it acted on (``last_fault``, kept when
         None), the new world of an exclusion (``members``/``world_size``/``spare_nodes``,
         kept when None), ``status=stopped`` for a stop, and the decision the watchdog waits on
-        (``pending_decision``; None clears it)."""
+        (``pending_decision``; None clears it), and ``outbox`` (the decision's ``to_dict()``)
+        into the job's outbox, so a decision is never published without its record nor its
+        record written without the decision kept for publishing."""
         fields: dict[str, Any] = {"retries_used": retries_used, "last_decision": last_decision}
         optional = {"last_fault": last_fault, "members": members, "world_size": world_size,
                     "spare_nodes": spare_nodes, "status": "stopped" if stopped else None}
@@ -183,7 +188,54 @@ class StateStore:
         else:
             pipe.hset(_job_key(job), "pending_decision",
                       encode_value("pending_decision", pending_decision))
+        if outbox is not None:
+            pipe.hset(_outbox_key(job), str(outbox["event_id"]), json.dumps(outbox))
         await pipe.execute()
+
+    # ---- the decision outbox ------------------------------------------------------------------
+    async def outbox_put(self, job: str, decision: dict[str, Any]) -> None:
+        """Keep ``decision`` (a ``Decision.to_dict()``) in the job's outbox until
+        ``outbox_done``; the observe-mode path, where no record is committed."""
+        await self.r.hset(_outbox_key(job), str(decision["event_id"]), json.dumps(decision))
+
+    async def outbox_done(self, job: str, decision_id: str) -> None:
+        """The decision ``decision_id`` is stored in JetStream: drop it from the outbox."""
+        await self.r.hdel(_outbox_key(job), decision_id)
+
+    async def outbox(self, jobs: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+        """job → the decisions waiting in its outbox (``to_dict()`` form, oldest ``ts``
+        first), for ``jobs`` (default: every job of ``tg:jobs``); jobs with none are left out."""
+        names = await self.jobs() if jobs is None else list(jobs)
+        pipe = self.r.pipeline(transaction=False)
+        for j in names:
+            pipe.hvals(_outbox_key(j))
+        rows = await pipe.execute() if names else []
+        out: dict[str, list[dict[str, Any]]] = {}
+        for j, vals in zip(names, rows):
+            if vals:
+                out[j] = sorted((json.loads(v) for v in vals), key=lambda d: d.get("ts", 0))
+        return out
+
+    # ---- service replicas ----------------------------------------------------------------------
+    async def renew_member(self, service: str, replica: str, lease_s: float) -> list[str]:
+        """Hold (or renew) ``replica``'s lease among ``service``'s replicas for ``lease_s``
+        seconds, drop expired leases, and return the live replicas, sorted (one round trip)."""
+        now_ms = int(time.time() * 1000)
+        key = _members_key(service)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zremrangebyscore(key, "-inf", now_ms)
+        pipe.zadd(key, {replica: now_ms + int(lease_s * 1000)})
+        pipe.zrange(key, 0, -1)
+        return sorted((await pipe.execute())[-1])
+
+    async def members(self, service: str) -> list[str]:
+        """The replicas of ``service`` whose lease has not run out, sorted."""
+        now_ms = int(time.time() * 1000)
+        return sorted(await self.r.zrangebyscore(_members_key(service), now_ms, "+inf"))
+
+    async def leave_member(self, service: str, replica: str) -> None:
+        """``replica`` stops serving: its jobs move at once, not when its lease runs out."""
+        await self.r.zrem(_members_key(service), replica)
 
     async def clear_pending(self, job: str) -> None:
         """No decision of ``job`` is pending for the watchdog any more."""
@@ -296,6 +348,14 @@ class StateStore:
 
 def _job_key(job: str) -> str:
     return f"tg:job:{job}"
+
+
+def _outbox_key(job: str) -> str:
+    return f"tg:job:{job}:outbox"
+
+
+def _members_key(service: str) -> str:
+    return f"tg:members:{service}"
 
 
 def _settings_fields(settings: JobSettings) -> dict[str, Any]:

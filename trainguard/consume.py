@@ -1,0 +1,220 @@
+"""Durable consumption of the JetStream streams: what a service handles after it restarts, and
+how a replica rebuilds a job it takes over.
+
+* ``RELEVANCE`` — how old a message of each subject family may be and still be handled
+  (seconds since the server stored it). A heartbeat says a rank was alive *then*: replayed after
+  a restart it would make a dead rank look alive, so only a few seconds of them count. A crash,
+  an anomaly, a verdict, an action result or a recovery still needs its answer minutes later.
+* ``durable_subscribe`` — one JetStream push consumer per (service, replica, topic), with
+  explicit acks: the service acks each message after it handled it (for a reducer: after the
+  step and its waited-for effects), so a replica killed mid-way gets the unacked messages again
+  when it comes back under the same name, and everything that arrived while it was down.
+  Messages older than their family's relevance are acked without being handled.
+* ``replay`` — the stored messages of a subject (wildcards allowed) since a time, oldest first,
+  through a short-lived ordered read: what a replica steps when it takes over a job.
+
+Subjects no stream keeps stay plain NATS subscriptions (``Service`` falls back by itself).
+Durable consumers a replica never comes back to are removed by the server after
+``DURABLE_INACTIVE_S``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Awaitable, Callable
+
+log = logging.getLogger("trainguard.consume")
+
+
+@dataclass(frozen=True)
+class Relevance:
+    """A subject family (NATS wildcards) and the age, seconds, past which its messages are no
+    longer handled, with why."""
+
+    pattern: str
+    max_age_s: float
+    reason: str
+
+
+#: First matching row wins; a subject that matches none is handled whatever its age.
+RELEVANCE: tuple[Relevance, ...] = (
+    Relevance("tg.job.*.rank.*.hb", 5.0,
+              "the detector's silence threshold (DetectorConfig.silence_timeout_s, 5 s): an older "
+              "heartbeat would make a rank silent since then look alive"),
+    Relevance("tg.node.*.heartbeat", 3.0,
+              "the node timeout (DetectorConfig.node_timeout_s, 3 s): an older node heartbeat "
+              "would hide a lost node"),
+    Relevance("tg.node.*.telemetry", 10.0,
+              "the agent re-sends every counter each sample (1 s); a minutes-old temperature "
+              "says nothing about the GPU now"),
+    Relevance("tg.job.*.worker", 600.0,
+              "a crash or start still unanswered ten minutes later still needs its recovery; "
+              "the watchdog and the job record settle anything older"),
+    Relevance("tg.job.*.log", 600.0, "as worker events: a fault's own line"),
+    Relevance("tg.node.*.xid", 600.0, "as worker events: a GPU fault"),
+    Relevance("tg.node.*.kernel", 600.0, "as worker events: a node fault"),
+    Relevance("tg.job.*.anomaly", 600.0,
+              "ten times the attributor's incident window (60 s): an older anomaly opens no "
+              "incident the remediator would still act on"),
+    Relevance("tg.job.*.ckpt", 86400.0,
+              "a checkpoint saved while the validator was down must still be validated before "
+              "anyone resumes from it"),
+    Relevance("tg.job.*.verdict", 3600.0,
+              "a verdict nobody decided is decided after a restart (the job record and the "
+              "claims fold what was decided already)"),
+    Relevance("tg.job.*.action", 3600.0, "action results feed the watchdog of a decision"),
+    Relevance("tg.job.*.recovery", 3600.0, "training resumed clears the watchdog of a decision"),
+    Relevance("tg.job.*.decision", 3600.0, "decisions are what executors carry out"),
+)
+
+#: Seconds after which the server removes a durable consumer nobody is bound to (a replica
+#: that never came back): an hour, far longer than any restart.
+DURABLE_INACTIVE_S = 3600.0
+#: Seconds the server waits for an ack before it delivers a message again (a step waits on
+#: Valkey at most its socket timeout, 5 s).
+ACK_WAIT_S = 30.0
+#: Unacked messages the server lets one consumer have in flight (a burst of heartbeats of
+#: 10,000 ranks fits).
+MAX_ACK_PENDING = 50_000
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard match: ``*`` one token, ``>`` the rest (one token or more)."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def max_age_s(subject: str, table: tuple[Relevance, ...] = RELEVANCE) -> float:
+    """Relevance of ``subject`` (a concrete subject or a topic with wildcards), seconds;
+    ``inf`` when no row matches."""
+    for row in table:
+        if matches(row.pattern, subject) or row.pattern == subject:
+            return row.max_age_s
+    return float("inf")
+
+
+def consumer_name(service: str, replica: str, topic: str) -> str:
+    """The durable name of ``service``'s ``replica`` on ``topic`` (letters, digits, ``_``,
+    ``-``: what JetStream accepts in a name)."""
+    raw = f"{service}_{replica}_{topic.replace('tg.', '', 1).replace('*', 'x').replace('>', 'all')}"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:200]
+
+
+def deliver_subject(service: str, replica: str, topic: str) -> str:
+    """Where the server pushes ``consumer_name``'s messages: ``tg.deliver.<service>.<name>``
+    (a subject of the service's own, in its role's subscribe list)."""
+    return f"tg.deliver.{service}.{consumer_name(service, replica, topic)}"
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A message as a stream keeps it: stream, sequence in it, when the server stored it (Unix
+    ns), whether it is a redelivery."""
+
+    stream: str
+    seq: int
+    stored_ns: int
+    redelivered: bool = False
+
+    @property
+    def age_s(self) -> float:
+        return max(0.0, (time.time_ns() - self.stored_ns) / 1e9)
+
+
+def stored_of(msg: Any) -> Stored | None:
+    """The ``Stored`` facts of a JetStream message (None for a core NATS message)."""
+    try:
+        md = msg.metadata
+    except Exception:  # noqa: BLE001 - not a JetStream message
+        return None
+    ts = md.timestamp
+    ns = int(ts.timestamp() * 1e9) if isinstance(ts, datetime) else int(ts or 0)
+    return Stored(md.stream, int(md.sequence.stream), ns, int(md.num_delivered or 1) > 1)
+
+
+OnMessage = Callable[[Any], Awaitable[None]]
+
+
+async def stream_of(js: Any, topic: str) -> str | None:
+    """The stream that keeps ``topic``, or None (no stream, or no JetStream)."""
+    try:
+        return await js.find_stream_name_by_subject(topic)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
+                            on_message: OnMessage, retry_s: float = 10.0) -> Any | None:
+    """Bind (creating it when new) the durable push consumer of ``service``/``replica`` on
+    ``topic`` and hand each message to ``on_message(msg)``, which must ack it. A new consumer
+    starts with what arrives from now on (a replica taking over a job replays what it needs,
+    ``replay``); an existing one resumes after its last acked message. Returns the subscription,
+    or None when no stream keeps ``topic``. A consumer still bound to a previous process of the
+    same replica (its connection not yet seen closed) is tried again for ``retry_s`` seconds."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    stream = await stream_of(js, topic)
+    if stream is None:
+        return None
+    name = consumer_name(service, replica, topic)
+    cfg = ConsumerConfig(
+        durable_name=name, deliver_subject=deliver_subject(service, replica, topic),
+        filter_subject=topic, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ACK_WAIT_S, max_ack_pending=MAX_ACK_PENDING,
+        inactive_threshold=DURABLE_INACTIVE_S)
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return await js.subscribe(topic, durable=name, stream=stream, cb=on_message,
+                                      manual_ack=True, config=cfg,
+                                      pending_msgs_limit=MAX_ACK_PENDING * 2)
+        except Exception as exc:  # noqa: BLE001 - "already bound": the old process is going
+            if "already bound" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def replay(nc: Any, subject: str, since_ns: int, batch: int = 1000,
+                 limit: int = 200_000) -> list[tuple[Any, Stored]]:
+    """The messages streams keep on ``subject`` (wildcards allowed) stored at or after
+    ``since_ns`` (Unix ns), oldest first across streams, at most ``limit``. Empty when no
+    stream keeps it. Read through an ephemeral consumer without acks, removed when done."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    stream = await stream_of(js, subject)
+    if stream is None:
+        return []
+    start = datetime.fromtimestamp(since_ns / 1e9, tz=timezone.utc)
+    psub = await js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
+        ack_policy=AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
+    out: list[tuple[Any, Stored]] = []
+    try:
+        left = (await psub.consumer_info()).num_pending
+        while left > 0 and len(out) < limit:
+            try:
+                msgs = await psub.fetch(min(batch, left), timeout=2.0)
+            except asyncio.TimeoutError:
+                break
+            for m in msgs:
+                st = stored_of(m)
+                if st is not None:
+                    out.append((m, st))
+            left -= len(msgs)
+    finally:
+        try:
+            await psub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+    return out

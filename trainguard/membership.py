@@ -1,0 +1,119 @@
+"""Which replica of a service serves which job: leases in Valkey and rendezvous hashing.
+
+Every replica of a service (``detector``, ``attributor``, ``remediator``,
+``checkpoint_validator``) holds a lease in ``tg:members:<service>`` (``StateStore.renew_member``)
+and renews it every ``MembershipConfig.renew_s``; a replica whose lease ran out (killed, hung,
+cut off from Valkey) is no longer a member. A partition key — a job name, or ``node:<node>``
+for what belongs to a node alone — is served by exactly one live member: the one with the
+highest ``score(member, key)`` (rendezvous, or highest-random-weight, hashing). When a member
+leaves only the keys it served move, each to the member that scored second for it; when one
+joins it takes about 1/N of the keys from the others. Every replica computes the same owner
+from the same member list, with no coordination beyond the list.
+
+The pure parts (``score``, ``owner``, ``partition_key``) are what tests and the bench drive; the
+``Membership`` object is the service side (one lease, the member list, a cache of decisions).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Iterable
+
+log = logging.getLogger("trainguard.membership")
+
+
+@dataclass
+class MembershipConfig:
+    """Lease timing, seconds.
+
+    * ``renew_s`` — period of the lease renewal and of the member-list read (1 s);
+    * ``lease_s`` — how long a lease lasts unrenewed (3 s: three renewals may be missed —
+      a Valkey round trip stalled by a busy host — before the replica's jobs move; a dead
+      replica's jobs move within ``lease_s + renew_s``).
+    """
+
+    renew_s: float = 1.0
+    lease_s: float = field(default_factory=lambda: float(os.environ.get("TG_LEASE_S", "3")))
+
+
+def default_replica() -> str:
+    """A replica name unique to this process (``<host>-<pid>``): a replica started without
+    ``--replica`` gets fresh durable consumers, so only a named replica resumes its own."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def score(member: str, key: str) -> int:
+    """The rendezvous weight of ``member`` for ``key``: the first 8 bytes of
+    blake2b(member NUL key), as an unsigned integer (stable across processes and hosts)."""
+    h = hashlib.blake2b(f"{member}\0{key}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big")
+
+
+def owner(key: str, members: Iterable[str]) -> str | None:
+    """The member that serves ``key`` (None when there is no member). Ties — impossible in
+    practice with 64-bit weights — go to the smaller name."""
+    best: tuple[int, str] | None = None
+    for m in members:
+        s = score(m, key)
+        if best is None or s > best[0] or (s == best[0] and m < best[1]):
+            best = (s, m)
+    return None if best is None else best[1]
+
+
+def partition_key(subject: str) -> str | None:
+    """The partition key of a bus subject: the job of ``tg.job.<job>.…``, ``node:<node>`` of
+    ``tg.node.<node>.…``; None for anything else (served by every replica)."""
+    parts = subject.split(".", 3)
+    if len(parts) >= 3 and parts[0] == "tg":
+        if parts[1] == "job":
+            return parts[2]
+        if parts[1] == "node":
+            return f"node:{parts[2]}"
+    return None
+
+
+class Membership:
+    """One replica's view of its service's members.
+
+    ``members`` is the last list read (this replica alone until the first renewal);
+    ``epoch`` grows each time it changes. ``owns(key)`` is cached per epoch."""
+
+    def __init__(self, service: str, replica: str, config: MembershipConfig | None = None):
+        self.service, self.replica = service, replica
+        self.config = config or MembershipConfig()
+        self.members: tuple[str, ...] = (replica,)
+        self.epoch = 0
+        self._cache: dict[str, bool] = {}
+
+    def owns(self, key: str | None) -> bool:
+        """Whether this replica serves partition ``key`` (None: everyone does)."""
+        if key is None:
+            return True
+        got = self._cache.get(key)
+        if got is None:
+            if len(self._cache) > 200_000:
+                self._cache.clear()
+            got = self._cache[key] = owner(key, self.members) == self.replica
+        return got
+
+    def update(self, members: Iterable[str]) -> bool:
+        """Take a new member list (this replica is always in it: it serves while it runs);
+        True when it changed."""
+        new = tuple(sorted(set(members) | {self.replica}))
+        if new == self.members:
+            return False
+        log.info("%s/%s: members %s -> %s", self.service, self.replica,
+                 ",".join(self.members), ",".join(new))
+        self.members = new
+        self.epoch += 1
+        self._cache.clear()
+        return True
+
+    async def renew(self, state) -> bool:
+        """Renew this replica's lease in ``state`` (a ``StateStore``) and take the member list;
+        True when it changed. Raises what the store raises (the caller retries next period)."""
+        return self.update(await state.renew_member(self.service, self.replica,
+                                                    self.config.lease_s))
