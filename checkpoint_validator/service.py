@@ -4,14 +4,19 @@
 Thin: the verdict is ``trainguard.checkpoint.verify.validate_checkpoint`` (pure, unit-tested,
 shared with the rank-side restore); the check runs in a worker thread so that the service keeps
 answering health requests while it reads a large checkpoint. A failure on one message is logged and counted by the bus; the service goes on.
+
+Replicas partition the jobs (``trainguard.service``); a replica that takes a job over validates
+the checkpoints of the job saved within ``consume.RELEVANCE`` that are still ``pending`` in the
+state store (saved while their replica was gone).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
-from trainguard import schemas
+from trainguard import consume, schemas
 from trainguard.checkpoint.verify import validate_checkpoint
 from trainguard.schemas import subjects
 from trainguard.service import Service, ServiceConfig, main
@@ -25,6 +30,7 @@ class CheckpointValidator(Service):
     the verdict. ``stats``: validated, invalid, bytes, seconds."""
 
     name = "checkpoint_validator"
+    partitioned = True
 
     def __init__(self, config: ServiceConfig | None = None):
         super().__init__(config)
@@ -42,6 +48,28 @@ class CheckpointValidator(Service):
 
         threading.Thread(target=__import__, args=("torch",), name="tg-import-torch",
                          daemon=True).start()
+
+    async def members_changed(self, gained: set[str], lost: set[str]) -> None:
+        """Validate what the gained jobs saved while nobody served them."""
+        assert self.bus.nc is not None and self.state is not None
+        topic = f"{subjects.PREFIX}.job.*.ckpt"
+        for job in sorted(k for k in gained if not k.startswith("node:")):
+            since = time.time_ns() - int(consume.max_age_s(topic) * 1e9)
+            try:
+                known = {c["path"]: c["status"] for c in await self.state.checkpoints(job)}
+                msgs = await consume.replay(self.bus.nc, subjects.job(job, "ckpt"), since)
+            except Exception as exc:  # noqa: BLE001 - the next save is validated anyway
+                log.warning("%s: cannot replay the checkpoints of %s: %s", self.name, job, exc)
+                continue
+            for m, _st in msgs:
+                try:
+                    ev = schemas.decode(m.data)
+                except schemas.DecodeError:
+                    continue
+                if isinstance(ev, schemas.CheckpointSaved) and known.get(ev.path,
+                                                                         "pending") == "pending":
+                    known[ev.path] = "replayed"
+                    await self.bus.handle(m.subject, m.data, self.on_ckpt)
 
     def health(self) -> dict[str, Any]:
         c = self.counts

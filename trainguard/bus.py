@@ -108,6 +108,7 @@ class Bus:
         self.nc: nats.NATS | None = None
         self.stats = BusStats()
         self._logged: set[str] = set()
+        self._streams: dict[str, tuple[str | None, float]] = {}
 
     async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
         last: list[str] = []  # the client's own last error: why the attempts timed out
@@ -153,12 +154,17 @@ class Bus:
     async def publish_stored(self, subject: str, event: Event, timeout: float = 2.0) -> int:
         """Publish ``event`` and wait until a JetStream stream has stored it (the ``Nats-Msg-Id``
         header is the event id: publishing it again stores nothing new). Returns the stream
-        sequence. Raises ``NotStored`` when no stream acknowledged it within ``timeout``
-        seconds (bus gone, no stream keeps ``subject``)."""
+        sequence. Where no stream keeps ``subject`` (a bus without JetStream streams) it is a
+        plain publish and returns 0: there is nothing to wait for. Raises ``NotStored`` when
+        the stream did not acknowledge it within ``timeout`` seconds (bus gone or slow)."""
         assert self.nc is not None, "call connect() first"
         try:
+            stream = await self._stream_for(subject)
+            if stream is None:
+                await self.publish(subject, event, dedup=True)
+                return 0
             ack = await self.nc.jetstream().publish(
-                subject, schemas.encode(event), timeout=timeout,
+                subject, schemas.encode(event), timeout=timeout, stream=stream,
                 headers={"Nats-Msg-Id": event.event_id})
         except Exception as exc:  # noqa: BLE001 - every failure means the same: not stored
             raise NotStored(f"{subject}: {type(exc).__name__}: {exc}") from None
@@ -195,6 +201,23 @@ class Bus:
             if raw is not None:
                 await _cb(raw)
         return sub
+
+    async def _stream_for(self, subject: str, ttl_s: float = 10.0) -> str | None:
+        """The stream that keeps ``subject`` (None: none), remembered ``ttl_s`` seconds."""
+        import time
+
+        got = self._streams.get(subject)
+        if got is not None and got[1] > time.monotonic():
+            return got[0]
+        assert self.nc is not None
+        try:
+            name: str | None = await self.nc.jetstream().find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            name = None
+        if len(self._streams) > 10_000:
+            self._streams.clear()
+        self._streams[subject] = (name, time.monotonic() + ttl_s)
+        return name
 
     async def handle(self, subject: str, data: bytes, handler: Handler, *extra: Any) -> None:
         """Decode ``data`` and call ``handler(subject, event, *extra)``: what every subscription

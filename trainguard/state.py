@@ -168,7 +168,8 @@ class StateStore:
                               members: list[dict[str, Any]] | None = None,
                               world_size: int | None = None,
                               spare_nodes: list[str] | None = None, stopped: bool = False,
-                              pending_decision: dict[str, Any] | None = None) -> None:
+                              pending_decision: dict[str, Any] | None = None,
+                              outbox: dict[str, Any] | None = None) -> None:
         """The remediator's record of an executed decision, in one transaction: retries used,
         the decision (``last_decision``), the fault it acted on (``last_fault``, kept when
         None), the new world of an exclusion (``members``/``world_size``/``spare_nodes``,

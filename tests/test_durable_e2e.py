@@ -1,0 +1,213 @@
+"""No event lost, no decision lost or repeated, replicas that share the jobs: real service
+processes (``python -m trainguard.<service> --replica …``) on embedded NATS + Valkey with the
+roles' users, killed with SIGKILL while events arrive."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainguard import schemas
+from trainguard.bus import Bus
+from trainguard.consume import replay
+from trainguard.embedded import EmbeddedServers
+from trainguard.membership import owner
+from trainguard.schemas import Verdict, subjects
+from trainguard.service import health_subject
+from trainguard.state import StateStore
+
+MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
+           {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
+
+
+@pytest.fixture
+def secured():
+    with EmbeddedServers() as srv:
+        async def streams():
+            bus = await Bus(srv.nats_url, "admin").connect()
+            await bus.ensure_streams()
+            await bus.close()
+
+        asyncio.run(streams())
+        yield srv
+
+
+class Procs:
+    """Service processes of one test, each stopped (SIGKILL) at the end."""
+
+    def __init__(self, srv: EmbeddedServers, tmp_path):
+        self.srv, self.dir, self.procs = srv, tmp_path, {}
+
+    def start(self, service: str, replica: str, **env: str) -> subprocess.Popen:
+        nats_url, redis_url = self.srv.urls(service)
+        e = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url,
+             "PYTHONUNBUFFERED": "1", **env}
+        log = open(self.dir / f"{service}-{replica}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", f"trainguard.{service}", "--replica",
+                              replica], env=e, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs[(service, replica)] = p
+        return p
+
+    def kill(self, service: str, replica: str) -> None:
+        p = self.procs.pop((service, replica))
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+
+    def log(self, service: str, replica: str) -> str:
+        return (self.dir / f"{service}-{replica}.log").read_text()[-3000:]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+
+
+@pytest.fixture
+def procs(secured, tmp_path):
+    p = Procs(secured, tmp_path)
+    yield p
+    p.stop()
+
+
+async def healthy(bus: Bus, service: str, replica: str, members: int = 1,
+                  timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            body = json.loads(await bus.request(health_subject(service, replica), timeout=0.3))
+            if body.get("ok") and len(body.get("members", ())) >= members:
+                return body
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{service}/{replica} not healthy with {members} members")
+
+
+async def stored(bus: Bus, job: str, kind: str) -> list:
+    """The events the stream keeps on ``tg.job.<job>.<kind>`` (the last 10 minutes)."""
+    assert bus.nc is not None
+    msgs = await replay(bus.nc, subjects.job(job, kind), time.time_ns() - 600 * 10**9)
+    return [schemas.decode(m.data) for m, _ in msgs]
+
+
+async def wait_until(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred():
+            return True
+        await asyncio.sleep(0.1)
+    return await pred()
+
+
+def crash(job: str, rank: int) -> schemas.WorkerExited:
+    return schemas.WorkerExited(job=job, node="n1", rank=rank, local_rank=rank, pid=1000 + rank,
+                                generation=0, exit_code=1)
+
+
+async def test_killed_detector_handles_what_arrived_while_down(secured, procs):
+    bus = await Bus(secured.nats_url, "test").connect()
+    procs.start("detector", "d1")
+    await healthy(bus, "detector", "d1")
+    await bus.publish(subjects.job("jk", "worker"), crash("jk", 0))
+    assert await wait_until(lambda: _count(bus, "jk", "anomaly", 1), 10), procs.log("detector",
+                                                                                 "d1")
+    procs.kill("detector", "d1")
+    for r in (1, 2):  # while no detector runs
+        await bus.publish(subjects.job("jk", "worker"), crash("jk", r))
+    await bus.flush()
+    procs.start("detector", "d1")
+    assert await wait_until(lambda: _count(bus, "jk", "anomaly", 3), 20), procs.log("detector",
+                                                                                 "d1")
+    ranks = sorted(a.culprit.ranks[0] for a in await stored(bus, "jk", "anomaly"))
+    assert ranks == [0, 1, 2]
+    await bus.close()
+
+
+async def _exited(p: subprocess.Popen) -> bool:
+    return p.poll() is not None
+
+
+async def _count(bus: Bus, job: str, kind: str, n: int) -> bool:
+    return len(await stored(bus, job, kind)) >= n
+
+
+async def test_remediator_killed_after_storing_publishes_once_after_restart(secured, procs):
+    bus = await Bus(secured.nats_url, "test").connect()
+    store = StateStore(secured.redis_url)
+    await store.register_job("jo", mode="action", generation=0, world_size=4, min_world_size=2,
+                             retry_budget=5, retries_used=0, members=MEMBERS, status="running")
+    p = procs.start("remediator", "r1", TG_TEST_CRASH_AFTER_OUTBOX="1")
+    await healthy(bus, "remediator", "r1")
+    v = Verdict(job="jo", fault_class="crash", layer="unknown", culprit={"ranks": [1]},
+                generation=0, first_ts=1000)
+    await bus.publish(subjects.job("jo", "verdict"), v)
+    await bus.flush()
+    assert await wait_until(lambda: _exited(p), 20), procs.log("remediator", "r1")
+    assert p.returncode == 70  # died at the publish, the decision stored in the outbox
+    procs.procs.pop(("remediator", "r1"))
+    [kept] = (await store.outbox(["jo"]))["jo"]
+    assert await stored(bus, "jo", "decision") == []
+    assert (await store.job("jo")).generation == 1  # the record was committed with it
+
+    procs.start("remediator", "r1")
+    assert await wait_until(lambda: _count(bus, "jo", "decision", 1), 20), procs.log(
+        "remediator", "r1")
+    await asyncio.sleep(3)  # two outbox sweeps more: nothing is published again
+    [d] = await stored(bus, "jo", "decision")
+    assert d.event_id == kept["event_id"] and d.action == "restart_workers"
+    assert await store.outbox(["jo"]) == {}
+    assert [r["type"] for r in await store.audit_trail("jo")].count("decision") == 1
+    await store.close()
+    await bus.close()
+
+
+async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secured, procs):
+    bus = await Bus(secured.nats_url, "test").connect()
+    store = StateStore(secured.redis_url)
+    names = ("ra", "rb")
+    # jobs owned by each replica (the same for every service: same member names)
+    jobs = {r: next(f"j2-{i}" for i in range(100) if owner(f"j2-{i}", names) == r)
+            for r in names}
+    for job in jobs.values():
+        await store.register_job(job, mode="action", generation=0, world_size=4,
+                                 min_world_size=2, retry_budget=5, retries_used=0,
+                                 members=MEMBERS, status="running")
+    services = ("detector", "attributor", "remediator")
+    for s in services:
+        for r in names:
+            procs.start(s, r)
+    for s in services:
+        for r in names:
+            await healthy(bus, s, r, members=2)
+
+    first = jobs["rb"]  # one fault: one anomaly, one verdict, one decision
+    await bus.publish(subjects.job(first, "worker"), crash(first, 1))
+    assert await wait_until(lambda: _count(bus, first, "decision", 1), 15)
+    await asyncio.sleep(2.0)
+    counts = [len(await stored(bus, first, k)) for k in ("anomaly", "verdict", "decision")]
+    assert counts == [1, 1, 1]
+
+    # the fault of ra's job arrives as ra's replicas are killed: rb finishes it
+    second = jobs["ra"]
+    await bus.publish(subjects.job(second, "worker"), crash(second, 2))
+    await bus.flush()
+    for s in services:
+        procs.kill(s, "ra")
+    t0 = time.monotonic()
+    assert await wait_until(lambda: _count(bus, second, "decision", 1), 20), procs.log(
+        "remediator", "rb")
+    took = time.monotonic() - t0
+    await asyncio.sleep(2.0)
+    counts = [len(await stored(bus, second, k)) for k in ("anomaly", "verdict", "decision")]
+    assert counts == [1, 1, 1], (counts, took)
+    [d] = await stored(bus, second, "decision")
+    assert d.ranks == [2] and d.action == "restart_workers"
+    await store.close()
+    await bus.close()
