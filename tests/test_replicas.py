@@ -1,0 +1,184 @@
+"""Replicas and redeliveries, offline: rendezvous ownership, the relevance table, and what each
+reducer does with an event delivered twice, a job gained or released, and the decision outbox.
+The real-process versions are in ``test_durable_e2e.py``."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+
+from test_attributor_reducer import History, at, crash as a_crash, run as a_run, verdicts
+from test_detector_reducer import exited, state as d_state, tick, xid
+from test_remediator_reducer import (Store, crash as v_crash, published, record, run as
+                                           r_run, verdict_in)
+from trainguard import schemas
+from trainguard.consume import RELEVANCE, consumer_name, matches, max_age_s
+from trainguard.detector import reducer as dred
+from trainguard.membership import Membership, owner, partition_key
+from trainguard.reducer import Call, Gained, Publish, Released, Reply, Tick, run_offline
+from trainguard.remediator import reducer as rred
+from trainguard.remediator.model import Pending, RemediatorConfig, RemediatorState
+from trainguard.schemas import JobRecord, subjects
+
+WALL = 1_700_000_000 * 10**9
+
+
+# ---- ownership ----------------------------------------------------------------------------------
+def test_rendezvous_spreads_jobs_and_a_leaving_member_moves_only_its_own():
+    jobs = [f"job-{i}" for i in range(3000)]
+    three = {j: owner(j, ["a", "b", "c"]) for j in jobs}
+    share = collections.Counter(three.values())
+    assert all(800 < n < 1200 for n in share.values()), share  # about a third each
+    two = {j: owner(j, ["a", "c"]) for j in jobs}
+    moved = [j for j in jobs if two[j] != three[j]]
+    assert moved and all(three[j] == "b" for j in moved)  # only b's jobs moved
+    assert owner("x", []) is None and owner("x", ["z"]) == "z"
+
+
+def test_membership_owns_its_keys_and_everyone_serves_unkeyed_subjects():
+    m = Membership("detector", "a")
+    assert m.owns("j1") and m.owns(None)  # alone: everything
+    m.update(["b", "c"])  # this replica stays a member while it runs
+    assert m.members == ("a", "b", "c") and m.epoch == 1
+    assert m.owns("j1") == (owner("j1", ["a", "b", "c"]) == "a")
+    assert partition_key("tg.job.j1.rank.3.hb") == "j1"
+    assert partition_key("tg.node.n4.xid") == "node:n4"
+    assert partition_key("tg.svc.detector.health") is None
+
+
+# ---- relevance ----------------------------------------------------------------------------------
+def test_relevance_table_rows_and_matching():
+    assert all(r.reason for r in RELEVANCE)
+    assert matches("tg.job.*.rank.*.hb", "tg.job.j.rank.3.hb")
+    assert not matches("tg.job.*.rank.*.hb", "tg.job.j.rank.3.hb.x")
+    assert matches("tg.dlq.>", "tg.dlq.detector") and not matches("tg.dlq.>", "tg.dlq")
+    assert max_age_s("tg.job.j.rank.0.hb") == 5.0  # a heartbeat: seconds
+    assert max_age_s("tg.job.*.verdict") >= 3600  # a verdict: still decided after a restart
+    assert max_age_s("tg.svc.x.health") == float("inf")
+    assert "." not in consumer_name("detector", "r1", "tg.job.*.rank.*.hb")
+
+
+# ---- detector: redelivery, node scope, release --------------------------------------------------
+def test_detector_redelivered_event_gives_the_same_anomaly_id():
+    ev = exited(100.0, rank=1)
+    _, eff1 = run_offline(dred.step, d_state(), [ev])
+    _, eff2 = run_offline(dred.step, d_state(), [ev])  # a restarted replica sees it again
+    [a1], [a2] = [e.event for e in eff1 if isinstance(e, Publish)], \
+        [e.event for e in eff2 if isinstance(e, Publish)]
+    assert a1.event_id == a2.event_id and len(a1.event_id) == 32
+    _, eff3 = run_offline(dred.step, d_state(), [exited(101.0, rank=1)])  # another exit
+    assert [e.event.event_id for e in eff3 if isinstance(e, Publish)] != [a1.event_id]
+
+
+def test_detector_node_finding_published_for_the_node_only_by_its_owner():
+    st = d_state()
+    st.records["j"] = JobRecord(members=[{"rank": 0, "node": "g1", "local_rank": 0}])
+    st.node_jobs["g1"] = {"j"}
+    st.serves = lambda key: key != "node:g1"
+    _, eff = run_offline(dred.step, st, [xid(100.0, node="g1")])
+    subs = [e.subject for e in eff if isinstance(e, Publish)]
+    assert subs == [subjects.job("j", "anomaly")]  # the job's, not tg.node.g1.anomaly
+
+
+def test_detector_released_job_is_forgotten():
+    st, _ = run_offline(dred.step, d_state(), [exited(100.0, rank=1), tick(100.1)])
+    assert "j" in st.jobs
+    st, eff = run_offline(dred.step, st, [(101.0, Released("j"))])
+    assert "j" not in st.jobs and "j" not in st.job_seen and eff == []
+
+
+# ---- attributor: redelivery, verdict id, release ------------------------------------------------
+def test_attributor_redelivered_anomaly_changes_nothing_and_verdict_ids_repeat():
+    a = a_crash()
+    _, eff = a_run([at(0.0, a), at(0.5, a)])
+    [v] = verdicts(eff)
+    _, eff2 = a_run([at(3.0, a)])  # another replica (or a restart) reaches the same conclusion
+    [v2] = verdicts(eff2)
+    assert v2.event_id == v.event_id
+
+
+def test_attributor_released_job_drops_its_incidents():
+    st, _ = a_run([at(0.0, a_crash())])
+    assert st.incidents
+    st, _ = run_offline(__import__("trainguard.attributor.incidents", fromlist=["step"]).step,
+                        st, [(1.0, Released("j"))], History())
+    assert not st.incidents and "j" not in st.latest_gen
+
+
+# ---- remediator: outbox order, sweep, gained / released -----------------------------------------
+def test_decision_is_in_the_outbox_before_it_is_published_and_leaves_it_once_stored():
+    st = Store(j=record())
+    _, eff = r_run(st, [verdict_in(v_crash(rank=3))])
+    kinds = [(type(e).__name__, getattr(e, "method", "")) for e in eff]
+    commit = kinds.index(("Call", "commit_decision"))
+    pub = next(i for i, e in enumerate(eff) if isinstance(e, Publish))
+    assert commit < pub and eff[commit].kwargs["outbox"]["event_id"] == eff[pub].event.event_id
+    assert eff[pub].stored  # with a JetStream ack
+    assert kinds.index(("Call", "outbox_done")) > pub and st.outboxes["j"] == {}
+
+
+def test_observe_mode_decision_goes_through_the_outbox_too():
+    st = Store(j=record(mode="observe"))
+    _, eff = r_run(st, [verdict_in(v_crash(rank=3))])
+    methods = [getattr(e, "method", type(e).__name__) for e in eff]
+    assert methods.index("outbox_put") < methods.index("Publish")
+
+
+def test_sweep_publishes_again_what_no_stream_acknowledged_once_per_sweep():
+    st = Store(j=record())
+    dec = schemas.Decision(job="j", action="restart_workers", mode="action", generation=1,
+                           idempotency_key="j:g0", reason="left by a killed instance")
+    st.outbox_put("j", dec.to_dict())
+    state = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local",
+                                                    outbox_sweep_s=2.0), armed=True)
+    state, eff = run_offline(rred.step, state, [(0.0, Tick(WALL)), (0.5, Tick(WALL)),
+                                                (1.0, Tick(WALL))], st)
+    [d] = published(eff)
+    assert d.event_id == dec.event_id and st.outboxes["j"] == {}
+    assert state.outbox_counts == {"stored": 1, "republished": 1}
+    # a replica that does not serve the job leaves its outbox alone
+    st.outbox_put("j", dec.to_dict())
+    other = RemediatorState(config=state.config, armed=True, serves=lambda job: False)
+    _, eff = run_offline(rred.step, other, [(0.0, Tick(WALL))], st)
+    assert published(eff) == [] and st.outboxes["j"]
+
+
+def test_a_failed_stored_publish_stays_in_the_outbox():
+    state = RemediatorState(publishing=frozenset({"d1"}))
+    state, eff = rred.step(state, Reply(("published", "j", "d1"), None, "NotStored: gone"), 0.0)
+    assert "d1" not in state.publishing and not [e for e in eff if isinstance(e, Call)]
+
+
+def test_gained_job_is_rearmed_and_released_job_loses_its_pending_decision():
+    dec = schemas.Decision(job="j", action="restart_workers", mode="action", generation=1,
+                           idempotency_key="j:g0", reason="r")
+    state = RemediatorState(pending={"j": Pending(dec, 60.0)}, armed=True)
+    state, eff = rred.step(state, Released("j"), 1.0)
+    assert "j" not in state.pending and eff == []
+    state, eff = rred.step(state, Gained("j"), 2.0)
+    assert [(c.method, c.reply) for c in eff] == [("job", ("rearm_job", "j"))]
+
+
+# ---- executors: at most once per idempotency key ------------------------------------------------
+def test_decision_inbox_takes_each_key_once():
+    from trainguard.rank_state import DecisionInbox
+    from trainguard.rank_state import WorkerConfig
+
+    cfg = WorkerConfig(job="j", rank=1, world_size=2, node="n1", local_rank=1, generation=0)
+    inbox = DecisionInbox(cfg)
+    d = schemas.Decision(job="j", action="restart_in_process", mode="action", execute=True,
+                         generation=1, ranks=[1], nodes=["n1"], idempotency_key="j:g0",
+                         reason="r")
+    assert inbox.offer(d)
+    assert not inbox.offer(d)  # delivered again (the last stored one, a republished copy)
+    copy = d.model_copy(update={"event_id": schemas.new_event_id()})
+    assert not inbox.offer(copy) and len(inbox.decisions) == 1
+    ok = threading.Event()
+    threading.Thread(target=lambda: ok.set() if inbox.wait(1.0) is d else None).start()
+    assert ok.wait(2.0)
+
+
+@pytest.mark.parametrize("subject", ["tg.job.j.rank.0.hb", "tg.node.n.heartbeat"])
+def test_heartbeats_are_short_lived(subject):
+    assert max_age_s(subject) <= 5.0
