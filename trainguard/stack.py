@@ -60,14 +60,16 @@ class ServiceSpec:
     module: str
     role: str
     per_node: bool = False
+    partitioned: bool = False
 
 
 SERVICE_SPECS: dict[str, ServiceSpec] = {
     "agent": ServiceSpec("trainguard.agents", "agent", per_node=True),
-    "detector": ServiceSpec("trainguard.detector", "detector"),
-    "attributor": ServiceSpec("trainguard.attributor", "attributor"),
-    "remediator": ServiceSpec("trainguard.remediator", "remediator"),
-    "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator", "checkpoint_validator"),
+    "detector": ServiceSpec("trainguard.detector", "detector", partitioned=True),
+    "attributor": ServiceSpec("trainguard.attributor", "attributor", partitioned=True),
+    "remediator": ServiceSpec("trainguard.remediator", "remediator", partitioned=True),
+    "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator", "checkpoint_validator",
+                                        partitioned=True),
 }
 
 
@@ -143,7 +145,10 @@ class Stack:
                  log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None,
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
-                 rotate_credentials: bool = False):
+                 rotate_credentials: bool = False, replicas: int = 1):
+        if replicas < 1:
+            raise ValueError(f"replicas must be 1 or more, not {replicas}")
+        self.replicas = replicas
         unknown = [s for s in services if s not in SERVICE_SPECS]
         if unknown:
             raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
@@ -222,14 +227,27 @@ class Stack:
         return proc
 
     def service_names(self) -> list[str]:
-        """Process names of the services: ``agent-<node>`` per node, else the service name."""
+        """Process names of the services: ``agent-<node>`` per node; ``<service>-<i>`` per
+        replica of a partitioned service when ``replicas`` > 1; else the service name. A
+        partitioned service's process name is its replica name (``--replica``), so a restarted
+        one resumes its durable consumers."""
         out = []
         for s in self.services:
-            if SERVICE_SPECS[s].per_node:
+            spec = SERVICE_SPECS[s]
+            if spec.per_node:
                 out += [f"{s}-{n}" for n in self.agent_nodes]
+            elif spec.partitioned and self.replicas > 1:
+                out += [f"{s}-{i}" for i in range(self.replicas)]
             else:
                 out.append(s)
         return out
+
+    def _health_subject(self, name: str) -> str:
+        """The health subject of process ``name`` (a replica answers on its own)."""
+        for s in self.services:
+            if SERVICE_SPECS[s].partitioned and (name == s or name.startswith(f"{s}-")):
+                return health_subject(s, name)
+        return health_subject(name)
 
     def _service_cmd(self, name: str) -> tuple[list[str], str]:
         """Command line and auth role of service process ``name`` (URLs: ``_child_env``)."""
@@ -241,6 +259,9 @@ class Stack:
                 if self.kernel_log_dir is not None:
                     cmd += ["--kmsg", str(self.kernel_log_path(node))]
                 return cmd, spec.role
+            if spec.partitioned and (name == s or (self.replicas > 1 and name.startswith(f"{s}-")
+                                                   and name[len(s) + 1:].isdigit())):
+                return [sys.executable, "-m", spec.module, "--replica", name], spec.role
             if name == s:
                 return [sys.executable, "-m", spec.module], spec.role
         raise KeyError(f"no service process named {name!r}; running: {', '.join(self.procs)}")
@@ -333,7 +354,8 @@ class Stack:
                         raise StackError(f"{name} exited with {proc.returncode} before it was "
                                          f"healthy; log {log}:\n{_tail(log)}")
                     try:
-                        body = json.loads(await bus.request(health_subject(name), timeout=0.5))
+                        body = json.loads(await bus.request(self._health_subject(name),
+                                                            timeout=0.5))
                     except Exception:  # noqa: BLE001 - no responder yet
                         continue
                     if body.get("ok"):
@@ -342,7 +364,7 @@ class Stack:
                     name = pending[0]
                     log = self.log_dir / f"{name}.log"
                     raise StackError(f"{name} not healthy after {timeout:.0f} s (no answer on "
-                                     f"{health_subject(name)}); log {log}:\n{_tail(log)}")
+                                     f"{self._health_subject(name)}); log {log}:\n{_tail(log)}")
                 if pending:
                     await asyncio.sleep(0.1)
         finally:
@@ -355,7 +377,8 @@ class Stack:
 
             bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=5.0)
             try:
-                return json.loads(await bus.request(health_subject(name), timeout=timeout))
+                return json.loads(await bus.request(self._health_subject(name),
+                                                    timeout=timeout))
             finally:
                 await bus.close()
         return _run_async(ask)

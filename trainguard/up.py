@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep everything in a temporary directory, removed on stop")
     p.add_argument("--rotate-credentials", action="store_true",
                    help="new passwords for every role (launchers need the new URLs)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replicas of each partitioned service (detector, attributor, "
+                        "remediator, checkpoint validator); they share the jobs by rendezvous "
+                        "hashing over their leases, and a killed one's jobs move to the others "
+                        "within seconds (docs/design.md, 'Scale past one machine')")
     p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of a service that dies, each, before it is left down")
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
                       rendezvous=not args.no_rendezvous, log_dir=log_dir, data_dir=data_dir,
-                      rotate_credentials=args.rotate_credentials)
+                      rotate_credentials=args.rotate_credentials, replicas=args.replicas)
     except ValueError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 2
