@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trainguard import schemas
-from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Released, Reply, Tick
+from trainguard.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Publish, Received,
+                                Released, Reply, Tick)
 from trainguard.schemas import JobRecord, subjects
 
 from .core import DetectorConfig, Finding
@@ -116,7 +117,9 @@ class DetectorState:
     ``due`` — jobs to read at the next tick (first seen since the last refresh);
     ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
     the first tick); ``anomalies`` — anomalies published so far; ``serves`` — whether this
-    replica serves a partition key (``node:<node>``; every key when alone)."""
+    replica serves a partition key (``node:<node>``; every key when alone); ``blind`` — the
+    bus is not answering (``BusDown``): the silence rules (silence, node lost, stall, missing
+    member) are not judged until it answers again."""
 
     config: DetectorServiceConfig = field(default_factory=DetectorServiceConfig)
     jobs: dict[str, JobState] = field(default_factory=dict)
@@ -133,6 +136,7 @@ class DetectorState:
     last_gc: float = -math.inf
     anomalies: int = 0
     serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
+    blind: bool = False
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -149,7 +153,27 @@ def step(state: DetectorState, inp: Input, now: float) -> tuple[DetectorState, l
         return state, _reply(state, inp, now)
     if isinstance(inp, Released):
         _forget_job(state, inp.key)
+    elif isinstance(inp, BusDown):
+        state.blind = True
+    elif isinstance(inp, BusUp):
+        _bus_back(state, now, inp.gap_s)
     return state, []
+
+
+def _bus_back(state: DetectorState, now: float, gap_s: float) -> None:
+    """The bus answers again after ``gap_s`` seconds: nothing could be heard meanwhile, so every
+    silence clock restarts now and every progress clock moves on by the gap (a rank that
+    stepped through the outage is not a hung one, nor its node a lost one)."""
+    state.blind = False
+    for js in state.jobs.values():
+        for rs in js.ranks.values():
+            if rs.last_hb:
+                rs.last_hb = max(rs.last_hb, now)
+            if rs.last_advance:
+                rs.last_advance += gap_s
+    for ns in state.nodes.values():
+        for role in ns.last:
+            ns.last[role] = max(ns.last[role], now)
 
 
 def anomaly_id(key: tuple, source: schemas.Event | None, wall_ns: int, ttl_s: float) -> str:
@@ -379,6 +403,8 @@ _HANDLERS = {
 def _tick(state: DetectorState, wall_ns: int, now: float) -> list[Effect]:
     dc, cfg = state.config, state.config.rules
     out: list[Effect] = []
+    if state.blind:  # silence is the bus's, not the ranks': judge nothing by it
+        return out
     for name, js in state.jobs.items():
         for f in silence_rule(js, now, cfg, state.records.get(name)):
             _emit(state, out, name, f, now, wall_ns)

@@ -41,6 +41,8 @@ remediator killed between storing and publishing, or a bus that was away, still 
 decision into the stream, once (the stream drops a second copy of an id; executors act once per
 idempotency key).
 
+A ``BusUp`` after an outage moves every watchdog deadline on by the outage's length.
+
 Replicas: ``Gained(job)`` re-arms the job's pending decision from its record and sweeps the
 outbox at the next tick; ``Released(job)`` drops its pending decision here (the new owner
 re-arms it).
@@ -61,7 +63,8 @@ import logging
 from dataclasses import replace
 
 from trainguard import schemas
-from trainguard.reducer import Effect, Gained, Input, Log, Received, Released, Reply, Tick, store
+from trainguard.reducer import (BusUp, Effect, Gained, Input, Log, Received, Released, Reply,
+                                Tick, store)
 from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict
 
 from . import decisions as d
@@ -94,6 +97,9 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
             store("job", inp.key, reply=("rearm_job", inp.key))]
     if isinstance(inp, Released):
         return without_pending(state, inp.key), []
+    if isinstance(inp, BusUp):  # training could not report back meanwhile: give it the time
+        return replace(state, pending={j: Pending(p.decision, p.deadline + inp.gap_s)
+                                       for j, p in state.pending.items()}), []
     if isinstance(inp, Reply) and isinstance(inp.tag, tuple) and inp.tag:
         if inp.tag[0] in ("rearm_jobs", "rearm_job"):
             return wd.on_rearm(state, inp, now)

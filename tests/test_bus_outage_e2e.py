@@ -66,6 +66,7 @@ def test_training_steps_on_while_nats_is_stopped_and_recovers_after(tmp_path):
 
     progress = tmp_path / "progress"
     progress.mkdir()
+    (tmp_path / "ckpt").mkdir()
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT.format(steps=700, progress=progress))
     stack = Stack(services=("detector", "attributor", "remediator", "checkpoint_validator"),

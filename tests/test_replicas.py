@@ -182,3 +182,38 @@ def test_decision_inbox_takes_each_key_once():
 @pytest.mark.parametrize("subject", ["tg.job.j.rank.0.hb", "tg.node.n.heartbeat"])
 def test_heartbeats_are_short_lived(subject):
     assert max_age_s(subject) <= 5.0
+
+
+# ---- a bus outage is not a silence of the ranks --------------------------------------------------
+def test_detector_judges_no_silence_while_the_bus_is_down_and_restarts_the_clocks_after():
+    from test_detector_reducer import hb
+
+    from trainguard.reducer import BusDown, BusUp, Received
+
+    def node_hb(t):
+        return t, Received(subjects.node("n0", "heartbeat"),
+                           schemas.NodeHeartbeat(node="n0", role="launcher"), WALL)
+
+    st, _ = run_offline(dred.step, d_state(), [hb(100.0), node_hb(100.0), tick(100.05)])
+    # the bus stops answering at 100.5; ticks go on for 20 s: nothing is judged
+    st, eff = run_offline(dred.step, st, [(100.5, BusDown(WALL))]
+                          + [tick(100.5 + 0.5 * i) for i in range(40)])
+    assert not [e for e in eff if isinstance(e, Publish)]
+    # it answers again: the silence clocks restart there, a rank and node heard again is fine
+    st, eff = run_offline(dred.step, st, [(121.0, BusUp(20.5, WALL)), tick(121.5),
+                                          hb(122.0), node_hb(122.0), tick(122.5)])
+    assert not [e for e in eff if isinstance(e, Publish)]
+    # and one still silent long after the bus came back is judged as usual
+    _, eff = run_offline(dred.step, st, [tick(140.0)])
+    kinds = {e.event.kind for e in eff if isinstance(e, Publish)}
+    assert "node_lost" in kinds, kinds
+
+
+def test_remediator_watchdog_deadlines_move_on_by_the_outage():
+    from trainguard.reducer import BusUp
+
+    dec = schemas.Decision(job="j", action="restart_workers", mode="action", generation=1,
+                           idempotency_key="j:g0", reason="r")
+    state = RemediatorState(pending={"j": Pending(dec, 60.0)}, armed=True)
+    state, _ = rred.step(state, BusUp(30.0, WALL), 50.0)
+    assert state.pending["j"].deadline == 90.0

@@ -15,7 +15,11 @@ Inputs to ``step``:
 * ``Reply(tag, value, error, wall_ns)`` — the result of a ``Call`` that asked for one;
 * ``Gained(key)`` / ``Released(key)`` — this replica now serves partition ``key`` (a job; its
   events of the relevance window were just stepped again from the stream) / no longer does
-  (forget it: another replica serves it now). See ``trainguard.membership``.
+  (forget it: another replica serves it now). See ``trainguard.membership``;
+* ``BusDown(wall_ns)`` / ``BusUp(gap_s, wall_ns)`` — the bus stopped answering this service's
+  pings / answers again after ``gap_s`` seconds: what was not heard meanwhile says nothing
+  about the ranks and nodes (the detector restarts its silence clocks, the remediator moves
+  its watchdog deadlines).
 
 ``now`` is the service clock in seconds: ``time.monotonic()`` live, the recording's receive
 time in a replay. Wall-clock times for event fields come from the inputs' ``wall_ns`` (Unix ns).
@@ -99,7 +103,22 @@ class Released:
     wall_ns: int = 0
 
 
-Input = Union[Received, Tick, Reply, Gained, Released]
+@dataclass(frozen=True)
+class BusDown:
+    """The bus stopped answering this service's pings (``ReducerService.bus_probe_s``)."""
+
+    wall_ns: int = 0
+
+
+@dataclass(frozen=True)
+class BusUp:
+    """The bus answers again; it was unanswering for ``gap_s`` seconds."""
+
+    gap_s: float
+    wall_ns: int = 0
+
+
+Input = Union[Received, Tick, Reply, Gained, Released, BusDown, BusUp]
 
 
 # ---- effects ----------------------------------------------------------------------------------
@@ -152,6 +171,11 @@ class ReducerService(Service, Generic[S]):
     #: subjects this service consumes (NATS wildcards allowed)
     topics: Sequence[str] = ()
     partitioned = True
+    #: seconds between pings of the bus; a ping unanswered for ``bus_probe_timeout_s`` is
+    #: ``BusDown`` (1.5 s at most after the bus stops: before the shortest silence rule, the
+    #: 3 s node timeout, can misread the outage as a lost node)
+    bus_probe_s = 0.5
+    bus_probe_timeout_s = 1.0
 
     def __init__(self, config=None):
         super().__init__(config)
@@ -161,6 +185,8 @@ class ReducerService(Service, Generic[S]):
         self.effects_run = 0
         self.effect_errors = 0
         self.replayed_inputs = 0
+        self._probe: asyncio.Task | None = None
+        self._down_since: float | None = None
 
     # ---- to implement -----------------------------------------------------------------------
     def initial_state(self) -> S:
@@ -189,6 +215,26 @@ class ReducerService(Service, Generic[S]):
 
     async def tick(self) -> None:
         await self.feed(Tick(time.time_ns()))
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_bus())
+
+    async def _probe_bus(self) -> None:
+        """One ping of the bus (at most every ``bus_probe_s``): ``BusDown`` when it goes
+        unanswered, ``BusUp`` when one is answered again."""
+        t0 = time.monotonic()
+        try:
+            assert self.bus.nc is not None
+            await self.bus.nc.flush(timeout=self.bus_probe_timeout_s)
+            ok = True
+        except Exception:  # noqa: BLE001 - timeout, not connected: the bus is not answering
+            ok = False
+        if not ok and self._down_since is None:
+            self._down_since = t0
+            await self.feed(BusDown(time.time_ns()))
+        elif ok and self._down_since is not None:
+            gap, self._down_since = time.monotonic() - self._down_since, None
+            await self.feed(BusUp(gap, time.time_ns()))
+        await asyncio.sleep(max(0.0, self.bus_probe_s - (time.monotonic() - t0)))
 
     async def feed(self, inp: Input) -> None:
         """Step ``inp`` and carry out its effects (and those of its replies)."""
@@ -291,6 +337,8 @@ class ReducerService(Service, Generic[S]):
             await asyncio.wait(list(self._background), timeout=timeout)
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
         await self.drain(2.0)
         await super().close()
 

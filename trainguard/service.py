@@ -60,7 +60,8 @@ class ServiceConfig:
     ``<host>-<pid>``, unique to the process): a replica restarted under the same name resumes
     its durable consumers, one with a new name starts from what arrives. ``durable`` — consume
     through JetStream durable consumers where a stream keeps the topic (False: plain
-    subscriptions, nothing handled after a restart). ``membership`` — lease timing.
+    subscriptions, nothing handled after a restart; env ``TG_DURABLE=0``). ``membership`` —
+    lease timing.
     """
 
     nats_url: str = field(default_factory=lambda: os.environ.get("NATS_URL", ""))
@@ -69,7 +70,7 @@ class ServiceConfig:
     tick_s: float = 0.05
     replica: str = field(default_factory=lambda: os.environ.get("TG_REPLICA") or
                          default_replica())
-    durable: bool = True
+    durable: bool = field(default_factory=lambda: os.environ.get("TG_DURABLE", "1") != "0")
     membership: MembershipConfig = field(default_factory=MembershipConfig)
 
 
