@@ -55,11 +55,12 @@ def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     consumers and the short-lived replay consumers, pull the replay, ack what it handled;
     subscribe — its consumers' delivery subjects ``tg.deliver.<service>.>``, the replies to its
     own requests (its inbox prefix ``_INBOX.<service>``: JetStream API answers and publish
-    acks), its per-replica health subject."""
+    acks), its per-replica health subject, which it also asks itself to learn whether the bus
+    answers (``ReducerService``'s bus probe)."""
     return (("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.CONSUMER.INFO.*.*",
              "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
              "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.TG_EVENTS.>",
-             "$JS.ACK.TG_TELEMETRY.>"),
+             "$JS.ACK.TG_TELEMETRY.>", f"tg.svc.{service}.health.*"),
             (f"tg.deliver.{service}.>", f"_INBOX.{service}.>", f"tg.svc.{service}.health.*"))
 _DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
 

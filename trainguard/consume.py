@@ -9,7 +9,8 @@ how a replica rebuilds a job it takes over.
   explicit acks: the service acks each message after it handled it (for a reducer: after the
   step and its waited-for effects), so a replica killed mid-way gets the unacked messages again
   when it comes back under the same name, and everything that arrived while it was down.
-  Messages older than their family's relevance are acked without being handled.
+  Of that backlog (stored before the process started), messages older than their family's
+  relevance are acked without being handled; live traffic is handled however late.
 * ``replay`` — the stored messages of a subject (wildcards allowed) since a time, oldest first,
   through a short-lived ordered read: what a replica steps when it takes over a job.
 

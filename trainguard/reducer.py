@@ -53,7 +53,7 @@ from trainguard.schemas import Event
 
 from . import consume
 from .membership import partition_key
-from .service import Service
+from .service import Service, health_subject
 
 log = logging.getLogger("trainguard.reducer")
 
@@ -223,8 +223,10 @@ class ReducerService(Service, Generic[S]):
         unanswered, ``BusUp`` when one is answered again."""
         t0 = time.monotonic()
         try:
-            assert self.bus.nc is not None
-            await self.bus.nc.flush(timeout=self.bus_probe_timeout_s)
+            # a request to this replica's own health subject, not ``flush(timeout)``: a PONG
+            # that arrives after that flush timed out kills nats-py's read loop (2.16)
+            await self.bus.request(health_subject(self.name, self.config.replica),
+                                   timeout=self.bus_probe_timeout_s)
             ok = True
         except Exception:  # noqa: BLE001 - timeout, not connected: the bus is not answering
             ok = False

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -99,6 +100,7 @@ class Service:
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
         self._member_task: asyncio.Task | None = None
+        self._started_ns = time.time_ns()
 
     # ---- to override ------------------------------------------------------------------------
     def subscriptions(self) -> list[tuple[str, Handler]]:
@@ -170,7 +172,10 @@ class Service:
             async def on_message(msg: Any) -> None:
                 try:
                     st = consume.stored_of(msg)
-                    if st is not None and st.age_s > max_age:
+                    if st is not None and st.stored_ns < self._started_ns and \
+                            st.age_s > max_age:
+                        # a backlog of before this process ran (a restart): only what is still
+                        # relevant; live traffic is handled however late this service runs
                         self.consumed["stale"] += 1
                     elif not self.accepts(msg.subject):
                         self.consumed["foreign"] += 1
