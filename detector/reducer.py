@@ -59,6 +59,7 @@ from trainguard.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Publis
 from trainguard.schemas import JobRecord, subjects
 
 from .core import DetectorConfig, Finding
+from .memory import bus_back, forget_job, gc, index
 from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_heartbeat,
                        silence_rule, stall_rule, straggler_rule, throughput_rule)
 from .signals import (NodeState, crash_rule, log_rule, node_lost_rule, observe_node_heartbeat,
@@ -152,28 +153,12 @@ def step(state: DetectorState, inp: Input, now: float) -> tuple[DetectorState, l
     if isinstance(inp, Reply):
         return state, _reply(state, inp, now)
     if isinstance(inp, Released):
-        _forget_job(state, inp.key)
+        forget_job(state, inp.key)
     elif isinstance(inp, BusDown):
         state.blind = True
     elif isinstance(inp, BusUp):
-        _bus_back(state, now, inp.gap_s)
+        bus_back(state, now, inp.gap_s)
     return state, []
-
-
-def _bus_back(state: DetectorState, now: float, gap_s: float) -> None:
-    """The bus answers again after ``gap_s`` seconds: nothing could be heard meanwhile, so every
-    silence clock restarts now and every progress clock moves on by the gap (a rank that
-    stepped through the outage is not a hung one, nor its node a lost one)."""
-    state.blind = False
-    for js in state.jobs.values():
-        for rs in js.ranks.values():
-            if rs.last_hb:
-                rs.last_hb = max(rs.last_hb, now)
-            if rs.last_advance:
-                rs.last_advance += gap_s
-    for ns in state.nodes.values():
-        for role in ns.last:
-            ns.last[role] = max(ns.last[role], now)
 
 
 def anomaly_id(key: tuple, source: schemas.Event | None, wall_ns: int, ttl_s: float) -> str:
@@ -422,7 +407,7 @@ def _tick(state: DetectorState, wall_ns: int, now: float) -> list[Effect]:
         out += refresh_calls(state, now, sorted(state.due))
     if now - state.last_gc >= dc.gc_s:
         state.last_gc = now
-        _gc(state, now)
+        gc(state, now)
     return out
 
 
@@ -495,54 +480,5 @@ def _reply(state: DetectorState, inp: Reply, now: float) -> list[Effect]:
         state.jobs[name] = JobState(name, state.config.rules.step_window)
         state.job_seen[name] = now
     state.records[name] = jc
-    _index(state, name, old, jc)
+    index(state, name, old, jc)
     return []
-
-
-def _index(state: DetectorState, name: str, old: JobRecord | None,
-           new: JobRecord | None) -> None:
-    """Move job ``name`` in ``node_jobs`` from the nodes of ``old``'s members to ``new``'s."""
-    for m in (old.members if old is not None else ()):
-        node = m.get("node")
-        jobs = state.node_jobs.get(str(node)) if node else None
-        if jobs is not None:
-            jobs.discard(name)
-            if not jobs:
-                del state.node_jobs[str(node)]
-    for m in (new.members if new is not None else ()):
-        if m.get("node"):
-            state.node_jobs.setdefault(str(m["node"]), set()).add(name)
-
-
-def _forget_job(state: DetectorState, name: str) -> None:
-    """Drop job ``name``'s windows, record and reads (another replica serves it now); its
-    incident keys stay, so an incident published here is not published again if it returns."""
-    state.jobs.pop(name, None)
-    state.job_seen.pop(name, None)
-    state.reads.pop(name, None)
-    state.due.discard(name)
-    _index(state, name, state.records.pop(name, None), None)
-
-
-def _gc(state: DetectorState, now: float) -> None:
-    """Forget ranks and nodes silent for ``forget_after_s``, jobs with no rank left first seen
-    that long ago, and incident keys older than ``dedup_ttl_s``."""
-    dc = state.config
-    horizon = now - dc.forget_after_s
-    for name, js in list(state.jobs.items()):
-        for r, rs in list(js.ranks.items()):
-            if rs.last_hb and rs.last_hb < horizon:
-                del js.ranks[r]
-        if not js.ranks and state.job_seen.get(name, now) < horizon:
-            del state.jobs[name]
-            state.job_seen.pop(name, None)
-            state.reads.pop(name, None)
-            state.due.discard(name)
-            _index(state, name, state.records.pop(name, None), None)
-    for n, ns in list(state.nodes.items()):
-        if ns.last and max(ns.last.values()) < horizon:
-            del state.nodes[n]
-    old = now - dc.dedup_ttl_s
-    for k, t in list(state.emitted.items()):
-        if t <= old:
-            del state.emitted[k]

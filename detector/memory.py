@@ -1,0 +1,77 @@
+"""The detector reducer's memory upkeep (``detector.reducer``): the node → jobs index, forgetting
+a job another replica serves now, restarting the clocks after a bus outage, and the periodic
+collection of ranks, nodes, jobs and incident keys. Pure: each function changes the state in
+place and returns nothing."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainguard.schemas import JobRecord
+
+if TYPE_CHECKING:
+    from .reducer import DetectorState
+
+
+def bus_back(state: DetectorState, now: float, gap_s: float) -> None:
+    """The bus answers again after ``gap_s`` seconds: nothing could be heard meanwhile, so every
+    silence clock restarts now and every progress clock moves on by the gap (a rank that
+    stepped through the outage is not a hung one, nor its node a lost one)."""
+    state.blind = False
+    for js in state.jobs.values():
+        for rs in js.ranks.values():
+            if rs.last_hb:
+                rs.last_hb = max(rs.last_hb, now)
+            if rs.last_advance:
+                rs.last_advance += gap_s
+    for ns in state.nodes.values():
+        for role in ns.last:
+            ns.last[role] = max(ns.last[role], now)
+
+
+def index(state: DetectorState, name: str, old: JobRecord | None,
+           new: JobRecord | None) -> None:
+    """Move job ``name`` in ``node_jobs`` from the nodes of ``old``'s members to ``new``'s."""
+    for m in (old.members if old is not None else ()):
+        node = m.get("node")
+        jobs = state.node_jobs.get(str(node)) if node else None
+        if jobs is not None:
+            jobs.discard(name)
+            if not jobs:
+                del state.node_jobs[str(node)]
+    for m in (new.members if new is not None else ()):
+        if m.get("node"):
+            state.node_jobs.setdefault(str(m["node"]), set()).add(name)
+
+
+def forget_job(state: DetectorState, name: str) -> None:
+    """Drop job ``name``'s windows, record and reads (another replica serves it now); its
+    incident keys stay, so an incident published here is not published again if it returns."""
+    state.jobs.pop(name, None)
+    state.job_seen.pop(name, None)
+    state.reads.pop(name, None)
+    state.due.discard(name)
+    index(state, name, state.records.pop(name, None), None)
+
+
+def gc(state: DetectorState, now: float) -> None:
+    """Forget ranks and nodes silent for ``forget_after_s``, jobs with no rank left first seen
+    that long ago, and incident keys older than ``dedup_ttl_s``."""
+    dc = state.config
+    horizon = now - dc.forget_after_s
+    for name, js in list(state.jobs.items()):
+        for r, rs in list(js.ranks.items()):
+            if rs.last_hb and rs.last_hb < horizon:
+                del js.ranks[r]
+        if not js.ranks and state.job_seen.get(name, now) < horizon:
+            del state.jobs[name]
+            state.job_seen.pop(name, None)
+            state.reads.pop(name, None)
+            state.due.discard(name)
+            index(state, name, state.records.pop(name, None), None)
+    for n, ns in list(state.nodes.items()):
+        if ns.last and max(ns.last.values()) < horizon:
+            del state.nodes[n]
+    old = now - dc.dedup_ttl_s
+    for k, t in list(state.emitted.items()):
+        if t <= old:
+            del state.emitted[k]
