@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 
 def test_scale_bench_sample(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale.py"), "--ranks", "32", "--nodes", "4",
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--ranks", "64", "--nodes", "8",
          "--replicas", "2", "--publishers", "1", "--seconds", "1", "--warmup", "1", "--json",
          "--log-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["jobs"] == 4 and res["replicas"] == 2
+    assert res["jobs"] == 8 and res["replicas"] == 2
     hb, fd, tk = res["hb_to_anomaly_ms"], res["fault_to_decision_ms"], res["takeover_s"]
     assert hb["n"] == hb["sent"] > 0 and hb["p99"] is not None
     assert fd["n"] == fd["sent"] > 0 and fd["p99"] is not None
