@@ -150,8 +150,9 @@ class Service:
             await self._consume(subject, tracing.traced(self.name, handler))
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
-        await self.bus.nc.subscribe(health_subject(self.name, self.config.replica),
-                                    cb=self._health)
+        if self.partitioned:  # a replica among others answers on its own subject too
+            await self.bus.nc.subscribe(health_subject(self.name, self.config.replica),
+                                        cb=self._health)
         await self.bus.flush()
         if self.partitioned and self.state is not None:
             if joined_others:  # take over what the others served of ours: rebuild it
