@@ -248,34 +248,45 @@ class ReducerService(Service, Generic[S]):
         for eff in effects:
             await self._perform(eff)
 
+    #: gained jobs above which a takeover reads each topic once for all of them (and keeps
+    #: their messages) instead of once per job: one ephemeral consumer per (job, topic) costs a
+    #: few milliseconds of round trips, one per topic reads the others' messages too
+    bulk_replay_jobs = 8
+
     async def members_changed(self, gained: set[str], lost: set[str]) -> None:
-        """Forget the lost jobs (``Released``); rebuild each gained job from the streams: the
-        messages of its topics stored within their relevance (``consume.RELEVANCE``), stepped
+        """Forget the lost jobs (``Released``); rebuild the gained jobs from the streams: the
+        messages of their topics stored within their relevance (``consume.RELEVANCE``), stepped
         oldest first at the service time they arrived (``now`` minus their age), then
-        ``Gained``. Live messages of the job already stepped by the replay are skipped
+        ``Gained`` for each. Live messages already stepped by the replay are skipped
         (``Service.replayed``). Node keys are not replayed (every replica steps node events)."""
+        jobs = sorted(k for k in gained if not k.startswith("node:"))
         async with self._lock:
             for key in sorted(lost):
                 await self._dispatch(Released(key, time.time_ns()))
-            for key in sorted(k for k in gained if not k.startswith("node:")):
-                await self._rebuild(key)
+            if jobs:
+                await self._rebuild(jobs)
+            for key in jobs:
                 await self._dispatch(Gained(key, time.time_ns()))
 
-    async def _rebuild(self, job: str) -> None:
+    async def _rebuild(self, jobs: list[str]) -> None:
         assert self.bus.nc is not None
         now_ns = time.time_ns()
+        wanted = set(jobs)
         got: list[tuple[int, str, Any, consume.Stored]] = []
         for topic in self.topics:
             parts = topic.split(".")
             if len(parts) < 3 or parts[:2] != ["tg", "job"] or parts[2] != "*":
                 continue
-            subject = ".".join(["tg", "job", job] + parts[3:])
             since = now_ns - int(min(consume.max_age_s(topic), 86400.0) * 1e9)
-            try:
-                for m, st in await consume.replay(self.bus.nc, subject, since):
-                    got.append((st.stored_ns, m.subject, m.data, st))
-            except Exception as exc:  # noqa: BLE001 - rebuild what can be read
-                log.warning("%s: replay of %s failed: %s", self.name, subject, exc)
+            subjects_ = ([topic] if len(jobs) > self.bulk_replay_jobs else
+                         [".".join(["tg", "job", job] + parts[3:]) for job in jobs])
+            for subject in subjects_:
+                try:
+                    for m, st in await consume.replay(self.bus.nc, subject, since):
+                        if partition_key(m.subject) in wanted:
+                            got.append((st.stored_ns, m.subject, m.data, st))
+                except Exception as exc:  # noqa: BLE001 - rebuild what can be read
+                    log.warning("%s: replay of %s failed: %s", self.name, subject, exc)
         got.sort(key=lambda g: (g[0], g[3].seq))
         for stored_ns, subject, data, st in got:
             key = (st.stream, partition_key(subject) or "")
