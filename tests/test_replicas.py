@@ -217,3 +217,21 @@ def test_remediator_watchdog_deadlines_move_on_by_the_outage():
     state = RemediatorState(pending={"j": Pending(dec, 60.0)}, armed=True)
     state, _ = rred.step(state, BusUp(30.0, WALL), 50.0)
     assert state.pending["j"].deadline == 90.0
+
+
+def test_stack_runs_named_replicas_of_the_partitioned_services(tmp_path):
+    from trainguard.stack import Stack
+
+    st = Stack(services=("agent", "detector", "remediator"), agent_nodes=("a",), replicas=2,
+               log_dir=tmp_path)
+    assert st.service_names() == ["agent-a", "detector-0", "detector-1", "remediator-0",
+                                  "remediator-1"]
+    cmd, role = st._service_cmd("detector-1")
+    assert cmd[-2:] == ["--replica", "detector-1"] and role == "detector"
+    assert st._health_subject("detector-1") == "tg.svc.detector.health.detector-1"
+    assert st._health_subject("agent-a") == "tg.svc.agent-a.health"
+    one = Stack(services=("detector",), replicas=1, log_dir=tmp_path)
+    assert one.service_names() == ["detector"]
+    assert one._service_cmd("detector")[0][-2:] == ["--replica", "detector"]
+    with pytest.raises(ValueError):
+        Stack(services=("detector",), replicas=0, log_dir=tmp_path)
