@@ -201,16 +201,25 @@ def mount(service: Any, port: int | None = None) -> Metrics | None:
     except MetricsError as exc:
         log.error("%s: no metrics: %s", service.name, exc)
         return None
-    publish = service.bus.publish
+    publish, publish_stored = service.bus.publish, service.bus.publish_stored
 
-    async def observed(subject: str, event: schemas.Event) -> None:
-        await publish(subject, event)
+    def _observe(event: schemas.Event) -> None:
         try:
             m.observe(event)
         except Exception as exc:  # noqa: BLE001 - a metric never fails a publish
             log.debug("metrics: %s", exc)
 
+    async def observed(subject: str, event: schemas.Event, **kw: Any) -> None:
+        await publish(subject, event, **kw)
+        _observe(event)
+
+    async def observed_stored(subject: str, event: schemas.Event, **kw: Any) -> int:
+        seq = await publish_stored(subject, event, **kw)  # decisions: with a JetStream ack
+        _observe(event)
+        return seq
+
     service.bus.publish = observed
+    service.bus.publish_stored = observed_stored
     log.info("%s: metrics on port %d (/metrics)", service.name, m.port)
     return m
 
