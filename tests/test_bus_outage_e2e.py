@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 _SCRIPT = '''
-import time, torch, trainguard
+import os, time, torch, trainguard
 
 def train(ctx):
     torch.manual_seed(0)
@@ -29,8 +29,9 @@ def train(ctx):
         loss = net(x).pow(2).mean()
         opt.zero_grad(); loss.backward(); opt.step()
         ctx.progress(step, loss=float(loss))
-        with open(f"{progress}/rank-{{ctx.rank}}", "w") as fh:
+        with open(f"{progress}/.rank-{{ctx.rank}}", "w") as fh:  # whole, never half-written
             fh.write(f"{{step}} {{ctx.generation}}")
+        os.replace(f"{progress}/.rank-{{ctx.rank}}", f"{progress}/rank-{{ctx.rank}}")
         if step % 20 == 0:
             ckpt.save(step)
         time.sleep(0.03)
