@@ -35,6 +35,8 @@ class MemoryStore:
         self.audits: dict[str, list[dict[str, Any]]] = {}
         self.history: dict[str, list[dict[str, Any]]] = {}
         self.signatures: dict[str, list[tuple[str, str, int]]] = {}
+        #: job → decision id → decision dict (``StateStore.outbox_put`` / ``outbox_done``)
+        self.outboxes: dict[str, dict[str, dict[str, Any]]] = {}
         self._seeded: dict[str, set[str]] = {}
         self._observed: set[str] = set()
         self._finished: dict[str, set[int]] = {}
@@ -133,8 +135,11 @@ class MemoryStore:
                         members: list[dict[str, Any]] | None = None,
                         world_size: int | None = None, spare_nodes: list[str] | None = None,
                         stopped: bool = False,
-                        pending_decision: dict[str, Any] | None = None) -> None:
+                        pending_decision: dict[str, Any] | None = None,
+                        outbox: dict[str, Any] | None = None) -> None:
         rec = self._rec(job)
+        if outbox is not None:
+            self.outbox_put(job, outbox)
         # through JSON, as the hash stores it: the reducers read back what Valkey would give
         fields = {"retries_used": retries_used, "last_decision": last_decision,
                   "last_fault": last_fault, "members": members, "world_size": world_size,
@@ -144,6 +149,17 @@ class MemoryStore:
                 setattr(rec, k, _roundtrip(k, v))
         rec.pending_decision = (None if pending_decision is None
                                 else _roundtrip("pending_decision", pending_decision))
+
+    def outbox_put(self, job: str, decision: dict[str, Any]) -> None:
+        self.outboxes.setdefault(job, {})[str(decision["event_id"])] = copy.deepcopy(decision)
+
+    def outbox_done(self, job: str, decision_id: str) -> None:
+        self.outboxes.get(job, {}).pop(decision_id, None)
+
+    def outbox(self, jobs: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+        names = self.jobs() if jobs is None else list(jobs)
+        return {j: sorted(self.outboxes[j].values(), key=lambda d: d.get("ts", 0))
+                for j in names if self.outboxes.get(j)}
 
     def clear_pending(self, job: str) -> None:
         self._rec(job).pending_decision = None
