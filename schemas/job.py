@@ -102,6 +102,10 @@ class JobSettings:
     node_timeout_s: float = _f(0.0, FLOAT, "settings",
                                "silence after which a node is lost; 0 = the detector's "
                                "default", "s")
+    slurm_job_id: str = _f("", STR, "settings",
+                           "the Slurm job the run's launchers run in (their SLURM_JOB_ID; '' = "
+                           "not under Slurm): what the Slurm node controller drains, requeues "
+                           "and cancels for")
 
 
 @dataclass

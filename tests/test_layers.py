@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.reducer", CORE, False), ("trainguard.embedded", CORE, False),
     ("trainguard.auth", CORE, False),
     ("trainguard.metrics", CORE, False), ("trainguard.goodput", CORE, False),
+    ("trainguard.auth", CORE, False), ("trainguard.fault_schedule", CORE, False),
     ("trainguard.xid", CORE, False), ("trainguard.checkpoint.format", CORE, False),
     # rules: pure decisions, shared by live services and offline tools
     ("trainguard.detector", RULES, False), ("trainguard.attributor", RULES, False),
@@ -39,6 +40,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.checkpoint_validator.service", SERVICE, True),
     ("trainguard.agents", SERVICE, True), ("trainguard.controllers", SERVICE, True),
     ("trainguard.alerts", SERVICE, True),
+    ("trainguard.controller_base", SERVICE, True), ("trainguard.slurm_controller", SERVICE, True),
     ("trainguard.detector.__main__", COMMAND, False),
     ("trainguard.attributor.__main__", COMMAND, False),
     ("trainguard.remediator.__main__", COMMAND, False),
@@ -51,7 +53,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
     ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
     ("trainguard.rendezvous", RUNTIME, False), ("trainguard.checkpoint", RUNTIME, False),
-    ("trainguard.integrations", RUNTIME, False),
+    ("trainguard.integrations", RUNTIME, False), ("trainguard.fault_inject", RUNTIME, False),
     # commands: the CLI and what only it runs
     ("trainguard.cli", COMMAND, False),
     ("trainguard.launcher", COMMAND, False),  # `trainguard launch`: may start a stack
@@ -63,6 +65,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.replay_decide", COMMAND, False), ("trainguard.memstore", COMMAND, False),
     ("trainguard.replay_policy", COMMAND, False),
     ("trainguard.report", COMMAND, False),
+    ("trainguard.cluster", COMMAND, False),  # the one-machine cluster harness (netns, Slurm)
 ]
 
 

@@ -4,54 +4,36 @@
 * ``LocalController`` — records the exclusion in the state store (``tg:node:<node>`` status
   ``excluded`` with the reason); what the local stack and the demo use. Launchers and the
   scheduler glue read it.
-* ``SlurmController`` — ``scontrol update nodename=<node> state=drain reason="<reason>"`` and,
-  when a Slurm job id is known, ``scontrol requeue <jobid>``; also records locally.
+* ``SlurmController`` (``trainguard.slurm_controller``) — for the training job's Slurm id (from
+  its job record): drains the node with the evidence as the reason, requeues when the job cannot
+  go on in place, ``scancel`` on stop; re-reads Slurm's state first (idempotent); also records
+  locally.
 * ``KubernetesController`` — cordons the node through the API server (``PATCH
   /api/v1/nodes/<node>`` with ``{"spec": {"unschedulable": true}}``), in-cluster credentials;
   also records locally.
 
-Each ``exclude(node, job, reason)`` is a coroutine returning a ``ControllerResult`` (``ok``,
-``detail``, and the ``commands`` or requests it issued, for the audit trail). Controllers never
-raise for an external failure: ``ok`` is False and ``detail`` says what to do.
+One interface (``trainguard.controller_base.NodeController``): ``exclude(node, job, reason)`` and
+``stop(job, reason)`` are coroutines returning a ``ControllerResult`` (``ok``, ``detail``, and the
+``commands`` or requests it issued, for the audit trail). Controllers never raise for an external
+failure: ``ok`` is False and ``detail`` says what to do.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import shutil
 import ssl
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
 
+from .controller_base import ControllerResult, NodeController
+from .slurm_controller import (SLURM_REASON_MAX, SlurmConfig, SlurmController,  # noqa: F401
+                               slurm_drain_command, slurm_requeue_command)
 from .state import StateStore
 
-#: Slurm drain reasons are shown by ``sinfo -R``; keep them short and on one line.
-SLURM_REASON_MAX = 120
-
-
-@dataclass
-class ControllerResult:
-    ok: bool
-    detail: str = ""
-    commands: list[Any] = field(default_factory=list)
-
-
-class NodeController:
-    """Base: ``name`` identifies it in ``action.result.executor`` (``controller:<name>``)."""
-
-    name = "base"
-
-    def __init__(self, state: StateStore | None = None):
-        self.state = state
-
-    async def record(self, node: str, job: str, reason: str) -> None:
-        if self.state is not None:
-            await self.state.set_node(node, "excluded", f"{job}: {reason}"[:500])
-
-    async def exclude(self, node: str, job: str, reason: str) -> ControllerResult:
-        raise NotImplementedError
+__all__ = ["ControllerResult", "NodeController", "LocalController", "SlurmConfig",
+           "SlurmController", "KubernetesConfig", "KubernetesController", "CONTROLLERS",
+           "make_controller", "slurm_drain_command", "slurm_requeue_command", "k8s_cordon_request"]
 
 
 class LocalController(NodeController):
@@ -62,67 +44,6 @@ class LocalController(NodeController):
     async def exclude(self, node: str, job: str, reason: str) -> ControllerResult:
         await self.record(node, job, reason)
         return ControllerResult(True, f"node {node} marked excluded in the state store")
-
-
-@dataclass
-class SlurmConfig:
-    """``scontrol`` path (default: found on PATH) and the Slurm job id to requeue (env
-    ``SLURM_JOB_ID`` of the remediator, or the job hash's ``slurm_job_id`` passed by the caller;
-    empty: drain only). ``timeout_s`` bounds each command."""
-
-    scontrol: str = field(default_factory=lambda: shutil.which("scontrol") or "scontrol")
-    slurm_job_id: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", ""))
-    timeout_s: float = 30.0
-
-
-def slurm_drain_command(node: str, reason: str, scontrol: str = "scontrol") -> list[str]:
-    """argv that drains ``node`` with ``reason`` (one line, at most ``SLURM_REASON_MAX``
-    characters; Slurm shows it in ``sinfo -R``)."""
-    one_line = " ".join(reason.split())[:SLURM_REASON_MAX] or "trainguard"
-    return [scontrol, "update", f"nodename={node}", "state=drain", f"reason=trainguard: {one_line}"]
-
-
-def slurm_requeue_command(job_id: str, scontrol: str = "scontrol") -> list[str]:
-    """argv that requeues Slurm job ``job_id`` (it restarts without the drained node)."""
-    return [scontrol, "requeue", str(job_id)]
-
-
-class SlurmController(NodeController):
-    """Drain the node and requeue the Slurm job (see ``SlurmConfig``)."""
-
-    name = "slurm"
-
-    def __init__(self, state: StateStore | None = None, config: SlurmConfig | None = None):
-        super().__init__(state)
-        self.config = config or SlurmConfig()
-
-    def commands(self, node: str, reason: str) -> list[list[str]]:
-        cmds = [slurm_drain_command(node, reason, self.config.scontrol)]
-        if self.config.slurm_job_id:
-            cmds.append(slurm_requeue_command(self.config.slurm_job_id, self.config.scontrol))
-        return cmds
-
-    async def exclude(self, node: str, job: str, reason: str) -> ControllerResult:
-        await self.record(node, job, reason)
-        cmds = self.commands(node, reason)
-        if not (os.path.exists(self.config.scontrol) or shutil.which(self.config.scontrol)):
-            return ControllerResult(False, f"scontrol not found ({self.config.scontrol}): run the "
-                                           f"remediator on a Slurm login/controller node or drain "
-                                           f"{node} by hand", cmds)
-        for cmd in cmds:
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-                out, _ = await asyncio.wait_for(proc.communicate(), self.config.timeout_s)
-            except (OSError, asyncio.TimeoutError) as exc:
-                return ControllerResult(False, f"{' '.join(cmd)}: {exc or 'timed out'}", cmds)
-            if proc.returncode != 0:
-                return ControllerResult(False, f"{' '.join(cmd)} exited {proc.returncode}: "
-                                               f"{out.decode(errors='replace').strip()[:300]}",
-                                        cmds)
-        return ControllerResult(True, f"drained {node}" + (
-            f", requeued Slurm job {self.config.slurm_job_id}" if self.config.slurm_job_id else ""),
-            cmds)
 
 
 @dataclass

@@ -38,6 +38,8 @@ import sys
 import time
 from typing import Any
 
+from . import fault_inject
+
 #: The one instance in this process (None when not installed or handed over).
 _RT: "_PlainRuntime | None" = None
 _ENV_HANDLER: Any = None  # torch's own env:// handler, kept to be restored
@@ -373,6 +375,7 @@ class _PlainRuntime(_Runtime):
                 return  # the framework's own step count is the one reported
             step = self.opt_steps - 1
         p.advance(int(step), p.loss if loss is None else loss)  # a loss stays until the next
+        fault_inject.at_step(self.cfg.rank, int(step))  # `trainguard launch --faults`
         if self.resume_pending:
             self.resume_pending = False
             self._resumed(int(step))

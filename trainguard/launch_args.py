@@ -205,9 +205,31 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     own.add_argument("--warm-import", default="", help="modules the spares import ahead, a,b,c")
     own.add_argument("--no-node-writer", action="store_true",
                      help="no checkpoint writer daemon for the node: each rank starts its own")
+    own.add_argument("--faults", default="", metavar="SCHEDULE",
+                     help="a fault schedule (YAML or JSON, trainguard.fault_schedule): its rank "
+                          "faults fire inside the ranks at their step or time")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
+
+
+def load_faults(path: str, job: str) -> tuple[str, str]:
+    """``--faults PATH`` → ``(rank faults as JSON, marker directory)`` for the ranks'
+    environment (``TG_FAULTS``, ``TG_FAULTS_DIR``: ``$TG_FAULTS_DIR`` or
+    ``<PATH>.fired/<job>``, beside the schedule, so that ranks moved to another node sharing
+    that file system do not fire a fault twice). Node faults are left to the cluster harness
+    (said once). Raises ``FaultScheduleError``."""
+    from .fault_schedule import dumps, load
+
+    faults = load(path)
+    node = [f for f in faults if not f.on_rank]
+    if node:
+        print(f"trainguard launch: --faults {path}: {len(node)} node fault(s) "
+              f"({', '.join(sorted({f.kind for f in node}))}) are carried out by the cluster "
+              f"harness (trainguard.cluster), not by the launcher", file=sys.stderr)
+    where = os.environ.get("TG_FAULTS_DIR") or os.path.join(os.path.abspath(path) + ".fired",
+                                                            job)
+    return dumps([f for f in faults if f.on_rank]), where
 
 
 def parse(argv: list[str], description: str = ""):
@@ -267,6 +289,14 @@ def parse(argv: list[str], description: str = ""):
         p.error("--no-python and -m cannot be combined (as with torchrun)")
     if a.no_python and not shutil.which(a.script) and not os.path.isfile(a.script):
         p.error(f"--no-python: no program {a.script!r} on PATH")
+    faults = faults_dir = ""
+    if a.faults:
+        from .fault_schedule import FaultScheduleError
+
+        try:
+            faults, faults_dir = load_faults(a.faults, job)
+        except FaultScheduleError as exc:
+            p.error(f"--faults: {exc}")
     cfg = LaunchConfig(
         script=a.script, script_args=a.script_args, module=a.module, nnodes=nmax,
         nproc_per_node=nproc, node_rank=node_rank, node=a.node, job=job, mode=a.mode,
@@ -278,7 +308,7 @@ def parse(argv: list[str], description: str = ""):
         max_restarts=a.max_restarts or 0, role=a.role, log_dir=a.log_dir or "",
         redirects=redirects, tee=tee, local_ranks_filter=frozenset(filt),
         no_python=a.no_python, monitor_interval_s=a.monitor_interval,
-        standalone=a.standalone)
+        standalone=a.standalone, faults=faults, faults_dir=faults_dir)
     _check(p, cfg)
     return cfg
 

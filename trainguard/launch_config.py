@@ -42,7 +42,9 @@ class LaunchConfig:
     (which local ranks' stdout/stderr go to files), ``local_ranks_filter`` [all] (console),
     ``no_python`` [False] (run the program itself: no spare, no hooks),
     ``monitor_interval_s`` [0.5], ``standalone`` [False] (start an embedded stack when none is
-    configured).
+    configured). ``faults`` [""]: the rank faults of ``--faults`` as JSON
+    (``trainguard.fault_schedule``), handed to every rank with ``faults_dir``, the directory of
+    the markers that make each fire once (``trainguard.fault_inject``).
     """
 
     script: str
@@ -79,6 +81,8 @@ class LaunchConfig:
     no_python: bool = False
     monitor_interval_s: float = 0.5
     standalone: bool = False
+    faults: str = ""
+    faults_dir: str = ""
 
     @property
     def world_size(self) -> int:

@@ -179,13 +179,16 @@ class Launcher:
         self.lease.stop_heartbeat()
         self.pool.shutdown()
         status = self.loop.exit_status
-        if not cfg.spare_node and status == 0:
+        if self.loop.fenced:
+            pass  # lost its lease: the job's record is no longer this node's to write
+        elif not cfg.spare_node and status == 0:
             self.lease.mark_status("finished")
         elif not cfg.spare_node and status == 1 and cfg.mode == "action":
             # (observe mode leaves the status: the decision that would have been taken for
             # this failure is still to be published, and an ended job decides nothing)
             self.lease.mark_status("failed")
-        self.lease.end()
+        if not self.loop.fenced:
+            self.lease.end()
         self.bus.close(timeout=2.0)
         if self.rdzv_proc is not None:
             self.rdzv_proc.kill()

@@ -6,7 +6,8 @@ of the current one, its ranks in ``members`` or itself in ``spare_nodes``; see d
 publishes the node heartbeat, role launcher), writes and reads the observe-mode group attempt
 (``group_attempt``), records how the run ended here, and ends the lease. Everything talks to the
 store on the bus client's event loop, through one connection; what the run loop must know comes
-back as events (``GroupRestarted``, ``LeaseRenewalFailed``).
+back as events (``GroupRestarted``, ``LeaseRenewalFailed``, and ``LeaseLost`` when no renewal
+was acknowledged for ``LEASE_S``: the node is fenced).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from trainguard import schemas
 from trainguard.schemas import JobSettings, subjects
 
 from .auth import redact
-from .launcher_loop import GroupRestarted, LeaseRenewalFailed
+from .launcher_loop import GroupRestarted, LeaseLost, LeaseRenewalFailed
 from .state import LauncherConflict, StateStore
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class JobLease:
         self.cfg, self.bus, self.post = cfg, bus, post
         self._st: StateStore | None = None  # the lease's connection, on the bus thread
         self._stop = threading.Event()
+        self.renewed_at = time.monotonic()  # the last lease write the store acknowledged
+        self._lost = False
 
     def _store(self) -> StateStore:
         """The launcher's one state-store connection; used on the bus thread only."""
@@ -64,7 +67,8 @@ class JobLease:
                                nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
                                hang_timeout_s=cfg.hang_timeout_s,
                                startup_timeout_s=cfg.startup_timeout_s,
-                               node_timeout_s=cfg.node_timeout_s)
+                               node_timeout_s=cfg.node_timeout_s,
+                               slurm_job_id=os.environ.get("SLURM_JOB_ID", ""))
         generation = 0
 
         async def _reg() -> None:
@@ -118,9 +122,13 @@ class JobLease:
             self._store().renew_launcher(self.cfg.job, self.cfg.node, self.LEASE_S),
             self.bus.loop)
 
+        sent = time.monotonic()
+
         def _done(f) -> None:
             if not f.cancelled() and f.exception() is not None:
                 self.post(LeaseRenewalFailed(str(f.exception())))
+            elif not f.cancelled():
+                self.renewed_at = max(self.renewed_at, sent)
 
         fut.add_done_callback(_done)
 
@@ -184,6 +192,12 @@ class JobLease:
         last_lease = time.monotonic()
         while not self._stop.is_set():
             seq += 1
+            silent = time.monotonic() - self.renewed_at
+            if silent > self.LEASE_S and not self._lost and not cfg.spare_node:
+                # fenced: the lease ran out in the store (a partition, a store out of reach),
+                # so the job may have moved this node's ranks elsewhere already
+                self._lost = True
+                self.post(LeaseLost(silent))
             if time.monotonic() - last_lease >= self.RENEW_S:
                 last_lease = time.monotonic()
                 self.renew()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .launch_config import LaunchConfig
 
 __all__ = ["LaunchState", "RankExited", "DecisionReceived", "GroupRestarted", "RefillPool",
-           "StopRequested", "LeaseRenewalFailed", "RunLoop"]
+           "StopRequested", "LeaseRenewalFailed", "LeaseLost", "RunLoop"]
 
 log = logging.getLogger("trainguard.launcher")
 
@@ -53,6 +53,7 @@ class LaunchState(StrEnum):
         HEALTHY | UNHEALTHY ── stop decision (exit 3), this node excluded (exit 0),
                                stop request (SIGTERM 143, SIGINT 130) ──► STOPPING ──► STOPPED
         HEALTHY ── a rank failed, observe mode, restarts spent ──► STOPPING ──► FAILED (exit 1)
+        any non-terminal ── lease lost (not renewed for LEASE_S: fenced) ──► STOPPING ──► FAILED
 
     RESTARTING and STOPPING last one step of the loop (ranks killed, replacements started);
     SUCCEEDED, STOPPED and FAILED end it. A failed rank stays this node's until a decision
@@ -120,6 +121,16 @@ class LeaseRenewalFailed:
     error: str
 
 
+@dataclass(frozen=True)
+class LeaseLost:
+    """No renewal of this launcher's lease was acknowledged for ``silent_s`` seconds (more than
+    ``LEASE_S``): the lease has run out in the store, the node may be excluded and its ranks
+    placed elsewhere (a network partition): this node fences itself — its ranks stop, and no
+    decision reaches them any more."""
+
+    silent_s: float
+
+
 class Pool(Protocol):
     """What the loop needs of the processes (``trainguard.launcher_pool.ProcessPool``)."""
 
@@ -170,10 +181,12 @@ class RunLoop:
         self.restart_count = 0
         self.seen_keys: set[str] = set()
         self.exit_status: int | None = None
+        self.fenced = False  # the lease was lost: write nothing more to the job's record
         self._steps: dict[type, Callable[[Any], None]] = {
             RankExited: self._on_rank_exited, DecisionReceived: self._on_decision,
             GroupRestarted: self._on_group_restarted, RefillPool: lambda ev: self.pool.fill(),
-            StopRequested: self._on_stop, LeaseRenewalFailed: self._on_lease_renewal_failed}
+            StopRequested: self._on_stop, LeaseRenewalFailed: self._on_lease_renewal_failed,
+            LeaseLost: self._on_lease_lost}
 
     # ---- the loop -----------------------------------------------------------------------------
     def post(self, event: object) -> None:
@@ -335,3 +348,12 @@ class RunLoop:
 
     def _on_lease_renewal_failed(self, ev: LeaseRenewalFailed) -> None:
         log.warning("cannot renew this launcher's lease on job %s: %s", self.cfg.job, ev.error)
+
+    def _on_lease_lost(self, ev: LeaseLost) -> None:
+        if self.state.terminal:
+            return
+        self._say(f"fenced: this launcher's lease was not renewed for {ev.silent_s:.1f} s (the "
+                  f"state store is out of reach), so the job may have moved this node's ranks "
+                  f"elsewhere: stopping every rank here (exit status {EXIT_FAILED})")
+        self.fenced = True
+        self._end(LaunchState.FAILED, EXIT_FAILED)

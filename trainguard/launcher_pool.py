@@ -177,6 +177,7 @@ class ProcessPool:
         self.spares: list[RankProcess] = []
         self.hosted_ranks: set[int] = set()
         self.node_writer: NodeWriter | None = None
+        self.started_at = time.time()  # Unix s: the origin of scheduled faults' at_s
 
     # ---- environment --------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -206,6 +207,9 @@ class ProcessPool:
             env["TG_CKPT_DIR"] = cfg.ckpt_dir
         if self.node_writer is not None:
             env["TG_CKPT_WRITER"] = self.node_writer.socket_path
+        if cfg.faults:  # `--faults`: fired in the ranks (trainguard.fault_inject)
+            env.update(TG_FAULTS=cfg.faults, TG_FAULTS_DIR=cfg.faults_dir,
+                       TG_FAULTS_T0=str(self.started_at))
         env.update(cfg.extra_env)
         return env
 

@@ -33,7 +33,7 @@ from trainguard import schemas
 from trainguard.executor import RankAction
 from trainguard.schemas import subjects
 
-from . import rendezvous
+from . import fault_inject, rendezvous
 from .rank_state import (  # noqa: F401 - re-exported: trainguard.worker is their public home
     COLLECTIVE_ERROR_MARKERS, DecisionInbox, JobStopped, RestartRequested, WorkerConfig,
     _Progress)
@@ -257,6 +257,7 @@ class Context:
         p.advance(step, loss)
         p.arrived = False
         p.collective_seq += 1
+        fault_inject.at_step(rt.cfg.rank, step)  # `trainguard launch --faults`
         if self._first_progress:
             self._first_progress = False
             self._report_resume(step, loss)

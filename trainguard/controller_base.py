@@ -1,0 +1,51 @@
+"""The one interface of node controllers (local, Slurm, Kubernetes) and what they return.
+
+A controller is what the remediator calls to take a node out of service and to stop a job
+through the scheduler. ``exclude`` and ``stop`` are coroutines returning a ``ControllerResult``;
+they never raise for an external failure (``ok`` False, ``detail`` says what to do), and they
+re-read the scheduler's state before acting, so that doing one twice is harmless (the detail
+says ``already …``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ControllerResult", "NodeController"]
+
+
+@dataclass
+class ControllerResult:
+    """``ok``; ``detail`` (one line for the action result and the audit trail); ``commands``:
+    the commands or requests issued, and ``{"skipped": …, "why": …}`` for those already
+    satisfied."""
+
+    ok: bool
+    detail: str = ""
+    commands: list[Any] = field(default_factory=list)
+
+
+class NodeController:
+    """Base: ``name`` identifies it in ``action.result.executor`` (``controller:<name>``);
+    ``state`` is the ``trainguard.state.StateStore`` (or None) where exclusions are recorded and
+    job records are read."""
+
+    name = "base"
+
+    def __init__(self, state: Any = None):
+        self.state = state
+
+    async def record(self, node: str, job: str, reason: str) -> None:
+        """``tg:node:<node>`` status ``excluded`` with ``<job>: <reason>``."""
+        if self.state is not None:
+            await self.state.set_node(node, "excluded", f"{job}: {reason}"[:500])
+
+    async def exclude(self, node: str, job: str, reason: str) -> ControllerResult:
+        """Take ``node`` out of service for ``job`` (``reason``: the decision's evidence)."""
+        raise NotImplementedError
+
+    async def stop(self, job: str, reason: str) -> ControllerResult:
+        """End ``job`` through the scheduler; by default there is nothing to end (the launchers
+        stop their ranks on the stop decision themselves)."""
+        return ControllerResult(True, f"{self.name}: nothing to cancel for {job!r} (its "
+                                      f"launchers stop on the decision)")
