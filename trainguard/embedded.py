@@ -226,21 +226,23 @@ class EmbeddedServer:
 
 
 class EmbeddedServers:
-    """nats-server + valkey-server on loopback ports, or the given URLs.
+    """nats-server + valkey-server on free ports of ``host`` (loopback), or the given URLs.
 
     ``nats_url``/``redis_url`` make it use existing servers instead of starting its own (every
     role then uses that URL as given). The environment is never read here (a ``NATS_URL`` left
     in a shell must not send the demo's injected faults, or the tests' events, to somebody's
     bus). ``data_dir`` — keep credentials, the JetStream store and Valkey's AOF there across
     starts (None: a temporary directory removed by ``stop``); ``auth`` — require the users of
-    ``trainguard.auth``; ``rotate`` — new passwords for every role. Context manager; ``stop()``
-    is idempotent.
+    ``trainguard.auth``; ``rotate`` — new passwords for every role; ``host`` — the address the
+    servers listen on (default loopback; the cluster harness gives its bridge's, so that node
+    namespaces reach them). Context manager; ``stop()`` is idempotent.
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
-                 rotate: bool = False):
+                 rotate: bool = False, host: str = "127.0.0.1"):
         self._given = {"nats": nats_url or "", "valkey": redis_url or ""}
+        self.host = host
         self.data_dir = Path(data_dir).expanduser() if data_dir else None
         self.auth = auth
         self.rotate = rotate
@@ -294,7 +296,7 @@ class EmbeddedServers:
         persistent = self.data_dir is not None
         for kind in ("nats", "valkey"):
             if not self._given[kind]:
-                s = EmbeddedServer(kind, port=int(ports.get(kind) or 0),
+                s = EmbeddedServer(kind, host=self.host, port=int(ports.get(kind) or 0),
                                    workdir=str(self.dir / kind), creds=self.creds,
                                    persistent=persistent,
                                    max_file_store=streams_max_bytes() + 256 * 1024 ** 2)

@@ -136,7 +136,9 @@ class Stack:
       ``NVRM: Xid`` lines there);
     * ``data_dir`` — embedded servers keep credentials and data there across starts (None: a
       temporary directory removed on stop); ``auth`` — embedded servers require the users of
-      ``trainguard.auth``; ``rotate_credentials`` — new passwords for every role.
+      ``trainguard.auth``; ``rotate_credentials`` — new passwords for every role;
+    * ``host`` — the address NATS, Valkey and the rendezvous store listen on (default loopback;
+      the cluster harness gives its bridge's address).
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
@@ -145,7 +147,8 @@ class Stack:
                  log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None,
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
-                 rotate_credentials: bool = False, replicas: int = 1):
+                 rotate_credentials: bool = False, replicas: int = 1,
+                 host: str = "127.0.0.1"):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -154,7 +157,8 @@ class Stack:
             raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
                              f"{', '.join(SERVICE_SPECS)}")
         self._servers = EmbeddedServers(nats_url, redis_url, data_dir=data_dir, auth=auth,
-                                        rotate=rotate_credentials)
+                                        rotate=rotate_credentials, host=host)
+        self.host = host
         self.services = tuple(services)
         self.agent_nodes = tuple(agent_nodes or (subjects.default_node(),))
         self.rendezvous = rendezvous
@@ -311,12 +315,12 @@ class Stack:
             print("trainguard up: trainguard.rendezvous is not installed: no rendezvous store",
                   file=sys.stderr)
             return None
-        port = free_port()
+        port = free_port(self.host)
         log = self.log_dir / "rendezvous.log"
         # logs are appended across runs: only what this store prints counts as its answer
         self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
         return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
-                                          "--host", "127.0.0.1", "--port", str(port)], None)
+                                          "--host", self.host, "--port", str(port)], None)
 
     def _wait_rendezvous(self, proc: subprocess.Popen, deadline: float) -> None:
         log = self.log_dir / "rendezvous.log"
