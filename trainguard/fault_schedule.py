@@ -76,7 +76,7 @@ class Fault:
     rank: int | None = None
     node: str | int | None = None
     heal_after_s: float | None = None
-    rate: str = "1mbit"
+    rate: str | None = None
     duration_s: float | None = None
 
     @property
@@ -125,6 +125,8 @@ def _entry(raw: Any, pos: int, where: str) -> Fault:
                                      "completes) or at_s (seconds after start)")
     if vals.get("step", 0) < 0 or vals.get("at_s", 0.0) < 0:
         raise FaultScheduleError(at, "step and at_s must be ≥ 0")
+    if kind == "slow_link":
+        vals.setdefault("rate", "1mbit")
     if kind in RANK_KINDS:
         if "rank" not in vals or vals["rank"] < 0:
             raise FaultScheduleError(at, f"a {kind} fault needs rank: a global rank ≥ 0")

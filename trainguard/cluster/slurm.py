@@ -162,9 +162,9 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
         out = self.run("sinfo", "-R", "-h", "-N", "-o", "%N|%E", check=False)
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
-    def sbatch(self, script: str, *opts: str) -> str:
-        """Submit ``script``; returns the Slurm job id."""
-        out = self.run("sbatch", "--parsable", *opts, script)
+    def sbatch(self, script: str | None, *opts: str) -> str:
+        """Submit ``script`` (None: ``opts`` hold ``--wrap``); returns the Slurm job id."""
+        out = self.run("sbatch", "--parsable", *opts, *([script] if script else []))
         return out.strip().split(";")[0]
 
     def job_state(self, job_id: str) -> dict[str, str]:
@@ -184,7 +184,7 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
             if proc is None:
                 continue
             try:
-                proc.wait(10)
+                proc.wait(3)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
