@@ -10,7 +10,8 @@ Layout (``tag`` is this process's id plus a letter, so that leftovers can be tol
 
 The bridge has no physical port, no namespace has a default route, and nothing here turns on
 forwarding or NAT: a process in a node reaches only the bridge's subnet. ``X`` is the first
-/24 of 10.213.0.0/16 that no interface of the host uses. Each node's host name lives in a UTS
+/24 of 10.213.0.0/16 that no interface of the host uses (searched from an offset of this process's
+id, so that two harnesses starting at once pick different ones). Each node's host name lives in a UTS
 namespace held by one ``sleep`` process (the node's "init"); ``popen`` runs a command in the
 node's network and UTS namespaces (``nsenter``), with ``GLOO_SOCKET_IFNAME=eth0`` so gloo binds
 the node's address (its host name resolves nowhere).
@@ -167,7 +168,8 @@ def cleanup_leftovers() -> list[str]:
 def _free_subnet() -> ipaddress.IPv4Network:
     used = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
     nets = [ipaddress.ip_interface(m).network for m in re.findall(r"inet (\S+)", used)]
-    for x in range(256):
+    for i in range(256):  # start at a place of our own: two harnesses starting at once differ
+        x = (os.getpid() + _counter + i) % 256
         cand = ipaddress.ip_network(f"10.213.{x}.0/24")
         if not any(cand.overlaps(n) for n in nets):
             return cand
