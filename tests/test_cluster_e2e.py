@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason=f"no network namespaces here: {cnet.unavailable_reason()}")]
 
 CKPT_EVERY = 5
-STEPS = 60
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,7 @@ def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
     c, job = cluster, "c-off"
     faults = _schedule(tmp_path, "faults:\n  - {kind: power-off, node: node1, step: 10, "
                                  "rank: 3}\n")
+    t0 = time.time()
     c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=_args(c, job))
     runner = FaultRunner(c, job, faults)
     runner.start()
@@ -109,6 +110,8 @@ def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
         fault_s = runner.fired[0]["ts"]
         again = _wait(lambda: training_again(c.steps(job), fault_s), 60)
         assert again, c.launcher_log(job, "node0")[-3000:]
+        print(f"power-off: launch → fault {fault_s - t0:.1f} s, fault → every rank training "
+              f"again {again['t'] - fault_s:.2f} s")
         # the spare node took node1's ranks: the world kept its size
         assert again["world"] == 4 and again["hosts"] == ["node0", "node2"], again
         recs = c.steps(job)
@@ -134,6 +137,7 @@ def test_partition_excludes_the_node_and_fences_its_ranks(cluster, tmp_path):
     heal = 14.0  # longer than the launcher's lease (10 s): by then it has fenced itself
     faults = _schedule(tmp_path, f"- {{kind: partition, node: 1, step: 10, rank: 3, "
                                  f"heal_after_s: {heal}}}\n")
+    t0 = time.time()
     procs = c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=_args(c, job))
     runner = FaultRunner(c, job, faults)
     runner.start()
@@ -142,6 +146,8 @@ def test_partition_excludes_the_node_and_fences_its_ranks(cluster, tmp_path):
         fault_s = runner.fired[0]["ts"]
         again = _wait(lambda: training_again(c.steps(job), fault_s), 60)
         assert again and again["hosts"] == ["node0", "node2"], again
+        print(f"partition: launch → fault {fault_s - t0:.1f} s, fault → every rank training "
+              f"again {again['t'] - fault_s:.2f} s")
         excl = _exclusion(c, job)
         assert excl and excl["nodes"] == ["node1"], _audit(c, job)
         excluded_s = excl["ts"] / 1e9

@@ -35,6 +35,19 @@ def _wait(fn, timeout, every=0.2):
     return fn()
 
 
+def _audit(c, job):
+    from trainguard.state import StateStore
+
+    async def _q():
+        st = StateStore(c.stack.redis_url)
+        try:
+            return await st.audit_trail(job)
+        finally:
+            await st.close()
+
+    return asyncio.run(_q())
+
+
 def test_power_off_under_slurm_drains_the_node_with_the_reason(tmp_path):
     from trainguard.cluster import Cluster, ClusterConfig, training_again
     from trainguard.state import StateStore
@@ -66,7 +79,14 @@ def test_power_off_under_slurm_drains_the_node_with_the_reason(tmp_path):
         fault_s = c.net.power_off("node1") / 1e9
         reasons = _wait(lambda: c.slurm.reasons().get("node1"), 40)
         assert reasons and reasons.startswith("trainguard: "), c.slurm.reasons()
-        assert "node1" in reasons or "node" in reasons.lower()
+        print(f"sinfo -R: node1 {reasons!r} ({time.time() - fault_s:.1f} s after the power-off)")
+        # the reason is the exclusion decision's evidence, as the remediator audited it
+        from trainguard.slurm_controller import slurm_drain_command
+
+        trail = _audit(c, job)
+        excl = next(r for r in trail if r.get("action") == "exclude_node_and_requeue")
+        assert excl["nodes"] == ["node1"]
+        assert "reason=" + reasons == slurm_drain_command("node1", excl["reason"])[4]
 
         async def _rec():
             st = StateStore(c.stack.redis_url)
