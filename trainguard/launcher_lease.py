@@ -113,6 +113,7 @@ class JobLease:
             raise SystemExit(f"trainguard launch: cannot register job {cfg.job!r} in the state "
                              f"store at {redact(cfg.redis_url)} ({type(exc).__name__}: {exc}): start "
                              f"one with `trainguard up` or set REDIS_URL / --redis-url") from None
+        self.renewed_at = time.monotonic()  # begin_run wrote the lease
         return generation
 
     def renew(self) -> None:
@@ -193,7 +194,7 @@ class JobLease:
         while not self._stop.is_set():
             seq += 1
             silent = time.monotonic() - self.renewed_at
-            if silent > self.LEASE_S and not self._lost and not cfg.spare_node:
+            if silent > self.LEASE_S and not self._lost:
                 # fenced: the lease ran out in the store (a partition, a store out of reach),
                 # so the job may have moved this node's ranks elsewhere already
                 self._lost = True
