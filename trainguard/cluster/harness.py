@@ -277,7 +277,7 @@ class FaultRunner(threading.Thread):
         self.timeout_s = timeout_s
         self.fired: list[dict[str, Any]] = []
         self.error: str | None = None
-        self._stop = threading.Event()
+        self._cancelled = threading.Event()
         self.t0 = 0.0
 
     def start(self) -> None:
@@ -285,7 +285,7 @@ class FaultRunner(threading.Thread):
         super().start()
 
     def cancel(self) -> None:
-        self._stop.set()
+        self._cancelled.set()
 
     def _due(self, f: Fault) -> bool:
         if f.at_s is not None:
@@ -299,7 +299,7 @@ class FaultRunner(threading.Thread):
         pending = list(self.faults)
         deadline = time.monotonic() + self.timeout_s
         try:
-            while pending and not self._stop.is_set() and time.monotonic() < deadline:
+            while pending and not self._cancelled.is_set() and time.monotonic() < deadline:
                 for f in [f for f in pending if self._due(f)]:
                     pending.remove(f)
                     node = f.node_name(net.names)
@@ -315,13 +315,13 @@ class FaultRunner(threading.Thread):
                         if f.duration_s:
                             self._later(f.duration_s, rec, lambda n=node: net.fast_link(n))
                     self.fired.append(rec)
-                self._stop.wait(0.05)
+                self._cancelled.wait(0.05)
         except Exception as exc:  # noqa: BLE001 - reported to whoever reads .error
             self.error = f"{type(exc).__name__}: {exc}"
 
     def _later(self, delay: float, rec: dict[str, Any], fn) -> None:
         def _go() -> None:
-            if not self._stop.is_set():
+            if not self._cancelled.is_set():
                 rec["end"] = fn() / 1e9
 
         t = threading.Timer(delay, _go)
