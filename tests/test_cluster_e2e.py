@@ -27,10 +27,12 @@ STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     from trainguard.cluster import Cluster, ClusterConfig
 
-    c = Cluster(ClusterConfig(nodes=3)).start()
+    # logs, step records and checkpoints stay in pytest's temporary directory (kept for the
+    # last runs) to look at after a failure
+    c = Cluster(ClusterConfig(nodes=3, run_dir=str(tmp_path_factory.mktemp("cluster")))).start()
     try:
         yield c
     finally:
