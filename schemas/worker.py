@@ -96,6 +96,11 @@ class TrainingResumed(Event):
     ``restored_step`` is the checkpoint step loaded; ``resumed_step`` the first step completed in
     the new generation; ``steps_rolled_back`` = last step completed before the fault minus
     ``restored_step``; ``fault_ts`` the Unix ns of the fault the rank saw (0 if unknown).
+    ``path``: how the state came back — ``"peer"`` (from healthy data-parallel peers: the step
+    they all held) or ``"checkpoint"`` (the newest valid checkpoint); ``reason``: why that path
+    (on ``"checkpoint"``: why no peer could give the state). ``restore_source`` is ``"peer"``,
+    ``"disk"``, ``"shm"``, ``"script"`` or ``"none"``. ``path`` and ``reason`` were added to
+    version 1 with defaults (``"checkpoint"``, ``""``): older events decode unchanged.
     """
 
     SCHEMA = "recovery.resumed"
@@ -107,6 +112,8 @@ class TrainingResumed(Event):
     fault_ts: int = 0
     restore_source: str = "disk"
     decision_id: str = ""
+    path: str = "checkpoint"
+    reason: str = ""
 
 
 class RecoveryVerified(Event):

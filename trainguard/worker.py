@@ -252,6 +252,8 @@ class Context:
         Raises ``RestartRequested`` when a decision asked this rank to leave the generation.
         """
         rt = self._rt
+        if self._ckpt is not None:  # first: the step is complete even when a decision ends it
+            self._ckpt.mark(step, loss)
         rt.check_abort()
         p = rt.p
         p.advance(step, loss)
@@ -271,13 +273,16 @@ class Context:
         if not info and restored < 0:
             return  # a first start from scratch: nothing was resumed
         last = info.get("last_step", -1)
+        ck = self._ckpt
         rt.publish(subjects.job(cfg.job, "recovery"), schemas.TrainingResumed(
             **rt._ids(), generation=cfg.generation, world_size=cfg.world_size,
             restored_step=restored, resumed_step=step,
             steps_rolled_back=max(0, last - restored) if last >= 0 else 0,
             fault_ts=info.get("fault_ts", 0),
-            restore_source=getattr(self._ckpt, "restore_source", "none") or "none",
-            decision_id=rt.current_decision_id))
+            restore_source=getattr(ck, "restore_source", "none") or "none",
+            decision_id=rt.current_decision_id,
+            path=getattr(ck, "recovery_path", "checkpoint"),
+            reason=(getattr(ck, "recovery_reason", "") or "")[:500]))
         saved_loss = getattr(self._ckpt, "restored_loss", None)
         if saved_loss is not None and loss is not None:
             check = self._ckpt.recovery_check(float(loss))  # config.loss_tolerance
@@ -321,10 +326,14 @@ class Context:
         or ``"compile"`` get longer hang allowances."""
         self._rt.p.phase = name
 
-    def checkpointer(self, model, optimizer=None, **config: Any):
+    def checkpointer(self, model, optimizer=None, data=None, **config: Any):
         """An async, validated, resharding ``trainguard.checkpoint.Checkpointer`` bound to this
         rank and generation. ``config`` fields go to ``CheckpointConfig`` (``root`` defaults to
-        ``$TG_CKPT_DIR/<job>`` or ``./checkpoints/<job>``)."""
+        ``$TG_CKPT_DIR/<job>`` or ``./checkpoints/<job>``). ``data``: an object with
+        ``state_dict()``/``load_state_dict()`` for the data position (a stateful loader), kept
+        and sent with the state on the peer path. Its ``restore()`` takes the state from
+        healthy peers when a complete replica survived the fault (no step lost), else from the
+        newest valid checkpoint; ``ctx.progress(step)`` marks each completed step for it."""
         from .checkpoint import CheckpointConfig, Checkpointer, CheckpointResources
 
         rt, cfg = self._rt, self._rt.cfg
@@ -336,7 +345,7 @@ class Context:
                                   generation=cfg.generation, group=rt.ckpt_group, bus=rt.bus,
                                   redis_url=cfg.redis_url or None,
                                   interrupt=self._checkpoint_wait,
-                                  resources=rt.ckpt_resources)
+                                  resources=rt.ckpt_resources, data=data)
         return self._ckpt
 
     def log(self, line: str, stream: str = "stdout") -> None:

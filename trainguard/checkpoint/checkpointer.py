@@ -12,7 +12,9 @@ Save path (every rank calls ``save`` collectively)::
     writer       renames .tmp-… → step_…_g…  (the commit), fsyncs the root
     rank 0     ─ publishes ckpt.saved; retention; the validator marks it valid / invalid
 
-Restore (collective): rank 0 picks the newest checkpoint that is valid — marked valid by the
+Restore (collective): first from healthy peers (``live``: when a complete replica of the state
+survived the fault, the ranks agree on the newest step they hold and the holders send it to the
+others; no step is lost), else the newest valid checkpoint. Rank 0 picks the newest checkpoint that is valid — marked valid by the
 validator (sizes and checksums re-checked), or, when pending or the state store is unreachable,
 verified here with the validator's own function — and broadcasts it; every rank loads it with
 DCP (any world size: resharding) or, when the world is unchanged and this node's staged copy is
@@ -21,7 +23,15 @@ byte-identical to it, from shared memory.
 The parts: ``plan`` (the ``SavePlan``: where every item goes), ``session`` (one save in flight),
 ``restorer`` (choosing, loading, the post-restore check), ``resources`` (what the process holds
 between saves: writer connection, staging buffer, the save in flight), ``collectives``,
-``index`` (verdicts and retention). This class runs them in order and keeps the counters.
+``index`` (verdicts and retention), ``live`` (recovery from peers), ``replicas`` (the digest,
+the recovery plan, the certificate of a save). This class runs them in order and keeps the
+counters.
+
+Certified saves: every save all-gathers each replica's state digest with the save agreement; a
+disagreement, or a state identical to the previous certified save's while the step advanced,
+writes the checkpoint with ``"certified": false`` in its manifest (``verify`` rejects it) and
+names the disagreeing ranks as suspects of silent data corruption (``anomaly``,
+``detail.sdc_suspect``).
 """
 from __future__ import annotations
 
@@ -36,7 +46,9 @@ import torch
 from . import collectives, statedict
 from .config import CheckpointConfig
 from .index import doomed, fetch_index
+from .live import LiveState, peer_restore
 from .plan import SavePlan, make_plan, new_plan_id, signature, trim_heap
+from .replicas import Certificate, certify, manifest_fields, state_digest
 from .resources import CheckpointResources
 from .restorer import Restorer, RestoreResult, loss_matches, recovery_check
 from .session import RankIdentity, SaveSession
@@ -65,9 +77,14 @@ class Checkpointer:
     Construction is cheap (no I/O): the writer process and the staging buffer are created on
     first use.
 
+    ``data``: an object with ``state_dict()``/``load_state_dict()`` holding the data position
+    (kept and sent with the state on the peer path), or None when the step says it.
+
     Attributes after ``restore()``: ``restored_step`` (int | None), ``restored_loss``
-    (float | None), ``restore_source`` ("disk" | "shm" | "none"), ``restore_reason`` (why
-    newer checkpoints were passed over, "" if none were), ``restored_path``.
+    (float | None), ``restore_source`` ("peer" | "disk" | "shm" | "none"), ``restore_reason``
+    (why newer checkpoints were passed over, "" if none were), ``restored_path``,
+    ``recovery_path`` ("peer" | "checkpoint") and ``recovery_reason`` (why that path).
+    ``certificate``: the ``replicas.Certificate`` of the last save.
     ``stats``: counters (saves, skipped, failed, committed) and the last ``blocking_s`` /
     ``durable_s`` in seconds. ``interrupt``: optional callable, called every 50 ms while a
     save waits for the previous one; it may raise to abandon the wait.
@@ -77,7 +94,7 @@ class Checkpointer:
                  *, config: CheckpointConfig, job: str, rank: int, world_size: int,
                  generation: int = 0, group: Any = None, bus: Any = None,
                  redis_url: str | None = None, interrupt: Any = None,
-                 resources: CheckpointResources | None = None):
+                 resources: CheckpointResources | None = None, data: Any = None):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.job, self.rank, self.world_size = job, int(rank), int(world_size)
         self.generation, self.group, self.bus, self.redis_url = int(generation), group, bus, \
@@ -88,8 +105,12 @@ class Checkpointer:
         self.restore_source = "none"
         self.restore_reason = ""
         self.restored_path: str | None = None
+        self.recovery_path, self.recovery_reason = "checkpoint", ""
+        self.certificate: Certificate | None = None
+        self.live = LiveState(model, optimizer, data)
         self.stats: dict[str, Any] = {"saves": 0, "skipped": 0, "failed": 0, "committed": 0,
-                                      "blocking_s": None, "durable_s": None, "last_error": ""}
+                                      "uncertified": 0, "blocking_s": None, "durable_s": None,
+                                      "last_error": ""}
         self.resources = resources if resources is not None else CheckpointResources()
         self._interrupt = interrupt
         self._plan: SavePlan | None = None
@@ -115,8 +136,8 @@ class Checkpointer:
     def _staging_path(self) -> str:
         return staging_path(self.config.shm_dir, self.job, self.rank)
 
-    def _publish(self, kind: str, **fields: Any) -> None:
-        """Publish ``schemas.<kind>(**fields)`` on ``tg.job.<job>.ckpt`` when there is a bus.
+    def _publish(self, kind: str, subject: str = "ckpt", **fields: Any) -> None:
+        """Publish ``schemas.<kind>(**fields)`` on ``tg.job.<job>.<subject>`` with a bus.
         The event schemas (pydantic, ≈ 6 MB) are imported only then: a Checkpointer without a
         bus does not load them into the training process. Never raises."""
         if self.bus is None:
@@ -125,7 +146,7 @@ class Checkpointer:
             from trainguard import schemas
             from trainguard.schemas import subjects
 
-            self.bus.publish(subjects.job(self.job, "ckpt"), getattr(schemas, kind)(**fields))
+            self.bus.publish(subjects.job(self.job, subject), getattr(schemas, kind)(**fields))
         except Exception:  # noqa: BLE001 - a bus problem never stops checkpointing
             log.warning("could not publish %s", kind, exc_info=True)
 
@@ -153,13 +174,14 @@ class Checkpointer:
         res, step = self.resources, int(step)
         sd = statedict.get_state(self.model, self.optimizer)
         flat, _ = flatten_state_dict(sd)
+        digest = state_digest(flat) if self.config.certify else None
         plan = self._plan
         changed = plan is None or signature(flat) != plan.signature
         busy = res.busy()
         failed, res.unreported_failure = res.unreported_failure, False
         byte_blobs = None if changed else plan.byte_blobs(sd)
         info = {"busy": busy, "changed": changed, "failed": failed, "step": step,
-                "nonce": random.getrandbits(40),
+                "nonce": random.getrandbits(40), "digest": digest,
                 "byte_lens": [len(b) for b in byte_blobs] if byte_blobs is not None else None}
         infos = collectives.all_gather_small(info, self.group, self.world_size)
         nonce = int(infos[0]["nonce"])
@@ -168,6 +190,12 @@ class Checkpointer:
             self._fail(step, f"ranks disagree on the step to save ({sorted(steps)}): call "
                        f"save() with the same step on every rank", None)
             return False
+        cert = self.certificate = certify([i["digest"] for i in infos], step,
+                                          res.last_certified)
+        if not cert.ok:
+            self._uncertified(step, cert)
+        elif cert.digest:
+            res.last_certified = (step, cert.digest)
         if any(i["failed"] for i in infos) and busy and self.rank == 0:
             res.inflight.abandon(res.writer)  # a rank's shard will never come: give up now
         if any(i["busy"] for i in infos):
@@ -199,11 +227,13 @@ class Checkpointer:
         staging = res.ensure_staging(self._staging_path(), plan.staging_size)
         session = SaveSession(res.next_seq(), step, loss, plan, self.identity, nonce, t0,
                               self._on_done)
+        session.certified = cert.ok
         session.stage(staging)
         res.inflight = session
+        request = session.request(self.root, staging.path, byte_blobs, meta, self.config)
+        request["manifest"].update(manifest_fields(cert))
         try:
-            session.start(writer, session.request(self.root, staging.path, byte_blobs, meta,
-                                                  self.config))
+            session.start(writer, request)
         except OSError as exc:
             self._fail(step, f"cannot start the save: {exc}", getattr(exc, "errno", None))
             return False
@@ -219,6 +249,27 @@ class Checkpointer:
         while p is not None and not p.wait(0.05):
             if self._interrupt is not None:
                 self._interrupt()
+
+    def _uncertified(self, step: int, cert: Certificate) -> None:
+        """Tell training (``stats["uncertified"]``, ``certificate``, a warning) and, from rank
+        0, the bus: an ``anomaly`` naming the suspects of silent data corruption (fault class
+        ``ecc``, the vocabulary's hardware memory-corruption class, with ``detail.sdc_suspect``;
+        severity warning: evidence for the attributor, not a crash)."""
+        self.stats["uncertified"] += 1
+        log.warning("checkpoint of step %s is not certified: %s", step, "; ".join(cert.reasons))
+        if self.rank == 0 and cert.suspects:
+            self._publish("Anomaly", subject="anomaly", job=self.job, rank=self.rank,
+                          kind="replica_divergence", fault_class="ecc", severity="warning",
+                          culprit={"ranks": list(cert.suspects)}, evidence=list(cert.reasons),
+                          generation=self.generation,
+                          detail={"sdc_suspect": True, "layer": "hardware", "step": step,
+                                  "rule": "replica_digest_mismatch"})
+
+    def mark(self, step: int, loss: float | None = None) -> None:
+        """``step`` completed (``trainguard.run``'s ``ctx.progress`` calls it): the model,
+        optimizer, random generators and data position now are that step's, for the peer path
+        of the next restore. Cheap (≈ 30 µs, no I/O)."""
+        self.live.mark(step, loss)
 
     def _fail(self, step: int, error: str, errno: int | None, path: str = "") -> None:
         self.stats["failed"] += 1
@@ -241,7 +292,8 @@ class Checkpointer:
         self.stats["committed"] += 1
         bad = msg.get("nonfinite") or []
         # the writers' own verdict, for retention when no validator's verdict is at hand
-        self._verdicts[msg["path"]] = "invalid" if bad else "valid"
+        self._verdicts[msg["path"]] = "invalid" if bad or not getattr(
+            session, "certified", True) else "valid"
         if bad:
             log.warning("checkpoint of step %s holds NaN/Inf (%s): the validator will mark "
                         "it invalid and restore will pass it over; check the loss and the "
@@ -290,14 +342,35 @@ class Checkpointer:
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self) -> int:
-        """Load the newest valid checkpoint into the model (and optimizer); collective.
+        """Restore the newest state into the model (and optimizer); collective.
 
-        Returns the step to run next: the restored step + 1, or 0 when there is no valid
-        checkpoint. Never loads a partial, corrupt, stale or NaN checkpoint: every newer one that
+        First from healthy peers (``config.peer_recovery``): when a complete replica of the
+        state survived in this job's processes (``trainguard.run``'s in-process restart), the
+        ranks agree on the newest step held and the others receive it (``live.peer_restore``);
+        ``recovery_path`` is then "peer". Else the newest valid checkpoint ("checkpoint";
+        ``recovery_reason`` says why no peer could give it).
+
+        Returns the step to run next: the restored step + 1, or 0 when there is nothing to
+        restore. Never loads a partial, corrupt, stale or NaN checkpoint: every newer one that
         was passed over is named with its reason in ``restore_reason``. Raises RuntimeError
         (with the DCP error) only when a checkpoint that verified fine fails to load into this
         model — e.g. a model whose state keys differ from the saved ones.
         """
+        res = self.resources
+        prev, res.live = res.live, self.live
+        if prev is not None and prev is not self.live:
+            prev.close()
+        peer = None
+        if self.config.peer_recovery:
+            peer = peer_restore(self.live, prev, self.rank, self.world_size, self.group)
+        del prev
+        self.recovery_path = peer.path if peer is not None else "checkpoint"
+        self.recovery_reason = peer.reason if peer is not None else "peer recovery off"
+        if peer is not None and peer.path == "peer":
+            self.restored_step, self.restored_loss = peer.step, None
+            self.restore_source, self.restore_reason, self.restored_path = "peer", "", None
+            self._plan_now()
+            return peer.next_step
         r: RestoreResult = Restorer(
             self.model, self.optimizer, config=self.config, root=self.root, job=self.job,
             rank=self.rank, world_size=self.world_size, group=self.group,
@@ -307,12 +380,17 @@ class Checkpointer:
             r.path
         if r.step is None:
             return 0
-        try:  # plan and staging buffer now, so that the first save does not pay for them
+        self.live.mark(r.step)  # the restored state is that step's (generators: the script's)
+        self._plan_now()
+        return r.next_step
+
+    def _plan_now(self) -> None:
+        """Plan and map the staging buffer now, so that the first save does not pay for it."""
+        try:
             self._make_plan(statedict.get_state(self.model, self.optimizer))
         except Exception:  # noqa: BLE001 - the first save plans again
             log.debug("planning after restore failed", exc_info=True)
             self._plan = None
-        return r.next_step
 
     def recovery_check(self, loss_after: float | None) -> dict[str, Any]:
         """What ``recovery.verified`` needs after the first step(s) following a restore:

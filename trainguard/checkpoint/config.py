@@ -58,6 +58,12 @@ class CheckpointConfig:
     ``trainguard.run`` publishes as ``recovery.verified`` (``Checkpointer.recovery_check``): ok
     when ``|loss_after - loss_at_save| <= tol * max(1, |loss_at_save|)``. Default
     ``DEFAULT_LOSS_TOLERANCE`` (0.5; its reason is there). Must be ≥ 0.
+    ``peer_recovery`` — at restore, take the state from healthy data-parallel peers when a
+    complete replica survived the fault (``checkpoint.live``), before any checkpoint: no step is
+    lost. Default True; False always loads the newest valid checkpoint.
+    ``certify`` — at each save, compare the replicas' state digests (one tiny all-gather) and
+    mark a checkpoint whose replicas disagree, or whose state did not change although the step
+    advanced, not certified (invalid). Default True.
     """
 
     root: str = "checkpoints"
@@ -72,6 +78,8 @@ class CheckpointConfig:
     restore_from_shm: bool = True
     state_timeout_s: float = 2.0
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
+    peer_recovery: bool = True
+    certify: bool = True
 
     def __post_init__(self) -> None:
         if self.overlap_policy not in OVERLAP_POLICIES:

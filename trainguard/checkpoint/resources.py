@@ -24,7 +24,10 @@ class CheckpointResources:
     ``writer``: the ``WriterClient`` (None until the first save; a new one replaces a dead
     one). ``staging``: the staging buffer (None until the first plan). ``inflight``: the last
     save started (``SaveSession``; finished or not). ``unreported_failure``: a save failed
-    since the last agreement (the next save tells the other ranks). Thread-safe where the
+    since the last agreement (the next save tells the other ranks). ``live``: the
+    ``live.LiveState`` of the newest Checkpointer that restored (its model and optimizer, kept
+    across an in-process restart for the peer path of the next restore). ``last_certified``:
+    (step, state digest) of the newest save the replicas certified (stale detection). Thread-safe where the
     reader thread of the writer meets the training thread (``inflight``, ``seq``).
     """
 
@@ -33,6 +36,8 @@ class CheckpointResources:
         self.staging: Staging | None = None
         self.inflight: SaveSession | None = None
         self.unreported_failure = False
+        self.live = None
+        self.last_certified: tuple[int, str] | None = None
         self._seq = 0
         self._lock = threading.Lock()
 

@@ -8,7 +8,9 @@ checkpoint — every problem becomes a reason. Checks, in order (rules from issu
 docs/protocol.md):
 
 1. the manifest exists and parses (no manifest = never committed);
-   and its own checksum (``manifest_checksum``) matches;
+   and its own checksum (``manifest_checksum``) matches; and the replicas certified the save
+   (``"certified"`` not false: their state digests agreed, and the state was not stale —
+   ``replicas.certify``);
 2. every rank's shard file of the saving world is listed, and every listed file exists with the
    listed size and xxh3_64 checksum;
 3. the DCP ``.metadata`` agrees with the manifest: the same state keys with the same global
@@ -110,6 +112,9 @@ def _validate(path: str, t0: float, quick: bool, expected_step: int | None,
     if fmt.manifest_body_checksum(m) != m.get("manifest_checksum"):
         reasons.append("manifest checksum mismatch (the manifest was altered or damaged)")
         return _done(rep, t0, max_reasons)
+    if m.get("certified") is False:  # the replicas disagreed, or the state was stale
+        reasons.append("not certified at save: " + ("; ".join(m.get("certificate") or [])
+                                                      or "no reason recorded"))
     world = int(m["world_size"])
     parsed = fmt.parse_name(os.path.basename(os.path.normpath(path)))
     if parsed is not None and (parsed[0] != rep.step or

@@ -12,6 +12,7 @@ the last valid checkpoint) and reports the decisions that would have been taken.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -41,7 +42,8 @@ class DemoConfig:
     ``steps`` [600] training steps; ``step_sleep_s`` [0.01] pause per step so faults land where
     scheduled; ``hang_timeout_s`` [2.0] job hang timeout; ``node_timeout_s`` [3.0];
     ``recovery_timeout_s`` [90] how long a fault may take to recover before it counts as not
-    recovered.
+    recovered; ``dropout`` [0] and ``loss_log`` [False]: the training script's ``--dropout``
+    and ``--loss-log``.
     """
 
     mode: str = "action"
@@ -60,6 +62,8 @@ class DemoConfig:
     run_dir: str = ""
     report: str = ""
     quiet: bool = False
+    dropout: float = 0.0
+    loss_log: bool = False
 
     @property
     def world_size(self) -> int:
@@ -101,8 +105,7 @@ class Recorder:
             return [e for e in self.events if isinstance(e, cls) and e.ts >= since_ns]
 
     def heartbeat(self, rank: int) -> schemas.RankHeartbeat | None:
-        with self.lock:
-            return self.hb.get(rank)
+        return self.hb.get(rank)  # one dict read: atomic under the GIL
 
     def close(self) -> None:
         self.bus.close(timeout=1.0)
@@ -163,14 +166,14 @@ class Demo:
                    "--warm-import", "sklearn.datasets,trainguard.demo.model",
                    script, "--steps", str(cfg.steps), "--seed", str(cfg.seed),
                    "--ckpt-every", str(cfg.ckpt_every), "--step-sleep", str(cfg.step_sleep_s),
-                   "--run-dir", cfg.run_dir, "--faults", json.dumps(exc_faults)]
+                   "--run-dir", cfg.run_dir, "--faults", json.dumps(exc_faults),
+                   "--dropout", str(cfg.dropout), *(["--loss-log"] if cfg.loss_log else [])]
             log = open(os.path.join(self.log_dir, f"launcher-node{nr}.log"), "a")
             self.launchers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
 
     def stop_launchers(self) -> None:
-        for p in self.launchers:
-            if p.poll() is None:
-                p.terminate()
+        for p in [p for p in self.launchers if p.poll() is None]:
+            p.terminate()
         for p in self.launchers:
             try:
                 p.wait(20)
@@ -242,7 +245,7 @@ class Demo:
                "step": f["step"], "injected_ns": injected, "detected_ns": None,
                "decided_ns": None, "resumed_ns": None, "recovered": False,
                "steps_rolled_back": None, "restored_step": None, "resumed_step": None,
-               "decision": None, "verdict": None}
+               "path": None, "path_reason": "", "decision": None, "verdict": None}
         deadline = time.monotonic() + cfg.recovery_timeout_s
         decision = None
         full_restart_done = False
@@ -297,10 +300,8 @@ class Demo:
                 if named or time.monotonic() > deadline - 1:
                     out["recovered"] = bool(named)
                     node, local = f["rank"] // cfg.nproc_per_node, f["rank"] % cfg.nproc_per_node
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.remove(os.path.join(cfg.run_dir, f"slow-node{node}-{local}"))
-                    except FileNotFoundError:
-                        pass
                     break
                 time.sleep(0.01)
                 continue
@@ -313,6 +314,9 @@ class Demo:
                     cfg.mode == "action" else max(0, f["step"] - min(r.restored_step for r in resumed))
                 out["restored_step"] = min(r.restored_step for r in resumed)
                 out["resumed_step"] = min(r.resumed_step for r in resumed)
+                paths = sorted({r.path for r in resumed})  # "checkpoint", "peer" or both
+                out["path"] = "+".join(paths)
+                out["path_reason"] = next((r.reason for r in resumed if r.rank == 0), "")
                 out["recovered"] = True
                 break
             time.sleep(0.01)
@@ -326,10 +330,8 @@ class Demo:
 
         self.stop_launchers()
         for pid in [hb.pid for hb in list(self.rec.hb.values())]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
         async def _bump() -> None:
             st = StateStore(self.stack.redis_url)
@@ -367,11 +369,11 @@ class Demo:
                 injected = self.inject(f)
                 if injected is None:
                     self.say(f"could not inject {f['kind']} (job ended or stalled)")
-                    results.append({"kind": f["kind"], "rank": f["rank"], "step": f["step"],
+                    results.append({**{k: None for k in ("injected_ns", "detected_ns",
+                                    "decided_ns", "resumed_ns", "steps_rolled_back", "path")},
+                                    "kind": f["kind"], "rank": f["rank"], "step": f["step"],
                                     "node": f"node{f['rank'] // cfg.nproc_per_node}",
-                                    "injected_ns": None, "detected_ns": None, "decided_ns": None,
-                                    "resumed_ns": None, "recovered": False,
-                                    "steps_rolled_back": None})
+                                    "recovered": False})
                     continue
                 self.say(f"injected {f['kind']} into rank {f['rank']} at step {f['step']}")
                 r = self.timeline(f, injected)
@@ -396,10 +398,8 @@ class Demo:
                 self.rec.close()
             if self.stack is not None and self._own_stack:
                 self.stack.stop()
-        acc = None
         result_path = os.path.join(cfg.run_dir, "result.json")
-        if os.path.exists(result_path):
-            acc = json.load(open(result_path))["accuracy"]
+        acc = json.load(open(result_path))["accuracy"] if os.path.exists(result_path) else None
         from trainguard.demo.model import train_reference
 
         baseline = train_reference(cfg.steps, cfg.seed)
@@ -437,14 +437,15 @@ class Demo:
                 f"decided +{self._s(r['injected_ns'], r['decided_ns']).strip()}s "
                 f"({d.get('action', '-')}{'' if d.get('executed', True) else ', not executed'}), "
                 f"training again +{self._s(r['injected_ns'], r['resumed_ns']).strip()}s, "
-                f"rolled back {r['steps_rolled_back']} steps")
+                f"rolled back {r['steps_rolled_back']} steps ({r.get('path') or '-'} path)")
 
     def print_report(self, rep: dict[str, Any]) -> None:
         print()
         print(f"trainguard demo — mode {rep['mode']}, {rep['world_size']} ranks, "
               f"{rep['steps']} steps, {rep['wall_s']} s")
         hdr = (f"{'fault':<10} {'rank':>4} {'node':<6} {'step':>5} {'detect s':>9} "
-               f"{'decide s':>9} {'resume s':>9} {'rolled back':>11}  {'decision':<28} recovered")
+               f"{'decide s':>9} {'resume s':>9} {'rolled back':>11} {'path':<10} "
+               f"{'decision':<28} recovered")
         print(hdr)
         print("-" * len(hdr))
         for r in rep["faults"]:
@@ -458,7 +459,8 @@ class Demo:
                   f"{self._s(r['injected_ns'], r['detected_ns']):>9} "
                   f"{self._s(r['injected_ns'], r['decided_ns']):>9} "
                   f"{self._s(r['injected_ns'], r['resumed_ns']):>9} "
-                  f"{str(r['steps_rolled_back']):>11}  {act:<28} {r['recovered']}")
+                  f"{str(r['steps_rolled_back']):>11} {str(r.get('path') or '-'):<10} "
+                  f"{act:<28} {r['recovered']}")
         acc, base = rep["accuracy"], rep["baseline_accuracy"]
         acc_s = f"{acc * 100:.2f} %" if acc is not None else "n/a (training did not finish)"
         print(f"\ntest accuracy {acc_s}; fault-free run with the same seed {base * 100:.2f} %"

@@ -39,9 +39,13 @@ def load(seed: int = 0, test_fraction: float = 0.25) -> Digits:
     return Digits(x[tr], y[tr], x[te], y[te])
 
 
-def build(seed: int = 0) -> nn.Module:
+def build(seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    """The MLP, initialised from ``seed`` (which also seeds torch's global generator: every rank
+    draws the same dropout masks). ``dropout`` > 0 adds a dropout layer, whose masks come from
+    that generator: a run is then only reproduced when the generator's state is too."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+    drop = [nn.Dropout(dropout)] if dropout > 0 else []
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), *drop, nn.Linear(128, 64), nn.ReLU(),
                          nn.Linear(64, 10))
 
 

@@ -6,6 +6,9 @@ Faults to raise from inside a rank come from ``--faults`` (JSON list of
 ``{"kind": "exception", "rank": R, "step": S, "id": N}``); each fires once: its marker file
 ``<run-dir>/fault-<id>.injected`` (holding the Unix ns of injection) is written before raising.
 With ``"repeat": true`` it fires at that step every time (to exercise loop detection).
+``--dropout P`` adds dropout (masks from torch's global generator, which recovery restores);
+``--loss-log`` appends ``<step> <loss as float.hex>`` per completed step to
+``<run-dir>/losses-r<rank>.txt`` (to compare a run with faults against a fault-free one).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def parse(argv=None):
     p.add_argument("--step-sleep", type=float, default=0.01)
     p.add_argument("--run-dir", default=".")
     p.add_argument("--faults", default="[]")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--loss-log", action="store_true")
     return p.parse_args(argv)
 
 
@@ -56,7 +61,7 @@ def main(argv=None) -> None:
     data = M.load(args.seed)
 
     def train(ctx: trainguard.Context) -> None:
-        model = M.build(args.seed)
+        model = M.build(args.seed, args.dropout)
         opt = M.optimizer(model)
         ckpt = ctx.checkpointer(model, opt)
         start = ckpt.restore()  # before DDP: DDP then broadcasts rank 0's restored weights
@@ -71,6 +76,9 @@ def main(argv=None) -> None:
             loss.backward()
             maybe_raise(args, faults, ctx, step)
             opt.step()
+            if args.loss_log:
+                with open(os.path.join(args.run_dir, f"losses-r{ctx.rank}.txt"), "a") as fh:
+                    fh.write(f"{step} {loss.item().hex()}\n")
             ctx.progress(step, loss=loss.item())
             if step % args.ckpt_every == 0 and step > 0:
                 ckpt.save(step, loss=loss.item())
