@@ -20,6 +20,14 @@ matches) and compares with the truth:
 
 Prints a summary and writes JSON ``{"trials", "corrupt_restores", "stale_restores",
 "restore_failures", "by_fault", "restore_sources", "seconds"}``. Target: 0 corrupt and 0 stale.
+
+Replica faults (``--flip-trials N --clean-saves M``, JSON key ``"replicas"``): 3 forked ranks
+on a gloo group hold identical replicas (same model, same data) and save after every step;
+before N of the saves, chosen at random among N + M, one random rank flips one random bit of
+one random parameter (silent data corruption in one replica; flipped back after the save).
+Each save's certificate is judged: a flip must be detected at that save with the flipped rank
+as the one suspect, and its checkpoint must fail ``verify``; a clean save must be certified
+(a false alarm otherwise). Target: N of N detected, 0 false alarms.
 """
 from __future__ import annotations
 
@@ -269,6 +277,85 @@ def run(trials: int, seed: int, verbose: bool = False) -> dict:
     return out
 
 
+def replica_rank(rank: int, world: int, port: int, root: str, plan: list, out: str) -> None:
+    """One of the replica bench's ranks (a forked child): saves after every step, flips the
+    bits ``plan`` gives it, and (rank 0) writes every save's certificate to ``out``."""
+    import torch.distributed as dist
+
+    from trainguard.checkpoint.verify import validate_checkpoint
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    m, opt = build(seed=0)
+    c = Checkpointer(m, opt, config=CheckpointConfig(root=root, keep=2, fsync=False,
+                                                     writer_nice=0, restore_from_shm=False),
+                     job=f"{JOB}-replicas", rank=rank, world_size=world, group=group)
+    rows = []
+    for step, flip in enumerate(plan):
+        train_step(m, opt, step)
+        p = None
+        if flip and flip[0] == rank:
+            p = list(m.parameters())[flip[1] % 4].detach().view(-1)
+            i = flip[2] % p.numel()
+            p.view(torch.int32)[i] ^= 1 << flip[3]
+        c.save(step)
+        cert = c.certificate
+        if rank == 0:
+            c.wait(10)
+            path = os.path.join(root, fmt.checkpoint_name(step, 0))
+            valid = validate_checkpoint(path, quick=True).ok if flip else None
+            rows.append({"step": step, "flip": flip, "ok": cert.ok,
+                         "suspects": list(cert.suspects), "valid": valid})
+        if p is not None:  # the replica heals: the next save compares identical state again
+            p.view(torch.int32)[i] ^= 1 << flip[3]
+    c.finalize()
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(rows, fh)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_replicas(flips: int, clean: int, seed: int, world: int = 3) -> dict:
+    """The replica bench (module docstring); returns its figures."""
+    from trainguard.embedded import free_port
+
+    torch.set_num_threads(1)
+    rnd = random.Random(seed)
+    plan: list = [None] * (flips + clean)
+    for i in rnd.sample(range(flips + clean), flips):
+        plan[i] = (rnd.randrange(world), rnd.randrange(4), rnd.randrange(1 << 20),
+                   rnd.randrange(32))
+    root = tempfile.mkdtemp(prefix="tg-replicas-")
+    out = os.path.join(root, "rows.json")
+    port, t0, pids = free_port(), time.perf_counter(), []
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                replica_rank(r, world, port, root, plan, out)
+            except BaseException:  # noqa: BLE001 - say why, then leave the fork
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    rows = json.load(open(out)) if os.path.exists(out) else []
+    shutil.rmtree(root, ignore_errors=True)
+    flipped = [r for r in rows if r["flip"]]
+    res = {"flip_trials": len(flipped), "clean_saves": len(rows) - len(flipped),
+           "detected": sum(1 for r in flipped if not r["ok"]),
+           "suspect_named": sum(1 for r in flipped if r["suspects"] == [r["flip"][0]]),
+           "rejected_by_verify": sum(1 for r in flipped if r["valid"] is False),
+           "false_alarms": sum(1 for r in rows if not r["flip"] and not r["ok"]),
+           "rank_exit_codes": codes, "seconds": round(time.perf_counter() - t0, 2)}
+    res["missed"] = [r for r in flipped if r["ok"]][:10]
+    return res
+
+
 def main() -> None:
     import logging
     import warnings
@@ -280,8 +367,22 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--flip-trials", type=int, default=100,
+                   help="saves with one bit flipped in one of 3 replicas")
+    p.add_argument("--clean-saves", type=int, default=1000,
+                   help="saves of identical replicas (false alarms counted)")
     a = p.parse_args()
-    res = run(a.trials, a.seed, a.verbose)
+    rep = run_replicas(a.flip_trials, a.clean_saves, a.seed) \
+        if a.flip_trials or a.clean_saves else None
+    if rep is not None:
+        print(f"replica bit flips: detected {rep['detected']}/{rep['flip_trials']} at the next "
+              f"save, suspect named {rep['suspect_named']}, rejected by verify "
+              f"{rep['rejected_by_verify']}; false alarms {rep['false_alarms']} in "
+              f"{rep['clean_saves']} clean saves ({rep['seconds']} s)")
+    res = run(a.trials, a.seed, a.verbose) if a.trials else {
+        "trials": 0, "corrupt_restores": 0, "stale_restores": 0, "restore_failures": 0,
+        "by_fault": {}, "restore_sources": {}, "problems": [], "seconds": 0, "tmpfs": None}
+    res["replicas"] = rep
     print(f"trials {res['trials']}  corrupt_restores {res['corrupt_restores']}  "
           f"stale_restores {res['stale_restores']}  restore_failures "
           f"{res['restore_failures']}  ({res['seconds']} s; tmpfs={res['tmpfs']})")

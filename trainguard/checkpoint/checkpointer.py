@@ -136,8 +136,8 @@ class Checkpointer:
     def _staging_path(self) -> str:
         return staging_path(self.config.shm_dir, self.job, self.rank)
 
-    def _publish(self, kind: str, subject: str = "ckpt", **fields: Any) -> None:
-        """Publish ``schemas.<kind>(**fields)`` on ``tg.job.<job>.<subject>`` with a bus.
+    def _publish(self, cls: str, /, subject: str = "ckpt", **fields: Any) -> None:
+        """Publish ``schemas.<cls>(**fields)`` on ``tg.job.<job>.<subject>`` with a bus.
         The event schemas (pydantic, ≈ 6 MB) are imported only then: a Checkpointer without a
         bus does not load them into the training process. Never raises."""
         if self.bus is None:
@@ -146,9 +146,9 @@ class Checkpointer:
             from trainguard import schemas
             from trainguard.schemas import subjects
 
-            self.bus.publish(subjects.job(self.job, subject), getattr(schemas, kind)(**fields))
+            self.bus.publish(subjects.job(self.job, subject), getattr(schemas, cls)(**fields))
         except Exception:  # noqa: BLE001 - a bus problem never stops checkpointing
-            log.warning("could not publish %s", kind, exc_info=True)
+            log.warning("could not publish %s", cls, exc_info=True)
 
     def _make_plan(self, sd: dict[str, Any]) -> SavePlan:
         """Collective: the ``SavePlan`` of ``sd``, and a staging buffer it fits in."""
