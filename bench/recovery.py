@@ -20,6 +20,9 @@ Figures per (system, fault), over ``--runs`` runs (medians):
   (5 consecutive steps ≤ 1.5× the fault-free median step time); null when they never are.
 * ``steps_rolled_back``: last step completed before recovery minus the step training resumed
   from (work done again).
+* ``path`` (trainguard): how the state came back after each fault, from its
+  ``recovery.resumed`` events — ``peer`` (from healthy data-parallel peers) or ``checkpoint``
+  (the newest valid checkpoint); ``peer+checkpoint`` when runs differed.
 * ``training_goodput``: (distinct steps completed × fault-free median step time) / wall time from
   the first to the last completed step — productive step time over wall time; rolled-back work,
   restarts and slow steps all lower it.
@@ -264,7 +267,9 @@ def aggregate(system: str, fault: str, runs: list[dict[str, Any]], names_culprit
                                      if r["infra_goodput"] is not None]),
            "culprit_correct": (all(cc) and len(cc) == len(samples)) if names_culprit and samples
            else None,
-           "recovered": f"{len(rec)}/{len(samples)}"}
+           "recovered": f"{len(rec)}/{len(samples)}",
+           "path": "+".join(sorted({p for s in samples for p in (s.get("path") or "").split("+")
+                                    if p})) or None}
     if names_culprit:
         row["culprit_correct_n"] = f"{sum(1 for c in cc if c)}/{len(samples)}"
     return row
@@ -288,8 +293,8 @@ def _f(x: Any, fmt: str = "{:.2f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) else str(x)
 
 
-COLUMNS = ("system", "fault", "median s", "max s", "recovered", "rolled back", "train goodput",
-           "infra goodput", "culprit ok", "× trainguard")
+COLUMNS = ("system", "fault", "median s", "max s", "recovered", "rolled back", "path",
+           "train goodput", "infra goodput", "culprit ok", "× trainguard")
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -299,7 +304,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             out.append([r["system"], r["fault"], "n/a"] + ["-"] * (len(COLUMNS) - 3))
             continue
         out.append([r["system"], r["fault"], _f(r["median_s"]), _f(r["max_s"]), r["recovered"],
-                    _f(r["steps_rolled_back"], "{:g}"), _f(r["training_goodput"], "{:.3f}"),
+                    _f(r["steps_rolled_back"], "{:g}"), _f(r.get("path")),
+                    _f(r["training_goodput"], "{:.3f}"),
                     _f(r["infra_goodput"], "{:.3f}"),
                     _f(r["culprit_correct"]) if r["culprit_correct"] is None
                     else r.get("culprit_correct_n", _f(r["culprit_correct"])),
@@ -400,6 +406,8 @@ def run_one(system: str, fault: str, s: BenchSettings, run_dir: str) -> dict[str
     res["notes"] = out.notes
     if system == "trainguard":
         _harness_fallback(res, out)
+        for smp, inj in zip(res["faults"], out.injected):
+            smp["path"] = (inj.get("harness") or {}).get("path")
     return res
 
 

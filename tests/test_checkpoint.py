@@ -221,17 +221,25 @@ def test_retention_counts_nan_checkpoints_as_invalid(root):
 
 def test_retention_treats_an_earlier_process_checkpoints_as_pending(root):
     m, o = _model()
+
+    def train() -> None:  # the state changes between saves (an unchanged one is stale)
+        with torch.no_grad():
+            next(m.parameters()).add_(1.0)
+
     first = _ckpt(m, o, root, "t-keep-old", keep=5)
     for s in range(2):
+        train()
         first.save(s)
         first.wait(30)
     first.finalize()
     second = _ckpt(m, o, root, "t-keep-new", keep=2)
+    train()
     second.save(2)
     second.wait(30)
     # one valid checkpoint known: the earlier ones (unknown verdict) are not deleted yet
     assert sorted(e.step for e in fmt.list_checkpoints(root)) == [0, 1, 2]
     for s in (3, 4):
+        train()
         second.save(s)
         second.wait(30)
     second.finalize()

@@ -70,19 +70,22 @@ def _checkpoints(stack, job):
     return asyncio.run(_q())
 
 
-def test_sigkill_resumes_from_validated_checkpoint(stack, tmp_path):
+def test_sigkill_resumes_from_the_survivors_state(stack, tmp_path):
     rep = _tried(stack, tmp_path, "e2e-kill", [{"id": 1, "kind": "sigkill", "rank": 1, "step": 60}])
     (f,) = rep["faults"]
     assert f["recovered"], f
     assert f["verdict"]["culprit_ranks"] == [1]
     assert f["decision"]["action"] == "restart_workers" and f["decision"]["executed"]
     assert f["injected_ns"] < f["detected_ns"] <= f["decided_ns"] < f["resumed_ns"]
-    # it resumed from a checkpoint that the validator had marked valid, at the right step
-    ckpts = {c["step"]: c for c in _checkpoints(stack, rep["job"])}
+    # the survivors held the state of the step they completed and sent it to the new rank 1:
+    # no checkpoint loaded, at most one step done again (tests/test_peer_recovery_e2e.py has
+    # the fall-back to the validated checkpoint)
+    assert f["path"] == "peer" and f["steps_rolled_back"] <= 1, f
     restored = f["restored_step"]
-    assert restored % 10 == 0 and 50 <= restored <= 80
-    assert ckpts[restored]["status"] == "valid"
-    assert f["resumed_step"] == restored + 1  # the step after the checkpoint, on every rank
+    assert 60 <= restored <= 90
+    assert f["resumed_step"] == restored + 1  # the step after the one held, on every rank
+    # the checkpoints saved meanwhile were validated
+    assert any(c["status"] == "valid" for c in _checkpoints(stack, rep["job"]))
     # training finished with an accuracy close to the fault-free run of the same seed
     assert rep["accuracy"] is not None
     assert abs(rep["accuracy"] - rep["baseline_accuracy"]) <= 0.01

@@ -240,12 +240,11 @@ class Demo:
     def timeline(self, f: dict[str, Any], injected: int) -> dict[str, Any]:
         """Wait for detection, decision and resumption after a fault injected at ``injected``."""
         cfg = self.cfg
-        out = {"kind": f["kind"], "rank": f["rank"],
+        out = {**dict.fromkeys(("detected_ns", "decided_ns", "resumed_ns", "steps_rolled_back",
+                                "restored_step", "resumed_step", "path", "decision", "verdict")),
+               "kind": f["kind"], "rank": f["rank"], "step": f["step"],
                "node": f"node{f.get('node', f['rank'] // cfg.nproc_per_node)}",
-               "step": f["step"], "injected_ns": injected, "detected_ns": None,
-               "decided_ns": None, "resumed_ns": None, "recovered": False,
-               "steps_rolled_back": None, "restored_step": None, "resumed_step": None,
-               "path": None, "path_reason": "", "decision": None, "verdict": None}
+               "injected_ns": injected, "recovered": False, "path_reason": ""}
         deadline = time.monotonic() + cfg.recovery_timeout_s
         decision = None
         full_restart_done = False
@@ -310,8 +309,11 @@ class Demo:
             ranks = {r.rank for r in resumed}
             if len(ranks) >= world:
                 out["resumed_ns"] = max(r.ts for r in resumed)
-                out["steps_rolled_back"] = max(r.steps_rolled_back for r in resumed) if \
-                    cfg.mode == "action" else max(0, f["step"] - min(r.restored_step for r in resumed))
+                # the ranks' own count, and at least the fault's step minus the restored one
+                # (a rank replaced from a spare cannot know the step its predecessor reached)
+                out["steps_rolled_back"] = max(
+                    [max(0, f["step"] - min(r.restored_step for r in resumed))] +
+                    [r.steps_rolled_back for r in resumed if cfg.mode == "action"])
                 out["restored_step"] = min(r.restored_step for r in resumed)
                 out["resumed_step"] = min(r.resumed_step for r in resumed)
                 paths = sorted({r.path for r in resumed})  # "checkpoint", "peer" or both
