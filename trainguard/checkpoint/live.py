@@ -104,7 +104,8 @@ class LiveState:
         self._opt_done += 1
 
     def mark(self, step: int, loss: float | None = None) -> None:
-        """``step`` completed: its state is what the model and optimizer hold now (≈ 30 µs)."""
+        """``step`` completed: its state is what the model and optimizer hold now (≈ 0.2 ms
+        here, mostly copying numpy's and Python's generator states)."""
         self.step, self.loss = int(step), loss
         self.rng = capture_rng()
         self.data_state = self.data.state_dict() if self.data is not None else None
