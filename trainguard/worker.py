@@ -11,6 +11,8 @@ What it does inside every rank:
   within milliseconds (see ``trainguard.rendezvous``), waits for the remediator's decision, joins
   the decided generation and calls ``train_fn`` again in the same interpreter — imports, data and
   warm caches are kept (in-process restart);
+* marks each completed step (``ctx.progress``) for the Checkpointer, whose ``restore()`` then
+  takes the state from healthy peers (``trainguard.checkpoint.live``): no step lost;
 * in observe mode it never restarts: the exception propagates as it would without trainguard.
 
 Environment (set by ``trainguard launch``; torchrun's variables work too): ``RANK``,
