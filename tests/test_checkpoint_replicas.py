@@ -49,12 +49,15 @@ def test_plan_recovery(name, reports, world, path, step, src, receivers, why):
         assert plan.next_step == step + 1 and plan.digest
 
 
-def test_plan_sends_generators_only_when_replicated():
-    same = plan_recovery([R(0, 3, "d", "r"), R(1, 3, "d", "r"), R(2)], 3)
-    assert same.rng_replicated and "differ" not in same.reason
-    per_rank = plan_recovery([R(0, 3, "d", "r0"), R(1, 3, "d", "r1"), R(2)], 3)
-    assert per_rank.path == "peer" and not per_rank.rng_replicated
-    assert "receivers keep their own" in per_rank.reason
+def test_plan_sends_only_the_generators_every_source_holds_alike():
+    same = plan_recovery([R(0, 3, "d", "torch=a;random=b"), R(1, 3, "d", "torch=a;random=b"),
+                          R(2)], 3)
+    assert same.rng_shared == ("random", "torch") and "differ" not in same.reason
+    # Python's generator seeded from entropy in each process: torch's still goes
+    mixed = plan_recovery([R(0, 3, "d", "torch=a;random=b"), R(1, 3, "d", "torch=a;random=c"),
+                           R(2)], 3)
+    assert mixed.path == "peer" and mixed.rng_shared == ("torch",)
+    assert "generators ['random'] differ" in mixed.reason
 
 
 # (name, digests, step, previous, ok, suspects, stale)

@@ -84,8 +84,11 @@ def test_sigkill_resumes_from_peers_exactly(stack, tmp_path):
     for r in (0, 1):  # the survivor and the rank that was replaced from a spare
         ref = _losses(tmp_path / "ref" / f"losses-r{r}.txt")
         got = _losses(tmp_path / "kill" / f"losses-r{r}.txt")
-        assert sorted(got) == list(range(steps)) == sorted(ref), (r, sorted(got), sorted(ref))
-        diverged = [s for s in range(steps) if got[s] != ref[s]]
+        assert sorted(ref) == list(range(steps))
+        # every step after the recovery was logged (the killed rank may not have logged the
+        # step it completed last: its successor did not redo it)
+        assert set(range(f["resumed_step"], steps)) <= set(got), (r, sorted(got))
+        diverged = [s for s in sorted(got) if got[s] != ref[s]]
         assert diverged == [], f"rank {r} diverged at steps {diverged[:5]} ({f})"
 
 

@@ -52,9 +52,11 @@ def capture_rng() -> dict[str, Any]:
 
 
 def apply_rng(state: dict[str, Any]) -> None:
-    """Set the generators ``capture_rng`` captured."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
+    """Set the generators ``capture_rng`` captured (those of ``state``'s keys)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "random" in state:
+        random.setstate(state["random"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     np = sys.modules.get("numpy")
@@ -63,13 +65,15 @@ def apply_rng(state: dict[str, Any]) -> None:
 
 
 def rng_digest(state: dict[str, Any] | None) -> str | None:
-    """xxh3_64 of the generators' states (equal on ranks seeded alike)."""
+    """``"name=xxh3_64;…"`` of each generator's state (equal on ranks seeded alike)."""
     if state is None:
         return None
-    flat = {k: (v.numpy().tobytes() if isinstance(v, torch.Tensor) else
-                [t.numpy().tobytes() for t in v] if k == "cuda" else v)
-            for k, v in sorted(state.items())}
-    return xxhash.xxh3_64_hexdigest(pickle.dumps(flat, protocol=4))
+    out = []
+    for k, v in sorted(state.items()):
+        v = v.numpy().tobytes() if isinstance(v, torch.Tensor) else \
+            [t.numpy().tobytes() for t in v] if k == "cuda" else v
+        out.append(f"{k}={xxhash.xxh3_64_hexdigest(pickle.dumps(v, protocol=4))}")
+    return ";".join(out)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -206,7 +210,7 @@ def peer_restore(live: LiveState, prev: LiveState | None, rank: int, world_size:
             if rank == plan.src:
                 bio = io.BytesIO()
                 torch.save({"state": live.state(), "data": live.data_state,
-                            "rng": prev.rng if plan.rng_replicated else None}, bio)
+                            "rng": {k: prev.rng[k] for k in plan.rng_shared}}, bio)
                 payload = bio.getvalue()
             data = _broadcast_payload(payload, plan.src, group)
             if data is None:
@@ -214,8 +218,7 @@ def peer_restore(live: LiveState, prev: LiveState | None, rank: int, world_size:
             if rank in plan.receivers:
                 blob = torch.load(io.BytesIO(data), weights_only=False)
                 statedict.apply_state(live.model, live.optimizer, blob["state"])
-                if blob["rng"] is not None:
-                    apply_rng(blob["rng"])
+                apply_rng(blob["rng"])
                 if live.data is not None and blob["data"] is not None:
                     live.data.load_state_dict(blob["data"])
                 live.data_state = blob["data"]

@@ -35,8 +35,9 @@ NO_STATE = -1
 @dataclass(frozen=True)
 class Report:
     """One rank's offer at a recovery: ``step`` it completed last (``NO_STATE``: none),
-    ``digest`` of its model and optimizer state then (None with no state), ``rng`` digest of its
-    random generators' states (to tell whether they are replicated), ``why`` it holds no state."""
+    ``digest`` of its model and optimizer state then (None with no state), ``rng``: digests of
+    its random generators' states, ``"name=digest;…"`` (to tell which are replicated), ``why``
+    it holds no state."""
 
     rank: int
     step: int = NO_STATE
@@ -53,8 +54,10 @@ class Report:
 class RecoveryPlan:
     """What a recovery restores. ``path``: ``"peer"`` (the state of ``sources`` at ``step``,
     sent by ``src`` to ``receivers``) or ``"checkpoint"`` (the newest valid one; ``step`` is
-    then -1). ``digest``: the agreed state digest. ``rng_replicated``: every source holds the
-    same random generator states (then the receivers get them too). ``reason``: why this path
+    then -1). ``digest``: the agreed state digest. ``rng_shared``: the random generators whose
+    state every source holds alike (those the receivers get too; a generator seeded per rank,
+    or one a process seeds from entropy such as Python's ``random`` unless the program seeds
+    it, stays the receiver's own). ``reason``: why this path
     (and, on the peer path, what a receiver does not get)."""
 
     path: str
@@ -63,7 +66,7 @@ class RecoveryPlan:
     src: int | None = None
     sources: tuple[int, ...] = ()
     receivers: tuple[int, ...] = ()
-    rng_replicated: bool = False
+    rng_shared: tuple[str, ...] = ()
     reason: str = ""
 
     @property
@@ -104,17 +107,23 @@ def plan_recovery(reports: list[Report], world_size: int) -> RecoveryPlan:
     sources = tuple(r.rank for r in at_top)
     receivers = tuple(r.rank for r in sorted(reports, key=lambda r: r.rank)
                       if r.rank not in sources)
-    rngs = {r.rng for r in at_top}
-    rng_ok = len(rngs) == 1 and None not in rngs
+    gens = [_rng_parts(r.rng) for r in at_top]
+    names = sorted(set().union(*gens))
+    shared = tuple(n for n in names if len({g.get(n) for g in gens}) == 1)
     notes = [f"{len(sources)} of {world_size} ranks hold step {top}"]
     if receivers:
         notes.append(f"sent to ranks {list(receivers)}")
-        if not rng_ok:
-            notes.append("random generator states differ between ranks: the receivers keep "
-                         "their own")
+        own = [n for n in names if n not in shared]
+        if own:
+            notes.append(f"generators {own} differ between ranks: the receivers keep their own")
     return RecoveryPlan("peer", step=top, digest=at_top[0].digest, src=sources[0],
-                        sources=sources, receivers=receivers, rng_replicated=rng_ok,
+                        sources=sources, receivers=receivers, rng_shared=shared,
                         reason="; ".join(notes))
+
+
+def _rng_parts(rng: str | None) -> dict[str, str]:
+    """``"torch=ab;random=cd"`` → ``{"torch": "ab", "random": "cd"}``."""
+    return dict(p.split("=", 1) for p in (rng or "").split(";") if "=" in p)
 
 
 @dataclass(frozen=True)
