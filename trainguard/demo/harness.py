@@ -2,8 +2,9 @@
 over gloo on 2 simulated nodes × 2 ranks, injects a deterministic fault schedule (SIGKILL of one
 rank, a Python exception in another rank's step, a hang by SIGSTOP of a third), lets trainguard
 recover from each, and reports per fault: kind, rank, step, seconds from injection to detection,
-to decision, to training again (every rank completed a new step), steps rolled back; then the
-final test accuracy next to a fault-free run with the same seed.
+to decision, to training again (every rank completed a new step), steps rolled back and the
+path the state came back by (``peer``: from healthy peers; ``checkpoint``); then the final test
+accuracy next to a fault-free run with the same seed.
 
 ``--mode observe`` runs the same schedule with decisions published but never executed: after
 each fault the demo does what a scheduler alone would (kill the whole job, start it again from
@@ -42,8 +43,7 @@ class DemoConfig:
     ``steps`` [600] training steps; ``step_sleep_s`` [0.01] pause per step so faults land where
     scheduled; ``hang_timeout_s`` [2.0] job hang timeout; ``node_timeout_s`` [3.0];
     ``recovery_timeout_s`` [90] how long a fault may take to recover before it counts as not
-    recovered; ``dropout`` [0] and ``loss_log`` [False]: the training script's ``--dropout``
-    and ``--loss-log``.
+    recovered; ``dropout`` [0], ``loss_log`` [False]: the script's ``--dropout``, ``--loss-log``.
     """
 
     mode: str = "action"
@@ -237,14 +237,17 @@ class Demo:
         os.kill(hb.pid, sig)
         return ts
 
-    def timeline(self, f: dict[str, Any], injected: int) -> dict[str, Any]:
-        """Wait for detection, decision and resumption after a fault injected at ``injected``."""
+    def timeline(self, f: dict[str, Any], injected: int | None, wait: bool = True) -> dict:
+        """Wait for detection, decision and resumption after a fault injected at ``injected``
+        (``wait=False``: the empty row of a fault that could not be injected)."""
         cfg = self.cfg
         out = {**dict.fromkeys(("detected_ns", "decided_ns", "resumed_ns", "steps_rolled_back",
                                 "restored_step", "resumed_step", "path", "decision", "verdict")),
                "kind": f["kind"], "rank": f["rank"], "step": f["step"],
                "node": f"node{f.get('node', f['rank'] // cfg.nproc_per_node)}",
                "injected_ns": injected, "recovered": False, "path_reason": ""}
+        if not wait:
+            return out
         deadline = time.monotonic() + cfg.recovery_timeout_s
         decision = None
         full_restart_done = False
@@ -371,11 +374,7 @@ class Demo:
                 injected = self.inject(f)
                 if injected is None:
                     self.say(f"could not inject {f['kind']} (job ended or stalled)")
-                    results.append({**{k: None for k in ("injected_ns", "detected_ns",
-                                    "decided_ns", "resumed_ns", "steps_rolled_back", "path")},
-                                    "kind": f["kind"], "rank": f["rank"], "step": f["step"],
-                                    "node": f"node{f['rank'] // cfg.nproc_per_node}",
-                                    "recovered": False})
+                    results.append(self.timeline(f, None, wait=False))
                     continue
                 self.say(f"injected {f['kind']} into rank {f['rank']} at step {f['step']}")
                 r = self.timeline(f, injected)
@@ -427,7 +426,7 @@ class Demo:
                     f"step {hb.step + 1}/{self.cfg.steps}")
             if line != last:
                 self.say(line)
-                last = line
+            last = line
 
     @staticmethod
     def _s(a: int | None, b: int | None) -> str:
