@@ -16,6 +16,8 @@ from . import subjects, vocabulary
 from .base import SCHEMA_VERSION, Event, new_event_id, new_traceparent
 from .checkpoint import (
     CheckpointInvalid,
+    CheckpointRequest,
+    CheckpointRequestDone,
     CheckpointSaved,
     CheckpointSaveFailed,
     CheckpointValidated,
@@ -59,6 +61,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RankHeartbeat, WorkerStarted, WorkerExited, LogLine, TrainingResumed, RecoveryVerified,
         Anomaly, Verdict, Decision, ActionResult,
         CheckpointSaved, CheckpointValidated, CheckpointInvalid, CheckpointSaveFailed,
+        CheckpointRequest, CheckpointRequestDone,
     )
 }
 
@@ -137,5 +140,6 @@ __all__ = [
     "FAULT_CLASSES", "LAYERS", "ACTIONS", "FaultClass", "Layer", "Action", "FaultSpec",
     "VOCABULARY", "signature", "stronger", "vocabulary",
     "CheckpointSaved", "CheckpointValidated", "CheckpointInvalid", "CheckpointSaveFailed",
+    "CheckpointRequest", "CheckpointRequestDone",
     "JobRecord", "JobSettings", "JobRecordError",
 ]

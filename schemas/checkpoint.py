@@ -57,3 +57,37 @@ class CheckpointSaveFailed(Event):
     error: str
     errno: int | None = None
     generation: int = 0
+
+
+class CheckpointRequest(Event):
+    """Ask every rank of a job for a checkpoint at the next step boundary they can agree on
+    (``trainguard.ckpt_request``). Subject ``tg.job.<job>.control``; published by the
+    remediator role (the Kubernetes drain handshake, ``trainguard.k8s.drain``).
+
+    ``request_id`` — names the request (the ranks meet under it in the rendezvous store);
+    ``reason`` — why, for logs and the audit trail; ``hold_s`` — seconds every rank waits at the
+    saved step before training on (0: train on at once), so that a node drained right after
+    the save loses no step; ``lookahead_s`` — how far ahead, in seconds of steps, the ranks
+    place the step they save, so that every rank hears of the request before it gets there.
+    """
+
+    SCHEMA = "ckpt.request"
+    request_id: str
+    reason: str = ""
+    hold_s: float = 0.0
+    lookahead_s: float = 1.0
+
+
+class CheckpointRequestDone(Event):
+    """Rank 0's answer to a ``CheckpointRequest``, sent once the requested checkpoint is
+    committed (``ok``) or could not be made (``ok`` False, ``detail`` says why). Subject
+    ``tg.job.<job>.action``. ``step`` — the step saved (-1 when none); ``path`` — the committed
+    checkpoint directory; ``generation`` — the rank's restart generation."""
+
+    SCHEMA = "ckpt.request_done"
+    request_id: str
+    ok: bool
+    step: int = -1
+    path: str = ""
+    detail: str = ""
+    generation: int = 0

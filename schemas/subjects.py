@@ -1,8 +1,15 @@
 """NATS subjects, hierarchical by job and node so tools can subscribe with wildcards.
 
 ``tg.node.<node>.{telemetry,xid,kernel,heartbeat,anomaly}`` (``kernel``: host kernel-log lines such as OOM kills, as ``log.line``) and
-``tg.job.<job>.{rank.<rank>.hb,log,worker,anomaly,verdict,decision,ckpt,action,recovery}``.
-Names must be NATS tokens: no ``.``, ``*``, ``>`` or whitespace.
+``tg.job.<job>.{rank.<rank>.hb,log,worker,anomaly,verdict,decision,control,ckpt,action,recovery}``
+(``control``: requests to the ranks that are no decision, e.g. ``ckpt.request``).
+
+Names become one subject token each (``token``). A name of letters, digits, ``_``, ``-`` and
+``:`` is its own token, as it always was. A dot, which NATS reads as a token separator but which
+Kubernetes node names carry (``ip-10-0-1-2.ec2.internal``: a DNS subdomain, RFC 1123), is written
+``%2E``; ``parse`` turns it back, so a dotted name round-trips and every older subject reads as
+before (``%`` was never allowed in a name, so no older token contains it). ``*``, ``>``, ``%``,
+whitespace and other characters stay refused.
 """
 from __future__ import annotations
 
@@ -12,22 +19,33 @@ import socket
 
 PREFIX = "tg"
 DEAD_LETTER = "tg.dlq"
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-:]+$")
+_NAME = re.compile(r"^[A-Za-z0-9_\-:.]+$")
+#: How a dot is written inside a token (percent-encoding of ``.``, RFC 3986).
+DOT = "%2E"
 
 
 def token(name: str | int) -> str:
-    """Check that ``name`` can be one subject token; raises ValueError saying why not."""
+    """The subject token of ``name``: the name itself, with each ``.`` written ``%2E``.
+    Raises ValueError saying why for an empty name, a leading, trailing or doubled dot, or a
+    character outside letters, digits, ``_``, ``-``, ``:`` and ``.``."""
     s = str(name)
-    if not _TOKEN.match(s):
+    if not _NAME.match(s) or s.startswith(".") or s.endswith(".") or ".." in s:
         raise ValueError(
-            f"{s!r} cannot be a NATS subject token: use letters, digits, '_', '-' or ':' only"
+            f"{s!r} cannot be a NATS subject token: use letters, digits, '_', '-', ':' or "
+            f"single dots between them only"
         )
-    return s
+    return s.replace(".", DOT)
+
+
+def untoken(tok: str) -> str:
+    """The name a token stands for (``token``'s inverse): ``%2E`` back to ``.``."""
+    return tok.replace(DOT, ".")
 
 
 def default_node() -> str:
     """This host's node name, the same for the agent, the launcher, the ranks and the services:
-    env ``TG_NODE``, else the short host name (a subject token has no dots)."""
+    env ``TG_NODE`` as given (on Kubernetes the pod's ``spec.nodeName`` through the downward API,
+    dots included), else the short host name (the part before the first dot, as before)."""
     return os.environ.get("TG_NODE") or socket.gethostname().split(".")[0]
 
 
@@ -37,8 +55,8 @@ def node(node_name: str, kind: str) -> str:
 
 
 def job(job_name: str, kind: str) -> str:
-    """``tg.job.<job>.<kind>`` (kind: log, worker, anomaly, verdict, decision, ckpt, action,
-    recovery)."""
+    """``tg.job.<job>.<kind>`` (kind: log, worker, anomaly, verdict, decision, control, ckpt,
+    action, recovery)."""
     return f"{PREFIX}.job.{token(job_name)}.{kind}"
 
 
@@ -58,11 +76,12 @@ ALL_NODES = f"{PREFIX}.node.>"
 
 def parse(subject: str) -> dict[str, str]:
     """Split a trainguard subject into its parts: ``{"scope": "job"|"node", "name": …,
-    "kind": …, "rank": …}``. Raises ValueError for a subject outside ``tg.``."""
+    "kind": …, "rank": …}``; ``name`` is decoded (``untoken``: a dotted node name comes back
+    with its dots). Raises ValueError for a subject outside ``tg.``."""
     parts = subject.split(".")
     if len(parts) < 4 or parts[0] != PREFIX or parts[1] not in ("job", "node"):
         raise ValueError(f"not a trainguard subject: {subject!r}")
-    out = {"scope": parts[1], "name": parts[2], "kind": parts[3]}
+    out = {"scope": parts[1], "name": untoken(parts[2]), "kind": parts[3]}
     if parts[3] == "rank" and len(parts) >= 6:
         out["rank"] = parts[4]
         out["kind"] = parts[5]

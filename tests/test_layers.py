@@ -41,6 +41,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.agents", SERVICE, True), ("trainguard.controllers", SERVICE, True),
     ("trainguard.alerts", SERVICE, True),
     ("trainguard.controller_base", SERVICE, True), ("trainguard.slurm_controller", SERVICE, True),
+    ("trainguard.k8s", SERVICE, True),  # Kubernetes: controller, drain handshake, API calls
+    ("trainguard.k8s.__main__", COMMAND, False),
     ("trainguard.detector.__main__", COMMAND, False),
     ("trainguard.attributor.__main__", COMMAND, False),
     ("trainguard.remediator.__main__", COMMAND, False),
@@ -54,6 +56,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
     ("trainguard.rendezvous", RUNTIME, False), ("trainguard.checkpoint", RUNTIME, False),
     ("trainguard.integrations", RUNTIME, False), ("trainguard.fault_inject", RUNTIME, False),
+    ("trainguard.ckpt_request", RUNTIME, False),
     # commands: the CLI and what only it runs
     ("trainguard.cli", COMMAND, False),
     ("trainguard.launcher", COMMAND, False),  # `trainguard launch`: may start a stack

@@ -27,6 +27,8 @@ SAMPLES = {
     "ckpt.validated": dict(path="/tmp/c", step=10),
     "ckpt.invalid": dict(path="/tmp/c", step=10, reasons=["checksum mismatch"]),
     "ckpt.save_failed": dict(step=10, error="No space left on device", errno=28),
+    "ckpt.request": dict(request_id="drain-1", reason="drain of node a.b", hold_s=60.0),
+    "ckpt.request_done": dict(request_id="drain-1", ok=True, step=12, path="/tmp/c"),
 }
 
 

@@ -102,12 +102,12 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.job.*.action", "tg.node.*.heartbeat", "tg.svc.*.health",
           "$JS.API.STREAM.NAMES", "$JS.API.STREAM.MSG.GET.TG_EVENTS", _DLQ),
-         ("tg.job.*.decision", _INBOX),
+         ("tg.job.*.decision", "tg.job.*.control", _INBOX),
          "resetkeys ~tg:jobs ~tg:job:* %R~tg:* " + _SERVICE_CMDS,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
          "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
          "saved/failed, recovery, action results, the launcher's node heartbeat; they listen to "
-         "their job's decisions, and a late rank reads the last stored decision from TG_EVENTS "
+         "their job's decisions and control requests (a checkpoint request before a node drain), and a late rank reads the last stored decision from TG_EVENTS "
          "(`Bus.last_stored`). In Valkey a launcher registers the job and its run (`tg:jobs`, "
          "`tg:job:<job>` and its lease set); checkpoint validity and everything else is "
          "read-only. Never a decision, an anomaly or a verdict."),
@@ -129,13 +129,15 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "its replica's lease; consumes the streams durably.",
          responses=True),
     Role("remediator",
-         ("tg.job.*.decision", "tg.job.*.action", _DLQ) + _consumer("remediator")[0],
+         ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", _DLQ)
+         + _consumer("remediator")[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
           "tg.svc.remediator.health") + _consumer("remediator")[1],
          "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
-         "JetStream ack, from its outbox `tg:job:<job>:outbox`); publishes the result of the "
+         "JetStream ack, from its outbox `tg:job:<job>:outbox`) and control requests to the "
+         "ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
          "actions it carries out itself (node exclusion); writes the job record, the audit "
          "trail, idempotency keys, node status (exclusion) and its replica's lease.",
          responses=True),

@@ -122,8 +122,16 @@ class KubernetesController(NodeController):
             return resp.status
 
 
-CONTROLLERS: dict[str, type[NodeController]] = {
-    "local": LocalController, "slurm": SlurmController, "kubernetes": KubernetesController,
+def _kubernetes(state: StateStore | None) -> NodeController:
+    """The Kubernetes controller of ``trainguard.k8s`` (official async client, extra
+    ``[kubernetes]``; imported only when chosen)."""
+    from .k8s.controller import KubernetesNodeController
+
+    return KubernetesNodeController(state)
+
+
+CONTROLLERS: dict[str, Any] = {
+    "local": LocalController, "slurm": SlurmController, "kubernetes": _kubernetes,
 }
 
 

@@ -46,8 +46,9 @@ log = logging.getLogger("trainguard.service")
 
 
 def health_subject(name: str, replica: str | None = None) -> str:
-    """``tg.svc.<name>.health`` (any replica answers), or ``….health.<replica>`` (that one)."""
-    return f"tg.svc.{name}.health" + (f".{replica}" if replica else "")
+    """``tg.svc.<name>.health`` (any replica answers), or ``….health.<replica>`` (that one);
+    ``name`` as a subject token (an agent on a dotted node: ``agent-ip-10-0-1-2%2Eec2…``)."""
+    return f"tg.svc.{subjects.token(name)}.health" + (f".{replica}" if replica else "")
 
 
 @dataclass

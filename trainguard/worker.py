@@ -13,7 +13,9 @@ What it does inside every rank:
   warm caches are kept (in-process restart);
 * marks each completed step (``ctx.progress``) for the Checkpointer, whose ``restore()`` then
   takes the state from healthy peers (``trainguard.checkpoint.live``): no step lost;
-* in observe mode it never restarts: the exception propagates as it would without trainguard.
+* in observe mode it never restarts: the exception propagates as it would without trainguard;
+* honours checkpoint requests (``tg.job.<job>.control``, ``schemas.CheckpointRequest``): every
+  rank saves the same step at a step boundary and may hold there (``trainguard.ckpt_request``).
 
 Environment (set by ``trainguard launch``; torchrun's variables work too): ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``TG_JOB``, ``TG_NODE``, ``TG_GENERATION``,
@@ -36,6 +38,7 @@ from trainguard.executor import RankAction
 from trainguard.schemas import subjects
 
 from . import fault_inject, rendezvous
+from .ckpt_request import CheckpointRequests
 from .rank_state import (  # noqa: F401 - re-exported: trainguard.worker is their public home
     COLLECTIVE_ERROR_MARKERS, DecisionInbox, JobStopped, RestartRequested, WorkerConfig,
     _Progress)
@@ -64,6 +67,12 @@ class _Runtime:
         # trainguard.checkpoint.CheckpointResources of the Checkpointers this process made
         # (Context.checkpointer): one per process, reused by every generation
         self.ckpt_resources = None
+        self.requests = CheckpointRequests(
+            cfg.job, cfg.rank, cfg.world_size, cfg.generation, None, self.publish,
+            self.abort_requested.is_set, self._set_phase)
+
+    def _set_phase(self, name: str) -> None:
+        self.p.phase = name
 
     # ---- bus ----------------------------------------------------------------------------------
     def start(self, decisions: bool = True) -> None:
@@ -78,6 +87,7 @@ class _Runtime:
                 # decision came) learns from the stream the generation the job moved to
                 self.bus.subscribe(subjects.job(self.cfg.job, "decision"), self._on_decision,
                                    last_stored=True)
+                self.bus.subscribe(subjects.job(self.cfg.job, "control"), self._on_control)
             self.bus.start()  # connects in the background: training never waits for the bus
         threading.Thread(target=self._beat, name="tg-heartbeat", daemon=True).start()
 
@@ -111,6 +121,10 @@ class _Runtime:
         if self.socks is not None:
             self.socks.abort()
 
+    def _on_control(self, subject: str, ev: schemas.Event) -> None:
+        if isinstance(ev, schemas.CheckpointRequest):
+            self.requests.offer(ev)
+
     def newer_decision(self) -> schemas.Decision | None:
         """The newest executed decision for a generation after ours, if any."""
         return self.inbox.newer()
@@ -142,6 +156,10 @@ class _Runtime:
                         cfg.backend, cfg.pg_timeout_s)
                 if self.newer_decision() is None:
                     self.abort_requested.clear()
+                rq = self.requests
+                rq.store, rq.rank, rq.world_size, rq.generation = (
+                    self.store, cfg.rank, cfg.world_size, cfg.generation)
+                rq.current = None  # a request of an ended generation is not carried over
                 return
             except rendezvous.Superseded:
                 self._apply(self.newer_decision())
@@ -265,6 +283,8 @@ class Context:
         if self._first_progress:
             self._first_progress = False
             self._report_resume(step, loss)
+        if rt.requests.current is not None or rt.requests._queue:
+            rt.requests.at_boundary(step, p.step_time_s, self._ckpt)
 
     def _report_resume(self, step: int, loss: float | None) -> None:
         rt, cfg = self._rt, self._rt.cfg

@@ -1,0 +1,144 @@
+"""The Kubernetes node controller: what the remediator's ``exclude_node_and_requeue`` does on a
+cluster (``TG_NODE_CONTROLLER=kubernetes``, registered in ``trainguard.controllers``).
+
+``exclude(node, job, reason)``:
+
+1. records the exclusion in the state store (as every controller does);
+2. cordons the node (``spec.unschedulable = true``) and labels it ``trainguard.io/suspect=true``
+   with the reason in the annotation ``trainguard.io/suspect-reason`` (the reputation the
+   scheduler and operators see: ``kubectl get nodes -l trainguard.io/suspect``);
+3. evicts the trainguard-managed training pods on it through the Eviction API, so their
+   controller (JobSet, PyTorchJob) recreates them elsewhere; a PodDisruptionBudget that answers
+   HTTP 429 is retried with backoff and, when it still forbids the eviction, the result is not
+   ``ok`` and says so (``trainguard.k8s.api.Kube.evict``).
+
+``restart_pod(node, job)`` deletes only the failed pod of a job on a node and lets the job's
+controller recreate it. ``readmit(node, canary)`` uncordons a suspect node and removes its label
+only when ``canary(node)`` passes (default: the node's ``Ready`` condition is ``True`` and it has
+no ``trainguard.io/drain-requested`` annotation). Node names are Kubernetes names as the
+downward API gives them (``spec.nodeName``), dots included.
+
+Like every controller it never raises for an API failure: ``ok`` is False, ``detail`` says what
+to do, and ``commands`` lists the requests made, for the audit trail.
+"""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from trainguard.controllers import ControllerResult, NodeController
+from trainguard.state import StateStore
+
+from .api import (DRAIN_REQUESTED, JOB_LABEL, OWNER_LABELS, SUSPECT_LABEL, SUSPECT_REASON, Kube,
+                  KubeConfig)
+
+Canary = Callable[[str], Awaitable[tuple[bool, str]]]
+
+
+def _req(method: str, path: str, **extra: Any) -> dict[str, Any]:
+    return {"method": method, "path": path, **extra}
+
+
+class KubernetesNodeController(NodeController):
+    """Cordon, label and drain a node through the API server (see the module docstring).
+    The service account needs ``get``/``list``/``patch`` on nodes, ``list``/``delete`` on pods
+    and ``create`` on ``pods/eviction`` (deploy/kubernetes/rbac.yaml)."""
+
+    name = "kubernetes"
+
+    def __init__(self, state: StateStore | None = None, config: KubeConfig | None = None,
+                 kube: Kube | None = None):
+        super().__init__(state)
+        self.kube = kube or Kube(config)
+
+    async def exclude(self, node: str, job: str, reason: str) -> ControllerResult:
+        await self.record(node, job, reason)
+        path = f"/api/v1/nodes/{node}"
+        cmds: list[Any] = [_req("PATCH", path, body={"spec": {"unschedulable": True}})]
+        try:
+            await self.kube.cordon(node)
+            why = " ".join(f"{job}: {reason}".split())[:250]
+            cmds.append(_req("PATCH", path, labels={SUSPECT_LABEL: "true"},
+                             annotations={SUSPECT_REASON: why}))
+            await self.kube.label_node(node, {SUSPECT_LABEL: "true"}, {SUSPECT_REASON: why})
+            pods = await self.kube.managed_pods(node)
+        except Exception as exc:  # noqa: BLE001 - reported in the action result
+            return ControllerResult(False, f"cordon {node}: {_why(exc)} — cordon it by hand: "
+                                           f"kubectl cordon {node}", cmds)
+        failed = []
+        for p in pods:
+            ns, name = p["metadata"].get("namespace", ""), p["metadata"]["name"]
+            res = await self.kube.evict(ns, name)
+            cmds.append(_req("POST", f"/api/v1/namespaces/{ns}/pods/{name}/eviction",
+                             attempts=res.attempts, blocked=res.blocked, ok=res.ok))
+            if not res.ok:
+                failed.append(f"{ns}/{name}: {res.detail}")
+        if failed:
+            return ControllerResult(False, f"cordoned {node}; eviction failed for "
+                                           f"{'; '.join(failed)}", cmds)
+        return ControllerResult(True, f"cordoned and labelled {node}, evicted {len(pods)} "
+                                      f"trainguard pod(s)", cmds)
+
+    async def restart_pod(self, node: str, job: str) -> ControllerResult:
+        """Delete the pod of ``job`` on ``node`` when a job controller owns it (JobSet or
+        PyTorchJob labels, ``OWNER_LABELS``): that controller recreates it; nothing else of
+        the job is touched. A pod without such an owner is left alone (nothing would recreate
+        it) and the result says so."""
+        try:
+            pods = await self.kube.managed_pods(node, job)
+        except Exception as exc:  # noqa: BLE001
+            return ControllerResult(False, f"list pods of {job} on {node}: {_why(exc)}")
+        if not pods:
+            return ControllerResult(False, f"no pod of job {job} ({JOB_LABEL}) on node {node}")
+        cmds: list[Any] = []
+        for p in pods:
+            meta = p["metadata"]
+            labels = meta.get("labels") or {}
+            ns, name = meta.get("namespace", ""), meta["name"]
+            if not any(k in labels for k in OWNER_LABELS):
+                return ControllerResult(False, f"pod {ns}/{name} has no JobSet or PyTorchJob "
+                                               f"owner: deleting it would not recreate it", cmds)
+            cmds.append(_req("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}"))
+            try:
+                await self.kube.delete_pod(ns, name)
+            except Exception as exc:  # noqa: BLE001
+                return ControllerResult(False, f"delete {ns}/{name}: {_why(exc)}", cmds)
+        return ControllerResult(True, f"deleted {len(cmds)} pod(s) of {job} on {node}; "
+                                      f"their controller recreates them", cmds)
+
+    async def ready_canary(self, node: str) -> tuple[bool, str]:
+        """Default canary: the node reports ``Ready=True`` and no drain is requested."""
+        n = await self.kube.node(node)
+        conds = {c.get("type"): c.get("status") for c in
+                 ((n.get("status") or {}).get("conditions") or [])}
+        if conds.get("Ready") != "True":
+            return False, f"node {node} is not Ready ({conds.get('Ready', 'unknown')})"
+        if DRAIN_REQUESTED in ((n.get("metadata") or {}).get("annotations") or {}):
+            return False, f"node {node} is still annotated {DRAIN_REQUESTED}"
+        return True, f"node {node} is Ready"
+
+    async def readmit(self, node: str, canary: Canary | None = None) -> ControllerResult:
+        """Uncordon ``node`` and drop its suspect label, only after ``canary(node)`` passes
+        (``(ok, detail)``; default ``ready_canary``). A failing canary leaves it cordoned."""
+        try:
+            ok, detail = await (canary or self.ready_canary)(node)
+        except Exception as exc:  # noqa: BLE001 - a canary that raises has not passed
+            ok, detail = False, f"canary raised {_why(exc)}"
+        if not ok:
+            return ControllerResult(False, f"kept {node} cordoned: {detail}")
+        path = f"/api/v1/nodes/{node}"
+        cmds = [_req("PATCH", path, labels={SUSPECT_LABEL: None}),
+                _req("PATCH", path, body={"spec": {"unschedulable": False}})]
+        try:
+            await self.kube.label_node(node, {SUSPECT_LABEL: None}, {SUSPECT_REASON: None})
+            await self.kube.cordon(node, False)
+        except Exception as exc:  # noqa: BLE001
+            return ControllerResult(False, f"uncordon {node}: {_why(exc)}", cmds)
+        if self.state is not None:
+            await self.state.set_node(node, "healthy", f"readmitted: {detail}"[:500])
+        return ControllerResult(True, f"canary passed ({detail}); uncordoned {node}", cmds)
+
+
+def _why(exc: BaseException) -> str:
+    status = getattr(exc, "status", None)
+    return f"HTTP {status} {getattr(exc, 'reason', '')}".strip() if status else \
+        f"{type(exc).__name__}: {exc}"
