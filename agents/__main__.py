@@ -3,7 +3,8 @@
 Connection options (``--nats-url``, ``--redis-url``, ``--node``, ``--log-level`` and their
 environment variables ``NATS_URL``, ``REDIS_URL``, ``TG_NODE``, ``TG_LOG_LEVEL``) behave as for
 every trainguard service. The node name defaults to the short host name (the part before the
-first dot, since a subject token cannot contain dots). Agent options:
+first dot) unless `TG_NODE` is set — on Kubernetes from the downward API (`spec.nodeName`), dots
+included (subject tokens encode them). Agent options:
 
 ``--interval`` telemetry period, s (1.0) · ``--heartbeat-interval`` node heartbeat period, s
 (0.5) · ``--kmsg auto|/dev/kmsg|journal|none|PATH`` kernel log source (auto; env

@@ -232,7 +232,10 @@ async def test_nvml_telemetry_and_nvml_xid_event_on_the_bus(servers, bus):
 
 def test_bad_node_name_is_refused_with_advice():
     with pytest.raises(SystemExit, match="--node"):
-        NodeAgent(ServiceConfig(nats_url="nats://127.0.0.1:1", node="gpu01.cluster.local"))
+        NodeAgent(ServiceConfig(nats_url="nats://127.0.0.1:1", node="gpu01 *"))
+    # a Kubernetes node name (downward API spec.nodeName) has dots: it is a node name
+    a = NodeAgent(ServiceConfig(nats_url="nats://127.0.0.1:1", node="ip-10-0-1-2.ec2.internal"))
+    assert a.node == "ip-10-0-1-2.ec2.internal"
     with pytest.raises(SystemExit, match="interval_s"):
         NodeAgent(ServiceConfig(nats_url="nats://127.0.0.1:1", node="n1"),
                   AgentConfig(interval_s=0))

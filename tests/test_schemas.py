@@ -81,7 +81,7 @@ def test_json_schema_export(tmp_path):
 
 def test_subject_tokens_are_checked():
     assert schemas.subjects.rank_hb("demo", 3) == "tg.job.demo.rank.3.hb"
-    with pytest.raises(ValueError):
-        schemas.subjects.job("bad.job", "log")
+    with pytest.raises(ValueError):  # a wildcard can never be part of a name
+        schemas.subjects.job("bad*job", "log")
     assert schemas.subjects.parse("tg.job.demo.rank.3.hb") == {
         "scope": "job", "name": "demo", "kind": "hb", "rank": "3"}

@@ -320,6 +320,12 @@ def _check(p: argparse.ArgumentParser, c) -> None:
             subjects.token(val)
         except ValueError as exc:
             p.error(f"{name}: {exc}")
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("TG_NODE") \
+            and c.node == subjects.default_node():
+        # in a pod the host name is the pod's: decisions would name a node that does not exist
+        print(f"trainguard launch: warning: in a Kubernetes pod without TG_NODE: --node is the "
+              f"pod's host name {c.node!r}, not its node; set TG_NODE from the downward API "
+              f"(env valueFrom fieldRef spec.nodeName, deploy/kubernetes)", file=sys.stderr)
     if c.nnodes < 1 or c.nproc_per_node < 1:
         p.error(f"--nnodes and --nproc-per-node must be ≥ 1 (got {c.nnodes} and "
                 f"{c.nproc_per_node})")

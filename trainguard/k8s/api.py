@@ -201,7 +201,8 @@ class Kube:
         core = await self.core()
         opts = (client.V1DeleteOptions(grace_period_seconds=self.cfg.grace_s)
                 if self.cfg.grace_s is not None else None)
-        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+        body = client.V1Eviction(api_version="policy/v1", kind="Eviction",
+                                 metadata=client.V1ObjectMeta(name=name, namespace=namespace),
                                  delete_options=opts)
         res = EvictResult(namespace, name, False)
         delay = self.cfg.evict_backoff_s
