@@ -132,7 +132,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", _DLQ)
          + _consumer("remediator")[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
-          "tg.svc.remediator.health") + _consumer("remediator")[1],
+          "tg.svc.remediator.health", "tg.svc.k8s-drain.health") + _consumer("remediator")[1],
          "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
