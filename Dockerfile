@@ -12,7 +12,7 @@ RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
 WORKDIR /opt/trainguard
 COPY . .
-RUN pip install ".[services]" && useradd --system --uid 10001 --no-create-home trainguard
+RUN pip install ".[services,kubernetes]" && useradd --system --uid 10001 --no-create-home trainguard
 
 USER 10001
 # Each container chooses its service with `command:`; this default prints the CLI help.
