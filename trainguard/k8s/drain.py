@@ -42,7 +42,8 @@ log = logging.getLogger("trainguard.k8s.drain")
 class DrainConfig:
     """Settings (seconds). ``poll_s`` [1]: node listing period. ``hold_s`` [120]: how long
     ranks wait at the saved step for the eviction (the detector allows 600 s in phase
-    ``checkpoint``). ``lookahead_s`` [1]: see ``CheckpointRequest``. ``resend_s`` [5]: re-send
+    ``checkpoint``). ``lookahead_s`` [2]: see ``CheckpointRequest`` (a rank's bus thread starved
+for more than this on an overloaded host makes the ranks skip, and the request is repeated). ``resend_s`` [5]: re-send
     an unanswered request (a rank that subscribed late). ``attempts`` [3]: requests per job.
     ``deadline_s`` [300]: drain-ready at the latest this long after the annotation.
     ``require_valid`` [True]: wait for the validator's verdict. ``evict`` [True]: cordon and
@@ -50,7 +51,7 @@ class DrainConfig:
 
     poll_s: float = 1.0
     hold_s: float = 120.0
-    lookahead_s: float = 1.0
+    lookahead_s: float = 2.0
     resend_s: float = 5.0
     attempts: int = 3
     deadline_s: float = 300.0
