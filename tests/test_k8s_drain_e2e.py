@@ -125,7 +125,7 @@ def test_drain_checkpoints_first_then_evicts_and_loses_no_step(stack, tmp_path):
             nats, redis = stack.urls("remediator")
             svc = DrainService(ServiceConfig(nats_url=nats, redis_url=redis, tick_s=0.05),
                                DrainConfig(poll_s=0.2, hold_s=60.0, resend_s=2.0,
-                                           deadline_s=45.0),
+                                           lookahead_s=3.0, attempts=5, deadline_s=50.0),
                                KubeConfig(host=c.url, evict_backoff_s=0.05))
             task = asyncio.create_task(svc.run())
             try:
