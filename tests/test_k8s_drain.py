@@ -88,3 +88,13 @@ def test_observe_only_drain_annotates_and_does_not_evict():
     st, fx = run_offline(step, DrainState(config=DrainConfig(evict=False)), [(0.0, Tick(1))],
                          _replies([]))
     assert not _calls(fx, "evict_node") and st.nodes[NODE].phase == "done"
+
+
+def test_a_committed_checkpoint_is_polled_every_poll_s_until_the_validator_answers():
+    cfg = DrainConfig(poll_s=1.0)
+    st, fx = run_offline(step, DrainState(config=cfg), [(0.0, Tick(1))], _replies(["a"]))
+    rid = _requests(fx)[0].event.request_id
+    ticks = [(1.0 + 0.1 * i, Tick(2 + i)) for i in range(35)]  # 3.5 s of 0.1 s ticks
+    st, fx = run_offline(step, st, [(1.0, _done("a", rid))] + ticks, _replies(["a"], "pending"))
+    polls = _calls(fx, "checkpoint_status")
+    assert 3 <= len(polls) <= 5, len(polls)  # about once a second, not never, not every tick

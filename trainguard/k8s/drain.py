@@ -113,16 +113,16 @@ def step(st: DrainState, inp: Input, now: float) -> tuple[DrainState, list[Effec
         for name, nd in st.nodes.items():
             if nd.phase != "checkpointing":
                 continue
-            jobs = dict(nd.jobs)
+            jobs, checked = dict(nd.jobs), False
             for job, jd in nd.jobs.items():
                 if jd.status == "requested" and now - jd.sent >= cfg.resend_s:
                     jobs[job] = replace(jd, sent=now)
                     fx.append(_request(job, name, jobs[job], cfg))
                 elif jd.status == "committed" and now - nd.last_check >= cfg.poll_s:
+                    checked = True
                     fx.append(Call("cluster", "checkpoint_status", (job, jd.path),
                                    reply=("valid", name, job)))
-            nd = replace(nd, jobs=jobs, last_check=now if any(
-                j.status == "committed" for j in jobs.values()) else nd.last_check)
+            nd = replace(nd, jobs=jobs, last_check=now if checked else nd.last_check)
             if now - nd.started >= cfg.deadline_s:
                 late = {j: (replace(d, status="failed", detail=d.detail or "deadline passed")
                             if d.status not in ("valid", "failed") else d)
