@@ -63,6 +63,10 @@ def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
              "$JS.ACK.TG_TELEMETRY.>", f"tg.svc.{service}.health.*"),
             (f"tg.deliver.{service}.>", f"_INBOX.{service}.>", f"tg.svc.{service}.health.*"))
 _DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
+#: The Kubernetes drain handshake (``trainguard.k8s.drain``, one replica, remediator role): its
+#: health subjects, its bus probe (a request to itself) and the replies to it.
+_DRAIN = (("tg.svc.k8s-drain.health.*",),
+          ("tg.svc.k8s-drain.health", "tg.svc.k8s-drain.health.*", "_INBOX.k8s-drain.>"))
 
 
 @dataclass(frozen=True)
@@ -130,16 +134,17 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          responses=True),
     Role("remediator",
          ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", _DLQ)
-         + _consumer("remediator")[0],
+         + _consumer("remediator")[0] + _DRAIN[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
-          "tg.svc.remediator.health", "tg.svc.k8s-drain.health") + _consumer("remediator")[1],
+          "tg.svc.remediator.health") + _consumer("remediator")[1] + _DRAIN[1],
          "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
          "JetStream ack, from its outbox `tg:job:<job>:outbox`) and control requests to the "
          "ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
          "actions it carries out itself (node exclusion); writes the job record, the audit "
-         "trail, idempotency keys, node status (exclusion) and its replica's lease.",
+         "trail, idempotency keys, node status (exclusion) and its replica's lease. The "
+         "Kubernetes drain handshake runs as this role too (its own health subjects).",
          responses=True),
     Role("checkpoint_validator",
          ("tg.job.*.ckpt", _DLQ) + _consumer("checkpoint_validator")[0],

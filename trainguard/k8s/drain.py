@@ -297,6 +297,9 @@ class DrainService(ReducerService[DrainState]):
 
     name = "k8s-drain"
     topics = ("tg.job.*.action",)
+    #: one replica watches the nodes: no job partitioning, no durable consumer (an answer
+    #: missed while it was down is asked for again: the drain restarts from the annotation)
+    partitioned = False
 
     def __init__(self, config=None, drain: DrainConfig | None = None,
                  kube: Kube | KubeConfig | None = None):
@@ -307,6 +310,13 @@ class DrainService(ReducerService[DrainState]):
 
     def initial_state(self) -> DrainState:
         return DrainState(config=self.drain_config)
+
+    async def setup(self) -> None:
+        # the base class's bus probe asks this replica's own health subject
+        from trainguard.service import health_subject
+
+        await self.bus.nc.subscribe(health_subject(self.name, self.config.replica),
+                                    cb=self._health)
 
     def step(self, state: DrainState, event: Input, now: float):
         return step(state, event, now)
