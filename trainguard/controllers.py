@@ -8,9 +8,9 @@
   its job record): drains the node with the evidence as the reason, requeues when the job cannot
   go on in place, ``scancel`` on stop; re-reads Slurm's state first (idempotent); also records
   locally.
-* ``KubernetesController`` — cordons the node through the API server (``PATCH
-  /api/v1/nodes/<node>`` with ``{"spec": {"unschedulable": true}}``), in-cluster credentials;
-  also records locally.
+* ``kubernetes`` — ``trainguard.k8s.controller.KubernetesNodeController`` (official async
+  client): cordon, suspect label, eviction of the trainguard pods; ``KubernetesController`` below
+  is the former hand-written cordon, kept for its callers.
 
 One interface (``trainguard.controller_base.NodeController``): ``exclude(node, job, reason)`` and
 ``stop(job, reason)`` are coroutines returning a ``ControllerResult`` (``ok``, ``detail``, and the
@@ -25,6 +25,7 @@ import os
 import ssl
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 from .controller_base import ControllerResult, NodeController
 from .slurm_controller import (SLURM_REASON_MAX, SlurmConfig, SlurmController,  # noqa: F401

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from trainguard.controllers import ControllerResult, NodeController
+from trainguard.controller_base import ControllerResult, NodeController
 from trainguard.state import StateStore
 
 from .api import (DRAIN_REQUESTED, JOB_LABEL, OWNER_LABELS, SUSPECT_LABEL, SUSPECT_REASON, Kube,

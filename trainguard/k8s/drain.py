@@ -286,7 +286,7 @@ class DrainCluster:
             res = await self.kube.evict(p["metadata"].get("namespace", ""), p["metadata"]["name"])
             if not res.ok:
                 failed.append(f"{res.namespace}/{res.name}: {res.detail}")
-        from trainguard.controllers import ControllerResult
+        from trainguard.controller_base import ControllerResult
 
         return ControllerResult(not failed, f"cordoned {node}, evicted {n - len(failed)} of {n} "
                                             f"pod(s)" + (f"; {'; '.join(failed)}" if failed else ""))
