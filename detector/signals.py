@@ -205,6 +205,10 @@ def telemetry_rule(ns: NodeState, gpus: list[dict], cfg: DetectorConfig, ts: int
 # log lines
 
 
+#: Highest rank a Horovod stall line may name (one past the largest world trainguard plans for).
+MAX_STALL_RANKS = 65536
+
+
 def log_rule(line: str, stream: str, rank: int | None, node: str | None,
              generation: int | None, ts: int, step: int | None = None) -> Finding | None:
     """A log line through the XID parser and the pattern table. A line from
@@ -245,8 +249,12 @@ def log_rule(line: str, stream: str, rank: int | None, node: str | None,
     ranks = [r] if r is not None and p.fault_class != "node_lost" else []
     if p.name == "horovod_stall" and "ready" in g:
         ready = sorted({int(x) for x in g["ready"].replace(" ", "").split(",") if x})
-        ranks = [x for x in range(max(ready) + 1) if x not in ready] if ready else []
-        detail["ready_ranks"] = ready
+        # the missing ranks lie below the highest ready one; a rank past any real world
+        # ("ready ranks: 0, 30000000" took 7 s and 1.2 GB, bench/fuzz.py) names none
+        seen = set(ready)
+        ranks = ([x for x in range(max(ready) + 1) if x not in seen]
+                 if ready and max(ready) < MAX_STALL_RANKS else [])
+        detail["ready_ranks"] = ready[:MAX_STALL_RANKS]
     return Finding("log_pattern", p.fault_class, ranks=ranks, nodes=nodes,
                    symptom=p.symptom, evidence=[hit[:500]], detail=detail, ts=ts,
                    generation=generation)

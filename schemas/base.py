@@ -20,7 +20,9 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .subjects import token
 
 SCHEMA_VERSION = 1
 
@@ -51,6 +53,13 @@ class Event(BaseModel):
     node: str | None = None
     rank: int | None = None
     trace: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("job", "node")
+    @classmethod
+    def _subject_token(cls, v: str | None) -> str | None:
+        """A job or node name becomes a subject token (``subjects.token``): one that cannot
+        (a dot, a space, 200 KB) is refused at decode, before any service keys state by it."""
+        return token(v) if v else v
 
     def model_post_init(self, __context: Any) -> None:  # noqa: D401 - pydantic hook
         if not self.schema_:

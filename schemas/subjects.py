@@ -13,11 +13,19 @@ import socket
 PREFIX = "tg"
 DEAD_LETTER = "tg.dlq"
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:]+$")
+#: Longest job or node name (characters). A subject is sent in one protocol line, which
+#: nats-server caps at 4,096 bytes (``max_control_line``) and answers past it by closing the
+#: connection: a 200 KB job name taken from an event made every service that published about
+#: it lose its connection (bench/fuzz.py).
+MAX_TOKEN_CHARS = 128
 
 
 def token(name: str | int) -> str:
     """Check that ``name`` can be one subject token; raises ValueError saying why not."""
     s = str(name)
+    if len(s) > MAX_TOKEN_CHARS:
+        raise ValueError(f"{s[:40]!r}… ({len(s)} characters) cannot be a NATS subject token: "
+                         f"at most {MAX_TOKEN_CHARS}")
     if not _TOKEN.match(s):
         raise ValueError(
             f"{s!r} cannot be a NATS subject token: use letters, digits, '_', '-' or ':' only"
