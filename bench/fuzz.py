@@ -24,9 +24,12 @@ reads; with them quiet the accounting is exact) and restarted for the real fault
 Figures:
 
 * ``deaths`` — service processes that exited (must be 0);
-* ``rss`` — each service's resident memory (bytes) after the stack is up and warmed with
-  valid traffic, and after the flood once the services are quiet; ``growth`` = after / before
-  − 1 (target ≤ 0.10);
+* ``rss`` — each service's resident memory (bytes): ``start`` (the stack up, warmed with
+  valid traffic), ``before`` (after the first 10 % of the hostile messages, the services caught
+  up: the one-time high-water mark of reading 1 MiB messages is reached by then) and ``after``
+  (the flood done, the services quiet; ``rss_after_linger``: ``--linger`` seconds later, once
+  in-memory windows expired); ``growth`` = after / before − 1 (target ≤ 0.10: what
+  keeps growing with the flood), ``growth_from_start`` = after / start − 1;
 * ``accounting`` — per service: ``expected`` (every message the bench saw on the bus on a
   subject the service subscribes, the services' own follow-up events included), its health
   counters ``received`` / ``bad`` (dead-lettered, by kind) / ``handler_errors``, the dead
@@ -342,8 +345,27 @@ def _counters(h: dict[str, Any] | None) -> dict[str, int]:
             "handler_errors": int(s.get("handler_errors", 0))}
 
 
+async def _quiet(nc: Any, names: list[str], mon: Monitor, settle_s: float
+                 ) -> dict[str, Any]:
+    """Wait (at most ``settle_s``) until the services' counters and the monitor have not moved
+    for 3 s (their follow-up events included); returns the last health answers."""
+    last, still = None, 0
+    deadline = time.monotonic() + settle_s
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = {n: await _health(nc, n) for n in names}
+        snap = (mon.total, tuple(tuple(_counters(h).values()) for h in health.values()))
+        still = still + 1 if snap == last else 0
+        last = snap
+        if still >= 3:
+            break
+        await asyncio.sleep(1.0)
+    return health
+
+
 async def flood(nats_url: str, names: list[str], messages: Iterator[Message], rate: float,
-                settle_s: float = 60.0, progress: bool = True) -> dict[str, Any]:
+                settle_s: float = 60.0, progress: bool = True, mark: int = 0,
+                on_mark: Any = None) -> dict[str, Any]:
     """Publish ``messages`` at ``rate`` msg/s as the given (admin) URL while a ``Monitor``
     counts; then wait until counters and the monitor are quiet. Returns sent counts by family
     and category, the per-service accounting and the health answers."""
@@ -369,27 +391,20 @@ async def flood(nats_url: str, names: list[str], messages: Iterator[Message], ra
             continue
         sent[m.family] = sent.get(m.family, 0) + 1
         by_cat[m.category] = by_cat.get(m.category, 0) + 1
-        if i % 200 == 0:
+        if i == mark and on_mark is not None:
+            await nc.flush(timeout=30)
+            await _quiet(nc, names, mon, settle_s)
+            await asyncio.to_thread(on_mark)
+        if i % 500 == 0:
             await nc.flush(timeout=30)
             ahead = i / rate - (time.monotonic() - t0)
             if ahead > 0:
                 await asyncio.sleep(ahead)
-        if progress and i % 10000 == 0:
+        if progress and i % 5000 == 0:
             print(f"  sent {i} ({i / (time.monotonic() - t0):.0f}/s)", flush=True)
     await nc.flush(timeout=30)
     send_s = time.monotonic() - t0
-    # quiet: the services' counters and the monitor unchanged for 3 s (follow-up events too)
-    last, still = None, 0.0
-    deadline = time.monotonic() + settle_s
-    health: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        health = {n: await _health(nc, n) for n in names}
-        snap = (mon.total, tuple(tuple(_counters(h).values()) for h in health.values()))
-        still = still + 1.0 if snap == last else 0.0
-        last = snap
-        if still >= 3:
-            break
-        await asyncio.sleep(1.0)
+    health = await _quiet(nc, names, mon, settle_s)
     acct: dict[str, Any] = {}
     for n in names:
         if n not in topics:
@@ -467,15 +482,30 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             stack.kill_service(n, sig=15)
         print(f"fuzz: {a.messages} hostile messages at ≤ {a.rate:.0f}/s to "
               f"{', '.join(services)}", flush=True)
-        res = asyncio.run(flood(stack.nats_url, services,
-                                hostile_messages(a.messages, a.seed), a.rate))
+        rss_mark: dict[str, int] = {}
+        mark = max(1, a.messages // 10)
+
+        def on_mark() -> None:
+            rss_mark.update({n: rss_of(stack.procs[n].pid) for n in services
+                             if stack.procs[n].poll() is None})
+        res = asyncio.run(flood(stack.nats_url, services, hostile_messages(a.messages, a.seed),
+                                a.rate, mark=mark, on_mark=on_mark))
         time.sleep(2.0)
         dead = [n for n in services if stack.procs[n].poll() is not None]
         rss1 = {n: (rss_of(stack.procs[n].pid) if n not in dead else None) for n in services}
         out.update({k: v for k, v in res.items() if k != "health"})
         out["deaths"] = dead
-        out["rss"] = {n: {"before": rss0[n], "after": rss1[n],
-                          "growth": (round(rss1[n] / rss0[n] - 1, 4) if rss1[n] else None)}
+        if a.linger > 0:  # windows expire (the attributor keeps an incident 2 × 60 s)
+            time.sleep(a.linger)
+            out["rss_after_linger"] = {n: rss_of(stack.procs[n].pid) for n in services
+                                       if stack.procs[n].poll() is None}
+            out["linger_s"] = a.linger
+        out["rss_mark_after_messages"] = mark
+        out["rss"] = {n: {"start": rss0[n], "before": rss_mark.get(n), "after": rss1[n],
+                          "growth": (round(rss1[n] / rss_mark[n] - 1, 4)
+                                     if rss1[n] and rss_mark.get(n) else None),
+                          "growth_from_start": (round(rss1[n] / rss0[n] - 1, 4)
+                                                if rss1[n] else None)}
                       for n in services}
         if a.real_fault and not dead:
             for n in agents:
@@ -504,15 +534,18 @@ def print_report(r: dict[str, Any]) -> None:
     print("by category: " + ", ".join(f"{k} {v}" for k, v in sorted(
         r.get("by_category", {}).items())))
     print(f"\n{'service':22} {'expected':>9} {'received':>9} {'bad':>7} {'hdl_err':>7} "
-          f"{'dlq':>7} {'lost':>5} {'rss MiB':>15} {'growth':>7}")
+          f"{'dlq':>7} {'lost':>5} {'rss MiB start→mark→end':>24} {'growth':>7}")
     for n, a in r.get("accounting", {}).items():
         m = r["rss"].get(n, {})
-        rss = (f"{m['before'] / 2**20:.0f}→{m['after'] / 2**20:.0f}" if m.get("after")
-               else "dead")
+        rss = (f"{m['start'] / 2**20:.0f}→{(m['before'] or 0) / 2**20:.0f}→"
+               f"{m['after'] / 2**20:.0f}" if m.get("after") else "dead")
         g = f"{m['growth'] * 100:+.1f}%" if m.get("growth") is not None else "-"
         print(f"{n:22} {a['expected']:9} {a['received']:9} {a['bad']:7} "
-              f"{a['handler_errors']:7} {a['dead_letters_seen']:7} {a['lost']:5} {rss:>15} "
+              f"{a['handler_errors']:7} {a['dead_letters_seen']:7} {a['lost']:5} {rss:>24} "
               f"{g:>7}")
+    if r.get("rss_after_linger"):
+        print(f"RSS {r['linger_s']:.0f} s after the flood (MiB): " + ", ".join(
+            f"{n} {v / 2**20:.0f}" for n, v in r["rss_after_linger"].items()))
     print(f"\ndeaths: {r.get('deaths') or 'none'}")
     if "real_fault" in r:
         rf = r["real_fault"]
@@ -529,11 +562,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=3000.0, help="publish rate cap, msg/s")
     p.add_argument("--json", default="", metavar="PATH", help="write the figures there")
     p.add_argument("--quick", action="store_true", help="5,000 messages, no real fault")
+    p.add_argument("--linger", type=float, default=None, metavar="S",
+                   help="measure RSS again S seconds after the flood, once the services' "
+                        "windows expired (130; 0 with --quick)")
     p.add_argument("--real-fault", dest="real_fault", action="store_true", default=None)
     p.add_argument("--no-real-fault", dest="real_fault", action="store_false")
     a = p.parse_args(argv)
     if a.messages is None:
         a.messages = 5000 if a.quick else 100_000
+    if a.linger is None:
+        a.linger = 0.0 if a.quick else 130.0
     if a.real_fault is None:
         a.real_fault = not a.quick
     if a.messages < 1 or a.rate <= 0:
