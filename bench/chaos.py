@@ -17,7 +17,9 @@ Every rank appends a record per completed step to a progress file (``bench/peers
 same measurement as ``bench/recovery.py``); the figures come from that file, the job's audit
 trail in Valkey and the events on the bus:
 
-* ``trials``, ``faults`` (injected), ``recovered`` (every rank of the new world completed a new
+* ``trials``, ``faults`` (injected), ``full_restarts`` (a trial nothing recovered within
+  ``--recovery-timeout``: the job is restarted whole, as a scheduler would, for the next one),
+  ``recovered`` (every rank of the new world completed a new
   step, from the progress file), ``recovery_s`` (median, max);
 * ``decisions_lost`` — faults followed by no decision at all: none on the bus, none in the
   audit trail, and the job never recovered;
@@ -221,26 +223,45 @@ def account(trials: list[dict[str, Any]], outages: list[dict[str, Any]], rank0_n
 
 # ---- the live run --------------------------------------------------------------------------------
 class Chaos:
-    """Kills and restarts one control-plane part of ``stack`` at a time; records each outage."""
+    """Kills and restarts one control-plane part of ``stack`` at a time, on one worker thread
+    that lives as long as the run; records each outage.
+
+    One long-lived thread, not one per outage: the stack's children get ``PR_SET_PDEATHSIG``,
+    which fires when the *thread* that started them exits, so a server or service restarted
+    from a short-lived thread would be killed again as soon as that thread ended."""
 
     def __init__(self, stack: Any) -> None:
+        import queue
+
         self.stack = stack
         self.outages: list[dict[str, Any]] = []
-        self._thread: threading.Thread | None = None
+        self._q: "queue.Queue[tuple | None]" = queue.Queue()
+        self._worker = threading.Thread(target=self._loop, name="tg-chaos", daemon=True)
+        self._worker.start()
 
     def _server(self, kind: str) -> Any:
         return next(s for s in self.stack._servers.servers if s.kind == kind)
 
     def outage(self, target: str, down_s: float, when: str, trial: int) -> None:
-        """Start an outage of ``target`` on a thread (after the previous one ended)."""
-        self.wait()
-        self._thread = threading.Thread(target=self._run, args=(target, down_s, when, trial),
-                                        daemon=True)
-        self._thread.start()
+        """Queue an outage of ``target`` (it starts once the previous one ended)."""
+        self._q.put((target, down_s, when, trial))
 
-    def wait(self, timeout: float = 120.0) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def wait(self) -> None:
+        """Until every queued outage has ended."""
+        self._q.join()
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                self._run(*item)
+            finally:
+                self._q.task_done()
 
     def _run(self, target: str, down_s: float, when: str, trial: int) -> None:
         o: dict[str, Any] = {"trial": trial, "target": target, "when": when, "down_s": down_s,
@@ -276,7 +297,7 @@ def _demo_class():
 
         def inject(self, f: dict[str, Any]) -> int | None:
             if f["when"] == "steady":
-                hb = self.wait_step(0, max(0, f["step"] - f["lead_steps"]), 300)
+                hb = self.wait_step(0, max(0, f["step"] - f["lead_steps"]), 120)
                 if hb is not None:
                     self.chaos.outage(f["target"], f["down_s"], "steady", f["id"])
             ts = super().inject(f)
@@ -285,6 +306,18 @@ def _demo_class():
                 threading.Timer(delay, self.chaos.outage,
                                 (f["target"], f["down_s"], "during", f["id"])).start()
             return ts
+
+        def timeline(self, f: dict[str, Any], injected: int) -> dict[str, Any]:
+            """As the demo's; a fault nothing recovered leaves the job stuck, so the trial is
+            counted as such and the job is restarted whole (as a scheduler would) for the
+            next trials."""
+            out = super().timeline(f, injected)
+            if not out.get("recovered") and not out.get("stopped"):
+                self.say(f"trial {f['id']}: not recovered; restarting the whole job")
+                self.chaos.wait()
+                self.full_restart()
+                out["full_restart"] = True
+            return out
 
     return ChaosDemo
 
@@ -337,6 +370,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         audit = _audit(stack.redis_url, cfg.job)
         dead = stack.dead()
     finally:
+        chaos.close()
         stack.stop()
     recs, _ = rmod.load_progress(open(progress))
     decided_ids = {r.get("decision_id") for r in audit if r.get("type") == "decision"}
@@ -347,6 +381,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         nxt = rep["faults"][i + 1].get("injected_ns") if i + 1 < len(rep["faults"]) else None
         rv = rmod.recovery(recs, inj) if inj else None
         rec_ns = rv["resumed_ns"] if rv and (nxt is None or rv["resumed_ns"] < nxt) else None
+        if r.get("full_restart"):
+            rec_ns = None  # the bench restarted the job whole: trainguard did not recover it
         audit_dec = [x for x in audit if x.get("type") == "decision" and inj and
                      inj - 5e8 <= int(x.get("ts") or 0) < (nxt or 2**63)]
         bus_dec = [d for d in decisions if inj and inj - 5e8 <= d.ts < (nxt or 2**63)]
@@ -354,7 +390,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                        "recovery_s": round((rec_ns - inj) / 1e9, 3) if rec_ns else None,
                        "decided": bool(audit_dec or bus_dec or r.get("decision")),
                        "decision": (r.get("decision") or {}).get("action"),
-                       "harness_recovered": r.get("recovered")})
+                       "harness_recovered": r.get("recovered"),
+                       "full_restart": bool(r.get("full_restart"))})
     rank0 = [x.t for x in recs if x.rank == 0]
     acc = account(trials, chaos.outages, rank0)
     dup = duplicate_actions(
@@ -364,6 +401,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         [{"rank": e.rank, "decision_id": e.decision_id} for e in events
          if isinstance(e, schemas.TrainingResumed)])
     out = {"trials": len(schedule), "seed": a.seed, **acc, "duplicate_actions": dup["count"],
+           "full_restarts": sum(t["full_restart"] for t in trials),
            "duplicates": dup, "decisions_in_audit": len(decided_ids),
            "outage_errors": [o for o in chaos.outages if o["error"]],
            "outages_by_target": _by_target(trials), "service_deaths_at_end": dead,
@@ -392,7 +430,8 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"{k:22} {v['trials']:6} {v['decided']:7} {v['recovered']:9}")
     print(f"\nrecovered {r['recovered']}/{r['faults']}; recovery s median "
           f"{r['recovery_s']['median']} max {r['recovery_s']['max']}")
-    print(f"decisions_lost {r['decisions_lost']}; duplicate_actions {r['duplicate_actions']}")
+    print(f"decisions_lost {r['decisions_lost']}; duplicate_actions {r['duplicate_actions']}; "
+          f"whole-job restarts after a stuck trial {r['full_restarts']}")
     b = r["training_blocked_s"]
     print(f"training_blocked_s {b['total']} (in fault windows {b['in_fault_windows']}, "
           f"outside {b['outside']})")
@@ -411,8 +450,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", metavar="PATH", help="write the figures there")
     p.add_argument("--quick", action="store_true", help="4 trials")
-    p.add_argument("--recovery-timeout", type=float, default=60.0,
-                   help="seconds a fault may take to recover before the next one (60)")
+    p.add_argument("--recovery-timeout", type=float, default=40.0,
+                   help="seconds a fault may take to recover before the job is restarted whole "
+                        "for the next trial (40)")
     p.add_argument("--keep", default="", metavar="DIR", help="keep logs and state in DIR")
     p.add_argument("--verbose", action="store_true", help="the harness's progress lines")
     a = p.parse_args(argv)

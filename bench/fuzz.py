@@ -364,7 +364,7 @@ async def _quiet(nc: Any, names: list[str], mon: Monitor, settle_s: float
 
 
 async def flood(nats_url: str, names: list[str], messages: Iterator[Message], rate: float,
-                settle_s: float = 60.0, progress: bool = True, mark: int = 0,
+                settle_s: float = 300.0, progress: bool = True, mark: int = 0,
                 on_mark: Any = None) -> dict[str, Any]:
     """Publish ``messages`` at ``rate`` msg/s as the given (admin) URL while a ``Monitor``
     counts; then wait until counters and the monitor are quiet. Returns sent counts by family
