@@ -21,8 +21,9 @@ trail in Valkey and the events on the bus:
   ``--recovery-timeout``: the job is restarted whole, as a scheduler would, for the next one),
   ``recovered`` (every rank of the new world completed a new
   step, from the progress file), ``recovery_s`` (median, max);
-* ``decisions_lost`` — faults followed by no decision at all: none on the bus, none in the
-  audit trail, and the job never recovered;
+* ``decisions_lost`` — faults followed by no decision that acts (``none`` does not) within
+  ``--recovery-timeout``: none on the bus, none in the audit trail, and the job never
+  recovered;
 * ``duplicate_actions`` — an idempotency key carried out twice: two successful action results
   of one executor for one key, two decision records with one key in the audit trail, or one
   rank resuming twice for one decision;
@@ -383,12 +384,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         rec_ns = rv["resumed_ns"] if rv and (nxt is None or rv["resumed_ns"] < nxt) else None
         if r.get("full_restart"):
             rec_ns = None  # the bench restarted the job whole: trainguard did not recover it
+        # a decision for this fault: from just before it until the next fault or the timeout
+        # (a later one belongs to the whole-job restart, not to this fault)
+        until = min(nxt or 2**63, (inj or 0) + int(a.recovery_timeout * 1e9))
         audit_dec = [x for x in audit if x.get("type") == "decision" and inj and
-                     inj - 5e8 <= int(x.get("ts") or 0) < (nxt or 2**63)]
-        bus_dec = [d for d in decisions if inj and inj - 5e8 <= d.ts < (nxt or 2**63)]
+                     x.get("action") != "none" and inj - 5e8 <= int(x.get("ts") or 0) < until]
+        bus_dec = [d for d in decisions if inj and d.action != "none" and
+                   inj - 5e8 <= d.ts < until]
         trials.append({**t, "injected_ns": inj, "recovered_ns": rec_ns,
                        "recovery_s": round((rec_ns - inj) / 1e9, 3) if rec_ns else None,
-                       "decided": bool(audit_dec or bus_dec or r.get("decision")),
+                       "decided": bool(audit_dec or bus_dec),
                        "decision": (r.get("decision") or {}).get("action"),
                        "harness_recovered": r.get("recovered"),
                        "full_restart": bool(r.get("full_restart"))})

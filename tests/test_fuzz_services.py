@@ -60,17 +60,29 @@ def _payloads():
                      st.builds(lambda v: msgpack.packb(v, use_bin_type=True), value))
 
 
+def _long_job(ev: schemas.Event) -> bytes:
+    """``ev`` (job ``fz-t``) with a 5,000-character job name: every service that publishes
+    about such a job makes a subject past the server's 4 KiB protocol line and is cut off."""
+    return schemas.encode(ev).replace(b"\xa4fz-t", msgpack.packb("j" * 5000), 1)
+
+
 def _regressions() -> list[tuple[str, bytes]]:
     """The messages that broke a service before (see the module docstring)."""
-    long_job = schemas.encode(schemas.RankHeartbeat(job="fz-t", rank=0)).replace(
-        b"\xa4fz-t", msgpack.packb("j" * 5000), 1)
-    stall = schemas.encode(schemas.LogLine(job="fz-t", rank=1,
-                                           line="[ready ranks: 0, 30000000]"))
-    valid = schemas.encode(schemas.RankHeartbeat(job="fz-t", rank=0, step=1, world_size=2))
-    return [("tg.job.fz-t.rank.0.hb", long_job), ("tg.job.fz-t.log", stall),
-            ("tg.job.fz-t.anomaly", long_job), ("tg.job.fz-t.verdict", long_job),
-            ("tg.job.fz-t.ckpt", long_job), ("tg.job.fz\u00e9.worker", valid),
-            ("tg.job.fz-t.rank.0.hb", valid)]
+    t = "fz-t"
+    stall = schemas.encode(schemas.LogLine(job=t, rank=1, line="[ready ranks: 0, 30000000]"))
+    valid = schemas.encode(schemas.RankHeartbeat(job=t, rank=0, step=1, world_size=2))
+    return [
+        ("tg.job.fz-t.log", _long_job(schemas.LogLine(
+            job=t, rank=1, stream="exception", line="RuntimeError: CUDA error: out of memory"))),
+        ("tg.job.fz-t.verdict", _long_job(schemas.Verdict(
+            job=t, fault_class="crash", layer="application",
+            culprit=schemas.Culprit(ranks=[1])))),
+        ("tg.job.fz-t.anomaly", _long_job(schemas.Anomaly(
+            job=t, kind="crash", fault_class="crash", culprit=schemas.Culprit(ranks=[1])))),
+        ("tg.job.fz-t.ckpt", _long_job(schemas.CheckpointSaved(
+            job=t, path="/nonexistent/ckpt", step=1, world_size=1))),
+        ("tg.job.fz-t.log", stall), ("tg.job.fz\u00e9.worker", valid),
+        ("tg.job.fz-t.rank.0.hb", valid)]
 
 
 def _draw(F, n: int) -> list[tuple[str, bytes]]:
