@@ -95,6 +95,9 @@ class DetectorServiceConfig:
     incident is published again after it (3600 s). ``gc_s`` — period of that collection
     (30 s). ``refresh_timeout_s`` — a record read with no reply after this long is issued again
     (10 s: a call lost with a dropped connection must not stop a job's refreshes for good).
+    ``max_reads_in_flight`` — record reads out at once; more jobs wait for the next tick (16:
+    thousands of new job names at once exhausted the store client's connection pool and
+    failed every job's read, bench/fuzz.py).
     """
 
     rules: DetectorConfig = field(default_factory=DetectorConfig)
@@ -104,6 +107,7 @@ class DetectorServiceConfig:
     dedup_ttl_s: float = 3600.0
     gc_s: float = 30.0
     refresh_timeout_s: float = 10.0
+    max_reads_in_flight: int = 16
 
 
 @dataclass
@@ -238,17 +242,19 @@ def _node(state: DetectorState, name: str) -> NodeState:
 
 
 def _job_of(inp: Received) -> str:
-    return inp.event.job or inp.subject.split(".")[2]
+    """The job an input concerns; a subject token this detector could not publish about
+    (``subjects.token``) raises ValueError before any state is keyed by it."""
+    return subjects.token(inp.event.job or inp.subject.split(".")[2])
 
 
 def _node_of(inp: Received) -> str:
-    return inp.event.node or inp.subject.split(".")[2]
+    return subjects.token(inp.event.node or inp.subject.split(".")[2])
 
 
 # ---- received events -----------------------------------------------------------------------------
 def _on_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
     ev = inp.event
-    job = ev.job or inp.subject.split(".")[2]
+    job = _job_of(inp)
     rank = ev.rank if ev.rank is not None else int(inp.subject.split(".")[4])
     js = state.jobs.get(job) or _job(state, job, now)
     observe_heartbeat(js, rank, ev.node, ev.local_rank, ev.generation, ev.step,
@@ -440,17 +446,24 @@ def refresh_calls(state: DetectorState, now: float, names: list[str] | None = No
                   wait: bool = False, force: bool = False) -> list[Call]:
     """The record reads of ``names`` (default: every known job) as ``Call`` effects on the
     state store, each with reply tag ``("job", name, seq)``. A job whose previous read is
-    still out is skipped unless that read is ``refresh_timeout_s`` old or ``force`` is set; a
-    reply to a read superseded by a newer one is dropped."""
+    still out is skipped unless that read is ``refresh_timeout_s`` old or ``force`` is set; past
+    ``max_reads_in_flight`` reads out, the rest stay ``due`` for a later tick (unless
+    ``force``); a reply to a read superseded by a newer one is dropped."""
     out = []
+    live = sum(1 for _, t in state.reads.values() if now - t < state.config.refresh_timeout_s)
     for name in (list(state.jobs) if names is None else names):
         if name not in state.jobs:
             continue
-        state.due.discard(name)
         pending = state.reads.get(name)
         if (pending is not None and not force
                 and now - pending[1] < state.config.refresh_timeout_s):
+            state.due.discard(name)
             continue
+        if not force and live >= state.config.max_reads_in_flight:
+            state.due.add(name)  # read at a later tick, when fewer are out
+            continue
+        state.due.discard(name)
+        live += 1
         state.read_seq += 1
         state.reads[name] = (state.read_seq, now)
         out.append(Call("state", "job", (name,), reply=("job", name, state.read_seq),

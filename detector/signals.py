@@ -205,13 +205,25 @@ def telemetry_rule(ns: NodeState, gpus: list[dict], cfg: DetectorConfig, ts: int
 # log lines
 
 
+#: What one log message may cost the pattern table: its last 200 lines, each cut to 4 KiB (a
+#: 1 MB line took 1 s of matching and a flood of them left the detector minutes behind,
+#: bench/fuzz.py). Real lines are far shorter, and a traceback ends with its exception.
+MAX_LOG_LINES = 200
+MAX_LOG_LINE_CHARS = 4096
+#: Highest rank a Horovod stall line may name (one past the largest world trainguard plans for).
+MAX_STALL_RANKS = 65536
+
+
 def log_rule(line: str, stream: str, rank: int | None, node: str | None,
              generation: int | None, ts: int, step: int | None = None) -> Finding | None:
     """A log line through the XID parser and the pattern table. A line from
     ``stream == "exception"`` (a traceback the shim caught) that matches no specific row is an
     application exception of the rank that sent it. For a multi-line traceback the last
-    matching line decides (Python prints the exception last)."""
-    lines = [ln for ln in line.splitlines() if ln.strip()] or [line]
+    matching line decides (Python prints the exception last). Only the last ``MAX_LOG_LINES``
+    lines, each cut to ``MAX_LOG_LINE_CHARS``, are matched."""
+    tail = line.rsplit("\n", MAX_LOG_LINES)[-MAX_LOG_LINES:]  # never splits all of a flood
+    lines = [ln[:MAX_LOG_LINE_CHARS] for part in tail for ln in part.splitlines()
+             if ln.strip()][-MAX_LOG_LINES:] or [line[:MAX_LOG_LINE_CHARS]]
     found: pat.PatternMatch | None = None
     hit = ""
     for ln in lines:
@@ -245,8 +257,12 @@ def log_rule(line: str, stream: str, rank: int | None, node: str | None,
     ranks = [r] if r is not None and p.fault_class != "node_lost" else []
     if p.name == "horovod_stall" and "ready" in g:
         ready = sorted({int(x) for x in g["ready"].replace(" ", "").split(",") if x})
-        ranks = [x for x in range(max(ready) + 1) if x not in ready] if ready else []
-        detail["ready_ranks"] = ready
+        # the missing ranks lie below the highest ready one; a rank past any real world
+        # ("ready ranks: 0, 30000000" took 7 s and 1.2 GB, bench/fuzz.py) names none
+        seen = set(ready)
+        ranks = ([x for x in range(max(ready) + 1) if x not in seen]
+                 if ready and max(ready) < MAX_STALL_RANKS else [])
+        detail["ready_ranks"] = ready[:MAX_STALL_RANKS]
     return Finding("log_pattern", p.fault_class, ranks=ranks, nodes=nodes,
                    symptom=p.symptom, evidence=[hit[:500]], detail=detail, ts=ts,
                    generation=generation)

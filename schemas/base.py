@@ -6,7 +6,8 @@ Every event carries:
 * ``v`` — the schema major version (``SCHEMA_VERSION``); a decoder rejects other majors;
 * ``event_id`` — 32 hex characters (uuid4), unique per event;
 * ``ts`` — producer time, Unix nanoseconds (``time.time_ns()``);
-* ``job`` / ``node`` / ``rank`` — what the event concerns, ``None`` where it does not apply;
+* ``job`` / ``node`` / ``rank`` — what the event concerns, ``None`` where it does not apply
+  (``job`` a subject token, ``node`` at most ``subjects.MAX_TOKEN_CHARS`` characters);
 * ``trace`` — W3C trace context (``{"traceparent": "00-<trace>-<span>-01"}``) so one trace spans
   fault → anomaly → verdict → decision → action.
 
@@ -20,7 +21,9 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .subjects import MAX_TOKEN_CHARS, token
 
 SCHEMA_VERSION = 1
 
@@ -51,6 +54,26 @@ class Event(BaseModel):
     node: str | None = None
     rank: int | None = None
     trace: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("job")
+    @classmethod
+    def _job_token(cls, v: str | None) -> str | None:
+        """A job name can be a subject token (``subjects.token``: letters, digits, ``_-:`` and
+        single dots, at most ``MAX_TOKEN_CHARS``); one that cannot (a space, ``*``, 200 KB) is
+        refused at decode, before a service keys state by it or publishes on a subject made of
+        it. The name itself is kept (its dots are encoded only in subjects)."""
+        if v:
+            token(v)
+        return v
+
+    @field_validator("node")
+    @classmethod
+    def _node_length(cls, v: str | None) -> str | None:
+        """A node name is at most ``MAX_TOKEN_CHARS`` long (it may hold dots: a peer host name
+        a log line names); services make subjects only of node names that are tokens."""
+        if v is not None and len(v) > MAX_TOKEN_CHARS:
+            raise ValueError(f"node name of {len(v)} characters: at most {MAX_TOKEN_CHARS}")
+        return v
 
     def model_post_init(self, __context: Any) -> None:  # noqa: D401 - pydantic hook
         if not self.schema_:

@@ -22,6 +22,11 @@ DEAD_LETTER = "tg.dlq"
 _NAME = re.compile(r"^[A-Za-z0-9_\-:.]+$")
 #: How a dot is written inside a token (percent-encoding of ``.``, RFC 3986).
 DOT = "%2E"
+#: Longest job or node name (characters). A subject is sent in one protocol line, which
+#: nats-server caps at 4,096 bytes (``max_control_line``) and answers past it by closing the
+#: connection: a 200 KB job name taken from an event made every service that published about
+#: it lose its connection (bench/fuzz.py).
+MAX_TOKEN_CHARS = 128
 
 
 def token(name: str | int) -> str:
@@ -29,6 +34,9 @@ def token(name: str | int) -> str:
     Raises ValueError saying why for an empty name, a leading, trailing or doubled dot, or a
     character outside letters, digits, ``_``, ``-``, ``:`` and ``.``."""
     s = str(name)
+    if len(s) > MAX_TOKEN_CHARS:
+        raise ValueError(f"{s[:40]!r}… ({len(s)} characters) cannot be a NATS subject token: "
+                         f"at most {MAX_TOKEN_CHARS}")
     if not _NAME.match(s) or s.startswith(".") or s.endswith(".") or ".." in s:
         raise ValueError(
             f"{s!r} cannot be a NATS subject token: use letters, digits, '_', '-', ':' or "
