@@ -241,8 +241,10 @@ def _complete(state: AttributorState, seq: int, pairs: list, effects: list[Effec
     inc2 = replace(inc, concluded=conclusion(spec), settled=inc.settled or root.severity == "error",
                    hold_until=None, verdicts=inc.verdicts + 1)
     state = replace(_put(state, r.key, inc2), published=state.published + 1)
-    return state, effects + [Publish(subjects.job(inc.job, "verdict"), verdict),
-                             *_record(inc, spec, r.wall_ns)]
+    # a flag (a warning root: CPU saturation, a straggler) is no fault of the node: kept out of
+    # the cross-job history, where it would make the node a repeat offender at its next fault
+    history = _record(inc, spec, r.wall_ns) if root.severity == "error" else []
+    return state, effects + [Publish(subjects.job(inc.job, "verdict"), verdict), *history]
 
 
 def _verdict(inc: Incident, spec: VerdictSpec, root: schemas.Anomaly, wall_ns: int

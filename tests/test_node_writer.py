@@ -45,13 +45,17 @@ def test_saves_go_through_the_node_writer_and_close_lets_them_finish(tmp_path, m
     daemon = nw.proc.pid
     monkeypatch.setenv("TG_CKPT_WRITER", sock)
     root = str(tmp_path / "ckpt")
-    ck = Checkpointer(_model(), None, config=CheckpointConfig(root=root), job="nw-close",
+    model = _model()
+    ck = Checkpointer(model, None, config=CheckpointConfig(root=root), job="nw-close",
                       rank=0, world_size=1)
     try:
         assert ck.save(1)
         ck.wait()
         assert ck.resources.writer.proc is None  # no writer of its own: the daemon's child wrote it
         assert len(psutil.Process(daemon).children()) == 1
+        with torch.no_grad():  # a state unchanged since step 1 would be a stale checkpoint
+            for p in model.parameters():
+                p.add_(1.0)
         assert ck.save(2)
         nw.close()  # the launcher ends while a save is in flight
         ck.wait()
