@@ -176,7 +176,9 @@ def test_straggler_with_a_spare_node_is_excluded_and_replaced(stack, tmp_path):
                  steps=200, spare_nodes=1)
     (f,) = rep["faults"]
     assert f["recovered"], f
-    assert f["verdict"]["fault_class"] == "straggler" and f["verdict"]["culprit_ranks"] == [2]
+    # the verdict names the slowed rank (with the throughput rule, possibly its peers too: a
+    # straggler slows every rank's step); the decision excludes the slowed rank's node only
+    assert f["verdict"]["fault_class"] == "straggler" and 2 in f["verdict"]["culprit_ranks"]
     d = f["decision"]
     assert d["action"] == "exclude_node_and_requeue" and d["nodes"] == ["node1"], d
     assert d["world_size"] == 4  # the spare node took the slow node's ranks
