@@ -161,6 +161,9 @@ def test_xid79_on_one_node_excludes_that_node(stack, tmp_path):
     assert rep["accuracy"] is not None
 
 
+@pytest.mark.skipif(not os.environ.get("TG_LONG_TRIALS"),
+                    reason="the same straggler-naming regression as the test below "
+                           "(TG_LONG_TRIALS=1 runs it)")
 def test_straggler_is_flagged_and_named(stack, tmp_path):
     rep = _tried(stack, tmp_path, "e2e-slow", [{"id": 1, "kind": "straggler", "rank": 2,
                                                "step": 40, "factor": 3}], steps=200)
