@@ -8,13 +8,13 @@ of 2 nodes × 2 ranks with a spare node, so it takes tens of seconds on 2 cores.
 """
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import os
 import re
 import time
 
 import pytest
+from cluster_helpers import audit, wait_for
 
 from trainguard.cluster import net as cnet
 
@@ -46,31 +46,10 @@ def _args(c, job):
             str(CKPT_EVERY), "--step-sleep", "0.05"]
 
 
-def _wait(fn, timeout, every=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    return fn()
-
-
-def _audit(c, job):
-    from trainguard.state import StateStore
-
-    async def _q():
-        st = StateStore(c.stack.redis_url)
-        try:
-            return await st.audit_trail(job)
-        finally:
-            await st.close()
-
-    return asyncio.run(_q())
 
 
 def _exclusion(c, job):
-    return next((r for r in _audit(c, job) if r.get("type") == "decision"
+    return next((r for r in audit(c, job) if r.get("type") == "decision"
                  and r.get("action") == "exclude_node_and_requeue"), None)
 
 
@@ -108,9 +87,9 @@ def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
     runner = FaultRunner(c, job, faults)
     runner.start()
     try:
-        assert _wait(lambda: runner.fired, 150, 0.05), c.launcher_log(job, "node0")[-3000:]
+        assert wait_for(lambda: runner.fired, 150, 0.05), c.launcher_log(job, "node0")[-3000:]
         fault_s = runner.fired[0]["ts"]
-        again = _wait(lambda: training_again(c.steps(job), fault_s), 60)
+        again = wait_for(lambda: training_again(c.steps(job), fault_s), 60)
         assert again, c.launcher_log(job, "node0")[-3000:]
         print(f"power-off: launch → fault {fault_s - t0:.1f} s, fault → every rank training "
               f"again {again['t'] - fault_s:.2f} s")
@@ -119,13 +98,13 @@ def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
         recs = c.steps(job)
         _check_resumed(recs, fault_s, again, "node1")
         excl = _exclusion(c, job)
-        assert excl and excl["nodes"] == ["node1"], _audit(c, job)
+        assert excl and excl["nodes"] == ["node1"], audit(c, job)
         # ranks talked over the bridge, never loopback: every peer is on the bridge's subnet
         subnet = ipaddress.ip_network(c.net.subnet)
         peers = [p for r in recs for p in r.get("peers", [])]
         assert peers and all(ipaddress.ip_address(p.split(":")[0]) in subnet for p in peers)
         assert {r["host"] for r in recs} == {"node0", "node1", "node2"}
-        assert _wait(lambda: os.path.exists(os.path.join(c.records_dir(job), "done.json")), 60)
+        assert wait_for(lambda: os.path.exists(os.path.join(c.records_dir(job), "done.json")), 60)
     finally:
         runner.cancel()
         c.net.power_on("node1")  # an empty node again, for the next test
@@ -148,19 +127,19 @@ def test_partition_excludes_the_node_and_fences_its_ranks(cluster, tmp_path):
     runner = FaultRunner(c, job, faults)
     runner.start()
     try:
-        assert _wait(lambda: runner.fired, 150, 0.05), c.launcher_log(job, "node0")[-3000:]
+        assert wait_for(lambda: runner.fired, 150, 0.05), c.launcher_log(job, "node0")[-3000:]
         fault_s = runner.fired[0]["ts"]
-        again = _wait(lambda: training_again(c.steps(job), fault_s), 60)
+        again = wait_for(lambda: training_again(c.steps(job), fault_s), 60)
         assert again and again["hosts"] == ["node0", "node2"], again
         print(f"partition: launch → fault {fault_s - t0:.1f} s, fault → every rank training "
               f"again {again['t'] - fault_s:.2f} s")
         excl = _exclusion(c, job)
-        assert excl and excl["nodes"] == ["node1"], _audit(c, job)
+        assert excl and excl["nodes"] == ["node1"], audit(c, job)
         excluded_s = excl["ts"] / 1e9
         # cut off, node1's launcher cannot renew its lease: it stops its ranks and exits
         assert procs["node1"].wait(30) == 1
         assert "fenced" in c.launcher_log(job, "node1")
-        assert _wait(lambda: runner.fired[0]["end"], heal + 10), runner.fired
+        assert wait_for(lambda: runner.fired[0]["end"], heal + 10), runner.fired
         time.sleep(2.0)  # healed: anything left of the old ranks would act now
         left = [p for p in c.net.pids("node1")
                 if p not in (c.net.node("node1").init.pid, c.agents["node1"].pid)]
@@ -178,7 +157,7 @@ def test_partition_excludes_the_node_and_fences_its_ranks(cluster, tmp_path):
                                                          or int(gen.group(1)) < again["gen"]):
                     late.append(p)
         assert not late, late
-        assert _wait(lambda: os.path.exists(os.path.join(c.records_dir(job), "done.json")), 60)
+        assert wait_for(lambda: os.path.exists(os.path.join(c.records_dir(job), "done.json")), 60)
     finally:
         runner.cancel()
         c.net.heal("node1")

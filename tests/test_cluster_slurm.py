@@ -14,6 +14,7 @@ import shlex
 import time
 
 import pytest
+from cluster_helpers import audit, wait_for
 
 from trainguard.cluster import net as cnet
 from trainguard.cluster.slurm import slurm_unavailable_reason
@@ -25,27 +26,6 @@ pytestmark = [pytest.mark.slow,
                                  reason=str(slurm_unavailable_reason()))]
 
 
-def _wait(fn, timeout, every=0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    return fn()
-
-
-def _audit(c, job):
-    from trainguard.state import StateStore
-
-    async def _q():
-        st = StateStore(c.stack.redis_url)
-        try:
-            return await st.audit_trail(job)
-        finally:
-            await st.close()
-
-    return asyncio.run(_q())
 
 
 def test_power_off_under_slurm_drains_the_node_with_the_reason(tmp_path):
@@ -77,13 +57,13 @@ def test_power_off_under_slurm_drains_the_node_with_the_reason(tmp_path):
             tmp_path / f"slurm-{jid}.out").exists() else c.slurm.job_state(jid)
         assert r["host"] == "node1"
         fault_s = c.net.power_off("node1") / 1e9
-        reasons = _wait(lambda: c.slurm.reasons().get("node1"), 40)
+        reasons = wait_for(lambda: c.slurm.reasons().get("node1"), 40)
         assert reasons and reasons.startswith("trainguard: "), c.slurm.reasons()
         print(f"sinfo -R: node1 {reasons!r} ({time.time() - fault_s:.1f} s after the power-off)")
         # the reason is the exclusion decision's evidence, as the remediator audited it
         from trainguard.slurm_controller import slurm_drain_command
 
-        trail = _audit(c, job)
+        trail = audit(c, job)
         excl = next(r for r in trail if r.get("action") == "exclude_node_and_requeue")
         assert excl["nodes"] == ["node1"]
         assert "reason=" + reasons == slurm_drain_command("node1", excl["reason"])[4]
@@ -99,7 +79,7 @@ def test_power_off_under_slurm_drains_the_node_with_the_reason(tmp_path):
         assert asyncio.run(_rec()).slurm_job_id == jid
         assert "DRAIN" in c.slurm.run("scontrol", "show", "node", "-o", "node1")
         # trainguard went on in place on node0 (requeue=auto: no requeue)
-        again = _wait(lambda: training_again(c.steps(job), fault_s), 60)
+        again = wait_for(lambda: training_again(c.steps(job), fault_s), 60)
         assert again and again["hosts"] == ["node0"] and again["world"] == 2, again
         assert c.slurm.job_state(jid).get("JobState") == "RUNNING"
     finally:
