@@ -64,7 +64,7 @@ from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_hea
                        silence_rule, stall_rule, straggler_rule, throughput_rule)
 from .signals import (NodeState, crash_rule, log_rule, node_lost_rule, observe_node_heartbeat,
                       save_failed_finding, telemetry_rule, xid_rule)
-from .telemetry import host_rules, link_rules
+from .telemetry import cpu_context, host_rules, link_rules
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
            "TOPICS"]
@@ -439,7 +439,15 @@ def _evaluate(state: DetectorState, out: list[Effect], now: float, wall_ns: int)
         if f is not None:
             found.append(f)
         for f in found:
+            if f.fault_class == "straggler":
+                cpu_context(f, _job_hosts(state, js), cfg)
             _emit(state, out, name, f, now, wall_ns)
+
+
+def _job_hosts(state: DetectorState, js) -> dict:
+    """node → ``HostWindow`` of the nodes ``js``'s ranks run on (those with telemetry)."""
+    nodes = {rs.node for rs in js.ranks.values() if rs.node}
+    return {n: state.nodes[n].host for n in sorted(nodes) if n in state.nodes}
 
 
 def refresh_calls(state: DetectorState, now: float, names: list[str] | None = None,

@@ -32,6 +32,9 @@ class TelemetryRule:
     fault_class: FaultClass
     layer: Layer
     why: str
+    #: True: the rule records a node condition that explains another rule's finding (see
+    #: ``cpu_context``) and publishes nothing by itself
+    context: bool = False
 
 
 F, L = FaultClass, Layer
@@ -46,7 +49,10 @@ RULES: dict[str, TelemetryRule] = {r.kind: r for r in (
                   "kill"),
     TelemetryRule("cpu_saturated", F.STRAGGLER, L.SYSTEM_SOFTWARE,
                   "no idle CPU for cpu_samples samples: every rank on the host slows down "
-                  "(oversubscribed cores stall each gloo collective: shared/findings.md)"),
+                  "(oversubscribed cores stall each gloo collective: shared/findings.md). "
+                  "Context, never a verdict alone: a job that keeps every core busy is using "
+                  "its host, not failing; it becomes evidence of a straggler or throughput "
+                  "verdict whose slow rank is on the node (cpu_context)", context=True),
     TelemetryRule("peer_latency", F.NETWORK, L.INFRASTRUCTURE,
                   "TCP connect round trip to a peer at or above latency_warn_s for "
                   "latency_samples samples (a data-centre LAN answers in well under 1 ms)"),
@@ -71,11 +77,12 @@ class HostWindow:
     (or unreachable) samples; ``gpu_prev`` — GPU index → (now, nvlink counters, PCIe replays)
     of the previous sample."""
 
-    __slots__ = ("mem", "cpu_run", "lat_runs", "gpu_prev")
+    __slots__ = ("mem", "cpu_run", "cpu_last", "lat_runs", "gpu_prev")
 
     def __init__(self) -> None:
         self.mem: list[tuple[float, int, int]] = []
         self.cpu_run = 0
+        self.cpu_last = 0.0
         self.lat_runs: dict[str, int] = {}
         self.gpu_prev: dict[int, tuple[float, dict[str, int], int | None]] = {}
 
@@ -87,6 +94,37 @@ def _finding(kind: str, node: str, evidence: str, ts: int, gpus: list[str] | Non
                    evidence=[evidence],
                    detail={"pattern": kind, "layer": r.layer.value, "why": r.why,
                            "source": "telemetry", "weight": 0.5, **detail}, ts=ts)
+
+
+def cpu_context(f: Finding, windows: dict[str, HostWindow],
+                cfg: DetectorConfig | TelemetryConfig) -> Finding:
+    """``f`` (a straggler or throughput finding) with the CPU saturation of its nodes as
+    evidence: ``windows`` maps node → its ``HostWindow``. A finding that names nodes gets
+    ``detail["cpu_saturated"]`` (those of its nodes whose CPU had no idle time for
+    ``cpu_samples`` samples) and the ``system_software`` layer hint when every one of them is
+    saturated; a finding with no culprit gets the saturated nodes as evidence only when not
+    every node is saturated (one busy host among idle ones is a lead; all busy, none is).
+    Returns ``f`` itself, changed in place, or unchanged when no node is saturated."""
+    tc = cfg.telemetry if isinstance(cfg, DetectorConfig) else cfg
+    busy = sorted(n for n, w in windows.items() if w.cpu_run >= tc.cpu_samples)
+    if not busy:
+        return f
+    row = RULES["cpu_saturated"]
+    if f.nodes:
+        hit = [n for n in f.nodes if n in busy]
+        if not hit:
+            return f
+        f.detail["cpu_saturated"] = hit
+        if len(hit) == len(f.nodes) and f.detail.get("layer", "unknown") == "unknown":
+            f.detail["layer"] = row.layer.value
+    elif len(busy) < len(windows):
+        f.detail["cpu_saturated"] = busy
+    else:
+        return f
+    for n in f.detail["cpu_saturated"]:
+        f.evidence.append(f"node {n}: CPU {windows[n].cpu_last:.0f}% busy for "
+                          f"{windows[n].cpu_run} samples ({row.kind}: {row.why.split('. ')[0]})")
+    return f
 
 
 def mem_slope(points: list[tuple[float, int, int]]) -> float:
@@ -127,14 +165,9 @@ def host_rules(win: HostWindow, node: str, cpu_percent: float, mem_used: int, me
                                     f"in ≈ {left:.0f} s at this rate", ts,
                                     slope_bytes_per_s=round(slope), seconds_left=round(left, 1),
                                     used_bytes=int(mem_used), total_bytes=int(mem_total)))
-    if cpu_percent >= tc.cpu_saturated_percent:
-        win.cpu_run += 1
-        if win.cpu_run == tc.cpu_samples:
-            out.append(_finding("cpu_saturated", node,
-                                f"node {node}: CPU {cpu_percent:.0f}% busy for {win.cpu_run} "
-                                f"samples", ts, cpu_percent=cpu_percent))
-    else:
-        win.cpu_run = 0
+    # CPU saturation is context (RULES["cpu_saturated"]): kept in the window, read by cpu_context
+    win.cpu_last = float(cpu_percent)
+    win.cpu_run = win.cpu_run + 1 if cpu_percent >= tc.cpu_saturated_percent else 0
     for peer, rtt in sorted(latency.items()):
         bad = not math.isfinite(rtt) or rtt >= tc.latency_warn_s
         run = win.lat_runs.get(peer, 0) + 1 if bad else 0

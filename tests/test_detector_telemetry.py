@@ -8,7 +8,7 @@ import pytest
 
 from trainguard import schemas
 from trainguard.detector import telemetry as tel
-from trainguard.detector.core import DetectorConfig
+from trainguard.detector.core import DetectorConfig, Finding
 from trainguard.detector.reducer import DetectorState, step
 from trainguard.reducer import Publish, Received
 from trainguard.schemas import JobRecord, subjects
@@ -37,9 +37,8 @@ def host(samples, latency=None):
     ([(t, 10, 55.0) for t in range(10)], None, []),
     # a slow leak (1 MiB/s at 55 GiB: 2.5 h left) is past the horizon
     ([(t, 10, 55 + t / 1024) for t in range(10)], None, []),
-    # CPU saturated for 5 samples fires once; a dip resets the run
-    ([(t, 99, 8.0) for t in range(8)], None, ["cpu_saturated"]),
-    ([(t, 99 if t % 4 else 50, 8.0) for t in range(8)], None, []),
+    # CPU saturation alone publishes nothing: it is context for a slow rank (cpu_context)
+    ([(t, 99, 8.0) for t in range(8)], None, []),
     # a peer slow for 3 samples, another unreachable; the bus fine
     ([(t, 10, 8.0) for t in range(4)],
      lambda t: {"n2:29500": 0.2, "n3:29500": math.inf, "bus": 0.0004},
@@ -85,6 +84,49 @@ def test_every_rule_row_has_a_reason_and_is_a_warning():
     win = tel.HostWindow()
     [f] = tel.host_rules(win, "n1", 10, 63 * GiB, 64 * GiB, {}, 0.0, CFG)
     assert f.severity == "warning" and f.nodes == ["n1"] and f.detail["source"] == "telemetry"
+
+
+def _busy(samples):
+    win = tel.HostWindow()
+    for t, cpu in enumerate(samples):
+        tel.host_rules(win, "n", cpu, GiB, 64 * GiB, {}, float(t), CFG)
+    return win
+
+
+def test_cpu_saturation_runs_and_resets():
+    assert _busy([99] * 5).cpu_run == 5
+    assert _busy([99, 99, 99, 50, 99]).cpu_run == 1  # a dip resets the run
+
+
+@pytest.mark.parametrize("nodes,busy,saturated,layer", [
+    (["n1"], {"n1"}, ["n1"], "system_software"),     # the slow rank's host has no idle CPU
+    (["n1"], {"n2"}, None, "unknown"),               # another host's CPU explains nothing
+    (["n1"], {"n1", "n2"}, ["n1"], "system_software"),
+    ([], {"n2"}, ["n2"], "unknown"),                  # no culprit: one busy host is a lead
+    ([], {"n1", "n2"}, None, "unknown"),             # every host busy (one machine): no lead
+    (["n1"], set(), None, "unknown"),
+])
+def test_cpu_context_explains_a_slow_rank(nodes, busy, saturated, layer):
+    wins = {n: _busy([99 if n in busy else 10] * 6) for n in ("n1", "n2")}
+    f = Finding("throughput_drop", "straggler", ranks=[1] if nodes else [], nodes=list(nodes),
+                severity="warning", evidence=["slow"], detail={"layer": "unknown"})
+    tel.cpu_context(f, wins, CFG)
+    assert f.detail.get("cpu_saturated") == saturated
+    assert f.detail["layer"] == layer
+    assert len(f.evidence) == 1 + len(saturated or [])
+    if saturated:
+        assert "99% busy for 6 samples" in f.evidence[1]
+
+
+def test_a_saturated_cpu_alone_publishes_no_anomaly():
+    st = DetectorState()
+    st.records["j"] = JobRecord(members=[{"rank": 0, "node": "n1", "local_rank": 0}])
+    st.node_jobs = {"n1": {"j"}}
+    for t in range(10):
+        ev = schemas.NodeTelemetry(node="n1", cpu_percent=100.0, mem_used_bytes=GiB,
+                                   mem_total_bytes=64 * GiB)
+        _, eff = step(st, Received(subjects.node("n1", "telemetry"), ev, 10**18 + t), float(t))
+        assert not [e for e in eff if isinstance(e, Publish)]
 
 
 def test_the_reducer_publishes_host_findings_to_the_jobs_on_the_node():

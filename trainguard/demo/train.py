@@ -6,6 +6,11 @@ Faults to raise from inside a rank come from ``--faults`` (JSON list of
 ``{"kind": "exception", "rank": R, "step": S, "id": N}``); each fires once: its marker file
 ``<run-dir>/fault-<id>.injected`` (holding the Unix ns of injection) is written before raising.
 With ``"repeat": true`` it fires at that step every time (to exercise loop detection).
+``"phase"`` says where in the step it raises: ``"backward"`` (after the backward pass, the
+default for a one-off fault: the other ranks complete the step, so a recovery from their state
+moves past it) or ``"forward"`` (before the forward pass, the default with ``repeat``: no rank
+completes the step, so it runs again after recovery — a deterministic bug in that step's data
+fails again, which is what loop detection must catch).
 ``--dropout P`` adds dropout (masks from torch's global generator, which recovery restores);
 ``--loss-log`` appends ``<step> <loss as float.hex>`` per completed step to
 ``<run-dir>/losses-r<rank>.txt`` (to compare a run with faults against a fault-free one).
@@ -42,9 +47,11 @@ class InjectedFault(RuntimeError):
     """The demo's injected Python exception."""
 
 
-def maybe_raise(args, faults, ctx, step: int) -> None:
+def maybe_raise(args, faults, ctx, step: int, phase: str) -> None:
     for f in faults:
         if f["kind"] != "exception" or f["rank"] != ctx.rank or f["step"] != step:
+            continue
+        if f.get("phase", "forward" if f.get("repeat") else "backward") != phase:
             continue
         marker = os.path.join(args.run_dir, f"fault-{f['id']}.injected")
         if os.path.exists(marker) and not f.get("repeat"):
@@ -72,9 +79,10 @@ def main(argv=None) -> None:
             t_step = time.monotonic()
             x, y = M.batch(data, args.seed, step, ctx.rank, ctx.world_size)
             opt.zero_grad()
+            maybe_raise(args, faults, ctx, step, "forward")
             loss = loss_fn(net(x), y)
             loss.backward()
-            maybe_raise(args, faults, ctx, step)
+            maybe_raise(args, faults, ctx, step, "backward")
             opt.step()
             if args.loss_log:
                 with open(os.path.join(args.run_dir, f"losses-r{ctx.rank}.txt"), "a") as fh:
