@@ -161,9 +161,6 @@ def test_xid79_on_one_node_excludes_that_node(stack, tmp_path):
     assert rep["accuracy"] is not None
 
 
-@pytest.mark.skipif(not os.environ.get("TG_LONG_TRIALS"),
-                    reason="the same straggler-naming regression as the test below "
-                           "(TG_LONG_TRIALS=1 runs it)")
 def test_straggler_is_flagged_and_named(stack, tmp_path):
     rep = _tried(stack, tmp_path, "e2e-slow", [{"id": 1, "kind": "straggler", "rank": 2,
                                                "step": 40, "factor": 3}], steps=200)
@@ -173,12 +170,6 @@ def test_straggler_is_flagged_and_named(stack, tmp_path):
     assert f["verdict"]["culprit_ranks"] == [2]
 
 
-@pytest.mark.skipif(not os.environ.get("TG_LONG_TRIALS"),
-                    reason="known regression under investigation: since the throughput rule "
-                           "names the slowest rank, the first verdict of a straggler is often a "
-                           "throughput drop with no culprit (flagged), and the exclusion comes "
-                           "late or not at all (bench/recovery.py: straggler culprit 0/1); "
-                           "TG_LONG_TRIALS=1 runs it")
 def test_straggler_with_a_spare_node_is_excluded_and_replaced(stack, tmp_path):
     rep = _tried(stack, tmp_path, "e2e-slow-spare", [{"id": 1, "kind": "straggler", "rank": 2,
                                                      "step": 40, "factor": 3}],
