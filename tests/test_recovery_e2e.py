@@ -108,6 +108,10 @@ def test_hang_kills_the_stopped_rank_not_a_blocked_one(stack, tmp_path):
     assert f["recovered"], f
     assert f["verdict"]["culprit_ranks"] == [3]
     assert f["decision"]["action"] == "restart_workers" and f["decision"]["ranks"] == [3]
+    # the ranks blocked in the stopped rank's collective held the step before it: the new rank 3
+    # took their state, nothing went back to the checkpoint
+    assert f["path"] == "peer" and f["steps_rolled_back"] <= 1, f
+    assert f["resumed_step"] == f["restored_step"] + 1, f
 
 
 def test_observe_mode_executes_nothing(stack, tmp_path):
