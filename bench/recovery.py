@@ -361,6 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="runs per (system, fault) (default 3; "
                                                          "--quick 1); medians are over these")
     p.add_argument("--steps", type=int, default=None, help="steps of a single-fault job")
+    p.add_argument("--five-interval", type=int, default=None, metavar="STEPS",
+                   help="steps between the five faults of five_faults (default 40, about one "
+                        "fault a second here; training goodput depends on it: see the README)")
     p.add_argument("--budget-min", type=float, default=None,
                    help="stop starting further peer runs after this many minutes (default "
                         "20; --quick 5); trainguard's runs and every peer's first SIGKILL run "
@@ -389,6 +392,8 @@ def settings_from(a: argparse.Namespace) -> BenchSettings:
     if a.steps is not None:
         s.steps = a.steps
         s.fault_step = min(s.fault_step, a.steps // 3)
+    if a.five_interval is not None:
+        s.five_interval = a.five_interval
     return s
 
 
