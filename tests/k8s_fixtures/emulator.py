@@ -41,7 +41,7 @@ def node_object(name: str, ready: bool = True) -> dict[str, Any]:
 
 
 def pod_object(name: str, node: str, job: str, namespace: str = "train",
-               managed: bool = True) -> dict[str, Any]:
+               managed: bool = True, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
     labels = {"jobset.sigs.k8s.io/jobset-name": job,
               "jobset.sigs.k8s.io/replicatedjob-name": "workers",
               "batch.kubernetes.io/job-name": f"{job}-workers-0"}
@@ -50,7 +50,7 @@ def pod_object(name: str, node: str, job: str, namespace: str = "train",
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "labels": labels,
+                     "creationTimestamp": created, "labels": labels,
                      "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
                                           "name": f"{job}-workers-0", "uid": f"uid-{job}-job",
                                           "controller": True, "blockOwnerDeletion": True}]},

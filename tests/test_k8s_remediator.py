@@ -1,0 +1,76 @@
+"""The remediator with the Kubernetes node controller, on a real NATS and Valkey, against the
+API emulator (``tests/k8s_fixtures/emulator.py``): a launcher lost on a healthy node makes the
+decision ``restart_workers`` carried out as the deletion of that one pod — asserted on the
+DELETE the emulator received — and never a cordon or an eviction; the controller leaves a
+replacement pod made after the fault alone."""
+from __future__ import annotations
+
+from k8s_fixtures.emulator import cluster
+from test_remediator_service import client, register, remediator, wait_for
+from trainguard.k8s.api import KubeConfig
+from trainguard.k8s.controller import KubernetesNodeController
+from trainguard.schemas import Verdict, subjects
+from trainguard.state import StateStore
+
+NODE, OTHER = "ip-10-0-1-2.ec2.internal", "ip-10-0-1-3.ec2.internal"
+MEMBERS = [{"rank": 0, "node": OTHER, "local_rank": 0}, {"rank": 1, "node": OTHER, "local_rank": 1},
+           {"rank": 2, "node": NODE, "local_rank": 0}, {"rank": 3, "node": NODE, "local_rank": 1}]
+FAULT_NS = 1_767_225_600 * 10**9 + 5 * 10**9  # 2026-01-01T00:00:05Z
+
+
+def _controller(c, tmp_path) -> KubernetesNodeController:
+    return KubernetesNodeController(None, KubeConfig(
+        kubeconfig=str(c.kubeconfig(tmp_path / "kubeconfig")), evict_backoff_s=0.05))
+
+
+async def test_a_lost_launcher_pod_is_deleted_and_its_node_left_in_service(servers, redis_db,
+                                                                          tmp_path):
+    store = StateStore(redis_db)
+    await register(store, "llm", members=MEMBERS)
+    async with cluster() as c:
+        c.add_node(NODE)
+        c.add_node(OTHER)
+        c.add_pod("llm-workers-0-0-abcde", OTHER, "llm")
+        c.add_pod("llm-workers-0-1-fghij", NODE, "llm")
+        ctl = _controller(c, tmp_path)
+        try:
+            async with remediator(servers, redis_db, controller=ctl), \
+                    client(servers, "llm") as bus:
+                v = Verdict(job="llm", fault_class="crash", layer="infrastructure",
+                            culprit={"ranks": [2, 3], "nodes": [NODE]}, generation=0,
+                            first_ts=FAULT_NS,
+                            detail={"root_kind": "launcher_lost", "launcher_lost": [NODE]})
+                await bus.publish(subjects.job("llm", "verdict"), v)
+                assert await wait_for(lambda: bus.got["action"], timeout=10.0)
+                [d] = bus.got["decision"]
+                [ar] = bus.got["action"]
+        finally:
+            await ctl.kube.close()
+        assert (d.action, d.execute, d.nodes, d.ranks) == ("restart_workers", True, [NODE],
+                                                            [2, 3])
+        assert "JobSet, PyTorchJob" in d.reason
+        assert ar.ok and ar.executor == "controller:kubernetes" and ar.node == NODE, ar.detail
+        assert [r.url.path for r in c.requests("DELETE")] == [
+            "/api/v1/namespaces/train/pods/llm-workers-0-1-fghij"]
+        assert not c.pod_exists("train", "llm-workers-0-1-fghij")
+        assert c.pod_exists("train", "llm-workers-0-0-abcde")      # the other node's pod
+        assert c.requests("PATCH") == [] and c.evictions == []    # no cordon, no eviction
+        assert "unschedulable" not in c.node(NODE).get("spec", {})
+    await store.close()
+
+
+async def test_restart_pod_leaves_a_replacement_made_after_the_fault_alone(tmp_path):
+    async with cluster() as c:
+        c.add_node(NODE)
+        c.add_pod("llm-workers-0-1-new", NODE, "llm", created="2026-01-01T00:00:09Z")
+        ctl = _controller(c, tmp_path)
+        res = await ctl.restart_pod(NODE, "llm", before_ns=FAULT_NS)
+        assert res.ok and "replacement" in res.detail, res.detail
+        assert c.requests("DELETE") == []
+        c.add_pod("llm-workers-0-1-old", NODE, "llm", created="2026-01-01T00:00:01Z")
+        res = await ctl.restart_pod(NODE, "llm", before_ns=FAULT_NS)
+        await ctl.kube.close()
+        assert res.ok, res.detail
+        assert [r.url.path for r in c.requests("DELETE")] == [
+            "/api/v1/namespaces/train/pods/llm-workers-0-1-old"]
+        assert c.pod_exists("train", "llm-workers-0-1-new")
