@@ -446,7 +446,9 @@ def _launcher_lost(state: DetectorState, out: list[Effect], ns: NodeState, job: 
             and rs.generation >= js.gen]
     f = launcher_lost_rule(ns, job, ranks, live, now, node_timeout(state, ns.name))
     if f is not None:
+        # the launcher's last beat, Unix ns: a replacement pod or container is newer
         f.generation = jc.generation
+        f.detail["last_beat_ns"] = wall_ns - int(f.detail["silent_s"] * 1e9)
         _emit(state, out, job, f, now, wall_ns)
 
 

@@ -110,7 +110,9 @@ def launcher_lost_rule(ns: NodeState, job: str, ranks: list[int], live_hb: list[
 
     Fault class ``crash`` (the launcher process is gone, its ranks with it; a crash explains a
     hang of the same ranks), layer ``infrastructure``; ``detail["launcher_lost"]`` names the
-    node. A node whose agent is silent too is ``node_lost_rule``'s."""
+    node (the reducer adds ``detail["last_beat_ns"]``, the launcher's last beat in Unix ns: a
+    pod or container newer than it is a replacement). A node whose agent is silent too is
+    ``node_lost_rule``'s."""
     last = ns.launchers.get(job)
     agent = ns.last.get("agent")
     if (last is None or job in ns.launchers_lost or agent is None or not ranks or not live_hb

@@ -82,13 +82,30 @@ def on_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     policy = state.config.policy
     table_action, _ = pol.table_action(w.verdict, pol.with_defaults(w.record, policy), policy)
     if not stronger(table_action, held):
-        return fold(state, seq, w, owner, f"generation already decided ({held})", inp.wall_ns)
+        why = f"generation already decided ({held})"
+        pods, _ = pol.pod_restart(w.decision, w.verdict, state.restarts_pods, policy)
+        if pods and w.decision.execute and held == w.decision.action:
+            return _fold_then_pods(state, seq, w, owner, why, inp.wall_ns, pods)
+        return fold(state, seq, w, owner, why, inp.wall_ns)
     dec = w.decision
     dec = dec.model_copy(update={
         "idempotency_key": f"{dec.idempotency_key}:{dec.action}",
         "reason": f"{dec.reason}; stronger than the {held} already decided for this generation"})
     state, w = update(state, seq, decision=dec)
     return state, [claim_call(dec, ("escalation_claim", seq))]
+
+
+def _fold_then_pods(state: RemediatorState, seq: int, w: Work, owner: str, why: str,
+                    wall_ns: int, pods: list[str]) -> Out:
+    """A lost launcher found after its ranks' silence was decided (a ``restart_workers`` of
+    the same generation, e.g. a job with a short hang timeout): the verdict is folded, and the
+    pod restart that decision lacked is carried out for it (same key: once)."""
+    _, audit = fold(state, seq, w, owner, why + f"; its pod restart on {', '.join(pods)} is "
+                                                "carried out for it", wall_ns)
+    assert w.decision is not None
+    held = w.decision.model_copy(update={"event_id": owner.rsplit("/", 1)[0]})
+    state, w = update(count(state, "folded"), seq, decision=held, pods=tuple(pods))
+    return state, audit + [_pod_claim(w, seq)]
 
 
 def on_escalation_claim(state, seq, w: Work, inp: Reply, now) -> Out:
@@ -276,7 +293,9 @@ def on_pod_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     dec = w.decision
     assert dec is not None
     # only a pod older than the fault is the failed one: a replacement made since is left alone
-    before_ns = dec.fault_ts or dec.detected_ts
+    onset = w.verdict.detail.get("last_beat_ns") if w.verdict is not None else None
+    before_ns = (onset if isinstance(onset, int) and onset > 0
+                 else dec.fault_ts or dec.detected_ts)
     return state, [Call("controller", "restart_pod", (inp.tag[2], w.job, before_ns),
                         reply=("pod_restart", seq, inp.tag[2]), wait=False)]
 

@@ -182,6 +182,7 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
     assert [(e.subject, e.event.culprit.ranks, e.event.culprit.nodes, e.event.generation)
             for e in lost] == [("tg.job.a.anomaly", [0], [node], 3)]
     assert lost[0].event.fault_class == "crash" and lost[0].event.first_ts == wall(T0 + 3.01)
+    assert lost[0].event.detail["last_beat_ns"] == wall(T0)  # the launcher's last beat
     assert not published(eff, "node_lost")
 
 

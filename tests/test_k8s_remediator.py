@@ -59,13 +59,18 @@ async def test_a_lost_launcher_pod_is_deleted_and_its_node_left_in_service(serve
     await store.close()
 
 
-async def test_restart_pod_leaves_a_replacement_made_after_the_fault_alone(tmp_path):
+async def test_restart_pod_leaves_a_pod_being_replaced_already_alone(tmp_path):
     async with cluster() as c:
         c.add_node(NODE)
         c.add_pod("llm-workers-0-1-new", NODE, "llm", created="2026-01-01T00:00:09Z")
+        c.add_pod("llm-workers-0-1-failed", NODE, "llm", phase="Failed")  # the Job replaces it
+        c.add_pod("llm-pt-worker-0", NODE, "llm", started="2026-01-01T00:00:07Z")  # OnFailure
         ctl = _controller(c, tmp_path)
         res = await ctl.restart_pod(NODE, "llm", before_ns=FAULT_NS)
-        assert res.ok and "replacement" in res.detail, res.detail
+        assert res.ok, res.detail
+        assert sorted(x["why"] for x in res.commands) == [
+            "Failed: its controller replaces it", "created after the fault: a replacement",
+            "its container restarted after the fault (restartPolicy OnFailure)"]
         assert c.requests("DELETE") == []
         c.add_pod("llm-workers-0-1-old", NODE, "llm", created="2026-01-01T00:00:01Z")
         res = await ctl.restart_pod(NODE, "llm", before_ns=FAULT_NS)

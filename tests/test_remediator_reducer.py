@@ -323,7 +323,8 @@ def test_a_failed_drain_is_audited_not_escalated(failure):
 def launcher_lost(node="n2", gen=0):
     return Verdict(job="j", fault_class="crash", layer="infrastructure",
                    culprit={"ranks": [2, 3], "nodes": [node]}, generation=gen, first_ts=3000,
-                   detail={"root_kind": "launcher_lost", "launcher_lost": [node]})
+                   detail={"root_kind": "launcher_lost", "launcher_lost": [node],
+                           "last_beat_ns": 2900})
 
 
 def pods_state(restarts_pods=True):
@@ -339,7 +340,7 @@ def test_a_lost_launcher_has_its_pod_replaced_once_not_its_node_excluded():
     state, eff = run(st, [verdict_in(v), verdict_in(again, 1.0)], pods_state())
     [d] = published(eff)
     assert (d.action, d.ranks, d.nodes, d.execute) == ("restart_workers", [2, 3], ["n2"], True)
-    assert st.excluded == [] and st.restarted == [("n2", "j", 3000)]  # before the fault's time
+    assert st.excluded == [] and st.restarted == [("n2", "j", 2900)]  # the launcher's last beat
     [ctl] = [c for c in eff if isinstance(c, Call) and c.target == "controller"]
     assert ctl.method == "restart_pod" and ctl.wait is False
     [ar] = published(eff, ActionResult)
@@ -349,7 +350,22 @@ def test_a_lost_launcher_has_its_pod_replaced_once_not_its_node_excluded():
     assert "j" in state.pending  # the watchdog waits for training to resume
     # a restarted remediator replays the verdict: the claim holds, no second deletion
     state, eff = run(st, [verdict_in(v, 2.0)], pods_state())
-    assert st.restarted == [("n2", "j", 3000)]
+    assert st.restarted == [("n2", "j", 2900)]
+
+
+def test_a_lost_launcher_found_after_its_ranks_hang_was_decided_still_gets_its_pod_replaced():
+    st = Store(j=record())
+    hang = Verdict(job="j", fault_class="hang", layer="unknown",
+                   culprit={"ranks": [2, 3], "nodes": ["n2"]}, generation=0, first_ts=2500)
+    state, eff = run(st, [verdict_in(hang), verdict_in(launcher_lost(), 1.0)], pods_state())
+    [d] = published(eff)
+    assert d.action == "restart_workers" and "JobSet" not in d.reason
+    assert st.restarted == [("n2", "j", 2900)] and st.excluded == []  # the launcher's fault
+    [ar] = published(eff, ActionResult)
+    assert ar.decision_id == d.event_id and ar.ok
+    [folded] = audits(eff, "folded")
+    assert "pod restart on n2" in folded["reason"]
+    assert state.counts["folded"] == 1 and state.work == {}
 
 
 @pytest.mark.parametrize("restarts_pods,mode", [(False, "action"), (True, "observe")])

@@ -85,11 +85,13 @@ class KubernetesNodeController(NodeController):
     async def restart_pod(self, node: str, job: str, before_ns: int = 0) -> ControllerResult:
         """Delete the pod of ``job`` on ``node`` when a job controller owns it (JobSet or
         PyTorchJob labels, ``OWNER_LABELS``): that controller recreates it; nothing else of
-        the job is touched and the node is not cordoned. Only a pod created before
-        ``before_ns`` (Unix ns, the fault's time; 0: any) is the failed one: a replacement
-        made since, or a pod already terminating, is left alone (``commands`` says so). A pod
-        without such an owner is left alone (nothing would recreate it) and the result is not
-        ``ok``."""
+        the job is touched and the node is not cordoned. Only a running pod created before
+        ``before_ns`` (Unix ns, the fault's time: the launcher's last heartbeat; 0: any) whose
+        containers have not restarted since is the failed one — a pod that is being replaced
+        already is left alone (``commands`` says why): one terminating, one ``Failed`` (its
+        Job recreates it), a replacement made since, a container the kubelet restarted in
+        place (``restartPolicy: OnFailure``). A pod without such an owner is left alone
+        (nothing would recreate it) and the result is not ``ok``."""
         try:
             pods = await self.kube.managed_pods(node, job)
         except Exception as exc:  # noqa: BLE001
@@ -106,9 +108,20 @@ class KubernetesNodeController(NodeController):
             if meta.get("deletionTimestamp"):
                 cmds.append({"skipped": path, "why": "already terminating"})
                 continue
+            status = p.get("status") or {}
+            if status.get("phase") in ("Failed", "Succeeded"):
+                cmds.append({"skipped": path, "why": f"{status['phase']}: its controller "
+                                                     f"replaces it"})
+                continue
             created = _unix_ns(meta.get("creationTimestamp"))
             if before_ns and created is not None and created >= before_ns:
                 cmds.append({"skipped": path, "why": "created after the fault: a replacement"})
+                continue
+            started = [_unix_ns(((c.get("state") or {}).get("running") or {}).get("startedAt"))
+                       for c in status.get("containerStatuses") or []]
+            if before_ns and any(t is not None and t >= before_ns for t in started):
+                cmds.append({"skipped": path, "why": "its container restarted after the fault "
+                                                     "(restartPolicy OnFailure)"})
                 continue
             if not any(k in labels for k in OWNER_LABELS):
                 return ControllerResult(False, f"pod {ns}/{name} has no JobSet or PyTorchJob "
