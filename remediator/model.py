@@ -77,7 +77,8 @@ def _zero_counts() -> dict[str, int]:
 class RemediatorState:
     """``config`` — the live ``RemediatorConfig`` (read at each step); ``controller`` — the node
     controller's name (``action.result.executor = controller:<name>``); ``restarts_pods`` —
-    whether it recreates a job's pod (``NodeController.restarts_pods``: Kubernetes); ``pending`` — job →
+    whether it recreates a job's pod (``NodeController.restarts_pods``: Kubernetes);
+    ``pending`` — job →
     ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
     decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
     decisions whose stored publish is in flight; ``last_sweep`` — service time of the last

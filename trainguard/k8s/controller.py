@@ -15,8 +15,8 @@ cluster (``TG_NODE_CONTROLLER=kubernetes``, registered in ``trainguard.controlle
 ``restart_pod(node, job, before_ns)`` deletes only the failed pod of a job on a node (one created
 before the fault) and lets the job's controller recreate it; the remediator calls it when a
 job's launcher is lost while its node is healthy (``remediator.policy.POD_RESTARTS``), and
-never cordons the node for it. ``readmit(node, canary)`` uncordons a suspect node and removes its label
-only when ``canary(node)`` passes (default: the node's ``Ready`` condition is ``True`` and it has
+never cordons the node for it. ``readmit(node, canary)`` uncordons a suspect node and removes its
+label only when ``canary(node)`` passes (default: the node's ``Ready`` condition is ``True`` and it has
 no ``trainguard.io/drain-requested`` annotation). Node names are Kubernetes names as the
 downward API gives them (``spec.nodeName``), dots included.
 
@@ -97,7 +97,9 @@ class KubernetesNodeController(NodeController):
         except Exception as exc:  # noqa: BLE001
             return ControllerResult(False, f"list pods of {job} on {node}: {_why(exc)}")
         if not pods:
-            return ControllerResult(False, f"no pod of job {job} ({JOB_LABEL}) on node {node}")
+            return ControllerResult(False, f"no pod of job {job} on node {node}: deleted "
+                                           f"already, or not labelled {JOB_LABEL}={job} and "
+                                           f"{self.kube.cfg.managed_selector}")
         cmds: list[Any] = []
         deleted = 0
         for p in pods:
