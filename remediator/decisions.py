@@ -271,7 +271,6 @@ def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
     return _next_node(state, seq, effects)
 
 
-
 # ---- pod restart through the controller ------------------------------------------------------
 def _pod_claim(w: Work, seq: int) -> Call:
     assert w.decision is not None
