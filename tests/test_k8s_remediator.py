@@ -79,3 +79,40 @@ async def test_restart_pod_leaves_a_pod_being_replaced_already_alone(tmp_path):
         assert [r.url.path for r in c.requests("DELETE")] == [
             "/api/v1/namespaces/train/pods/llm-workers-0-1-old"]
         assert c.pod_exists("train", "llm-workers-0-1-new")
+
+
+def test_detector_attributor_and_remediator_offline_restart_the_lost_pods_ranks():
+    """The three services' reducers (``trainguard.replay_decide``), fed a recording: the pod on
+    ``NODE`` (launcher, ranks 2 and 3) falls silent at 2 s while the node's agent and the other
+    pod go on. The decision restarts that pod's ranks and excludes no node; outside Kubernetes
+    (this replay's controller is the local one) its reason says to start the launcher again."""
+    from trainguard import schemas
+    from trainguard.replay import Record
+    from trainguard.replay_decide import decide
+
+    t0 = 1_767_225_600 * 10**9
+    recs = []
+
+    def put(t, subject, ev):
+        recs.append(Record(t0 + int(t * 1e9), subject, schemas.encode(ev)))
+
+    for k in range(0, 17):
+        t = k * 0.5
+        for node in (NODE, OTHER):
+            put(t, subjects.node(node, "heartbeat"),
+                schemas.NodeHeartbeat(node=node, role="agent", ts=t0 + int(t * 1e9)))
+        for node, ranks in ((OTHER, (0, 1)), (NODE, (2, 3))):
+            if node == NODE and t > 2.0:
+                continue  # this pod is gone: its launcher and ranks say nothing more
+            put(t, subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(
+                node=node, job="llm", role="launcher", ts=t0 + int(t * 1e9)))
+            for r in ranks:
+                put(t, subjects.rank_hb("llm", r), schemas.RankHeartbeat(
+                    job="llm", rank=r, node=node, local_rank=r % 2, step=k, collective_seq=k,
+                    phase="train", ts=t0 + int(t * 1e9)))
+    res = decide(recs, job_records={"llm": {"mode": "action", "world_size": 4, "runs": 1,
+                                            "status": "running", "members": MEMBERS}})
+    [d] = res.replayed
+    assert (d.action, d.nodes, d.ranks, d.fault_class) == ("restart_workers", [NODE], [2, 3],
+                                                            "crash"), d.reason
+    assert f"launcher_lost on {NODE}" in d.reason and "start the launcher" in d.reason
