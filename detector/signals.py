@@ -101,12 +101,15 @@ def observe_node_heartbeat(ns: NodeState, role: str, now: float, job: str | None
 def launcher_lost_rule(ns: NodeState, job: str, ranks: list[int], live_hb: list[float],
                        now: float, timeout: float) -> Finding | None:
     """The launcher of ``job`` on this node is gone while the node itself is alive: its
-    heartbeat has been silent for longer than ``timeout`` seconds, the node's agent beat within
-    ``timeout``, and the job's ranks here that the detector has not seen end (``live_hb``: their
-    last heartbeats, monotonic s; at least one) are all silent that long too — a launcher and
-    its ranks stopping together while the node answers is their pod or process tree lost (a
-    container killed, a pod deleted or wedged), not the node. ``ranks``: the job's members on
-    this node (the culprits). Fires once until that launcher beats again.
+    heartbeat has been silent for longer than ``timeout`` seconds, the node's agent went on
+    beating for longer than ``timeout`` after it (so a node powered off or cut off, whose agent
+    and launcher stop within a beat of each other, is never this rule's but
+    ``node_lost_rule``'s) and beat within ``timeout`` of ``now``, and the job's ranks here that
+    the detector has not seen end (``live_hb``: their last heartbeats, monotonic s; at least
+    one) are all silent that long too — a launcher and its ranks stopping together while the
+    node answers is their pod or process tree lost (a container killed, a pod deleted or
+    wedged), not the node. ``ranks``: the job's members on this node (the culprits). Fires
+    once until that launcher beats again.
 
     Fault class ``crash`` (the launcher process is gone, its ranks with it; a crash explains a
     hang of the same ranks), layer ``infrastructure``; ``detail["launcher_lost"]`` names the
@@ -119,15 +122,16 @@ def launcher_lost_rule(ns: NodeState, job: str, ranks: list[int], live_hb: list[
             or now - agent > timeout):
         return None
     silent = now - last
-    if silent <= timeout or any(now - hb <= timeout for hb in live_hb):
+    if (silent <= timeout or agent - last <= timeout
+            or any(now - hb <= timeout for hb in live_hb)):
         return None
     ns.launchers_lost.add(job)
     return Finding("launcher_lost", FaultClass.CRASH, ranks=sorted(ranks), nodes=[ns.name],
                    evidence=[f"node {ns.name}: the launcher of job {job} and its ranks "
                              f"{', '.join(map(str, sorted(ranks)))} sent no heartbeat for "
                              f"{silent:.2f} s (timeout {timeout:.2f} s) while the node's agent "
-                             f"beat {now - agent:.2f} s ago: the launcher's pod or process "
-                             f"tree is lost, the node is alive"],
+                             f"went on beating ({now - agent:.2f} s ago): the launcher's pod "
+                             f"or process tree is lost, the node is alive"],
                    detail={"rule": "launcher_lost", "launcher_lost": [ns.name],
                            "silent_s": round(silent, 3), "timeout_s": timeout,
                            "layer": Layer.INFRASTRUCTURE.value, "weight": 0.85})

@@ -181,9 +181,27 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
     lost = published(eff, "launcher_lost")
     assert [(e.subject, e.event.culprit.ranks, e.event.culprit.nodes, e.event.generation)
             for e in lost] == [("tg.job.a.anomaly", [0], [node], 3)]
-    assert lost[0].event.fault_class == "crash" and lost[0].event.first_ts == wall(T0 + 3.01)
+    # found at the first agent beat more than the timeout after the launcher's last
+    assert lost[0].event.fault_class == "crash" and lost[0].event.first_ts == wall(T0 + 3.51)
     assert lost[0].event.detail["last_beat_ns"] == wall(T0)  # the launcher's last beat
     assert not published(eff, "node_lost")
+
+
+def test_a_powered_off_node_is_lost_not_its_launcher():
+    """The agent's last beat comes a moment after the launcher's (a power-off stops both):
+    node lost only."""
+    recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": "g1", "local_rank": 0}])}
+
+    def node_hb(t, role, job=None):
+        return t, Received(subjects.node("g1", "heartbeat"), schemas.NodeHeartbeat(
+            node="g1", role=role, job=job), wall(t))
+
+    inputs = [hb(T0, job="a", node="g1"), node_hb(T0, "launcher", "a"), node_hb(T0 + 0.9, "agent")]
+    inputs += [tick(T0 + k * 0.25) for k in range(1, 24)]
+    _, eff = run_offline(step, state(rules=DetectorConfig(silence_timeout_s=60.0)), inputs,
+                         records(recs))
+    assert [e.event.kind for e in published(eff) if e.subject == "tg.job.a.anomaly"] == [
+        "node_lost"]
 
 
 def test_a_dotted_node_name_is_kept_from_the_subject_to_the_jobs_anomaly():

@@ -241,6 +241,8 @@ LAUNCHER_LOST_CASES = [
     ("launcher and ranks silent, agent beating: its pod is lost", 4.0, [0.1, 0.1], 4.0, True),
     ("not yet past the timeout", 2.5, [0.1], 2.9, False),
     ("the agent is silent too: the node is lost (node_lost_rule's)", 0.5, [0.1], 4.0, False),
+    ("the agent stopped a beat after the launcher: a power-off, not a lost pod", 0.9, [0.1],
+     3.5, False),
     ("a rank still beats: the launcher's heartbeat alone stopped", 4.0, [0.1, 3.9], 4.0, False),
     ("every rank ended (exited, done): a launcher that finished", 4.0, [], 4.0, False),
 ]
@@ -262,8 +264,8 @@ def test_launcher_lost_rule(case, agent, ranks, now, lost):
         assert f.nodes == [node] and f.ranks == [4, 5] and f.detail["launcher_lost"] == [node]
         assert rules.launcher_lost_rule(ns, "j", [4, 5], ranks, now + 1, 3.0) is None  # once
         rules.observe_node_heartbeat(ns, "launcher", now + 2, job="j")  # back (a new pod)…
-        rules.observe_node_heartbeat(ns, "agent", now + 6)
-        assert rules.launcher_lost_rule(ns, "j", [4, 5], [now + 2], now + 6, 3.0) is not None
+        rules.observe_node_heartbeat(ns, "agent", now + 5.5)
+        assert rules.launcher_lost_rule(ns, "j", [4, 5], [now + 2], now + 5.6, 3.0) is not None
 
 
 def test_launcher_lost_needs_members_and_a_launcher_that_beat():
