@@ -53,6 +53,7 @@ SOURCES: tuple[tuple[str, str, str], ...] = (
     ("log_pattern", "", "log"),            # the program's own log or traceback
     ("hang", "", "heartbeat"),             # silence or no progress of rank heartbeats
     ("node_lost", "", "heartbeat"),        # silence of the node's agent and launcher
+    ("launcher_lost", "", "heartbeat"),    # silence of one job's launcher and ranks on a node
     ("straggler", "", "heartbeat"),        # step times in the heartbeats
     ("throughput_drop", "", "heartbeat"),
     ("nan_loss", "", "heartbeat"),

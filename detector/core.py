@@ -62,7 +62,9 @@ class DetectorConfig:
 
     Node lost: ``node_timeout_s`` = 3 s after the last heartbeat of every role (agent,
     launcher) of that node (3 beats of the agent's 1 s interval); a job's ``node_timeout_s``
-    overrides it for its nodes.
+    overrides it for its nodes. Launcher lost: the same timeout, for one job's launcher and its
+    ranks on a node whose agent still beats (their pod or process tree is gone; it comes before
+    the ranks' own silence, ``silence_timeout_s``, so the verdict names the pod, not a hang).
 
     Thermal: ``thermal_samples`` (2) consecutive telemetry samples with a thermal clock-event
     reason.

@@ -16,6 +16,11 @@ The policy is data:
   never acted on, unless its root is one of these kinds: a rank measured slow or a throttled
   GPU, which a spare node may replace (their rows require a spare and a culprit).
 
+* ``POD_RESTARTS`` — root kinds whose recovery, under a node controller that recreates pods
+  (Kubernetes: ``restarts_pods``), also replaces the culprit node's training pod: the lost
+  launcher's pod is deleted and its job controller (JobSet, PyTorchJob) recreates it, while the
+  node stays in service (``pod_restart``).
+
 * ``ESCALATIONS`` — checks run after the table, in order; the first that fires replaces the
   action (retry budget spent, the same fault at the same step again → stop).
 * ``WATCHDOG_LADDER`` — what the watchdog escalates to when an executed decision is not followed
@@ -45,7 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainguard.schemas import Decision, JobRecord, Member, Verdict
-from trainguard.schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
+from trainguard.schemas.vocabulary import (Action, FaultClass, Layer, first_error_line, signature,
+                                           stronger)
 
 from .world import new_world, nodes_of, ranks_on
 
@@ -173,6 +179,30 @@ ACTION_ALIASES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class PodRestart:
+    """When the verdict's root is ``root_kind`` and the decision is ``action``, the nodes named
+    in ``detail[fact]`` (and in the decision) get a new pod from the node controller, where it
+    recreates pods; elsewhere ``elsewhere`` says what must happen instead. ``source``: why."""
+
+    root_kind: str
+    fact: str
+    action: str
+    source: str
+    elsewhere: str
+
+
+POD_RESTARTS: tuple[PodRestart, ...] = (
+    PodRestart("launcher_lost", "launcher_lost", A.RESTART_WORKERS,
+               "the node's agent still beats, so the node is healthy and only the pod (its "
+               "launcher and ranks) is gone or wedged: its pod is deleted and the job's "
+               "controller (JobSet, PyTorchJob) recreates it, whose launcher rejoins at the new "
+               "generation; cheaper than cordoning a healthy node and moving the job off it",
+               "no node controller here recreates pods: start the launcher on that node again "
+               "(`trainguard launch` with the same arguments), else the watchdog escalates"),
+)
+
+
+@dataclass(frozen=True)
 class Escalation:
     """After the table: when check ``check`` (a name in ``CHECKS``) fires for an action in
     ``applies_to``, the action becomes ``then``; ``reason`` is formatted with the check's facts."""
@@ -217,6 +247,7 @@ class Policy:
     default_mode: str = "observe"
     default_retry_budget: int = 10
     acting_warnings: tuple[str, ...] = ACTING_WARNINGS
+    pod_restarts: tuple[PodRestart, ...] = POD_RESTARTS
 
 
 DEFAULT_POLICY = Policy()
@@ -326,8 +357,10 @@ CHECKS: dict[str, Callable[[Verdict, JobRecord, int], dict[str, Any] | None]] = 
 
 # ---- decide ------------------------------------------------------------------------------------
 def decide(verdict: Verdict, job_state: JobRecord,
-           policy: Policy = DEFAULT_POLICY) -> Decision | None:
-    """The decision for ``verdict`` given ``job_state`` (the job record) and ``policy``.
+           policy: Policy = DEFAULT_POLICY, restarts_pods: bool = False) -> Decision | None:
+    """The decision for ``verdict`` given ``job_state`` (the job record) and ``policy``;
+    ``restarts_pods``: whether the remediator's node controller recreates pods (Kubernetes),
+    which ``pod_restart`` adds to the reason.
 
     Returns a ``schemas.Decision`` (not yet published) whose ``generation`` is the generation to
     join (current + 1 for a recovery or a stop, the current one for ``none``) and whose
@@ -341,7 +374,36 @@ def decide(verdict: Verdict, job_state: JobRecord,
     job = with_defaults(job_state, policy)
     fault_gen = fault_generation(verdict, job)
     action, reasons = table_action(verdict, job, policy)
-    return plan(verdict, job, action, reasons, fault_gen, policy)
+    dec = plan(verdict, job, action, reasons, fault_gen, policy)
+    _, why = pod_restart(dec, verdict, restarts_pods, policy)
+    return dec.model_copy(update={"reason": f"{dec.reason}; {why}"}) if why else dec
+
+
+def pod_restart(decision: Decision, verdict: Verdict | None, restarts_pods: bool,
+                policy: Policy = DEFAULT_POLICY) -> tuple[list[str], str]:
+    """The nodes whose training pod of ``decision.job`` the node controller replaces
+    (``restart_pod``) when it carries ``decision`` out, and why, in words.
+
+    A row of ``policy.pod_restarts`` applies when the verdict's root kind and the decision's
+    action are its own; its nodes are those of ``verdict.detail[row.fact]`` that the decision
+    names. With ``restarts_pods`` False (a controller that cannot recreate pods: local, Slurm)
+    no node is returned and the reason says what must happen instead. No row applies: ``([],
+    "")`` — e.g. an escalation to a stop, or an exclusion that a repeat-offender fact chose."""
+    if verdict is None:
+        return [], ""
+    kind = verdict.detail.get("root_kind")
+    row = next((r for r in policy.pod_restarts
+                if r.root_kind == kind and r.action == decision.action), None)
+    if row is None:
+        return [], ""
+    named = verdict.detail.get(row.fact) or []
+    nodes = sorted({str(n) for n in named} & set(decision.nodes))
+    if not nodes:
+        return [], ""
+    where = ", ".join(nodes)
+    if not restarts_pods:
+        return [], f"{kind} on {where}: {row.elsewhere}"
+    return nodes, f"{kind} on {where}: {row.source}"
 
 
 def fault_generation(verdict: Verdict, job: JobRecord) -> int:

@@ -33,6 +33,19 @@ def test_death_cascade_names_the_dead_rank_not_the_victims():
     assert v.evidence[0].startswith("[root crash rank 2]")   # time order: the death first
 
 
+def test_a_lost_launcher_explains_the_silence_of_its_ranks():
+    node = "ip-10-0-1-2.ec2.internal"
+    lost = anomaly("launcher_lost", "crash", 100, [4, 5], [node], rule="launcher_lost",
+                   launcher_lost=[node], last_beat_ns=97, layer="infrastructure", weight=0.85)
+    hangs = [anomaly("hang", "hang", 101, [r], [node], rule="silence", layer="unknown",
+                     weight=0.85) for r in (4, 5)]
+    v = decide([lost, *hangs])
+    assert (v.fault_class, v.layer) == ("crash", "infrastructure")
+    assert v.ranks == [4, 5] and v.nodes == [node]
+    assert v.detail["root_kind"] == "launcher_lost" and v.detail["launcher_lost"] == [node]
+    assert v.detail["last_beat_ns"] == 97  # when the launcher went silent: the fault's onset
+
+
 def test_symptoms_alone_are_attributed_with_low_confidence():
     v = decide([reset(1, 10), reset(3, 11)])
     assert v.fault_class == "network" and v.confidence == "low" and v.detail["symptom_only"]

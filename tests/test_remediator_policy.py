@@ -324,3 +324,49 @@ def test_a_systematic_stop_quotes_the_roots_error_and_the_nodes():
     assert d.action == "stop_job_notify_user"
     assert "systematic (n1, n2, high confidence)" in d.reason
     assert d.reason.endswith("the error: ValueError: bad batch at step 50"), d.reason
+
+
+# ---- pod restart: a lost launcher on a healthy node, under a controller that recreates pods ----
+def launcher_lost(node="n2", ranks=(2, 3), **detail):
+    return verdict("crash", "infrastructure", ranks=ranks, nodes=[node],
+                   detail={"root_kind": "launcher_lost", "launcher_lost": [node], **detail})
+
+
+#: (case, verdict, job, controller recreates pods, action, nodes whose pod is replaced)
+POD_CASES = [
+    ("kubernetes: the lost launcher's pod is replaced, the node stays in service",
+     launcher_lost(), job(), True, "restart_workers", ["n2"]),
+    ("local or Slurm: no pod to replace, the reason says to start the launcher again",
+     launcher_lost(), job(), False, "restart_workers", []),
+    ("a plain crash is the launcher's to restart", verdict("crash", "unknown", ranks=[2]),
+     job(), True, "restart_workers", []),
+    ("the node failed in other jobs too: excluded (cordoned), no pod restart",
+     launcher_lost(repeat_offender=["n2"]).model_copy(update={"layer": "hardware"}), job(),
+     True, "exclude_node_and_requeue", []),
+    ("retry budget spent: a stop, no pod restart", launcher_lost(), job(retries_used=5), True,
+     "stop_job_notify_user", []),
+    ("a node outside the decision is not touched",
+     launcher_lost().model_copy(update={"detail": {"root_kind": "launcher_lost",
+                                                   "launcher_lost": ["n9"]}}),
+     job(), True, "restart_workers", []),
+]
+
+
+@pytest.mark.parametrize("case,v,rec,pods,action,nodes", POD_CASES,
+                         ids=[c[0] for c in POD_CASES])
+def test_pod_restart(case, v, rec, pods, action, nodes):
+    d = decide(v, rec, restarts_pods=pods)
+    assert d.action == action, d.reason
+    got, why = pol.pod_restart(d, v, pods)
+    assert got == nodes, case
+    if nodes:
+        assert d.ranks == [2, 3] and d.nodes == ["n2"] and d.members == []  # world unchanged
+        assert "JobSet, PyTorchJob" in d.reason and why in d.reason
+    elif action == "restart_workers" and v.detail.get("launcher_lost") == ["n2"]:
+        assert "start the launcher on that node again" in d.reason
+
+
+def test_every_pod_restart_row_has_a_source_and_an_acting_action():
+    for row in pol.POD_RESTARTS:
+        assert row.source and row.elsewhere and row.action in pol.RECOVERY_ACTIONS
+        assert row.action != "exclude_node_and_requeue"  # a pod restart keeps the node
