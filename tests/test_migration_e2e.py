@@ -7,7 +7,8 @@ the demo's simulated NVML (the lowest seam: a ``pynvml`` stand-in whose correcte
 the test makes rise), and its memory as a share of the host (``agents.host.NodeMemory``: the
 anonymous resident memory of the processes started for the node, real ``/proc`` readings,
 against the node's budget). The fill is a real process (``trainguard.demo.fill``) started for
-node1 that allocates and touches a bounded 256 MiB and exits by itself.
+node1 that allocates and touches what the node's budget leaves (a quarter of it, at most
+384 MiB) and exits by itself.
 """
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ def test_a_gpu_whose_corrected_ecc_count_rises_moves_its_node_to_the_spare(stack
 
 def test_a_process_filling_a_nodes_memory_moves_the_node_to_the_spare(stack, tmp_path):
     rep = _tried(stack, tmp_path, "e2e-mem-migrate",
-                 [{"id": 1, "kind": "memory_fill", "node": 1, "step": 40, "mb": 256,
-                   "rate": 32}],
+                 [{"id": 1, "kind": "memory_fill", "node": 1, "step": 40, "rate": 32}],
                  steps=200, spare_nodes=1)
     f = _migrated(rep, ["host_memory_trend", "host_memory_exhausted"])
     assert f["verdict"]["fault_class"] == "oom_host", f["verdict"]
+    # the node's own processes were measured (its ranks and warm spare), and the fill had to
+    # add memory before anything fired: the budget began below the trend rule's floor
+    assert f["used_mib"] > 100 and f["used_mib"] / f["budget_mib"] < 0.8, f

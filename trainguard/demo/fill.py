@@ -8,7 +8,8 @@ is resident (``bytearray(b"\\x01") * n``, not a lazily mapped zero page), holds 
 ``--hold`` seconds at the top, after ``--max-s`` seconds in all, or as soon as its parent is
 gone. Bounded: ``--mb`` is at most ``MAX_MB``.
 
-Prints one line per second to stdout: seconds since start and MiB held.
+Prints one line per second to stdout (seconds since start and MiB held) and one when it exits,
+saying why.
 """
 from __future__ import annotations
 
@@ -37,21 +38,31 @@ def main(argv: list[str] | None = None) -> int:
     held: list[bytearray] = []
     full_at = None
     last_print = -1
+    why = ""
+    mb_held = 0
     while True:
         now = time.monotonic() - t0
-        if now > a.max_s or os.getppid() != parent:
-            break
+        if now > a.max_s:
+            why = f"--max-s {a.max_s:g} s reached"
+        elif os.getppid() != parent:
+            why = "its parent is gone"
         want = min(a.mb, int(a.rate * now) + CHUNK_MB)
-        while len(held) * CHUNK_MB < want:
-            held.append(bytearray(b"\x01") * (CHUNK_MB * MiB))
-        if full_at is None and len(held) * CHUNK_MB >= a.mb:
+        while mb_held < want:
+            n = min(CHUNK_MB, want - mb_held)
+            held.append(bytearray(b"\x01") * (n * MiB))
+            mb_held += n
+        if full_at is None and mb_held >= a.mb:
             full_at = now
         if full_at is not None and now - full_at >= a.hold:
+            why = f"held {a.hold:g} s"
+        if why:
             break
         if int(now) != last_print:
             last_print = int(now)
-            print(f"{now:.1f} s: {len(held) * CHUNK_MB} MiB", flush=True)
+            print(f"{now:.1f} s: {mb_held} MiB", flush=True)
         time.sleep(0.05)
+    print(f"{time.monotonic() - t0:.1f} s: {mb_held} MiB; exiting: {why}",
+          flush=True)
     return 0
 
 

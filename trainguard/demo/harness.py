@@ -9,6 +9,16 @@ accuracy next to a fault-free run with the same seed.
 ``--mode observe`` runs the same schedule with decisions published but never executed: after
 each fault the demo does what a scheduler alone would (kill the whole job, start it again from
 the last valid checkpoint) and reports the decisions that would have been taken.
+
+Faults of a degrading node (``SIM_FAULTS``; they need a stack with ``sim_dir``, which the demo's
+own stack has when the schedule holds one): ``ecc_degrading`` — the simulated GPU of ``node``
+counts ``per_s`` corrected ECC errors per second from the fault's step on
+(``fake_pynvml.set_ecc_rate``); ``memory_fill`` — the node is given a memory budget of which
+what its processes use now is ``start_ratio`` (0.75: below the trend rule's floor of 0.8, so
+nothing fires until the fill has added memory), and a real process started for that node
+(``trainguard.demo.fill``) fills what is left, at most ``max_mb`` (384) MiB, at ``rate`` MiB/s,
+holds it a while and exits by itself. With a spare node each is recovered when the node's ranks
+train on the spare.
 """
 from __future__ import annotations
 
@@ -266,10 +276,12 @@ class Demo:
         from trainguard.agents.host import NodeMemory
 
         budget = self.stack.memory_budget_path(node)
-        mb = int(f.get("mb", 256))
         used = NodeMemory(node, str(budget)).used_bytes()
+        total = int(used / float(f.get("start_ratio", 0.75)))
+        mb = max(1, min(int(f.get("max_mb", 384)), (total - used) // 2**20))
+        f.update(used_mib=round(used / 2**20), budget_mib=round(total / 2**20), fill_mib=mb)
         ts = time.time_ns()
-        budget.write_text(str(used + mb * 2**20))
+        budget.write_text(str(total))
         log = open(os.path.join(self.log_dir, f"fill-{node}.log"), "a")
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.demo.fill", "--mb", str(mb),
@@ -277,8 +289,8 @@ class Demo:
              "--max-s", str(f.get("max_s", 60.0))],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TG_NODE": node})
         self.fills.append((proc, node))
-        self.say(f"{node}: budget {(used + mb * 2**20) / 2**20:.0f} MiB ({used / 2**20:.0f} in "
-                 f"use), filling {mb} MiB (pid {proc.pid})")
+        self.say(f"{node}: budget {f['budget_mib']} MiB ({f['used_mib']} in use), filling "
+                 f"{mb} MiB (pid {proc.pid})")
         return ts
 
     def clear_degradation(self) -> None:
@@ -310,7 +322,8 @@ class Demo:
                                 "restored_step", "resumed_step", "path", "decision", "verdict")),
                "kind": f["kind"], "rank": f["rank"], "step": f["step"],
                "node": f"node{f.get('node', f['rank'] // cfg.nproc_per_node)}",
-               "injected_ns": injected, "recovered": False, "path_reason": ""}
+               "injected_ns": injected, "recovered": False, "path_reason": "",
+               **{k: f[k] for k in ("used_mib", "budget_mib", "fill_mib") if k in f}}
         if not wait:
             return out
         deadline = time.monotonic() + cfg.recovery_timeout_s
