@@ -74,10 +74,14 @@ FAULT_TARGET = {"sigkill": {"rank": 1}, "exception": {"rank": 2}, "hang": {"rank
                                     "spare_nodes": 1},
                 "degrading_node": {"node": 1, "per_s": 5.0, "harness_kind": "ecc_degrading",
                                    "spare_nodes": 1},
-                "degrading_memory": {"node": 1, "rate": 32.0,
+                "degrading_memory": {"node": 1, "rate": 64.0,
                                      "harness_kind": "memory_fill", "spare_nodes": 1}}
 #: Faults that need a registered spare node: trainguard only, timed by its harness (see above).
 SPARE_FAULTS = ("straggler_spare", "degrading_node", "degrading_memory")
+#: Steps a job of ``SPARE_FAULTS`` trains past the fault (≈ 6 s at ≈ 25 ms a step): a node's
+#: memory filling is noticed when the fill has added memory, seconds after it began, and a
+#: job that ended meanwhile would leave nothing to move.
+SPARE_STEPS_AFTER = 250
 #: The kinds the five-fault run cycles through, one fault every interval.
 FIVE_KINDS = ("sigkill", "exception", "hang", "sigkill", "exception")
 #: Step-time ratio that counts as "back to normal" after a straggler, and how many steps in a row.
@@ -111,6 +115,9 @@ def schedule(fault: str, s: BenchSettings) -> tuple[list[dict[str, Any]], int]:
         faults = [dict(FAULT_TARGET[k], kind=k, step=s.fault_step + i * s.five_interval)
                   for i, k in enumerate(FIVE_KINDS)]
         return faults, s.fault_step + len(FIVE_KINDS) * s.five_interval
+    if fault in SPARE_FAULTS:  # a degrading node is noticed over seconds: train on past it
+        return ([dict(FAULT_TARGET[fault], kind=fault, step=s.fault_step)],
+                max(s.steps, s.fault_step + SPARE_STEPS_AFTER))
     return [dict(FAULT_TARGET[fault], kind=fault, step=s.fault_step)], s.steps
 
 

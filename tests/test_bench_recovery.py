@@ -177,7 +177,8 @@ def test_plan_puts_trainguard_and_the_sigkill_ratio_first(R):
 
 def test_spare_faults_are_trainguards_and_timed_by_its_harness(R):
     s = R.BenchSettings()
-    (f,), _ = R.schedule("degrading_node", s)
+    (f,), steps = R.schedule("degrading_node", s)
+    assert steps >= f["step"] + R.SPARE_STEPS_AFTER  # the job outlives the slow detection
     assert f["harness_kind"] == "ecc_degrading" and f["spare_nodes"] == 1 and f["node"] == 1
     a = R.parse_args(["--faults", ",".join(R.SPARE_FAULTS)])
     p = R.plan(a, R.settings_from(a), missing={})

@@ -64,8 +64,8 @@ def test_a_gpu_whose_corrected_ecc_count_rises_moves_its_node_to_the_spare(stack
 
 def test_a_process_filling_a_nodes_memory_moves_the_node_to_the_spare(stack, tmp_path):
     rep = _tried(stack, tmp_path, "e2e-mem-migrate",
-                 [{"id": 1, "kind": "memory_fill", "node": 1, "step": 40, "rate": 32}],
-                 steps=200, spare_nodes=1)
+                 [{"id": 1, "kind": "memory_fill", "node": 1, "step": 40, "rate": 64}],
+                 steps=400, spare_nodes=1)
     f = _migrated(rep, ["host_memory_trend", "host_memory_exhausted"])
     assert f["verdict"]["fault_class"] == "oom_host", f["verdict"]
     # the node's own processes were measured (its ranks and warm spare), and the fill had to
