@@ -12,9 +12,10 @@ included (subject tokens encode them). Agent options:
 ``--peers host:port,...`` latency probe targets (env ``TG_AGENT_PEERS``) · ``--probe-timeout``
 s (0.5) · ``--no-nvml`` skip NVML · ``--nvml-module MOD[:FACTORY]`` use this module instead of
 pynvml (env ``TG_AGENT_NVML_MODULE``; ``agents.nvml.load_module``: the demo's simulated GPUs are
-``trainguard.demo.fake_pynvml:for_node``) · ``--memory-budget-file PATH`` this node is a share of
-its host: memory of its own processes against the budget in PATH (env
-``TG_AGENT_MEMORY_BUDGET_FILE``; ``{node}`` is replaced by the node name; ``agents.host.NodeMemory``).
+``trainguard.demo.fake_pynvml:for_node``) · ``--memory-budget-file PATH`` this node is a share
+of its host: memory of its own processes against the budget in PATH (env
+``TG_AGENT_MEMORY_BUDGET_FILE``; ``{node}`` is replaced by the node name;
+``agents.host.NodeMemory``).
 """
 from __future__ import annotations
 

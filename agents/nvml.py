@@ -16,7 +16,8 @@
 
 The module is injectable (``NvmlSampler(module=...)``; across a process boundary
 ``load_module(spec, node)``, the agent's ``--nvml-module``) so tests and the demo's simulated nodes
-can stand in for the NVIDIA library at the ``pynvml`` seam. Units: bytes, °C, watts (NVML reports milliwatts), percent.
+can stand in for the NVIDIA library at the ``pynvml`` seam. Units: bytes, °C, watts (NVML reports
+milliwatts), percent.
 Sources: NVML API reference (docs.nvidia.com/deploy/nvml-api) and the constants of
 ``pynvml.py`` in nvidia-ml-py.
 """

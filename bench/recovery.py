@@ -35,9 +35,9 @@ Figures per (system, fault), over ``--runs`` runs (medians):
 Faults that need a registered spare node (``SPARE_FAULTS``; trainguard only: the peers have no
 spare node to move to): ``straggler_spare`` — rank 2 slowed 3×, with a spare node;
 ``degrading_node`` — the simulated GPU of node 1 counts 5 corrected ECC errors per second
-(``trainguard.demo.fake_pynvml``); ``degrading_memory`` — node 1 is given a memory budget 75 % of which its
-processes use, and a real process started for node 1 fills the rest, at most 384 MiB
-(``trainguard.demo.fill``). For these ``median_s`` is the seconds
+(``trainguard.demo.fake_pynvml``); ``degrading_memory`` — node 1 is given a memory budget 75 %
+of which its processes use, and a real process started for node 1 fills the rest, at most
+384 MiB (``trainguard.demo.fill``). For these ``median_s`` is the seconds
 from the fault to every rank of the new world training, the slow or degrading node's ranks on
 the spare (the harness's timeline: ``recovery.resumed`` of the decision's generation), and
 ``steps_rolled_back`` the steps lost (target 0: a planned migration before any rank dies);
