@@ -124,7 +124,10 @@ class TelemetryConfig:
     second or more; PCIe replays at ``pcie_replays_per_min`` (8) per minute or more — NVIDIA
     DCGM's hardware limits (dcgm_gpu_hardware_limits.h: DCGM_LIMIT_MAX_LWLINK_ERROR 1,
     DCGM_LIMIT_MAX_LWLINK_CRC_ERROR 100 per second, DCGM_LIMIT_MAX_PCIREPLAY_RATE 8 per
-    minute).
+    minute). Corrected (single-bit) ECC errors at ``ecc_corrected_per_min`` (10) per minute or
+    more: DCGM_LIMIT_MAX_SBE_RATE 10 of the same file (DCGM marks that value provisional and
+    states no unit; it is read per minute here, as the PCIe replay rate beside it is), the rate
+    the driver reports as XID 92 "High single-bit ECC error rate".
     """
 
     mem_critical_ratio: float = 0.97
@@ -139,6 +142,7 @@ class TelemetryConfig:
     nvlink_error_limit: int = 1
     nvlink_crc_per_s: float = 100.0
     pcie_replays_per_min: float = 8.0
+    ecc_corrected_per_min: float = 10.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,12 +183,13 @@ THERMAL_REASON_BITS = {0x08: "HwSlowdown", 0x20: "SwThermalSlowdown", 0x40: "HwT
 THERMAL_NAME_WORDS = ("thermal", "hwslowdown", "hw_slowdown")
 
 #: GPU counters whose rise is a fault: field -> (kind, fault class, severity). All hardware.
+#: A corrected ECC error is not one: its *rate* is a warning (``telemetry.RULES``,
+#: ``ecc_corrected_rate``); a correctable row remap is a repair the GPU made, flagged.
 COUNTER_RULES: dict[str, tuple[str, FaultClass, str]] = {
     "ecc_volatile_uncorrected": ("ecc", FaultClass.ECC, "error"),
     "ecc_aggregate_uncorrected": ("ecc", FaultClass.ECC, "error"),
     "retired_pages_dbe": ("ecc", FaultClass.ECC, "error"),
     "remapped_rows_uncorrectable": ("ecc", FaultClass.ECC, "error"),
-    "ecc_volatile_corrected": ("ecc_corrected", FaultClass.ECC, "warning"),
     "remapped_rows_correctable": ("ecc_corrected", FaultClass.ECC, "warning"),
     "pcie_replay_counter": ("pcie_replay", FaultClass.GPU_XID, "warning"),
 }

@@ -15,6 +15,11 @@ The policy is data:
   corrected-ECC count, a PCIe replay rate, host memory pressure before any kill) is flagged,
   never acted on, unless its root is one of these kinds: a rank measured slow or a throttled
   GPU, which a spare node may replace (their rows require a spare and a culprit).
+* ``MIGRATIONS`` — warnings that a node is degrading (corrected ECC errors at a rate, host
+  memory trending to exhaustion or nearly exhausted): with a spare node registered they become
+  a *planned migration* — the node is excluded and the spare takes its ranks (the world size
+  kept; the state comes from the surviving ranks, the peer path), before any rank dies; without
+  a spare, or without a culprit node, they are flagged like any other warning.
 
 * ``POD_RESTARTS`` — root kinds whose recovery, under a node controller that recreates pods
   (Kubernetes: ``restarts_pods``), also replaces the culprit node's training pod: the lost
@@ -171,6 +176,38 @@ FACT_RULES: tuple[FactRule, ...] = (
 #: throttled GPU's by a spare); any other warning is flagged (see the module docstring).
 ACTING_WARNINGS: tuple[str, ...] = ("straggler", "throughput_drop", "thermal")
 
+@dataclass(frozen=True)
+class Migration:
+    """One row of ``MIGRATIONS``: a warning of kind ``root_kind`` (the detector's finding kind,
+    ``detail["root_kind"]`` of the verdict) says that its node is degrading; ``source`` says why
+    moving its ranks now, while every rank still trains, is cheaper than waiting for the
+    failure."""
+
+    root_kind: str
+    source: str
+
+
+#: Warnings of a degrading node that move its ranks to a spare node (a planned migration).
+#: Why ahead of the failure: the surviving ranks hold the state of the step they completed and
+#: hand it to the spare's ranks (the peer path: nothing rolled back), while a failure that
+#: kills a rank mid-step or takes the node down loses the step, the warm processes of that
+#: node and, when the node is gone, its ranks' replicas.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration("ecc_corrected_rate",
+              "corrected ECC errors at a rising rate: the memory is degrading (DCGM's SBE rate "
+              "limit, dcgm_gpu_hardware_limits.h; XID 92 'High single-bit ECC error rate'); "
+              "the next error at a worn address is uncorrectable (XID 48/94/95) and ends the "
+              "rank: NVIDIA GPU memory error management (dynamic page retirement, row "
+              "remapping)"),
+    Migration("host_memory_trend",
+              "host memory in use heading for the total: the kernel's OOM killer ends a "
+              "process of the node when an allocation finds nothing to reclaim (linux "
+              "mm/oom_kill.c), most likely a rank (the largest resident set)"),
+    Migration("host_memory_exhausted",
+              "host memory nearly exhausted: the OOM killer is next (linux mm/oom_kill.c; "
+              "MemAvailable, proc(5))"),
+)
+
 #: Actions without an executor and what is done instead (no row of ``TABLE`` names them).
 ACTION_ALIASES: dict[str, str] = {
     A.RESET_GPU: A.EXCLUDE_NODE_AND_REQUEUE,  # the node is drained so the GPU can be reset
@@ -248,6 +285,7 @@ class Policy:
     default_retry_budget: int = 10
     acting_warnings: tuple[str, ...] = ACTING_WARNINGS
     pod_restarts: tuple[PodRestart, ...] = POD_RESTARTS
+    migrations: tuple[Migration, ...] = MIGRATIONS
 
 
 DEFAULT_POLICY = Policy()
@@ -423,9 +461,13 @@ def table_action(verdict: Verdict, job: JobRecord,
                  policy: Policy = DEFAULT_POLICY) -> tuple[str, list[str]]:
     """The action the table (with the fact rules, aliases and the spare requirement) gives
     for ``verdict``, before the escalation checks; and the reasons, in words."""
+    root_kind = verdict.detail.get("root_kind")
+    if verdict.detail.get("severity") == "warning":
+        mig = next((m for m in policy.migrations if m.root_kind == root_kind), None)
+        if mig is not None:
+            return planned_migration(verdict, job, mig)
     rule = rule_for(verdict.fault_class, verdict.layer, policy)
     action, reasons = rule.action, [f"{verdict.fault_class}/{verdict.layer}: {rule.source}"]
-    root_kind = verdict.detail.get("root_kind")
     if (verdict.detail.get("severity") == "warning" and action != A.NONE
             and root_kind not in policy.acting_warnings):
         return A.NONE, reasons + [f"a warning ({root_kind}): flagged until an error confirms it"]
@@ -445,6 +487,22 @@ def table_action(verdict: Verdict, job: JobRecord,
             reasons.append(f"no culprit rank or node named: {rule.fallback} (flag only)")
             action = rule.fallback
     return action, reasons
+
+
+def planned_migration(verdict: Verdict, job: JobRecord, mig: Migration) -> tuple[str, list[str]]:
+    """The action for a warning of a degrading node (row ``mig`` of ``MIGRATIONS``):
+    ``exclude_node_and_requeue`` of its node when a spare node is left to take its ranks and the
+    verdict names a node (``plan`` then builds the new world: the spare in the node's place),
+    else ``none`` (flagged); and the reasons, in words (the first starts "planned migration")."""
+    reasons = [f"planned migration ({verdict.fault_class}/{verdict.layer}, {mig.root_kind}): "
+               f"{mig.source}"]
+    if not (verdict.culprit.nodes or verdict.culprit.ranks):
+        return A.NONE, reasons + ["no culprit node named: none (flag only)"]
+    if not _spare_left(job, verdict):
+        return A.NONE, reasons + ["no spare node registered: none (flag only)"]
+    return A.EXCLUDE_NODE_AND_REQUEUE, reasons + [
+        "the node's ranks move to the spare while every rank still trains (state from the "
+        "surviving ranks)"]
 
 
 def _spare_left(job: JobRecord, verdict: Verdict) -> bool:

@@ -129,3 +129,24 @@ def test_choose_root():
     assert choose_root([reset(1, 1), crash(2, 5)]).kind == "crash"
     with pytest.raises(ValueError):
         decide([])
+
+
+def _warning(kind, fc, ts, ranks=(), nodes=(), weight=0.5, layer="hardware"):
+    a = anomaly(kind, fc, ts, ranks, nodes, pattern=kind, layer=layer, weight=weight)
+    return a.model_copy(update={"severity": "warning"})
+
+
+def test_among_warnings_the_strongest_leads_not_the_first():
+    """A failed save of rank 1 (a flag) seen first must not hide the warning of a degrading
+    node that came after it: neither caused the other, and only the second calls for an action
+    (a planned migration with a spare)."""
+    save = _warning("log_pattern", "checkpoint_save", 100, [1], ["node0"], 0.8, "infrastructure")
+    mem = _warning("host_memory_trend", "oom_host", 105, [], ["node1"], 0.5, "application")
+    ecc = _warning("ecc_corrected_rate", "ecc", 107, [], ["node1"], 0.5)
+    for seen in ([save, mem], [mem, save]):
+        v = decide(seen)
+        assert (v.fault_class, v.nodes) == ("oom_host", ["node1"]), v
+        assert v.detail["root_kind"] == "host_memory_trend" and v.detail["severity"] == "warning"
+    assert decide([save, ecc]).fault_class == "ecc"
+    # an error still wins by time order: the earliest error explains what follows it
+    assert decide([mem, crash(2, 90, node="node1")]).fault_class == "crash"
