@@ -361,6 +361,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     Demo = _demo_class()
     cfg = DemoConfig(job="chaos", steps=total_steps(schedule), seed=a.seed, faults=faults,
                      recovery_timeout_s=a.recovery_timeout, quiet=not a.verbose,
+                     # every trial is a recovery of the one job: the budget must outlast them
+                     # (the default 10 stopped the job at the 10th trial)
+                     retry_budget=2 * len(faults) + 10,
                      run_dir=os.path.join(root, "run"))
     demo = Demo(cfg, stack=stack)
     demo.chaos = chaos

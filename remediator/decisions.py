@@ -25,13 +25,15 @@ def on_verdict(state: RemediatorState, subject: str, ev: Verdict, wall_ns: int) 
     except ValueError:
         return state, []
     v = ev if ev.job == job else ev.model_copy(update={"job": job})
-    state, seq = start(state, Work(job, verdict=v))
-    return state, [store("claim", f"{job}:verdict:{v.event_id}", "remediator",
+    token = f"remediator@{wall_ns}"
+    state, seq = start(state, Work(job, verdict=v, token=token))
+    return state, [store("claim", f"{job}:verdict:{v.event_id}", token,
                          reply=("verdict_claim", seq))]
 
 
 def on_verdict_claim(state, seq, w: Work, inp: Reply, now) -> Out:
-    if inp.value is not None:
+    # the chain's own token: a retried claim whose first try landed before its reply was lost
+    if inp.value is not None and inp.value != w.token:
         return fold(state, seq, w, None, "this verdict was already handled", inp.wall_ns)
     return state, [store("job", w.job, reply=("job", seq))]
 
@@ -73,7 +75,8 @@ def on_flag_owner(state, seq, w: Work, inp: Reply, now) -> Out:
 
 def on_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     owner = inp.value
-    if owner is None:
+    if owner is None or (w.decision is not None and owner == owner_of(w.decision)):
+        # claimed now, or by this chain's own try whose reply was lost (a retried claim)
         return commit(state, seq, now, inp.wall_ns)
     assert w.verdict is not None and w.record is not None and w.decision is not None
     held = owner_action(owner)

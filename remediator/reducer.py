@@ -69,20 +69,64 @@ import logging
 from dataclasses import replace
 
 from trainguard import schemas
-from trainguard.reducer import (BusUp, Effect, Gained, Input, Log, Received, Released, Reply,
-                                Tick, store)
+from trainguard.reducer import (BusUp, Call, Effect, Gained, Input, Log, Received, Released,
+                                Reply, Tick, store)
 from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict
 
 from . import decisions as d
 from . import watchdog as wd
 from .model import (Out, Pending, RemediatorConfig, RemediatorState, Work, count_outbox,
-                    done, without_pending)
+                    done, update, without_pending)
 
 __all__ = ["RemediatorConfig", "RemediatorState", "Pending", "Work", "step"]
 
 
 def step(state: RemediatorState, inp: Input, now: float) -> Out:
-    """One input: a verdict, action result or resume (``Received``), a ``Tick``, a ``Reply``."""
+    """One input: a verdict, action result or resume (``Received``), a ``Tick``, a ``Reply``.
+
+    Every state-store ``Call`` of a chain in flight is remembered in its ``Work``; when it
+    fails, the chain waits and the same call is issued again at a later ``Tick``
+    (``RemediatorConfig.store_retries``), so a verdict that arrives while Valkey restarts is
+    decided once Valkey is back instead of dropped."""
+    state, effects = _step(state, inp, now)
+    for e in effects:
+        tag = getattr(e, "reply", None)
+        if (isinstance(e, Call) and e.target == "state" and isinstance(tag, tuple)
+                and len(tag) > 1 and tag[0] in _RETRIED and tag[1] in state.work):
+            state, _ = update(state, tag[1], last_call=e, retry_at=None)
+    return state, effects
+
+
+#: the chain stages whose failed state-store call is issued again (the controller's own calls,
+#: exclude and pod_restart, report their failures themselves)
+_RETRIED = frozenset({"verdict_claim", "job", "flag_owner", "claim", "escalation_claim", "bump",
+                      "commit", "outbox_put", "exclude_claim", "pod_claim", "wd_job",
+                      "wd_claim"})
+
+
+def _retry_due(state: RemediatorState, now: float) -> Out:
+    effects: list[Effect] = []
+    for seq, w in sorted(state.work.items()):
+        if w.retry_at is not None and w.retry_at <= now and w.last_call is not None:
+            state, _ = update(state, seq, retry_at=None)
+            effects.append(w.last_call)
+    return state, effects
+
+
+def _store_failed(state: RemediatorState, seq: int, w: Work, inp: Reply, now: float) -> Out:
+    what = f"verdict {w.verdict.event_id}" if w.verdict else "watchdog escalation"
+    cfg = state.config
+    if w.last_call is None or w.store_tries >= cfg.store_retries:
+        return done(state, seq), [Log(logging.WARNING, (
+            f"{w.job}: {inp.tag[0]} failed ({inp.error}); {what} not carried further"
+            + (f" after {w.store_tries} tries" if w.store_tries else "")))]
+    delay = min(cfg.store_retry_max_s, cfg.store_retry_s * 2 ** w.store_tries)
+    state, _ = update(state, seq, retry_at=now + delay, store_tries=w.store_tries + 1)
+    return state, [Log(logging.WARNING if w.store_tries == 0 else logging.DEBUG, (
+        f"{w.job}: {inp.tag[0]} failed ({inp.error}); {what}: trying again in {delay:.2f} s"))]
+
+
+def _step(state: RemediatorState, inp: Input, now: float) -> Out:
     if isinstance(inp, Received):
         ev = inp.event
         if isinstance(ev, Verdict):
@@ -93,7 +137,9 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
             return wd.on_resumed(state, ev)
         return state, []
     if isinstance(inp, Tick):
+        state, retried = _retry_due(state, now)
         state, effects = wd.on_tick(state, now, inp.wall_ns)
+        effects = retried + effects
         if now - state.last_sweep >= state.config.outbox_sweep_s:
             state = replace(state, last_sweep=now)
             effects = effects + [store("outbox", reply=("outbox",))]
@@ -119,10 +165,9 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
         if w is None or handler is None:
             return state, []
         if inp.error and inp.tag[0] not in ("exclude", "pod_restart"):
-            return done(state, seq), [Log(logging.WARNING, (
-                f"{w.job}: {inp.tag[0]} failed ({inp.error}); "
-                + (f"verdict {w.verdict.event_id}" if w.verdict else "watchdog escalation")
-                + " not carried further"))]
+            return _store_failed(state, seq, w, inp, now)
+        if inp.tag[0] in _RETRIED and w.store_tries:
+            state, w = update(state, seq, store_tries=0)
         return handler(state, seq, w, inp, now)
     return state, []
 

@@ -36,11 +36,15 @@ class Store:
         self.claims: dict[str, str] = {}
         self.controller: dict[str, object] = {}  # node -> ControllerResult or an exception
         self.fail: set[str] = set()               # methods that raise ConnectionError
+        self.fail_times: dict[str, int] = {}      # method -> how many more calls raise
         self.excluded: list[str] = []
         self.restarted: list[tuple] = []          # restart_pod calls: (node, job, before_ns)
         self.outboxes: dict[str, dict[str, dict]] = {}  # job -> decision id -> decision
 
     def __call__(self, call: Call):
+        if self.fail_times.get(call.method, 0) > 0:
+            self.fail_times[call.method] -= 1
+            raise ConnectionError(f"{call.method}: valkey restarting")
         if call.method in self.fail:
             raise ConnectionError(f"{call.method}: valkey gone")
         if call.target == "controller":
@@ -145,7 +149,7 @@ def test_one_decision_then_the_same_verdict_is_folded():
     assert (d.action, d.generation, d.execute, d.ranks, d.nodes, d.idempotency_key) == (
         "restart_workers", 1, True, [3], ["n2"], "j:g0")
     assert d.ts == WALL  # wall-clock fields from the input
-    assert st.claims[f"j:verdict:{v.event_id}"] == "remediator"
+    assert st.claims[f"j:verdict:{v.event_id}"] == f"remediator@{WALL}"  # this chain's token
     assert st.claims["j:g0"] == f"{d.event_id}/restart_workers"
     rec = st.records["j"]
     assert rec.generation == 1 and rec.retries_used == 1
@@ -257,13 +261,51 @@ def test_bump_retries_from_the_generation_in_force():
     assert d.generation == 4 and st.records["j"].generation == 4
 
 
-def test_a_failed_record_write_publishes_nothing():
+def ticks(t0, t1, every=0.5):
+    return [(t0 + i * every, Tick(WALL + int((t0 + i * every) * 1e9)))
+            for i in range(int((t1 - t0) / every) + 1)]
+
+
+def test_a_record_write_that_keeps_failing_publishes_nothing_and_gives_up():
     st = Store(j=record())
     st.fail.add("commit_decision")
-    state, eff = run(st, [verdict_in(crash())])
+    state, eff = run(st, [verdict_in(crash())] + ticks(0.5, 200.0))
     assert published(eff) == [] and audits(eff) == [] and state.pending == {}
-    assert any(isinstance(e, Log) and "commit failed" in e.message for e in eff)
+    tries = calls(eff, "commit_decision")
+    assert len(tries) == RemediatorConfig().store_retries + 1
+    assert any(isinstance(e, Log) and "commit failed" in e.message
+               and "not carried further after 25 tries" in e.message for e in eff)
     assert state.work == {}
+
+
+@pytest.mark.parametrize("method", ["claim", "job", "commit_decision", "bump_generation"])
+def test_a_verdict_that_arrives_while_valkey_restarts_is_decided_once_it_is_back(method):
+    """bench/chaos.py found it: a verdict whose claim failed (Valkey SIGKILLed) was dropped and
+    the job stayed stuck. Now the failed call is issued again at later ticks."""
+    st = Store(j=record())
+    st.fail_times[method] = 3
+    state, eff = run(st, [verdict_in(crash(rank=3))] + ticks(0.5, 10.0))
+    [d] = published(eff)
+    assert (d.action, d.ranks, d.generation) == ("restart_workers", [3], 1)
+    assert len(calls(eff, method)) >= 4 and st.fail_times[method] == 0
+    assert state.work == {} and "j" in state.pending
+
+
+def test_a_retried_claim_that_had_landed_is_this_chains_own():
+    """A claim whose write landed but whose reply was lost: the retry finds its own token."""
+    st = Store(j=record())
+    lost = {"n": 0}
+
+    def answer(call):
+        val = st(call)
+        if call.method == "claim" and lost["n"] == 0:
+            lost["n"] = 1
+            raise ConnectionError("connection closed after the write")
+        return val
+
+    state, eff = run(answer, [verdict_in(crash(rank=3))] + ticks(0.5, 5.0))
+    [d] = published(eff)
+    assert d.ranks == [3] and lost["n"] == 1
 
 
 # ---- exclusion through the controller --------------------------------------------------------------

@@ -58,7 +58,9 @@ class DemoConfig:
     ``steps`` [600] training steps; ``step_sleep_s`` [0.01] pause per step so faults land where
     scheduled; ``hang_timeout_s`` [2.0] job hang timeout; ``node_timeout_s`` [3.0];
     ``recovery_timeout_s`` [90] how long a fault may take to recover before it counts as not
-    recovered; ``dropout`` [0], ``loss_log`` [False]: the script's ``--dropout``, ``--loss-log``.
+    recovered; ``dropout`` [0], ``loss_log`` [False]: the script's ``--dropout``, ``--loss-log``;
+    ``retry_budget`` [None: the launcher's default, 10] recoveries the remediator grants the job
+    before it stops it (a long chaos run of many faults needs more).
     """
 
     mode: str = "action"
@@ -79,6 +81,7 @@ class DemoConfig:
     quiet: bool = False
     dropout: float = 0.0
     loss_log: bool = False
+    retry_budget: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -183,6 +186,7 @@ class Demo:
                    "--hang-timeout", str(cfg.hang_timeout_s),
                    "--node-timeout", str(cfg.node_timeout_s),
                    "--warm-import", "sklearn.datasets,trainguard.demo.model",
+                   *(["--retry-budget", str(cfg.retry_budget)] if cfg.retry_budget else []),
                    script, "--steps", str(cfg.steps), "--seed", str(cfg.seed),
                    "--ckpt-every", str(cfg.ckpt_every), "--step-sleep", str(cfg.step_sleep_s),
                    "--run-dir", cfg.run_dir, "--faults", json.dumps(exc_faults),
