@@ -5,6 +5,7 @@
 Faults to raise from inside a rank come from ``--faults`` (JSON list of
 ``{"kind": "exception", "rank": R, "step": S, "id": N}``); each fires once: its marker file
 ``<run-dir>/fault-<id>.injected`` (holding the Unix ns of injection) is written before raising.
+``"message"`` replaces the exception's text (independent faults fail with different errors).
 With ``"repeat": true`` it fires at that step every time (to exercise loop detection).
 ``"phase"`` says where in the step it raises: ``"backward"`` (after the backward pass, the
 default for a one-off fault: the other ranks complete the step, so a recovery from their state
@@ -58,7 +59,8 @@ def maybe_raise(args, faults, ctx, step: int, phase: str) -> None:
             continue
         with open(marker, "w") as fh:
             fh.write(str(time.time_ns()))
-        raise InjectedFault(f"injected exception in rank {ctx.rank} at step {step}")
+        raise InjectedFault(f.get("message")
+                            or f"injected exception in rank {ctx.rank} at step {step}")
 
 
 def main(argv=None) -> None:
