@@ -61,6 +61,9 @@ class CheckpointValidator(Service):
                                                  reasons=[reason])
                 self.counts["invalid"] += 1
                 log.warning("%s: checkpoint %s marked invalid: %s", job, c["path"], reason)
+                await self.bus.publish(subjects.job(job, "ckpt"), schemas.CheckpointInvalid(
+                    job=job, path=c["path"], step=c["step"], reasons=[reason],
+                    trace=ev.child_trace()))
 
     async def setup(self) -> None:
         # the NaN/Inf scan needs torch; import it now, beside the start-up, not inside the
