@@ -23,7 +23,7 @@ _STYLE = """body{font:14px system-ui,sans-serif;margin:1.5em 2em;color:#222}
 h1{font-size:1.4em;margin:0 0 .6em}h2{font-size:1.1em;margin:1.4em 0 .4em}
 table{border-collapse:collapse;margin:.2em 0}td,th{border:1px solid #ccc;padding:.25em .55em;
 text-align:left;vertical-align:top}th{background:#f3f3f3}a{color:#06c}
-.num{text-align:right;font-variant-numeric:tabular-nums}.muted{color:#777}
+.num{white-space:nowrap;font-variant-numeric:tabular-nums}.muted{color:#777}
 .st-healthy,.st-finished,.st-running{color:#18794e}.st-excluded,.st-lost,.st-failed,
 .st-stopped,.st-invalid{color:#c62828;font-weight:600}.st-suspect,.st-pending{color:#b26a00;
 font-weight:600}.reason{max-width:36em}"""
@@ -44,7 +44,7 @@ def _e(v: Any) -> str:
 
 
 def _secs(v: float | None) -> str:
-    return "–" if v is None else f"+{v:.3f} s"
+    return "–" if v is None else f'<span class="num">+{v:.3f} s</span>'
 
 
 def _table(tid: str, head: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
@@ -67,7 +67,7 @@ def _status(s: str | None) -> str:
 
 def _node_rows(nodes: list[dict[str, Any]]) -> list[list[str]]:
     return [[_e(n["node"]), _status(n["state"]), _e(n.get("status")),
-             _e(", ".join(f"{j}: {r}" for j, r in n.get("ranks", {}).items())),
+             _e("; ".join(f"{j}: {', '.join(map(str, r))}" for j, r in n.get("ranks", {}).items())),
              _e(", ".join(n.get("spare_for", []))),
              f'<span class="num">{n.get("faults", 0)}</span>',
              _e(", ".join(n.get("fault_jobs", []))), _e(utc(n.get("updated_ns"))),
