@@ -383,9 +383,9 @@ def _chromium() -> str:
 
 
 def test_console_in_a_browser_shows_the_job_its_incidents_and_the_nodes(run):
+    chromium = _chromium()  # skips without chromium or playwright
     from playwright.sync_api import sync_playwright
 
-    chromium = _chromium()
     base = f"http://127.0.0.1:{run['console_port']}/"
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium,
