@@ -187,9 +187,18 @@ def plot_timeline(rep: dict[str, Any], events: list[schemas.Event], path: str) -
                  key=lambda e: e.ts)
     t0 = hbs[0].ts if hbs else min((e.ts for e in events), default=0)
     fig, ax = plt.subplots(figsize=(10, 4))
-    for rank in sorted({h.rank for h in hbs if h.rank is not None}):
+    for i, rank in enumerate(sorted({h.rank for h in hbs if h.rank is not None})):
         pts = [((h.ts - t0) / 1e9, h.step) for h in hbs if h.rank == rank]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"rank {rank}")
+        # one line per process: a restarted rank starts over below its last step, and a line
+        # from the old process's last heartbeat to the new one's first is no training
+        segs: list[list[tuple[float, int]]] = []
+        for p in pts:
+            if not segs or p[1] < segs[-1][-1][1]:
+                segs.append([])
+            segs[-1].append(p)
+        for j, seg in enumerate(segs):
+            ax.plot([p[0] for p in seg], [p[1] for p in seg], lw=1, color=f"C{i}",
+                    label=f"rank {rank}" if j == 0 else None)
     colors = {"detection": "#f4a261", "decision": "#e76f51", "restart": "#9d4edd"}
     for r in rep["recoveries"]:
         t = r["times_ns"]
