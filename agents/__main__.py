@@ -10,7 +10,12 @@ included (subject tokens encode them). Agent options:
 (0.5) · ``--kmsg auto|/dev/kmsg|journal|none|PATH`` kernel log source (auto; env
 ``TG_AGENT_KMSG``) · ``--kmsg-from-start`` also read what the log already holds ·
 ``--peers host:port,...`` latency probe targets (env ``TG_AGENT_PEERS``) · ``--probe-timeout``
-s (0.5) · ``--no-nvml`` skip NVML.
+s (0.5) · ``--no-nvml`` skip NVML · ``--nvml-module MOD[:FACTORY]`` use this module instead of
+pynvml (env ``TG_AGENT_NVML_MODULE``; ``agents.nvml.load_module``: the demo's simulated GPUs are
+``trainguard.demo.fake_pynvml:for_node``) · ``--memory-budget-file PATH`` this node is a share
+of its host: memory of its own processes against the budget in PATH (env
+``TG_AGENT_MEMORY_BUDGET_FILE``; ``{node}`` is replaced by the node name;
+``agents.host.NodeMemory``).
 """
 from __future__ import annotations
 
@@ -42,13 +47,20 @@ def parse_agent_args(argv: list[str]) -> tuple[AgentConfig, str]:
                    help="comma-separated host:port latency probe targets")
     p.add_argument("--probe-timeout", type=float, default=0.5, help="seconds")
     p.add_argument("--no-nvml", action="store_true", help="do not use NVML")
+    p.add_argument("--nvml-module", default=os.environ.get("TG_AGENT_NVML_MODULE", ""),
+                   help="MODULE or MODULE:FACTORY with pynvml's API to use instead of pynvml")
+    p.add_argument("--memory-budget-file",
+                   default=os.environ.get("TG_AGENT_MEMORY_BUDGET_FILE", ""),
+                   help="the node is a share of the host: its memory budget in bytes is in "
+                        "this file ({node}: the node name)")
     args, _ = p.parse_known_args(argv)
     cfg = AgentConfig(
         interval_s=args.interval, heartbeat_interval_s=args.heartbeat_interval,
         peers=tuple(x.strip() for x in args.peers.split(",") if x.strip()),
         probe_timeout_s=args.probe_timeout,
         kernel=KernelLogConfig(source=args.kmsg, from_start=args.kmsg_from_start),
-        nvml=NvmlConfig(enabled=not args.no_nvml))
+        nvml=NvmlConfig(enabled=not args.no_nvml, module=args.nvml_module),
+        memory_budget_file=args.memory_budget_file)
     try:
         cfg.validate()
     except ValueError as exc:

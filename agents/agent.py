@@ -37,9 +37,9 @@ from trainguard.schemas.base import Event
 from trainguard.service import Service, ServiceConfig
 from trainguard.xid import parse_gpu_uuid_line, parse_xid_line
 
-from .host import HostSampler, nats_target, parse_peer, probe_latencies
+from .host import HostSampler, NodeMemory, nats_target, parse_peer, probe_latencies
 from .kernel_log import Follower, KernelLogConfig, classify_kernel_line, open_follower
-from .nvml import NvmlConfig, NvmlSampler, NvmlXid, normalise_pci
+from .nvml import NvmlConfig, NvmlSampler, NvmlXid, load_module, normalise_pci
 
 log = logging.getLogger("trainguard.agent")
 
@@ -59,6 +59,9 @@ class AgentConfig:
     ``probe_timeout_s`` — connect timeout of one latency probe (default 0.5).
     ``probe_bus`` — also measure the RTT to the NATS server (key ``"bus"``).
     ``kernel`` — kernel log follower settings; ``nvml`` — NVML sampler settings.
+    ``memory_budget_file`` — when set, this node is a share of its host (``host.NodeMemory``):
+    its memory in use is its own processes', its total the budget this file holds; ``{node}``
+    in the path is replaced by the node's name (one setting for every simulated node).
     """
 
     interval_s: float = 1.0
@@ -68,6 +71,7 @@ class AgentConfig:
     probe_bus: bool = True
     kernel: KernelLogConfig = field(default_factory=KernelLogConfig)
     nvml: NvmlConfig = field(default_factory=NvmlConfig)
+    memory_budget_file: str = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting."""
@@ -82,7 +86,8 @@ class AgentConfig:
 class NodeAgent(Service):
     """Node agent service; its ``name`` is ``agent-<node>``. No state store is used.
 
-    ``nvml_module`` replaces ``pynvml`` (tests stand in for the NVIDIA library there).
+    ``nvml_module`` replaces ``pynvml`` (tests stand in for the NVIDIA library there); without
+    it, ``agent_config.nvml.module`` names one to load (``nvml.load_module``).
     Raises SystemExit when the node name cannot be a subject token or a setting is invalid.
     """
 
@@ -103,7 +108,14 @@ class NodeAgent(Service):
         except ValueError as exc:
             raise SystemExit(f"{self.name}: {exc}") from None
         self.node = cfg.node
-        self.host = HostSampler()
+        budget = self.agent_config.memory_budget_file
+        self.host = HostSampler(NodeMemory(self.node, budget.replace("{node}", self.node))
+                                if budget else None)
+        if nvml_module is None and self.agent_config.nvml.module and self.agent_config.nvml.enabled:
+            try:
+                nvml_module = load_module(self.agent_config.nvml.module, self.node)
+            except ValueError as exc:
+                raise SystemExit(f"{self.name}: {exc}") from None
         self.nvml = NvmlSampler(self.agent_config.nvml, module=nvml_module)
         self.follower: Follower | None = None
         self.heartbeat_seq = -1

@@ -1,7 +1,9 @@
 """Host metrics (psutil) and network latency probes of the node agent.
 
 * ``HostSampler.sample()`` → ``HostSample``: CPU percent since the previous call, memory in
-  bytes, 1-minute load average.
+  bytes, 1-minute load average. Memory is the host's (psutil ``virtual_memory``), or, for a node
+  that is a share of the host (``NodeMemory``), that of the node's own processes against the
+  node's budget.
 * ``probe_latencies(targets, timeout_s)`` → ``{name: seconds}``: TCP connect round-trip time
   (SYN → SYN-ACK, as seen by ``connect()``) to each ``(host, port)``; ``math.inf`` when the
   connection failed or did not complete within ``timeout_s``. A TCP connect needs no privileges
@@ -36,12 +38,74 @@ class HostSample:
     load1: float
 
 
+#: The environment variable that says which node a process was started for (set by the
+#: launcher for every rank and warm spare of a node: ``trainguard.launcher_pool``).
+NODE_ENV = "TG_NODE"
+
+
+class NodeMemory:
+    """Memory of a node that is a share of its host: several simulated nodes on one machine
+    (the embedded stack), or a node confined to part of a host.
+
+    ``used_bytes()`` — the summed anonymous resident memory (RssAnon, proc(5): resident minus
+    file-backed and shared pages; memory the kernel cannot reclaim without swap, so what runs a
+    host out of memory) of every process whose environment says it was started for ``node``
+    (``TG_NODE=<node>``: the node's launcher's ranks and warm spares, and anything else started
+    for it). A process's tag is read once (``/proc/<pid>/environ``) and kept for its lifetime;
+    processes that cannot be read (another user's, gone meanwhile) are not the node's.
+    ``budget_bytes()`` — the node's memory budget, read from ``budget_file`` (bytes, one
+    integer) on every call, as a container's limit may change while it runs; None while the file
+    is absent or holds no positive integer.
+    """
+
+    def __init__(self, node: str, budget_file: str):
+        self.node = node
+        self.budget_file = budget_file
+        self._tags: dict[int, tuple[float, bool]] = {}
+
+    def _is_node(self, p: psutil.Process) -> bool:
+        created = p.create_time()
+        known = self._tags.get(p.pid)
+        if known is None or known[0] != created:
+            try:
+                mine = p.environ().get(NODE_ENV) == self.node
+            except (psutil.Error, OSError):
+                mine = False
+            known = self._tags[p.pid] = (created, mine)
+        return known[1]
+
+    def used_bytes(self) -> int:
+        total, alive = 0, set()
+        for p in psutil.process_iter():
+            try:
+                alive.add(p.pid)
+                if self._is_node(p):
+                    m = p.memory_info()
+                    total += max(0, int(m.rss) - int(getattr(m, "shared", 0)))
+            except (psutil.Error, OSError):
+                continue
+        for pid in set(self._tags) - alive:
+            del self._tags[pid]
+        return total
+
+    def budget_bytes(self) -> int | None:
+        try:
+            with open(self.budget_file) as fh:
+                n = int(fh.read().strip() or 0)
+        except (OSError, ValueError):
+            return None
+        return n if n > 0 else None
+
+
 class HostSampler:
     """psutil readings of this host. The first ``sample()`` covers the time since construction
-    (psutil's ``cpu_percent(interval=None)`` is primed in ``__init__``)."""
+    (psutil's ``cpu_percent(interval=None)`` is primed in ``__init__``). With ``node_memory``
+    the memory fields are the node's (``NodeMemory``): in use, its processes'; the total, its
+    budget (the host's total while it has none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_memory: NodeMemory | None = None) -> None:
         psutil.cpu_percent(interval=None)
+        self.node_memory = node_memory
 
     def sample(self) -> HostSample:
         vm = psutil.virtual_memory()
@@ -49,9 +113,12 @@ class HostSampler:
             load1 = os.getloadavg()[0]
         except OSError:  # platforms without a load average
             load1 = 0.0
+        used, total = int(vm.total - vm.available), int(vm.total)
+        if self.node_memory is not None:
+            used = self.node_memory.used_bytes()
+            total = self.node_memory.budget_bytes() or total
         return HostSample(cpu_percent=float(psutil.cpu_percent(interval=None)),
-                          mem_used_bytes=int(vm.total - vm.available),
-                          mem_total_bytes=int(vm.total), load1=float(load1))
+                          mem_used_bytes=used, mem_total_bytes=total, load1=float(load1))
 
 
 def parse_peer(spec: str) -> tuple[str, int]:

@@ -14,13 +14,16 @@
 * ``lookup_pci(address)`` maps a PCI address in any of the spellings the driver and NVML use to
   ``(gpu_index, gpu_uuid)``.
 
-The module is injectable (``NvmlSampler(module=...)``) so tests can stand in for the NVIDIA
-library at the ``pynvml`` seam. Units: bytes, °C, watts (NVML reports milliwatts), percent.
+The module is injectable (``NvmlSampler(module=...)``; across a process boundary
+``load_module(spec, node)``, the agent's ``--nvml-module``) so tests and the demo's simulated nodes
+can stand in for the NVIDIA library at the ``pynvml`` seam. Units: bytes, °C, watts (NVML reports
+milliwatts), percent.
 Sources: NVML API reference (docs.nvidia.com/deploy/nvml-api) and the constants of
 ``pynvml.py`` in nvidia-ml-py.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import threading
@@ -92,6 +95,29 @@ _PCI = re.compile(
     r"(?:\.(?P<fn>[0-7]))?$")
 
 
+def load_module(spec: str, node: str) -> Any:
+    """The NVML module named by ``spec``: ``"pkg.mod"`` — a module with pynvml's API, used as
+    it is; ``"pkg.mod:factory"`` — ``factory(node)`` returns an object with that API (e.g. the
+    simulated GPUs of one demo node: ``trainguard.demo.fake_pynvml:for_node``).
+
+    Raises ValueError saying what could not be loaded (a missing module or attribute, or a
+    factory that failed)."""
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ValueError(f"NVML module {spec!r}: cannot import {mod_name!r}: {exc}") from None
+    if not attr:
+        return mod
+    factory = getattr(mod, attr, None)
+    if not callable(factory):
+        raise ValueError(f"NVML module {spec!r}: {mod_name} has no callable {attr!r}")
+    try:
+        return factory(node)
+    except Exception as exc:  # noqa: BLE001 - said in the error, the agent exits with it
+        raise ValueError(f"NVML module {spec!r}: {attr}({node!r}) failed: {exc}") from None
+
+
 def normalise_pci(address: str) -> str:
     """Canonical PCI address ``dddd:bb:dd`` (lowercase hex, 4-digit domain, no function).
 
@@ -143,12 +169,15 @@ class NvmlConfig:
     long ``close()`` waits for the watcher thread. Default 500 ms.
     ``max_nvlinks`` — NVLink indices probed per device at ``open()`` (default 18, the NVLink 4
     maximum of an H100; pynvml's ``NVML_NVLINK_MAX_LINKS`` is an upper bound for later parts).
+    ``module`` — ``load_module`` spec of a module with pynvml's API to use instead of pynvml
+    ("" : pynvml).
     """
 
     enabled: bool = True
     xid_events: bool = True
     event_wait_ms: int = 500
     max_nvlinks: int = 18
+    module: str = ""
 
 
 @dataclass

@@ -266,7 +266,8 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                      - set(ranks))
     if victims:
         detail["victims"] = victims
-    for k in ("xid", "signal", "step", "seq", "op", "in_compute", "blocked"):
+    for k in ("xid", "signal", "step", "seq", "op", "in_compute", "blocked", "launcher_lost",
+              "last_beat_ns"):
         if root.detail.get(k) is not None:
             detail[k] = root.detail[k]
     return VerdictSpec(

@@ -13,7 +13,10 @@
 * ``choose_root`` — the earliest root cause wins; a later anomaly replaces it only when it
   explains it (the same rank or node, a stronger class of ``schemas.vocabulary``: the XID of the
   GPU the crashed rank ran on, the OOM kill of the killed rank). An unrelated later fault is a
-  second fault, folded as evidence, not the root.
+  second fault, folded as evidence, not the root. Among warnings alone (no error yet) time
+  order says nothing — a flag breaks nothing, so it causes nothing — and the strongest warning
+  is the root with those about the same place: a failed save of one rank seen first must not
+  hide a degrading node's warning that calls for a planned migration.
 * ``sources`` / ``confidence`` — how many independent sources agree with the verdict (see
   ``SOURCES``); the confidence is a function of that count alone (``SCORES``: none — only a
   guess or symptoms — low, one medium, two or more high), not of the detector's per-rule
@@ -53,6 +56,7 @@ SOURCES: tuple[tuple[str, str, str], ...] = (
     ("log_pattern", "", "log"),            # the program's own log or traceback
     ("hang", "", "heartbeat"),             # silence or no progress of rank heartbeats
     ("node_lost", "", "heartbeat"),        # silence of the node's agent and launcher
+    ("launcher_lost", "", "heartbeat"),    # silence of one job's launcher and ranks on a node
     ("straggler", "", "heartbeat"),        # step times in the heartbeats
     ("throughput_drop", "", "heartbeat"),
     ("nan_loss", "", "heartbeat"),
@@ -158,11 +162,13 @@ def choose_root(anomalies: list[Anomaly], causal_window_s: float = 60.0,
     vict = victims(anomalies, causal_window_s, cause_lead_s)
     cands = [(onset_ns(a), i, a) for i, a in enumerate(anomalies)
              if not a.symptom and i not in vict]
-    pool = [c for c in cands if c[2].severity == "error"] or cands
+    errors = [c for c in cands if c[2].severity == "error"]
+    pool = errors or cands
     if not pool:
         return min(enumerate(anomalies), key=lambda ia: (root_key(ia[1]), ia[0]))[1]
     pool.sort(key=lambda c: (c[0], c[1]))
-    first = pool[0][2]
+    # the earliest error explains what follows it; among warnings only, the strongest leads
+    first = pool[0][2] if errors else max(pool, key=lambda c: (_strength(c[2]), -c[0], -c[1]))[2]
     near = [c for c in pool if c[2] is first or related(c[2], first)]
     return max(near, key=lambda c: (_strength(c[2]), -c[0], -c[1]))[2]
 

@@ -128,7 +128,8 @@ def _forget_job(state: AttributorState, job: str) -> AttributorState:
 def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: float,
                 wall_ns: int) -> tuple[AttributorState, list[Effect]]:
     ac = state.config
-    job = subjects.token(ev.job or subject.split(".")[2])  # raises before state keys it
+    job = ev.job or subjects.untoken(subject.split(".")[2])  # the name, dots included
+    subjects.token(job)  # raises before state keys it
     latest = state.latest_gen.get(job, 0)
     gen = ev.generation if ev.generation is not None else latest
     state = replace(state, latest_gen={**state.latest_gen, job: max(gen, latest)})

@@ -308,11 +308,12 @@ def _demo_class():
                                 (f["target"], f["down_s"], "during", f["id"])).start()
             return ts
 
-        def timeline(self, f: dict[str, Any], injected: int) -> dict[str, Any]:
-            """As the demo's; a fault nothing recovered leaves the job stuck, so the trial is
-            counted as such and the job is restarted whole (as a scheduler would) for the
-            next trials."""
-            out = super().timeline(f, injected)
+        def timeline(self, f: dict[str, Any], injected: int | None,
+                     wait: bool = True) -> dict[str, Any]:
+            """As the demo's; a fault nothing recovered (or one that could not be injected:
+            ``wait=False``, the job stalled) leaves the job stuck, so the trial is counted as
+            such and the job is restarted whole (as a scheduler would) for the next trials."""
+            out = super().timeline(f, injected, wait=wait)
             if not out.get("recovered") and not out.get("stopped"):
                 self.say(f"trial {f['id']}: not recovered; restarting the whole job")
                 self.chaos.wait()

@@ -32,6 +32,17 @@ Figures per (system, fault), over ``--runs`` runs (medians):
   are exactly the injected ones, in every run; null for systems that name none.
 * ``ratio_to_trainguard``: ``median_s`` / trainguard's ``median_s`` for the same fault, this run.
 
+Faults that need a registered spare node (``SPARE_FAULTS``; trainguard only: the peers have no
+spare node to move to): ``straggler_spare`` — rank 2 slowed 3×, with a spare node;
+``degrading_node`` — the simulated GPU of node 1 counts 5 corrected ECC errors per second
+(``trainguard.demo.fake_pynvml``); ``degrading_memory`` — node 1 is given a memory budget 75 %
+of which its processes use, and a real process started for node 1 fills the rest, at most
+384 MiB (``trainguard.demo.fill``). For these ``median_s`` is the seconds
+from the fault to every rank of the new world training, the slow or degrading node's ranks on
+the spare (the harness's timeline: ``recovery.resumed`` of the decision's generation), and
+``steps_rolled_back`` the steps lost (target 0: a planned migration before any rank dies);
+``culprit_correct`` whether the decision moved exactly that node.
+
 Peers (torchft, NVRx ``ft_launcher``) are used when they import here; when one does not, the
 output says why and its rows carry ``"available": false``.
 """
@@ -54,10 +65,23 @@ sys.path.insert(0, os.path.join(HERE, "peers"))
 from common import parse_line  # noqa: E402
 
 SYSTEMS = ("trainguard", "torchrun", "full_restart", "torchft", "nvrx")
-FAULTS = ("exception", "sigkill", "hang", "node_loss", "straggler", "five_faults")
+FAULTS = ("exception", "sigkill", "hang", "node_loss", "straggler", "five_faults",
+          "straggler_spare", "degrading_node", "degrading_memory")
 #: Where each single fault lands (global rank, or node for node_loss).
 FAULT_TARGET = {"sigkill": {"rank": 1}, "exception": {"rank": 2}, "hang": {"rank": 3},
-                "node_loss": {"node": 1}, "straggler": {"rank": 2, "factor": 3}}
+                "node_loss": {"node": 1}, "straggler": {"rank": 2, "factor": 3},
+                "straggler_spare": {"rank": 2, "factor": 3, "harness_kind": "straggler",
+                                    "spare_nodes": 1},
+                "degrading_node": {"node": 1, "per_s": 5.0, "harness_kind": "ecc_degrading",
+                                   "spare_nodes": 1},
+                "degrading_memory": {"node": 1, "rate": 64.0,
+                                     "harness_kind": "memory_fill", "spare_nodes": 1}}
+#: Faults that need a registered spare node: trainguard only, timed by its harness (see above).
+SPARE_FAULTS = ("straggler_spare", "degrading_node", "degrading_memory")
+#: Steps a job of ``SPARE_FAULTS`` trains past the fault (≈ 6 s at ≈ 25 ms a step): a node's
+#: memory filling is noticed when the fill has added memory, seconds after it began, and a
+#: job that ended meanwhile would leave nothing to move.
+SPARE_STEPS_AFTER = 250
 #: The kinds the five-fault run cycles through, one fault every interval.
 FIVE_KINDS = ("sigkill", "exception", "hang", "sigkill", "exception")
 #: Step-time ratio that counts as "back to normal" after a straggler, and how many steps in a row.
@@ -91,6 +115,9 @@ def schedule(fault: str, s: BenchSettings) -> tuple[list[dict[str, Any]], int]:
         faults = [dict(FAULT_TARGET[k], kind=k, step=s.fault_step + i * s.five_interval)
                   for i, k in enumerate(FIVE_KINDS)]
         return faults, s.fault_step + len(FIVE_KINDS) * s.five_interval
+    if fault in SPARE_FAULTS:  # a degrading node is noticed over seconds: train on past it
+        return ([dict(FAULT_TARGET[fault], kind=fault, step=s.fault_step)],
+                max(s.steps, s.fault_step + SPARE_STEPS_AFTER))
     return [dict(FAULT_TARGET[fault], kind=fault, step=s.fault_step)], s.steps
 
 
@@ -361,6 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="runs per (system, fault) (default 3; "
                                                          "--quick 1); medians are over these")
     p.add_argument("--steps", type=int, default=None, help="steps of a single-fault job")
+    p.add_argument("--five-interval", type=int, default=None, metavar="STEPS",
+                   help="steps between the five faults of five_faults (default 40, about one "
+                        "fault a second here; training goodput depends on it: see the README)")
     p.add_argument("--budget-min", type=float, default=None,
                    help="stop starting further peer runs after this many minutes (default "
                         "20; --quick 5); trainguard's runs and every peer's first SIGKILL run "
@@ -374,7 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--runs must be ≥ 1")
     a.faults_given = a.faults is not None
     if a.faults is None:  # --quick: the five single faults (every recovery path), not the long run
-        a.faults = [f for f in FAULTS if f != "five_faults"] if a.quick else list(FAULTS)
+        a.faults = [f for f in FAULTS if f != "five_faults" and f not in SPARE_FAULTS] \
+            if a.quick else list(FAULTS)
     if a.systems is None:
         a.systems = ["trainguard", "torchrun"] if a.quick else list(SYSTEMS)
     if a.budget_min is None:
@@ -389,6 +420,8 @@ def settings_from(a: argparse.Namespace) -> BenchSettings:
     if a.steps is not None:
         s.steps = a.steps
         s.fault_step = min(s.fault_step, a.steps // 3)
+    if a.five_interval is not None:
+        s.five_interval = a.five_interval
     return s
 
 
@@ -408,7 +441,32 @@ def run_one(system: str, fault: str, s: BenchSettings, run_dir: str) -> dict[str
         _harness_fallback(res, out)
         for smp, inj in zip(res["faults"], out.injected):
             smp["path"] = (inj.get("harness") or {}).get("path")
+        if fault in SPARE_FAULTS:
+            _on_the_spare(res, out, faults)
     return res
+
+
+def _on_the_spare(res: dict[str, Any], out, faults: list[dict[str, Any]]) -> None:
+    """Figures of a fault of ``SPARE_FAULTS`` from the harness's timeline: the progress file
+    cannot tell a slow rank training on from one that was moved (no incarnation ends), the
+    harness can (``recovery.resumed`` of the decision's generation, on every rank)."""
+    for smp, inj, f in zip(res["faults"], out.injected, faults):
+        h = inj.get("harness") or {}
+        if h.get("resumed_ns") and h.get("injected_ns"):
+            smp["recovery_s"] = round((h["resumed_ns"] - h["injected_ns"]) / 1e9, 4)
+            smp["steps_rolled_back"] = h.get("steps_rolled_back")
+        else:
+            smp["recovery_s"] = smp["steps_rolled_back"] = None
+        for k in ("detected_ns", "decided_ns"):
+            if h.get(k) and h.get("injected_ns"):
+                smp[k.replace("_ns", "_s")] = round((h[k] - h["injected_ns"]) / 1e9, 4)
+        d = h.get("decision") or {}
+        node = f"node{f['node'] if 'node' in f else f['rank'] // 2}"
+        smp["action"] = d.get("action")
+        smp["culprit"] = d.get("nodes")
+        smp["culprit_correct"] = (d.get("action") == "exclude_node_and_requeue"
+                                  and d.get("nodes") == [node])
+        smp["planned"] = str(d.get("reason", "")).startswith("planned migration")
 
 
 def _harness_fallback(res: dict[str, Any], out) -> None:
@@ -426,6 +484,7 @@ def _harness_fallback(res: dict[str, Any], out) -> None:
 #: The peers' faults in the order their runs are started while the time budget lasts: SIGKILL
 #: first (the headline ratio), the long five-fault jobs last.
 PEER_ORDER = ("sigkill", "exception", "hang", "node_loss", "straggler", "five_faults")
+#: (``SPARE_FAULTS`` are not in it: the peers do not run them.)
 #: ``--quick`` runs the peers on these faults only (trainguard runs every fault).
 QUICK_PEER_FAULTS = ("sigkill",)
 
@@ -534,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
             runs = detail.get(f"{system}/{fault}", [])
             row = aggregate(system, fault, runs, names_culprit=(system == "trainguard"))
             notes = sorted({n for r in runs for n in r["notes"]})
-            if not runs:
+            if not runs and system != "trainguard" and fault in SPARE_FAULTS:
+                notes = ["not run: needs a registered spare node to move to (trainguard only)"]
+            elif not runs:
                 notes = ["not run: --quick runs this peer on " + ",".join(QUICK_PEER_FAULTS)
                          + " only" if a.quick and not a.faults_given else
                          "not run: the time budget (--budget-min) ran out"]

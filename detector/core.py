@@ -62,7 +62,9 @@ class DetectorConfig:
 
     Node lost: ``node_timeout_s`` = 3 s after the last heartbeat of every role (agent,
     launcher) of that node (3 beats of the agent's 1 s interval); a job's ``node_timeout_s``
-    overrides it for its nodes.
+    overrides it for its nodes. Launcher lost: the same timeout, for one job's launcher and its
+    ranks on a node whose agent still beats (their pod or process tree is gone; it comes before
+    the ranks' own silence, ``silence_timeout_s``, so the verdict names the pod, not a hang).
 
     Thermal: ``thermal_samples`` (2) consecutive telemetry samples with a thermal clock-event
     reason.
@@ -122,7 +124,10 @@ class TelemetryConfig:
     second or more; PCIe replays at ``pcie_replays_per_min`` (8) per minute or more — NVIDIA
     DCGM's hardware limits (dcgm_gpu_hardware_limits.h: DCGM_LIMIT_MAX_LWLINK_ERROR 1,
     DCGM_LIMIT_MAX_LWLINK_CRC_ERROR 100 per second, DCGM_LIMIT_MAX_PCIREPLAY_RATE 8 per
-    minute).
+    minute). Corrected (single-bit) ECC errors at ``ecc_corrected_per_min`` (10) per minute or
+    more: DCGM_LIMIT_MAX_SBE_RATE 10 of the same file (DCGM marks that value provisional and
+    states no unit; it is read per minute here, as the PCIe replay rate beside it is), the rate
+    the driver reports as XID 92 "High single-bit ECC error rate".
     """
 
     mem_critical_ratio: float = 0.97
@@ -137,6 +142,7 @@ class TelemetryConfig:
     nvlink_error_limit: int = 1
     nvlink_crc_per_s: float = 100.0
     pcie_replays_per_min: float = 8.0
+    ecc_corrected_per_min: float = 10.0
 
 
 # ---------------------------------------------------------------------------------------------

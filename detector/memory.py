@@ -26,6 +26,8 @@ def bus_back(state: DetectorState, now: float, gap_s: float) -> None:
     for ns in state.nodes.values():
         for role in ns.last:
             ns.last[role] = max(ns.last[role], now)
+        for job in ns.launchers:
+            ns.launchers[job] = max(ns.launchers[job], now)
 
 
 def index(state: DetectorState, name: str, old: JobRecord | None,
@@ -71,6 +73,11 @@ def gc(state: DetectorState, now: float) -> None:
     for n, ns in list(state.nodes.items()):
         if ns.last and max(ns.last.values()) < horizon:
             del state.nodes[n]
+            continue
+        for job, t in list(ns.launchers.items()):  # a launcher silent that long: forgotten
+            if t < horizon:
+                del ns.launchers[job]
+                ns.launchers_lost.discard(job)
     old = now - dc.dedup_ttl_s
     for k, t in list(state.emitted.items()):
         if t <= old:

@@ -8,16 +8,20 @@ the effects out, and a table test or an offline replay drives ``step`` through `
 dedup memory are kept in it. Wall-clock times come from the input's ``wall_ns`` (Unix ns), never
 from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts`` the finding's
 (the event's own time) or, for a finding without one, the input's — for the periodic rules
-(silence, node lost, stall, straggler, throughput, missing member) the ``Tick``'s.
+(silence, node lost, launcher lost, stall, straggler, throughput, missing member) the
+``Tick``'s.
 
 What ``step`` decides, by input:
 
 * ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
   ``detector.signals``) and the one-off rules run: crash, log line, failed save, a restore
-  whose loss check failed (``recovery.verified`` with ``ok`` False), NaN loss, XID, telemetry (GPU counters, and the host and link rules of ``detector.telemetry``). A job
+  whose loss check failed (``recovery.verified`` with ``ok`` False), NaN loss, XID, telemetry
+  (GPU counters, and the host and link rules of ``detector.telemetry``). A job
   first seen is read from the job record at the next tick. Event types the
   detector does not consume produce nothing.
-* ``Tick`` — silence and node lost on every tick; stall, missing member, straggler and
+* ``Tick`` — silence, node lost and launcher lost (a job's launcher and its ranks on a node
+  silent while the node's agent beats: ``signals.launcher_lost_rule``, published to that job
+  only) on every tick; stall, missing member, straggler and
   throughput every ``eval_s``; the job records re-read every ``job_refresh_s`` (one
   ``Call("state", "job", (name,), reply=("job", name, seq), wait=False)`` per job, none for a
   job whose previous read is still out, unless it is ``refresh_timeout_s`` old); memory
@@ -62,8 +66,9 @@ from .core import DetectorConfig, Finding
 from .memory import bus_back, forget_job, gc, index
 from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_heartbeat,
                        silence_rule, stall_rule, straggler_rule, throughput_rule)
-from .signals import (NodeState, crash_rule, log_rule, node_lost_rule, observe_node_heartbeat,
-                      recovery_check_finding, save_failed_finding, telemetry_rule, xid_rule)
+from .signals import (NodeState, crash_rule, launcher_lost_rule, log_rule, node_lost_rule,
+                      observe_node_heartbeat, recovery_check_finding, save_failed_finding,
+                      telemetry_rule, xid_rule)
 from .telemetry import cpu_context, host_rules, link_rules
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
@@ -244,12 +249,20 @@ def _node(state: DetectorState, name: str) -> NodeState:
 
 def _job_of(inp: Received) -> str:
     """The job an input concerns; a subject token this detector could not publish about
-    (``subjects.token``) raises ValueError before any state is keyed by it."""
-    return subjects.token(inp.event.job or inp.subject.split(".")[2])
+    (``subjects.token``) raises ValueError before any state is keyed by it. The name keeps its
+    dots (the subject's token is decoded: ``subjects.untoken``)."""
+    name = inp.event.job or subjects.untoken(inp.subject.split(".")[2])
+    subjects.token(name)
+    return name
 
 
 def _node_of(inp: Received) -> str:
-    return subjects.token(inp.event.node or inp.subject.split(".")[2])
+    """The node an input concerns, as its name (dots included: ``ip-10-0-1-2.ec2.internal``,
+    what job members and culprits name), from the event or else its subject's token; raises
+    ValueError for a name that cannot be a subject token (``subjects.token``)."""
+    name = inp.event.node or subjects.untoken(inp.subject.split(".")[2])
+    subjects.token(name)
+    return name
 
 
 # ---- received events -----------------------------------------------------------------------------
@@ -356,7 +369,8 @@ def _on_recovery_verified(state: DetectorState, inp: Received, now: float) -> li
 
 
 def _on_node_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
-    observe_node_heartbeat(_node(state, _node_of(inp)), inp.event.role, now)
+    ev = inp.event
+    observe_node_heartbeat(_node(state, _node_of(inp)), ev.role, now, ev.job)
     return []
 
 
@@ -416,6 +430,8 @@ def _tick(state: DetectorState, wall_ns: int, now: float) -> list[Effect]:
         f = node_lost_rule(ns, now, node_timeout(state, ns.name))
         if f is not None:
             _emit_node(state, out, ns.name, f, now, wall_ns)
+        for job in sorted(ns.launchers):
+            _launcher_lost(state, out, ns, job, now, wall_ns)
     if now - state.last_eval >= dc.eval_s:
         state.last_eval = now
         _evaluate(state, out, now, wall_ns)
@@ -428,6 +444,26 @@ def _tick(state: DetectorState, wall_ns: int, now: float) -> list[Effect]:
         state.last_gc = now
         gc(state, now)
     return out
+
+
+def _launcher_lost(state: DetectorState, out: list[Effect], ns: NodeState, job: str,
+                   now: float, wall_ns: int) -> None:
+    """``launcher_lost_rule`` for ``job``'s launcher on ``ns``, for a job this replica serves
+    (its record read): culprits are the record's members on the node (none: the node is out of
+    the job, nothing is lost), live ranks those the detector has not seen exit or finish."""
+    jc, js = state.records.get(job), state.jobs.get(job)
+    if jc is None or js is None or ns.lost:
+        return
+    ranks = sorted(int(m["rank"]) for m in jc.members if m.get("node") == ns.name and "rank" in m)
+    live = [rs.last_hb for rs in js.ranks.values()
+            if rs.node == ns.name and not rs.exited and rs.phase != "done" and rs.last_hb > 0.0
+            and rs.generation >= js.gen]
+    f = launcher_lost_rule(ns, job, ranks, live, now, node_timeout(state, ns.name))
+    if f is not None:
+        # the launcher's last beat, Unix ns: a replacement pod or container is newer
+        f.generation = jc.generation
+        f.detail["last_beat_ns"] = wall_ns - int(f.detail["silent_s"] * 1e9)
+        _emit(state, out, job, f, now, wall_ns)
 
 
 def node_timeout(state: DetectorState, node: str) -> float:

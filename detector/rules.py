@@ -23,9 +23,9 @@ from .progress import (SLOW_PHASES, JobState, RankState, learned_step_timeout,
                        phase_timeout, robust_z, silence_rule, stall_rule, straggler_rule,
                        straggler_scores, throughput_rule)
 from .signals import (COUNTER_RULES, FLAG_RULES, SIGNALS, THERMAL_NAME_WORDS,
-                      THERMAL_REASON_BITS, NodeState, crash_rule, log_rule, node_lost_rule,
-                      observe_node_heartbeat, pat_xid, save_failed_finding, telemetry_rule,
-                      xid_finding_from_match, xid_rule)
+                      THERMAL_REASON_BITS, NodeState, crash_rule, launcher_lost_rule, log_rule,
+                      node_lost_rule, observe_node_heartbeat, pat_xid, save_failed_finding,
+                      telemetry_rule, xid_finding_from_match, xid_rule)
 
 __all__ = [
     "DetectorConfig", "Finding",
@@ -33,6 +33,7 @@ __all__ = [
     "nan_loss_rule", "observe_heartbeat", "p99", "phase_timeout", "robust_z", "silence_rule",
     "stall_rule", "straggler_rule", "straggler_scores", "throughput_rule",
     "COUNTER_RULES", "FLAG_RULES", "SIGNALS", "THERMAL_NAME_WORDS", "THERMAL_REASON_BITS",
-    "NodeState", "crash_rule", "log_rule", "node_lost_rule", "observe_node_heartbeat",
+    "NodeState", "crash_rule", "launcher_lost_rule", "log_rule", "node_lost_rule",
+    "observe_node_heartbeat",
     "pat_xid", "save_failed_finding", "telemetry_rule", "xid_finding_from_match", "xid_rule",
 ]

@@ -1,6 +1,6 @@
 """Rules over one-off signals: a worker's exit (crash), a log line (XID parser + the pattern
 table of ``detector.patterns``), a failed checkpoint save, a GPU XID, GPU telemetry (thermal,
-ECC / row-remap / PCIe-replay counters), and node heartbeats (node lost).
+ECC / row-remap / PCIe-replay counters), and node heartbeats (node lost, launcher lost).
 
 Pure: nothing here does I/O or reads a clock; callers pass ``now`` (seconds on a monotonic
 clock) where a rule needs one, and event timestamps (Unix ns) as ``ts``. Each rule returns
@@ -71,22 +71,70 @@ def crash_rule(rank: int | None, node: str | None, exit_code: int | None, signal
 
 class NodeState:
     """Liveness and GPU counters of one node. ``last`` maps heartbeat role -> monotonic s;
-    ``host``: the recent host and link samples (``telemetry.HostWindow``)."""
+    ``launchers`` maps job -> monotonic s of its launcher's last heartbeat on this node, and
+    ``launchers_lost`` holds the jobs whose launcher here was found lost (until it beats
+    again); ``host``: the recent host and link samples (``telemetry.HostWindow``)."""
 
-    __slots__ = ("name", "last", "lost", "gpu_prev", "thermal_run", "host")
+    __slots__ = ("name", "last", "lost", "launchers", "launchers_lost", "gpu_prev",
+                 "thermal_run", "host")
 
     def __init__(self, name: str):
         self.name = name
         self.last: dict[str, float] = {}
         self.lost = False
+        self.launchers: dict[str, float] = {}
+        self.launchers_lost: set[str] = set()
         self.gpu_prev: dict[int, dict] = {}
         self.thermal_run: dict[int, int] = {}
         self.host = HostWindow()
 
 
-def observe_node_heartbeat(ns: NodeState, role: str, now: float) -> None:
+def observe_node_heartbeat(ns: NodeState, role: str, now: float, job: str | None = None) -> None:
+    """A heartbeat of ``role`` (agent, launcher) at ``now``; a launcher's names its ``job``."""
     ns.last[role] = now
     ns.lost = False
+    if role == "launcher" and job:
+        ns.launchers[job] = now
+        ns.launchers_lost.discard(job)
+
+
+def launcher_lost_rule(ns: NodeState, job: str, ranks: list[int], live_hb: list[float],
+                       now: float, timeout: float) -> Finding | None:
+    """The launcher of ``job`` on this node is gone while the node itself is alive: its
+    heartbeat has been silent for longer than ``timeout`` seconds, the node's agent went on
+    beating for longer than ``timeout`` after it (so a node powered off or cut off, whose agent
+    and launcher stop within a beat of each other, is never this rule's but
+    ``node_lost_rule``'s) and beat within ``timeout`` of ``now``, and the job's ranks here that
+    the detector has not seen end (``live_hb``: their last heartbeats, monotonic s; at least
+    one) are all silent that long too — a launcher and its ranks stopping together while the
+    node answers is their pod or process tree lost (a container killed, a pod deleted or
+    wedged), not the node. ``ranks``: the job's members on this node (the culprits). Fires
+    once until that launcher beats again.
+
+    Fault class ``crash`` (the launcher process is gone, its ranks with it; a crash explains a
+    hang of the same ranks), layer ``infrastructure``; ``detail["launcher_lost"]`` names the
+    node (the reducer adds ``detail["last_beat_ns"]``, the launcher's last beat in Unix ns: a
+    pod or container newer than it is a replacement). A node whose agent is silent too is
+    ``node_lost_rule``'s."""
+    last = ns.launchers.get(job)
+    agent = ns.last.get("agent")
+    if (last is None or job in ns.launchers_lost or agent is None or not ranks or not live_hb
+            or now - agent > timeout):
+        return None
+    silent = now - last
+    if (silent <= timeout or agent - last <= timeout
+            or any(now - hb <= timeout for hb in live_hb)):
+        return None
+    ns.launchers_lost.add(job)
+    return Finding("launcher_lost", FaultClass.CRASH, ranks=sorted(ranks), nodes=[ns.name],
+                   evidence=[f"node {ns.name}: the launcher of job {job} and its ranks "
+                             f"{', '.join(map(str, sorted(ranks)))} sent no heartbeat for "
+                             f"{silent:.2f} s (timeout {timeout:.2f} s) while the node's agent "
+                             f"went on beating ({now - agent:.2f} s ago): the launcher's pod "
+                             f"or process tree is lost, the node is alive"],
+                   detail={"rule": "launcher_lost", "launcher_lost": [ns.name],
+                           "silent_s": round(silent, 3), "timeout_s": timeout,
+                           "layer": Layer.INFRASTRUCTURE.value, "weight": 0.85})
 
 
 def node_lost_rule(ns: NodeState, now: float, timeout: float) -> Finding | None:
@@ -135,12 +183,13 @@ THERMAL_REASON_BITS = {0x08: "HwSlowdown", 0x20: "SwThermalSlowdown", 0x40: "HwT
 THERMAL_NAME_WORDS = ("thermal", "hwslowdown", "hw_slowdown")
 
 #: GPU counters whose rise is a fault: field -> (kind, fault class, severity). All hardware.
+#: A corrected ECC error is not one: its *rate* is a warning (``telemetry.RULES``,
+#: ``ecc_corrected_rate``); a correctable row remap is a repair the GPU made, flagged.
 COUNTER_RULES: dict[str, tuple[str, FaultClass, str]] = {
     "ecc_volatile_uncorrected": ("ecc", FaultClass.ECC, "error"),
     "ecc_aggregate_uncorrected": ("ecc", FaultClass.ECC, "error"),
     "retired_pages_dbe": ("ecc", FaultClass.ECC, "error"),
     "remapped_rows_uncorrectable": ("ecc", FaultClass.ECC, "error"),
-    "ecc_volatile_corrected": ("ecc_corrected", FaultClass.ECC, "warning"),
     "remapped_rows_correctable": ("ecc_corrected", FaultClass.ECC, "warning"),
     "pcie_replay_counter": ("pcie_replay", FaultClass.GPU_XID, "warning"),
 }

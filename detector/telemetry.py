@@ -67,6 +67,13 @@ RULES: dict[str, TelemetryRule] = {r.kind: r for r in (
     TelemetryRule("pcie_replay_rate", F.GPU_XID, L.HARDWARE,
                   "PCIe replays at pcie_replays_per_min per minute or more "
                   "(DCGM_LIMIT_MAX_PCIREPLAY_RATE: 8 per minute, 'the maximum recommended')"),
+    TelemetryRule("ecc_corrected_rate", F.ECC, L.HARDWARE,
+                  "corrected (single-bit) ECC errors at ecc_corrected_per_min per minute or "
+                  "more: the memory is degrading before it fails (DCGM_LIMIT_MAX_SBE_RATE 10, "
+                  "dcgm_gpu_hardware_limits.h; the driver's own report of it is XID 92 "
+                  "EXCESSIVE_SBE_INTERRUPTS, 'High single-bit ECC error rate', NVIDIA XID "
+                  "catalog). Repeated corrected errors at one address retire the page or remap "
+                  "the row; an uncorrectable error there ends the process (XID 48/94/95)"),
 )}
 del F, L
 
@@ -74,8 +81,8 @@ del F, L
 class HostWindow:
     """Recent host and link samples of one node: ``mem`` — (now, used, total) in bytes;
     ``cpu_run`` — consecutive saturated CPU samples; ``lat_runs`` — peer → consecutive slow
-    (or unreachable) samples; ``gpu_prev`` — GPU index → (now, nvlink counters, PCIe replays)
-    of the previous sample."""
+    (or unreachable) samples; ``gpu_prev`` — GPU index → (now, nvlink counters, PCIe replays,
+    corrected ECC count) of the previous sample."""
 
     __slots__ = ("mem", "cpu_run", "cpu_last", "lat_runs", "gpu_prev")
 
@@ -84,7 +91,7 @@ class HostWindow:
         self.cpu_run = 0
         self.cpu_last = 0.0
         self.lat_runs: dict[str, int] = {}
-        self.gpu_prev: dict[int, tuple[float, dict[str, int], int | None]] = {}
+        self.gpu_prev: dict[int, tuple[float, dict[str, int], int | None, int | None]] = {}
 
 
 def _finding(kind: str, node: str, evidence: str, ts: int, gpus: list[str] | None = None,
@@ -186,8 +193,10 @@ def host_rules(win: HostWindow, node: str, cpu_percent: float, mem_used: int, me
 
 def link_rules(win: HostWindow, node: str, gpus: list[dict], now: float,
                cfg: DetectorConfig | TelemetryConfig, ts: int = 0) -> list[Finding]:
-    """NVLink and PCIe error rates between two samples of the same GPU (``GpuSample`` dicts:
-    ``nvlink_errors`` ``{"<link>.<counter>": n}``, ``pcie_replay_counter``)."""
+    """NVLink, PCIe and corrected-ECC error rates between two samples of the same GPU
+    (``GpuSample`` dicts: ``nvlink_errors`` ``{"<link>.<counter>": n}``,
+    ``pcie_replay_counter``, ``ecc_volatile_corrected`` — else ``ecc_aggregate_corrected``).
+    A counter that went down (a driver reload resets the volatile counts) starts again."""
     tc = cfg.telemetry if isinstance(cfg, DetectorConfig) else cfg
     out: list[Finding] = []
     for g in gpus:
@@ -195,8 +204,11 @@ def link_rules(win: HostWindow, node: str, gpus: list[dict], now: float,
         gid = f"{node}:{idx}"
         links = {str(k): int(v) for k, v in (g.get("nvlink_errors") or {}).items()}
         replay = g.get("pcie_replay_counter")
+        sbe = g.get("ecc_volatile_corrected")
+        if sbe is None:
+            sbe = g.get("ecc_aggregate_corrected")
         prev = win.gpu_prev.get(idx)
-        win.gpu_prev[idx] = (now, links, replay)
+        win.gpu_prev[idx] = (now, links, replay, sbe)
         if prev is None or now <= prev[0]:
             continue
         dt = now - prev[0]
@@ -219,4 +231,12 @@ def link_rules(win: HostWindow, node: str, gpus: list[dict], now: float,
                                     f"GPU {gid} PCIe replays at {per_min:.0f}/min "
                                     f"({prev[2]} -> {replay} in {dt:.1f} s)", ts, gpus=[gid],
                                     gpu_index=idx, per_min=round(per_min, 1)))
+        if sbe is not None and prev[3] is not None and sbe > prev[3]:
+            per_min = (sbe - prev[3]) * 60.0 / dt
+            if per_min >= tc.ecc_corrected_per_min:
+                out.append(_finding("ecc_corrected_rate", node,
+                                    f"GPU {gid} corrected ECC errors at {per_min:.0f}/min "
+                                    f"({prev[3]} -> {sbe} in {dt:.1f} s)", ts, gpus=[gid],
+                                    gpu_index=idx, per_min=round(per_min, 1),
+                                    before=prev[3], after=sbe))
     return out

@@ -1,5 +1,6 @@
 """The remediator reducer's verdict chain: claims, fold or escalate, the commit (generation,
-job record, audit, publish) and the exclusion through the controller. Stages 1–6 of
+job record, audit, publish), the exclusion and the pod restart through the controller. Stages
+1–7 of
 ``remediator.reducer``; every function is pure and returns ``(state, effects)``."""
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
         return fold(state, seq, w, None, f"job is {rec.status}: no further decisions",
                     inp.wall_ns)
     policy = state.config.policy
-    dec = pol.decide(v, rec, policy)
+    dec = pol.decide(v, rec, policy, restarts_pods=state.restarts_pods)
     if dec is None:
         return count(done(state, seq), "ignored"), [store("audit", w.job, {
             "type": "ignored", "verdict_id": v.event_id, "fault_class": v.fault_class,
@@ -81,13 +82,30 @@ def on_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     policy = state.config.policy
     table_action, _ = pol.table_action(w.verdict, pol.with_defaults(w.record, policy), policy)
     if not stronger(table_action, held):
-        return fold(state, seq, w, owner, f"generation already decided ({held})", inp.wall_ns)
+        why = f"generation already decided ({held})"
+        pods, _ = pol.pod_restart(w.decision, w.verdict, state.restarts_pods, policy)
+        if pods and w.decision.execute and held == w.decision.action:
+            return _fold_then_pods(state, seq, w, owner, why, inp.wall_ns, pods)
+        return fold(state, seq, w, owner, why, inp.wall_ns)
     dec = w.decision
     dec = dec.model_copy(update={
         "idempotency_key": f"{dec.idempotency_key}:{dec.action}",
         "reason": f"{dec.reason}; stronger than the {held} already decided for this generation"})
     state, w = update(state, seq, decision=dec)
     return state, [claim_call(dec, ("escalation_claim", seq))]
+
+
+def _fold_then_pods(state: RemediatorState, seq: int, w: Work, owner: str, why: str,
+                    wall_ns: int, pods: list[str]) -> Out:
+    """A lost launcher found after its ranks' silence was decided (a ``restart_workers`` of
+    the same generation, e.g. a job with a short hang timeout): the verdict is folded, and the
+    pod restart that decision lacked is carried out for it (same key: once)."""
+    _, audit = fold(state, seq, w, owner, why + f"; its pod restart on {', '.join(pods)} is "
+                                                "carried out for it", wall_ns)
+    assert w.decision is not None
+    held = w.decision.model_copy(update={"event_id": owner.rsplit("/", 1)[0]})
+    state, w = update(count(state, "folded"), seq, decision=held, pods=tuple(pods))
+    return state, audit + [_pod_claim(w, seq)]
 
 
 def on_escalation_claim(state, seq, w: Work, inp: Reply, now) -> Out:
@@ -199,6 +217,10 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
     if dec.execute and dec.action == "exclude_node_and_requeue" and dec.nodes:
         state, w = update(state, seq, nodes=tuple(dec.nodes))
         return state, effects + [_exclude_claim(w, seq)]
+    pods, _ = pol.pod_restart(dec, w.verdict, state.restarts_pods, state.config.policy)
+    if dec.execute and pods:
+        state, w = update(state, seq, pods=tuple(pods))
+        return state, effects + [_pod_claim(w, seq)]
     return done(state, seq), effects
 
 
@@ -248,3 +270,54 @@ def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
         **({"ts": inp.wall_ns} if inp.wall_ns else {}))))
     return _next_node(state, seq, effects)
 
+
+# ---- pod restart through the controller ------------------------------------------------------
+def _pod_claim(w: Work, seq: int) -> Call:
+    assert w.decision is not None
+    node = w.pods[0]
+    return store("claim", f"{w.decision.idempotency_key}:restart_pod:{node}",
+                 w.decision.event_id, reply=("pod_claim", seq, node))
+
+
+def _next_pod(state: RemediatorState, seq: int, effects: list[Effect]) -> Out:
+    state, w = update(state, seq, pods=state.work[seq].pods[1:])
+    if not w.pods:
+        return done(state, seq), effects
+    return state, effects + [_pod_claim(w, seq)]
+
+
+def on_pod_claim(state, seq, w: Work, inp: Reply, now) -> Out:
+    if inp.value is not None:  # this pod was already replaced for this decision
+        return _next_pod(state, seq, [])
+    dec = w.decision
+    assert dec is not None
+    # only a pod older than the fault is the failed one: a replacement made since is left alone
+    onset = w.verdict.detail.get("last_beat_ns") if w.verdict is not None else None
+    before_ns = (onset if isinstance(onset, int) and onset > 0
+                 else dec.fault_ts or dec.detected_ts)
+    return state, [Call("controller", "restart_pod", (inp.tag[2], w.job, before_ns),
+                        reply=("pod_restart", seq, inp.tag[2]), wait=False)]
+
+
+def on_pod_restart(state, seq, w: Work, inp: Reply, now) -> Out:
+    """The controller's ``restart_pod`` result (or its error) → ``action.result`` of the
+    decision's action (``restart_workers``), executor ``controller:<name>``; a failure is
+    audited (``controller_failed``) and left to the watchdog (training does not resume)."""
+    node, dec = inp.tag[2], w.decision
+    assert dec is not None
+    if inp.error:
+        ok, detail = False, inp.error
+    else:
+        ok, detail = bool(inp.value.ok), str(inp.value.detail)
+    effects: list[Effect] = []
+    if not ok:
+        effects.append(store("audit", w.job, {
+            "type": "controller_failed", "decision_id": dec.event_id, "node": node,
+            "controller": state.controller, "step": "restart_pod", "reason": detail,
+            "ts": inp.wall_ns}))
+    effects.append(Publish(subjects.job(w.job, "action"), ActionResult(
+        job=w.job, node=node, trace=dec.child_trace(), decision_id=dec.event_id,
+        idempotency_key=dec.idempotency_key, executor=f"controller:{state.controller}",
+        action=dec.action, ok=ok, detail=f"restart_pod {node}: {detail}",
+        **({"ts": inp.wall_ns} if inp.wall_ns else {}))))
+    return _next_pod(state, seq, effects)

@@ -53,7 +53,8 @@ class Work:
     ``verdict`` — None for a watchdog escalation; ``prev``/``why`` — the escalated decision and
     why; ``record`` — the job record read; ``decision`` — as claimed so far; ``fault_gen`` — the
     generation the fault happened in; ``expected``/``tries`` — the generation bump;
-    ``nodes`` — nodes still to exclude."""
+    ``nodes`` — nodes still to exclude; ``pods`` — nodes whose pod of the job is still to be
+    replaced (``policy.pod_restart``)."""
 
     job: str
     verdict: Verdict | None = None
@@ -65,6 +66,7 @@ class Work:
     expected: int = 0
     tries: int = 0
     nodes: tuple[str, ...] = ()
+    pods: tuple[str, ...] = ()
 
 
 def _zero_counts() -> dict[str, int]:
@@ -74,7 +76,9 @@ def _zero_counts() -> dict[str, int]:
 @dataclass(frozen=True)
 class RemediatorState:
     """``config`` — the live ``RemediatorConfig`` (read at each step); ``controller`` — the node
-    controller's name (``action.result.executor = controller:<name>``); ``pending`` — job →
+    controller's name (``action.result.executor = controller:<name>``); ``restarts_pods`` —
+    whether it recreates a job's pod (``NodeController.restarts_pods``: Kubernetes);
+    ``pending`` — job →
     ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
     decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
     decisions whose stored publish is in flight; ``last_sweep`` — service time of the last
@@ -83,6 +87,7 @@ class RemediatorState:
 
     config: RemediatorConfig = field(default_factory=RemediatorConfig)
     controller: str = "local"
+    restarts_pods: bool = False
     pending: dict[str, Pending] = field(default_factory=dict)
     work: dict[int, Work] = field(default_factory=dict)
     seq: int = 0

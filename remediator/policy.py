@@ -15,6 +15,16 @@ The policy is data:
   corrected-ECC count, a PCIe replay rate, host memory pressure before any kill) is flagged,
   never acted on, unless its root is one of these kinds: a rank measured slow or a throttled
   GPU, which a spare node may replace (their rows require a spare and a culprit).
+* ``MIGRATIONS`` — warnings that a node is degrading (corrected ECC errors at a rate, host
+  memory trending to exhaustion or nearly exhausted): with a spare node registered they become
+  a *planned migration* — the node is excluded and the spare takes its ranks (the world size
+  kept; the state comes from the surviving ranks, the peer path), before any rank dies; without
+  a spare, or without a culprit node, they are flagged like any other warning.
+
+* ``POD_RESTARTS`` — root kinds whose recovery, under a node controller that recreates pods
+  (Kubernetes: ``restarts_pods``), also replaces the culprit node's training pod: the lost
+  launcher's pod is deleted and its job controller (JobSet, PyTorchJob) recreates it, while the
+  node stays in service (``pod_restart``).
 
 * ``ESCALATIONS`` — checks run after the table, in order; the first that fires replaces the
   action (retry budget spent, the same fault at the same step again → stop).
@@ -45,7 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainguard.schemas import Decision, JobRecord, Member, Verdict
-from trainguard.schemas.vocabulary import Action, FaultClass, Layer, first_error_line, signature, stronger
+from trainguard.schemas.vocabulary import (Action, FaultClass, Layer, first_error_line, signature,
+                                           stronger)
 
 from .world import new_world, nodes_of, ranks_on
 
@@ -171,11 +182,67 @@ FACT_RULES: tuple[FactRule, ...] = (
 #: throttled GPU's by a spare); any other warning is flagged (see the module docstring).
 ACTING_WARNINGS: tuple[str, ...] = ("straggler", "throughput_drop", "thermal")
 
+@dataclass(frozen=True)
+class Migration:
+    """One row of ``MIGRATIONS``: a warning of kind ``root_kind`` (the detector's finding kind,
+    ``detail["root_kind"]`` of the verdict) says that its node is degrading; ``source`` says why
+    moving its ranks now, while every rank still trains, is cheaper than waiting for the
+    failure."""
+
+    root_kind: str
+    source: str
+
+
+#: Warnings of a degrading node that move its ranks to a spare node (a planned migration).
+#: Why ahead of the failure: the surviving ranks hold the state of the step they completed and
+#: hand it to the spare's ranks (the peer path: nothing rolled back), while a failure that
+#: kills a rank mid-step or takes the node down loses the step, the warm processes of that
+#: node and, when the node is gone, its ranks' replicas.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration("ecc_corrected_rate",
+              "corrected ECC errors at a rising rate: the memory is degrading (DCGM's SBE rate "
+              "limit, dcgm_gpu_hardware_limits.h; XID 92 'High single-bit ECC error rate'); "
+              "the next error at a worn address is uncorrectable (XID 48/94/95) and ends the "
+              "rank: NVIDIA GPU memory error management (dynamic page retirement, row "
+              "remapping)"),
+    Migration("host_memory_trend",
+              "host memory in use heading for the total: the kernel's OOM killer ends a "
+              "process of the node when an allocation finds nothing to reclaim (linux "
+              "mm/oom_kill.c), most likely a rank (the largest resident set)"),
+    Migration("host_memory_exhausted",
+              "host memory nearly exhausted: the OOM killer is next (linux mm/oom_kill.c; "
+              "MemAvailable, proc(5))"),
+)
+
 #: Actions without an executor and what is done instead (no row of ``TABLE`` names them).
 ACTION_ALIASES: dict[str, str] = {
     A.RESET_GPU: A.EXCLUDE_NODE_AND_REQUEUE,  # the node is drained so the GPU can be reset
     A.FIX_CONFIG: A.STOP_JOB_NOTIFY_USER,     # a configuration needs a person
 }
+
+
+@dataclass(frozen=True)
+class PodRestart:
+    """When the verdict's root is ``root_kind`` and the decision is ``action``, the nodes named
+    in ``detail[fact]`` (and in the decision) get a new pod from the node controller, where it
+    recreates pods; elsewhere ``elsewhere`` says what must happen instead. ``source``: why."""
+
+    root_kind: str
+    fact: str
+    action: str
+    source: str
+    elsewhere: str
+
+
+POD_RESTARTS: tuple[PodRestart, ...] = (
+    PodRestart("launcher_lost", "launcher_lost", A.RESTART_WORKERS,
+               "the node's agent still beats, so the node is healthy and only the pod (its "
+               "launcher and ranks) is gone or wedged: its pod is deleted and the job's "
+               "controller (JobSet, PyTorchJob) recreates it, whose launcher rejoins at the new "
+               "generation; cheaper than cordoning a healthy node and moving the job off it",
+               "no node controller here recreates pods: start the launcher on that node again "
+               "(`trainguard launch` with the same arguments), else the watchdog escalates"),
+)
 
 
 @dataclass(frozen=True)
@@ -223,6 +290,8 @@ class Policy:
     default_mode: str = "observe"
     default_retry_budget: int = 10
     acting_warnings: tuple[str, ...] = ACTING_WARNINGS
+    pod_restarts: tuple[PodRestart, ...] = POD_RESTARTS
+    migrations: tuple[Migration, ...] = MIGRATIONS
 
 
 DEFAULT_POLICY = Policy()
@@ -332,8 +401,10 @@ CHECKS: dict[str, Callable[[Verdict, JobRecord, int], dict[str, Any] | None]] = 
 
 # ---- decide ------------------------------------------------------------------------------------
 def decide(verdict: Verdict, job_state: JobRecord,
-           policy: Policy = DEFAULT_POLICY) -> Decision | None:
-    """The decision for ``verdict`` given ``job_state`` (the job record) and ``policy``.
+           policy: Policy = DEFAULT_POLICY, restarts_pods: bool = False) -> Decision | None:
+    """The decision for ``verdict`` given ``job_state`` (the job record) and ``policy``;
+    ``restarts_pods``: whether the remediator's node controller recreates pods (Kubernetes),
+    which ``pod_restart`` adds to the reason.
 
     Returns a ``schemas.Decision`` (not yet published) whose ``generation`` is the generation to
     join (current + 1 for a recovery or a stop, the current one for ``none``) and whose
@@ -347,7 +418,36 @@ def decide(verdict: Verdict, job_state: JobRecord,
     job = with_defaults(job_state, policy)
     fault_gen = fault_generation(verdict, job)
     action, reasons = table_action(verdict, job, policy)
-    return plan(verdict, job, action, reasons, fault_gen, policy)
+    dec = plan(verdict, job, action, reasons, fault_gen, policy)
+    _, why = pod_restart(dec, verdict, restarts_pods, policy)
+    return dec.model_copy(update={"reason": f"{dec.reason}; {why}"}) if why else dec
+
+
+def pod_restart(decision: Decision, verdict: Verdict | None, restarts_pods: bool,
+                policy: Policy = DEFAULT_POLICY) -> tuple[list[str], str]:
+    """The nodes whose training pod of ``decision.job`` the node controller replaces
+    (``restart_pod``) when it carries ``decision`` out, and why, in words.
+
+    A row of ``policy.pod_restarts`` applies when the verdict's root kind and the decision's
+    action are its own; its nodes are those of ``verdict.detail[row.fact]`` that the decision
+    names. With ``restarts_pods`` False (a controller that cannot recreate pods: local, Slurm)
+    no node is returned and the reason says what must happen instead. No row applies: ``([],
+    "")`` — e.g. an escalation to a stop, or an exclusion that a repeat-offender fact chose."""
+    if verdict is None:
+        return [], ""
+    kind = verdict.detail.get("root_kind")
+    row = next((r for r in policy.pod_restarts
+                if r.root_kind == kind and r.action == decision.action), None)
+    if row is None:
+        return [], ""
+    named = verdict.detail.get(row.fact) or []
+    nodes = sorted({str(n) for n in named} & set(decision.nodes))
+    if not nodes:
+        return [], ""
+    where = ", ".join(nodes)
+    if not restarts_pods:
+        return [], f"{kind} on {where}: {row.elsewhere}"
+    return nodes, f"{kind} on {where}: {row.source}"
 
 
 def fault_generation(verdict: Verdict, job: JobRecord) -> int:
@@ -367,9 +467,13 @@ def table_action(verdict: Verdict, job: JobRecord,
                  policy: Policy = DEFAULT_POLICY) -> tuple[str, list[str]]:
     """The action the table (with the fact rules, aliases and the spare requirement) gives
     for ``verdict``, before the escalation checks; and the reasons, in words."""
+    root_kind = verdict.detail.get("root_kind")
+    if verdict.detail.get("severity") == "warning":
+        mig = next((m for m in policy.migrations if m.root_kind == root_kind), None)
+        if mig is not None:
+            return planned_migration(verdict, job, mig)
     rule = rule_for(verdict.fault_class, verdict.layer, policy)
     action, reasons = rule.action, [f"{verdict.fault_class}/{verdict.layer}: {rule.source}"]
-    root_kind = verdict.detail.get("root_kind")
     if (verdict.detail.get("severity") == "warning" and action != A.NONE
             and root_kind not in policy.acting_warnings):
         return A.NONE, reasons + [f"a warning ({root_kind}): flagged until an error confirms it"]
@@ -389,6 +493,22 @@ def table_action(verdict: Verdict, job: JobRecord,
             reasons.append(f"no culprit rank or node named: {rule.fallback} (flag only)")
             action = rule.fallback
     return action, reasons
+
+
+def planned_migration(verdict: Verdict, job: JobRecord, mig: Migration) -> tuple[str, list[str]]:
+    """The action for a warning of a degrading node (row ``mig`` of ``MIGRATIONS``):
+    ``exclude_node_and_requeue`` of its node when a spare node is left to take its ranks and the
+    verdict names a node (``plan`` then builds the new world: the spare in the node's place),
+    else ``none`` (flagged); and the reasons, in words (the first starts "planned migration")."""
+    reasons = [f"planned migration ({verdict.fault_class}/{verdict.layer}, {mig.root_kind}): "
+               f"{mig.source}"]
+    if not (verdict.culprit.nodes or verdict.culprit.ranks):
+        return A.NONE, reasons + ["no culprit node named: none (flag only)"]
+    if not _spare_left(job, verdict):
+        return A.NONE, reasons + ["no spare node registered: none (flag only)"]
+    return A.EXCLUDE_NODE_AND_REQUEUE, reasons + [
+        "the node's ranks move to the spare while every rank still trains (state from the "
+        "surviving ranks)"]
 
 
 def _spare_left(job: JobRecord, verdict: Verdict) -> bool:

@@ -26,7 +26,13 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
    ``<key>:exclude:<node>`` (held: already carried out), ``exclude`` asks the controller and
    publishes its ``action.result`` (the controller call runs in the background:
    ``wait=False``); a failed drain is audited (``controller_failed``) and does
-   not escalate: the job re-ranks without the node anyway.
+   not escalate: the job re-ranks without the node anyway;
+7. pod restart of an executed decision for which ``policy.pod_restart`` names nodes (a lost
+   launcher on a healthy node, under a controller that recreates pods), per node:
+   ``pod_claim`` claims ``<key>:restart_pod:<node>`` (held: already done), ``pod_restart``
+   asks the controller (``restart_pod(node, job, before_ns)``, in the background) and
+   publishes its ``action.result``; a failure is audited (``controller_failed``) and left to
+   the watchdog.
 
 A stage whose call failed (Valkey gone) ends that work with a ``Log``: nothing is published
 for a decision whose record was not written.
@@ -112,7 +118,7 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
         handler = _STAGES.get(inp.tag[0])
         if w is None or handler is None:
             return state, []
-        if inp.error and inp.tag[0] != "exclude":
+        if inp.error and inp.tag[0] not in ("exclude", "pod_restart"):
             return done(state, seq), [Log(logging.WARNING, (
                 f"{w.job}: {inp.tag[0]} failed ({inp.error}); "
                 + (f"verdict {w.verdict.event_id}" if w.verdict else "watchdog escalation")
@@ -146,7 +152,9 @@ def _on_outbox(state: RemediatorState, inp: Reply) -> Out:
 _STAGES = {
     "verdict_claim": d.on_verdict_claim, "job": d.on_job, "flag_owner": d.on_flag_owner,
     "claim": d.on_claim, "escalation_claim": d.on_escalation_claim, "bump": d.on_bump,
-    "commit": d.on_commit, "outbox_put": d.on_outbox_put, "exclude_claim": d.on_exclude_claim, "exclude": d.on_exclude,
+    "commit": d.on_commit, "outbox_put": d.on_outbox_put,
+    "exclude_claim": d.on_exclude_claim, "exclude": d.on_exclude,
+    "pod_claim": d.on_pod_claim, "pod_restart": d.on_pod_restart,
     "wd_job": wd.on_wd_job, "wd_claim": wd.on_wd_claim,
 }
 

@@ -56,7 +56,8 @@ class Remediator(ReducerService[RemediatorState]):
 
     def initial_state(self) -> RemediatorState:
         name = self._controller.name if self._controller else self.rconfig.controller
-        return RemediatorState(config=self.rconfig, controller=name,
+        pods = bool(getattr(self._controller, "restarts_pods", False))
+        return RemediatorState(config=self.rconfig, controller=name, restarts_pods=pods,
                                serves=self.membership.owns)
 
     def step(self, state, inp, now):
@@ -72,7 +73,8 @@ class Remediator(ReducerService[RemediatorState]):
         assert self.state is not None
         if self._controller is None:
             self._controller = make_controller(self.rconfig.controller, self.state)
-        self.model = replace(self.model, controller=self._controller.name)
+        pods = bool(getattr(self._controller, "restarts_pods", False))
+        self.model = replace(self.model, controller=self._controller.name, restarts_pods=pods)
         await self.feed(Tick(time.time_ns()))  # re-arms the pending decisions of the records
 
     @property

@@ -21,8 +21,8 @@ class Anomaly(Event):
     """Something abnormal, from the detector. Subject ``tg.job.<job>.anomaly`` (or
     ``tg.node.<node>.anomaly`` for node-only signals with no job).
 
-    * ``kind`` — detector rule: crash, hang, straggler, throughput_drop, node_lost, gpu_fault,
-      log_pattern, nan_loss, thermal …;
+    * ``kind`` — detector rule: crash, hang, straggler, throughput_drop, node_lost,
+      launcher_lost, gpu_fault, log_pattern, nan_loss, thermal …;
     * ``fault_class`` — a ``FaultClass`` (``schemas.vocabulary``); ``detail["layer"]`` — the
       layer the evidence names, a hint to the attributor (no action: only the remediator
       chooses one);

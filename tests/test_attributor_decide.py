@@ -33,6 +33,19 @@ def test_death_cascade_names_the_dead_rank_not_the_victims():
     assert v.evidence[0].startswith("[root crash rank 2]")   # time order: the death first
 
 
+def test_a_lost_launcher_explains_the_silence_of_its_ranks():
+    node = "ip-10-0-1-2.ec2.internal"
+    lost = anomaly("launcher_lost", "crash", 100, [4, 5], [node], rule="launcher_lost",
+                   launcher_lost=[node], last_beat_ns=97, layer="infrastructure", weight=0.85)
+    hangs = [anomaly("hang", "hang", 101, [r], [node], rule="silence", layer="unknown",
+                     weight=0.85) for r in (4, 5)]
+    v = decide([lost, *hangs])
+    assert (v.fault_class, v.layer) == ("crash", "infrastructure")
+    assert v.ranks == [4, 5] and v.nodes == [node]
+    assert v.detail["root_kind"] == "launcher_lost" and v.detail["launcher_lost"] == [node]
+    assert v.detail["last_beat_ns"] == 97  # when the launcher went silent: the fault's onset
+
+
 def test_symptoms_alone_are_attributed_with_low_confidence():
     v = decide([reset(1, 10), reset(3, 11)])
     assert v.fault_class == "network" and v.confidence == "low" and v.detail["symptom_only"]
@@ -116,3 +129,24 @@ def test_choose_root():
     assert choose_root([reset(1, 1), crash(2, 5)]).kind == "crash"
     with pytest.raises(ValueError):
         decide([])
+
+
+def _warning(kind, fc, ts, ranks=(), nodes=(), weight=0.5, layer="hardware"):
+    a = anomaly(kind, fc, ts, ranks, nodes, pattern=kind, layer=layer, weight=weight)
+    return a.model_copy(update={"severity": "warning"})
+
+
+def test_among_warnings_the_strongest_leads_not_the_first():
+    """A failed save of rank 1 (a flag) seen first must not hide the warning of a degrading
+    node that came after it: neither caused the other, and only the second calls for an action
+    (a planned migration with a spare)."""
+    save = _warning("log_pattern", "checkpoint_save", 100, [1], ["node0"], 0.8, "infrastructure")
+    mem = _warning("host_memory_trend", "oom_host", 105, [], ["node1"], 0.5, "application")
+    ecc = _warning("ecc_corrected_rate", "ecc", 107, [], ["node1"], 0.5)
+    for seen in ([save, mem], [mem, save]):
+        v = decide(seen)
+        assert (v.fault_class, v.nodes) == ("oom_host", ["node1"]), v
+        assert v.detail["root_kind"] == "host_memory_trend" and v.detail["severity"] == "warning"
+    assert decide([save, ecc]).fault_class == "ecc"
+    # an error still wins by time order: the earliest error explains what follows it
+    assert decide([mem, crash(2, 90, node="node1")]).fault_class == "crash"

@@ -173,3 +173,28 @@ def test_plan_puts_trainguard_and_the_sigkill_ratio_first(R):
     q = R.parse_args(["--json", "x.json", "--quick"])
     qp = R.plan(q, R.settings_from(q), missing={})
     assert [x for x in qp if x[0] == "torchrun"] == [("torchrun", "sigkill", 0, False)]
+
+
+def test_spare_faults_are_trainguards_and_timed_by_its_harness(R):
+    s = R.BenchSettings()
+    (f,), steps = R.schedule("degrading_node", s)
+    assert steps >= f["step"] + R.SPARE_STEPS_AFTER  # the job outlives the slow detection
+    assert f["harness_kind"] == "ecc_degrading" and f["spare_nodes"] == 1 and f["node"] == 1
+    a = R.parse_args(["--faults", ",".join(R.SPARE_FAULTS)])
+    p = R.plan(a, R.settings_from(a), missing={})
+    assert {x[0] for x in p} == {"trainguard"}  # the peers have no spare node to move to
+    assert "degrading_node" not in R.parse_args(["--quick"]).faults
+
+    class Out:  # what TrainguardRunner hands back: the harness's row per fault
+        injected = [{"harness": {"injected_ns": T0, "detected_ns": T0 + 2 * S,
+                                 "decided_ns": T0 + 3 * S, "resumed_ns": T0 + int(7.5 * S),
+                                 "steps_rolled_back": 0, "path": "peer",
+                                 "decision": {"action": "exclude_node_and_requeue",
+                                              "nodes": ["node1"],
+                                              "reason": "planned migration (ecc/hardware)"}}}]
+    res = {"faults": [{"recovery_s": 0.01, "steps_rolled_back": 0}]}
+    R._on_the_spare(res, Out, [f])
+    (smp,) = res["faults"]
+    assert smp["recovery_s"] == 7.5 and smp["steps_rolled_back"] == 0
+    assert smp["decided_s"] == 3.0 and smp["detected_s"] == 2.0
+    assert smp["culprit_correct"] is True and smp["planned"] is True

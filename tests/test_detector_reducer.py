@@ -159,6 +159,66 @@ def test_node_lost_names_every_member_on_the_node_and_uses_the_jobs_node_timeout
 
 
 # ---- job-record refresh ---------------------------------------------------------------------
+def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
+    node = "ip-10-0-1-2.ec2.internal"
+    recs = {"a": JobRecord(runs=1, generation=3, members=[
+                {"rank": 0, "node": node, "local_rank": 0},
+                {"rank": 1, "node": "g2", "local_rank": 0}]),
+            "b": JobRecord(runs=1, members=[{"rank": 0, "node": node, "local_rank": 0}])}
+
+    def node_hb(t, role, job=None):
+        return t, Received(subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(
+            node=node, role=role, job=job), wall(t))
+
+    inputs = [hb(T0, job="a", rank=0, node=node, generation=3), hb(T0, job="b", node=node),
+              node_hb(T0, "launcher", "a"), node_hb(T0, "launcher", "b"), tick(T0 + 0.05)]
+    for k in range(1, 10):  # a's launcher and rank 0 stop; b's and the agent go on
+        t = T0 + k * 0.5
+        inputs += [node_hb(t, "agent"), node_hb(t, "launcher", "b"),
+                   hb(t, job="b", node=node), tick(t + 0.01)]
+    s, eff = run_offline(step, state(rules=DetectorConfig(silence_timeout_s=60.0)), inputs,
+                         records(recs))
+    lost = published(eff, "launcher_lost")
+    assert [(e.subject, e.event.culprit.ranks, e.event.culprit.nodes, e.event.generation)
+            for e in lost] == [("tg.job.a.anomaly", [0], [node], 3)]
+    # found at the first agent beat more than the timeout after the launcher's last
+    assert lost[0].event.fault_class == "crash" and lost[0].event.first_ts == wall(T0 + 3.51)
+    assert lost[0].event.detail["last_beat_ns"] == wall(T0)  # the launcher's last beat
+    assert not published(eff, "node_lost")
+
+
+def test_a_powered_off_node_is_lost_not_its_launcher():
+    """The agent's last beat comes a moment after the launcher's (a power-off stops both):
+    node lost only."""
+    recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": "g1", "local_rank": 0}])}
+
+    def node_hb(t, role, job=None):
+        return t, Received(subjects.node("g1", "heartbeat"), schemas.NodeHeartbeat(
+            node="g1", role=role, job=job), wall(t))
+
+    inputs = [hb(T0, job="a", node="g1"), node_hb(T0, "launcher", "a"), node_hb(T0 + 0.9, "agent")]
+    inputs += [tick(T0 + k * 0.25) for k in range(1, 24)]
+    _, eff = run_offline(step, state(rules=DetectorConfig(silence_timeout_s=60.0)), inputs,
+                         records(recs))
+    assert [e.event.kind for e in published(eff) if e.subject == "tg.job.a.anomaly"] == [
+        "node_lost"]
+
+
+def test_a_dotted_node_name_is_kept_from_the_subject_to_the_jobs_anomaly():
+    """A Kubernetes node name (spec.nodeName, dots included) keys the node's windows as the
+    members name it, whether the event or only its subject token (``%2E``) carries it."""
+    node = "ip-10-0-1-3.ec2.internal"
+    recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": node, "local_rank": 0}])}
+    beat = (T0, Received(subjects.node(node, "heartbeat"),
+                         schemas.NodeHeartbeat(node=None, role="agent"), wall(T0)))
+    s, eff = run_offline(step, state(), learn_jobs("a") + [beat, tick(T0 + 3.5)],
+                         records(recs))
+    assert set(s.nodes) == {node}
+    lost = published(eff, "node_lost")
+    assert [(e.subject, e.event.culprit.nodes, e.event.culprit.ranks) for e in lost] == [
+        (subjects.node(node, "anomaly"), [node], []), ("tg.job.a.anomaly", [node], [0])]
+
+
 def test_a_new_job_is_read_at_the_next_tick_then_every_job_refresh_s():
     inputs = [hb(T0), tick(T0 + 0.05), tick(T0 + 0.1), hb(T0 + 0.2, job="k"), tick(T0 + 0.25),
               tick(T0 + 2.0), tick(T0 + 2.1)]

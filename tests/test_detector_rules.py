@@ -235,6 +235,47 @@ def test_node_lost_needs_every_role_silent_and_fires_once():
     assert rules.node_lost_rule(ns, 10.5, 3.0) is not None
 
 
+#: (case, agent's last beat, ranks' last beats, now, expected): the launcher of job j on node
+#: ip-10-0-1-2.ec2.internal last beat at 0.0; timeout 3 s.
+LAUNCHER_LOST_CASES = [
+    ("launcher and ranks silent, agent beating: its pod is lost", 4.0, [0.1, 0.1], 4.0, True),
+    ("not yet past the timeout", 2.5, [0.1], 2.9, False),
+    ("the agent is silent too: the node is lost (node_lost_rule's)", 0.5, [0.1], 4.0, False),
+    ("the agent stopped a beat after the launcher: a power-off, not a lost pod", 0.9, [0.1],
+     3.5, False),
+    ("a rank still beats: the launcher's heartbeat alone stopped", 4.0, [0.1, 3.9], 4.0, False),
+    ("every rank ended (exited, done): a launcher that finished", 4.0, [], 4.0, False),
+]
+
+
+@pytest.mark.parametrize("case,agent,ranks,now,lost", LAUNCHER_LOST_CASES,
+                         ids=[c[0] for c in LAUNCHER_LOST_CASES])
+def test_launcher_lost_rule(case, agent, ranks, now, lost):
+    node = "ip-10-0-1-2.ec2.internal"
+    ns = NodeState(node)
+    rules.observe_node_heartbeat(ns, "launcher", 0.0, job="j")
+    rules.observe_node_heartbeat(ns, "launcher", 0.0, job="other")
+    rules.observe_node_heartbeat(ns, "agent", agent)
+    f = rules.launcher_lost_rule(ns, "j", [4, 5], ranks, now, 3.0)
+    assert (f is not None) is lost, case
+    if lost:
+        assert (f.kind, f.fault_class, f.detail["layer"]) == (
+            "launcher_lost", "crash", "infrastructure")
+        assert f.nodes == [node] and f.ranks == [4, 5] and f.detail["launcher_lost"] == [node]
+        assert rules.launcher_lost_rule(ns, "j", [4, 5], ranks, now + 1, 3.0) is None  # once
+        rules.observe_node_heartbeat(ns, "launcher", now + 2, job="j")  # back (a new pod)…
+        rules.observe_node_heartbeat(ns, "agent", now + 5.5)
+        assert rules.launcher_lost_rule(ns, "j", [4, 5], [now + 2], now + 5.6, 3.0) is not None
+
+
+def test_launcher_lost_needs_members_and_a_launcher_that_beat():
+    ns = NodeState("n1")
+    rules.observe_node_heartbeat(ns, "agent", 10.0)
+    assert rules.launcher_lost_rule(ns, "j", [0], [0.1], 10.0, 3.0) is None  # never beat
+    rules.observe_node_heartbeat(ns, "launcher", 0.0, job="j")
+    assert rules.launcher_lost_rule(ns, "j", [], [0.1], 10.0, 3.0) is None  # node left the job
+
+
 def test_xid_rule_uses_table():
     f = rules.xid_rule(79, "n3", "0000:4e:00", 2, 100, "NVRM: Xid …: 79, …", 5)
     assert (f.fault_class, f.detail["layer"]) == ("gpu_xid", "hardware")

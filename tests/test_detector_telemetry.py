@@ -49,9 +49,10 @@ def test_host_rules(samples, latency, expected):
     assert sorted(set(host(samples, latency))) == sorted(expected)
 
 
-def gpu(links=None, replay=None, index=0):
+def gpu(links=None, replay=None, index=0, sbe=None, sbe_aggregate=None):
     return schemas.GpuSample(index=index, nvlink_errors=links or {},
-                             pcie_replay_counter=replay).model_dump()
+                             pcie_replay_counter=replay, ecc_volatile_corrected=sbe,
+                             ecc_aggregate_corrected=sbe_aggregate).model_dump()
 
 
 @pytest.mark.parametrize("a,b,dt,expected", [
@@ -63,6 +64,11 @@ def gpu(links=None, replay=None, index=0):
     (gpu({"3.crc_flit": 0}), gpu({"3.crc_flit": 50}), 1.0, []),        # 50/s: replay fixes it
     (gpu(replay=100), gpu(replay=102), 10.0, ["pcie_replay_rate"]),    # 12 per minute
     (gpu(replay=100), gpu(replay=101), 10.0, []),                      # 6 per minute
+    # corrected ECC errors: 30 per minute is a degrading memory, 6 per minute is not yet
+    (gpu(sbe=40), gpu(sbe=45), 10.0, ["ecc_corrected_rate"]),
+    (gpu(sbe=40), gpu(sbe=41), 10.0, []),
+    (gpu(sbe=40), gpu(sbe=0), 10.0, []),                                # a driver reload
+    (gpu(sbe_aggregate=7), gpu(sbe_aggregate=9), 1.0, ["ecc_corrected_rate"]),  # no volatile
 ])
 def test_link_rate_rules(a, b, dt, expected):
     win = tel.HostWindow()
@@ -78,7 +84,7 @@ def test_link_rate_rules(a, b, dt, expected):
 def test_every_rule_row_has_a_reason_and_is_a_warning():
     assert set(tel.RULES) == {"host_memory_exhausted", "host_memory_trend", "cpu_saturated",
                               "peer_latency", "peer_unreachable", "nvlink_errors",
-                              "nvlink_crc_rate", "pcie_replay_rate"}
+                              "nvlink_crc_rate", "pcie_replay_rate", "ecc_corrected_rate"}
     for r in tel.RULES.values():
         assert r.why and r.layer and r.fault_class
     win = tel.HostWindow()

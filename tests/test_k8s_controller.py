@@ -146,3 +146,26 @@ async def test_outside_a_cluster_the_result_says_what_to_do(tmp_path, monkeypatc
 
 def test_registered_as_the_kubernetes_controller():
     assert isinstance(make_controller("kubernetes", None), KubernetesNodeController)
+
+
+async def test_the_readmit_command_runs_the_canary_command_before_uncordoning(tmp_path,
+                                                                             monkeypatch):
+    from trainguard.k8s.__main__ import readmit
+
+    async with cluster() as c:
+        c.add_node(NODE)
+        monkeypatch.setenv("KUBECONFIG", str(c.kubeconfig(tmp_path / "kc")))
+        monkeypatch.delenv("REDIS_URL", raising=False)
+        ctl = _controller(c, tmp_path)
+        await ctl.exclude(NODE, "llm", "xid 79")
+        await ctl.kube.close()
+        # the canary sees the node's name; a failing one keeps it cordoned and labelled
+        failing = f'test "$TG_NODE" = {NODE} && echo "GPU 3 failed the all-reduce" && exit 4'
+        assert await readmit([NODE, "--canary-cmd", failing]) == 1
+        node = c.node(NODE)
+        assert node["spec"]["unschedulable"] is True
+        assert node["metadata"]["labels"]["trainguard.io/suspect"] == "true"
+        assert await readmit([NODE, "--canary-cmd", f'test "$TG_NODE" = {NODE}']) == 0
+        node = c.node(NODE)
+        assert node["spec"]["unschedulable"] is False
+        assert "trainguard.io/suspect" not in node["metadata"]["labels"]

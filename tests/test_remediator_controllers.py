@@ -1,12 +1,12 @@
 """Node exclusion controllers: local records in the state store; Slurm command lines (run for
-real only where scontrol exists); the Kubernetes cordon request."""
-import json
+real only where scontrol exists); the registry (the Kubernetes controller itself is tested
+against an API emulator in tests/test_k8s_controller.py)."""
 import shutil
+import sys
 
 import pytest
 
-from trainguard.controllers import (KubernetesConfig, KubernetesController, LocalController,
-                                    SlurmConfig, SlurmController, k8s_cordon_request,
+from trainguard.controllers import (LocalController, SlurmConfig, SlurmController,
                                     make_controller, slurm_drain_command)
 from trainguard.state import StateStore
 
@@ -46,20 +46,13 @@ async def test_slurm_real_scontrol_reports_result():
     assert not res.ok and "exited" in res.detail
 
 
-def test_k8s_cordon_request():
-    req = k8s_cordon_request("https://10.0.0.1:443/", "gpu-node-3", token="tok")
-    assert req.method == "PATCH" and req.url == "https://10.0.0.1:443/api/v1/nodes/gpu-node-3"
-    assert req.headers["Content-Type"] == "application/strategic-merge-patch+json"
-    assert req.headers["Authorization"] == "Bearer tok"
-    assert json.loads(req.body) == {"spec": {"unschedulable": True}}
-
-
-async def test_k8s_outside_cluster_says_what_to_do():
-    res = await KubernetesController(None, KubernetesConfig(host="")).exclude("n1", "j", "r")
-    assert not res.ok and "kubectl cordon n1" in res.detail
-
-
 def test_make_controller():
     assert make_controller("local", None).name == "local"
     with pytest.raises(ValueError, match="local, slurm, kubernetes"):
         make_controller("pbs", None)
+
+
+def test_kubernetes_without_its_extra_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kubernetes_asyncio", None)  # import fails as if absent
+    with pytest.raises(ImportError, match=r"pip install 'trainguard\[kubernetes\]'"):
+        make_controller("kubernetes", None)

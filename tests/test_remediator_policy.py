@@ -292,12 +292,11 @@ def test_plan_and_escalate_change_none_of_their_inputs():
     # a culprit node")
     ("straggler", "unknown", "throughput_drop", [], [], ["s1"], "none"),
     # telemetry and counter warnings are flagged whatever their class's row does for an error
-    ("oom_host", "application", "host_memory_trend", [], ["n2"], ["s1"], "none"),
     ("gpu_xid", "hardware", "pcie_replay_rate", [2], ["n2"], ["s1"], "none"),
     ("nvlink", "hardware", "nvlink_errors", [2], ["n2"], ["s1"], "none"),
     ("network", "infrastructure", "peer_latency", [], ["n2"], [], "none"),
     ("straggler", "system_software", "cpu_saturated", [], ["n2"], ["s1"], "none"),
-    ("ecc", "hardware", "ecc_corrected", [2], ["n2"], ["s1"], "none"),
+    ("ecc", "hardware", "ecc_corrected", [2], ["n2"], ["s1"], "none"),  # a row remap: a repair
     # a measured straggler and a throttled GPU keep their rows
     ("straggler", "unknown", "straggler", [3], ["n2"], ["s1"], "exclude_node_and_requeue"),
     ("thermal", "hardware", "thermal", [3], ["n2"], ["s1"], "exclude_node_and_requeue"),
@@ -325,3 +324,109 @@ def test_a_systematic_stop_quotes_the_roots_error_and_the_nodes():
     assert d.action == "stop_job_notify_user"
     assert "systematic (n1, n2, high confidence)" in d.reason
     assert d.reason.endswith("the error: ValueError: bad batch at step 50"), d.reason
+
+
+# ---- pod restart: a lost launcher on a healthy node, under a controller that recreates pods ----
+def launcher_lost(node="n2", ranks=(2, 3), **detail):
+    return verdict("crash", "infrastructure", ranks=ranks, nodes=[node],
+                   detail={"root_kind": "launcher_lost", "launcher_lost": [node], **detail})
+
+
+#: (case, verdict, job, controller recreates pods, action, nodes whose pod is replaced)
+POD_CASES = [
+    ("kubernetes: the lost launcher's pod is replaced, the node stays in service",
+     launcher_lost(), job(), True, "restart_workers", ["n2"]),
+    ("local or Slurm: no pod to replace, the reason says to start the launcher again",
+     launcher_lost(), job(), False, "restart_workers", []),
+    ("a plain crash is the launcher's to restart", verdict("crash", "unknown", ranks=[2]),
+     job(), True, "restart_workers", []),
+    ("the node failed in other jobs too: excluded (cordoned), no pod restart",
+     launcher_lost(repeat_offender=["n2"]).model_copy(update={"layer": "hardware"}), job(),
+     True, "exclude_node_and_requeue", []),
+    ("retry budget spent: a stop, no pod restart", launcher_lost(), job(retries_used=5), True,
+     "stop_job_notify_user", []),
+    ("a node outside the decision is not touched",
+     launcher_lost().model_copy(update={"detail": {"root_kind": "launcher_lost",
+                                                   "launcher_lost": ["n9"]}}),
+     job(), True, "restart_workers", []),
+]
+
+
+@pytest.mark.parametrize("case,v,rec,pods,action,nodes", POD_CASES,
+                         ids=[c[0] for c in POD_CASES])
+def test_pod_restart(case, v, rec, pods, action, nodes):
+    d = decide(v, rec, restarts_pods=pods)
+    assert d.action == action, d.reason
+    got, why = pol.pod_restart(d, v, pods)
+    assert got == nodes, case
+    if nodes:
+        assert d.ranks == [2, 3] and d.nodes == ["n2"] and d.members == []  # world unchanged
+        assert "JobSet, PyTorchJob" in d.reason and why in d.reason
+    elif action == "restart_workers" and v.detail.get("launcher_lost") == ["n2"]:
+        assert "start the launcher on that node again" in d.reason
+
+
+def test_every_pod_restart_row_has_a_source_and_an_acting_action():
+    for row in pol.POD_RESTARTS:
+        assert row.source and row.elsewhere and row.action in pol.RECOVERY_ACTIONS
+        assert row.action != "exclude_node_and_requeue"  # a pod restart keeps the node
+
+
+@pytest.mark.parametrize("fault_class,layer,root_kind,nodes,spares,expected", [
+    # a degrading node with a spare: a planned migration of its ranks to the spare
+    ("ecc", "hardware", "ecc_corrected_rate", ["n2"], ["s1"], "exclude_node_and_requeue"),
+    ("oom_host", "application", "host_memory_trend", ["n2"], ["s1"], "exclude_node_and_requeue"),
+    ("oom_host", "application", "host_memory_exhausted", ["n2"], ["s1"],
+     "exclude_node_and_requeue"),
+    # without a spare: flagged, as today (never a shrink of the world for a warning)
+    ("ecc", "hardware", "ecc_corrected_rate", ["n2"], [], "none"),
+    ("oom_host", "application", "host_memory_trend", ["n2"], [], "none"),
+    ("oom_host", "application", "host_memory_exhausted", ["n2"], [], "none"),
+    # without a culprit node: flagged
+    ("oom_host", "application", "host_memory_trend", [], ["s1"], "none"),
+    # a spare that is the degrading node itself is no spare
+    ("ecc", "hardware", "ecc_corrected_rate", ["s1"], ["s1"], "none"),
+])
+def test_a_degrading_node_migrates_to_a_spare_before_any_rank_dies(
+        fault_class, layer, root_kind, nodes, spares, expected):
+    v = verdict(fault_class, layer, nodes=nodes, confidence="low",
+                detail={"severity": "warning", "root_kind": root_kind})
+    d = decide(v, job(spare_nodes=spares))
+    assert d.action == expected, d.reason
+    assert d.reason.startswith("planned migration"), d.reason
+    if expected == "none":
+        assert not d.members and d.generation == 3 and "flag only" in d.reason
+        return
+    # the node's ranks, all of them, move to the spare: the world size is kept
+    assert d.nodes == ["n2"] and d.ranks == [2, 3] and d.world_size == 4, d
+    assert sorted((m.rank, m.node) for m in d.members) == [
+        (0, "n1"), (1, "n1"), (2, "s1"), (3, "s1")]
+    assert d.execute and d.generation == 4 and d.retries_used == 1
+    assert "spare node(s) s1 replace n2" in d.reason
+
+
+def test_a_planned_migration_is_no_new_fault_once_the_node_is_out():
+    """The warnings go on after the move (the counter keeps rising on the excluded node): the
+    node is no member any more, nothing is excluded again."""
+    moved = [m if m["node"] != "n2" else {**m, "node": "s1"} for m in MEMBERS]
+    v = verdict("ecc", "hardware", nodes=["n2"],
+                detail={"severity": "warning", "root_kind": "ecc_corrected_rate"})
+    d = decide(v, job(members=moved, spare_nodes=["s1", "s2"]))
+    assert d.action == "none" and "already out of the job" in d.reason
+
+
+def test_a_planned_migration_respects_the_retry_budget():
+    v = verdict("oom_host", "application", nodes=["n2"],
+                detail={"severity": "warning", "root_kind": "host_memory_trend"})
+    d = decide(v, job(spare_nodes=["s1"], retries_used=5))
+    assert d.action == "stop_job_notify_user" and "retry budget spent" in d.reason
+
+
+def test_every_migration_row_has_a_source_and_a_detector_kind():
+    from trainguard.detector import telemetry as tel
+
+    assert {m.root_kind for m in pol.MIGRATIONS} == {
+        "ecc_corrected_rate", "host_memory_trend", "host_memory_exhausted"}
+    for m in pol.MIGRATIONS:
+        assert m.source and m.root_kind in tel.RULES
+        assert m.root_kind not in pol.ACTING_WARNINGS

@@ -37,6 +37,7 @@ class Store:
         self.controller: dict[str, object] = {}  # node -> ControllerResult or an exception
         self.fail: set[str] = set()               # methods that raise ConnectionError
         self.excluded: list[str] = []
+        self.restarted: list[tuple] = []          # restart_pod calls: (node, job, before_ns)
         self.outboxes: dict[str, dict[str, dict]] = {}  # job -> decision id -> decision
 
     def __call__(self, call: Call):
@@ -44,8 +45,11 @@ class Store:
             raise ConnectionError(f"{call.method}: valkey gone")
         if call.target == "controller":
             node = call.args[0]
-            self.excluded.append(node)
-            res = self.controller.get(node, ControllerResult(True, f"node {node} excluded"))
+            if call.method == "restart_pod":
+                self.restarted.append(call.args)
+            else:
+                self.excluded.append(node)
+            res = self.controller.get(node, ControllerResult(True, f"node {node} {call.method}"))
             if isinstance(res, Exception):
                 raise res
             return res
@@ -314,6 +318,74 @@ def test_a_failed_drain_is_audited_not_escalated(failure):
     # the controller's own failed result does not escalate either
     state, eff = run(st, [(1.0, Received(subjects.job("j", "action"), ar, WALL))], state)
     assert published(eff) == [] and "j" in state.pending
+
+
+def launcher_lost(node="n2", gen=0):
+    return Verdict(job="j", fault_class="crash", layer="infrastructure",
+                   culprit={"ranks": [2, 3], "nodes": [node]}, generation=gen, first_ts=3000,
+                   detail={"root_kind": "launcher_lost", "launcher_lost": [node],
+                           "last_beat_ns": 2900})
+
+
+def pods_state(restarts_pods=True):
+    return RemediatorState(config=RemediatorConfig(decision_timeout_s=60.0,
+                                                   controller="kubernetes"),
+                           controller="kubernetes", restarts_pods=restarts_pods, armed=True)
+
+
+def test_a_lost_launcher_has_its_pod_replaced_once_not_its_node_excluded():
+    st = Store(j=record())
+    v = launcher_lost()
+    again = v.model_copy(update={"event_id": schemas.new_event_id()})
+    state, eff = run(st, [verdict_in(v), verdict_in(again, 1.0)], pods_state())
+    [d] = published(eff)
+    assert (d.action, d.ranks, d.nodes, d.execute) == ("restart_workers", [2, 3], ["n2"], True)
+    assert st.excluded == [] and st.restarted == [("n2", "j", 2900)]  # the launcher's last beat
+    [ctl] = [c for c in eff if isinstance(c, Call) and c.target == "controller"]
+    assert ctl.method == "restart_pod" and ctl.wait is False
+    [ar] = published(eff, ActionResult)
+    assert (ar.ok, ar.node, ar.executor, ar.action, ar.decision_id) == (
+        True, "n2", "controller:kubernetes", "restart_workers", d.event_id)
+    assert st.claims[f"{d.idempotency_key}:restart_pod:n2"] == d.event_id
+    assert "j" in state.pending  # the watchdog waits for training to resume
+    # a restarted remediator replays the verdict: the claim holds, no second deletion
+    state, eff = run(st, [verdict_in(v, 2.0)], pods_state())
+    assert st.restarted == [("n2", "j", 2900)]
+
+
+def test_a_lost_launcher_found_after_its_ranks_hang_was_decided_still_gets_its_pod_replaced():
+    st = Store(j=record())
+    hang = Verdict(job="j", fault_class="hang", layer="unknown",
+                   culprit={"ranks": [2, 3], "nodes": ["n2"]}, generation=0, first_ts=2500)
+    state, eff = run(st, [verdict_in(hang), verdict_in(launcher_lost(), 1.0)], pods_state())
+    [d] = published(eff)
+    assert d.action == "restart_workers" and "JobSet" not in d.reason
+    assert st.restarted == [("n2", "j", 2900)] and st.excluded == []  # the launcher's fault
+    [ar] = published(eff, ActionResult)
+    assert ar.decision_id == d.event_id and ar.ok
+    [folded] = audits(eff, "folded")
+    assert "pod restart on n2" in folded["reason"]
+    assert state.counts["folded"] == 1 and state.work == {}
+
+
+@pytest.mark.parametrize("restarts_pods,mode", [(False, "action"), (True, "observe")])
+def test_no_pod_restart_without_a_pod_controller_or_in_observe_mode(restarts_pods, mode):
+    st = Store(j=record(mode=mode))
+    state, eff = run(st, [verdict_in(launcher_lost())], pods_state(restarts_pods))
+    [d] = published(eff)
+    assert d.action == "restart_workers" and st.restarted == [] and st.excluded == []
+    assert ("JobSet" in d.reason) is restarts_pods
+
+
+def test_a_failed_pod_restart_is_audited_and_left_to_the_watchdog():
+    st = Store(j=record())
+    st.controller["n2"] = RuntimeError("HTTP 403 Forbidden")
+    state, eff = run(st, [verdict_in(launcher_lost())], pods_state())
+    [ar] = published(eff, ActionResult)
+    assert not ar.ok and "HTTP 403" in ar.detail
+    [failed] = audits(eff, "controller_failed")
+    assert failed["step"] == "restart_pod" and failed["node"] == "n2"
+    assert "j" in state.pending
 
 
 # ---- watchdog ---------------------------------------------------------------------------------------

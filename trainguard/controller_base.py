@@ -1,10 +1,11 @@
 """The one interface of node controllers (local, Slurm, Kubernetes) and what they return.
 
-A controller is what the remediator calls to take a node out of service and to stop a job
-through the scheduler. ``exclude`` and ``stop`` are coroutines returning a ``ControllerResult``;
-they never raise for an external failure (``ok`` False, ``detail`` says what to do), and they
-re-read the scheduler's state before acting, so that doing one twice is harmless (the detail
-says ``already …``).
+A controller is what the remediator calls to take a node out of service, to stop a job through
+the scheduler and, where the scheduler recreates a job's pods (``restarts_pods``: Kubernetes),
+to replace the one pod whose launcher was lost (``restart_pod``). ``exclude``, ``stop`` and
+``restart_pod`` are coroutines returning a ``ControllerResult``; they never raise for an
+external failure (``ok`` False, ``detail`` says what to do), and they re-read the scheduler's
+state before acting, so that doing one twice is harmless (the detail says ``already …``).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class NodeController:
     job records are read."""
 
     name = "base"
+    #: Whether ``restart_pod`` can replace a job's pod on a node (its scheduler recreates it).
+    restarts_pods = False
 
     def __init__(self, state: Any = None):
         self.state = state
@@ -49,3 +52,9 @@ class NodeController:
         stop their ranks on the stop decision themselves)."""
         return ControllerResult(True, f"{self.name}: nothing to cancel for {job!r} (its "
                                       f"launchers stop on the decision)")
+
+    async def restart_pod(self, node: str, job: str, before_ns: int = 0) -> ControllerResult:
+        """Replace ``job``'s pod on ``node`` (one created before ``before_ns``, Unix ns; 0: any)
+        so that its scheduler recreates it; by default there are no pods to replace."""
+        return ControllerResult(False, f"{self.name}: no pod to restart for {job!r} on "
+                                       f"{node}: start its launcher there again")

@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             recs = list(read_recording(fh))
         snap = _job_records(args.job_record)
         if "*" in snap:  # fields for every job of the recording
-            jobs = {(r.subject.split(".")[2]) for r in recs if r.subject.startswith("tg.job.")}
+            jobs = {schemas.subjects.untoken(r.subject.split(".")[2]) for r in recs
+                    if r.subject.startswith("tg.job.")}
             snap = {j: snap["*"] for j in jobs}
         res = decide(recs, policy, snap, tick_s=args.tick)
     except (OSError, ValueError) as exc:  # ReplayError is a ValueError

@@ -134,6 +134,11 @@ class Stack:
     * ``kernel_log_dir`` — when set, each agent follows ``<dir>/kernel-<node>.log`` instead of
       the host's kernel log (simulated nodes on one machine: the demo and tests append real
       ``NVRM: Xid`` lines there);
+    * ``sim_dir`` — when set, each agent is a simulated node's with simulated hardware there:
+      its GPUs are the demo's simulated NVML (``trainguard.demo.fake_pynvml:for_node``, one
+      healthy H100 whose degradation follows ``<dir>/nvml-<node>.json``) and its memory is a
+      share of the host (``agents.host.NodeMemory``: the node's own processes against the budget
+      in ``<dir>/memory-budget-<node>``, ``memory_budget_path``);
     * ``data_dir`` — embedded servers keep credentials and data there across starts (None: a
       temporary directory removed on stop); ``auth`` — embedded servers require the users of
       ``trainguard.auth``; ``rotate_credentials`` — new passwords for every role;
@@ -148,7 +153,7 @@ class Stack:
                  grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None,
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
                  rotate_credentials: bool = False, replicas: int = 1,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -166,6 +171,10 @@ class Stack:
         self.env = dict(env or {})
         self.grace_s = grace_s
         self.kernel_log_dir = Path(kernel_log_dir) if kernel_log_dir else None
+        self.sim_dir = Path(sim_dir) if sim_dir else None
+        if self.sim_dir is not None:
+            self.sim_dir.mkdir(parents=True, exist_ok=True)
+            self.env["TG_DEMO_NVML_DIR"] = str(self.sim_dir)
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}
         self.roles: dict[str, str | None] = {}  # process name -> auth role (None: no servers)
@@ -262,6 +271,9 @@ class Stack:
                 cmd = [sys.executable, "-m", spec.module, "--node", node]
                 if self.kernel_log_dir is not None:
                     cmd += ["--kmsg", str(self.kernel_log_path(node))]
+                if self.sim_dir is not None:
+                    cmd += ["--nvml-module", "trainguard.demo.fake_pynvml:for_node",
+                            "--memory-budget-file", str(self.memory_budget_path(node))]
                 return cmd, spec.role
             if spec.partitioned and (name == s or (self.replicas > 1 and name.startswith(f"{s}-")
                                                    and name[len(s) + 1:].isdigit())):
@@ -276,6 +288,14 @@ class Stack:
             raise ValueError("this stack's agents follow the host kernel log: pass "
                              "kernel_log_dir to give each simulated node its own file")
         return self.kernel_log_dir / f"kernel-{node}.log"
+
+    def memory_budget_path(self, node: str) -> Path:
+        """The file holding the memory budget (bytes) of simulated node ``node`` (needs
+        ``sim_dir``)."""
+        if self.sim_dir is None:
+            raise ValueError("this stack's agents read the host's memory: pass sim_dir to make "
+                             "each simulated node a share of the host")
+        return self.sim_dir / f"memory-budget-{node}"
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> "Stack":

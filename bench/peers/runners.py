@@ -494,9 +494,13 @@ class TrainguardRunner(Runner):
         c = self.cfg
         report = os.path.join(self.run_dir, "report.json")
         faults = []
+        spare_nodes = 0
         for i, f in enumerate(self.faults, 1):
             g = dict(f, id=i)
-            if g["kind"] == "node_loss":
+            # a benchmark fault may be a harness fault under another name, with a spare node
+            g["kind"] = g.pop("harness_kind", g["kind"])
+            spare_nodes = max(spare_nodes, int(g.pop("spare_nodes", 0)))
+            if "node" in g:
                 g.setdefault("rank", g["node"] * c.nproc_per_node)
             faults.append(g)
         conf = {"steps": c.steps, "seed": c.seed, "nnodes": c.nnodes,
@@ -504,6 +508,7 @@ class TrainguardRunner(Runner):
                 "step_sleep_s": c.step_sleep_s, "hang_timeout_s": c.hang_timeout_s,
                 "node_timeout_s": c.node_timeout_s, "faults": faults,
                 "run_dir": os.path.join(self.run_dir, "tg"), "report": report, "quiet": True,
+                "spare_nodes": spare_nodes,
                 "recovery_timeout_s": min(90.0, c.deadline_s / 2)}
         env = self.env()
         env["PYTHONPATH"] = os.pathsep.join(
@@ -538,18 +543,19 @@ class TrainguardRunner(Runner):
         self.outcome.extra["report"] = rep
         self.outcome.finished = rep.get("accuracy") is not None
         culprits = []
-        for f, r in zip(faults, rep.get("faults", [])):
+        for f, orig, r in zip(faults, self.faults, rep.get("faults", [])):
+            kind = orig["kind"]  # the benchmark's name of the fault
             v = r.get("verdict") or {}
             culprits.append(v.get("culprit_ranks"))
             if r.get("injected_ns"):
                 ranks = r.get("ranks") or [r.get("rank", f.get("rank", -1))]
-                if f["kind"] == "node_loss" and not r.get("ranks"):
+                if "node" in f and not r.get("ranks"):
                     n = c.nproc_per_node
                     ranks = list(range(f["node"] * n, (f["node"] + 1) * n))
                 for rk in ranks:
-                    mark_fault(self.progress, f["kind"], rk, r.get("step", f["step"]),
+                    mark_fault(self.progress, kind, rk, r.get("step", f["step"]),
                                r["injected_ns"])
-                self.outcome.injected.append({"kind": f["kind"], "ranks": ranks,
+                self.outcome.injected.append({"kind": kind, "ranks": ranks,
                                               "step": f["step"], "t_ns": r["injected_ns"],
                                               "harness": r})
             else:

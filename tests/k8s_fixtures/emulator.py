@@ -41,7 +41,16 @@ def node_object(name: str, ready: bool = True) -> dict[str, Any]:
 
 
 def pod_object(name: str, node: str, job: str, namespace: str = "train",
-               managed: bool = True) -> dict[str, Any]:
+               managed: bool = True, created: str = "2026-01-01T00:00:00Z",
+               phase: str = "Running", started: str | None = None) -> dict[str, Any]:
+    """A Pod of ``job`` on ``node``; ``started``: when its container last started (a kubelet
+    restart in place shows as a later time and a restart count of 1)."""
+    status: dict[str, Any] = {"phase": phase, "podIP": "10.1.0.7"}
+    if started is not None:
+        status["containerStatuses"] = [{
+            "name": "trainer", "image": "registry.example/trainguard:1",
+            "imageID": "registry.example/trainguard@sha256:0", "ready": True,
+            "restartCount": 1, "state": {"running": {"startedAt": started}}}]
     labels = {"jobset.sigs.k8s.io/jobset-name": job,
               "jobset.sigs.k8s.io/replicatedjob-name": "workers",
               "batch.kubernetes.io/job-name": f"{job}-workers-0"}
@@ -50,7 +59,7 @@ def pod_object(name: str, node: str, job: str, namespace: str = "train",
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "labels": labels,
+                     "creationTimestamp": created, "labels": labels,
                      "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
                                           "name": f"{job}-workers-0", "uid": f"uid-{job}-job",
                                           "controller": True, "blockOwnerDeletion": True}]},
@@ -59,7 +68,7 @@ def pod_object(name: str, node: str, job: str, namespace: str = "train",
                                  "command": ["trainguard", "launch"],
                                  "env": [{"name": "TG_NODE", "valueFrom": {"fieldRef": {
                                      "apiVersion": "v1", "fieldPath": "spec.nodeName"}}}]}]},
-        "status": {"phase": "Running", "podIP": "10.1.0.7"},
+        "status": status,
     }
 
 

@@ -9,6 +9,16 @@ accuracy next to a fault-free run with the same seed.
 ``--mode observe`` runs the same schedule with decisions published but never executed: after
 each fault the demo does what a scheduler alone would (kill the whole job, start it again from
 the last valid checkpoint) and reports the decisions that would have been taken.
+
+Faults of a degrading node (``SIM_FAULTS``; they need a stack with ``sim_dir``, which the demo's
+own stack has when the schedule holds one): ``ecc_degrading`` — the simulated GPU of ``node``
+counts ``per_s`` corrected ECC errors per second from the fault's step on
+(``fake_pynvml.set_ecc_rate``); ``memory_fill`` — the node is given a memory budget of which
+what its processes use now is ``start_ratio`` (0.75: below the trend rule's floor of 0.8, so
+nothing fires until the fill has added memory), and a real process started for that node
+(``trainguard.demo.fill``) fills what is left, at most ``max_mb`` (384) MiB, at ``rate`` MiB/s,
+holds it a while and exits by itself. With a spare node each is recovered when the node's ranks
+train on the spare.
 """
 from __future__ import annotations
 
@@ -34,6 +44,11 @@ DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
     {"id": 2, "kind": "exception", "rank": 2, "step": 300},
     {"id": 3, "kind": "hang", "rank": 3, "step": 450},
 )
+
+#: Fault kinds of a degrading node: injected into the simulated node's hardware (``sim_dir``).
+SIM_FAULTS = ("ecc_degrading", "memory_fill")
+#: Fault kinds named by a node (their rank is the node's first).
+NODE_FAULTS = ("node_loss", "xid", *SIM_FAULTS)
 
 
 @dataclass
@@ -123,6 +138,8 @@ class Demo:
         self.launchers: list[subprocess.Popen] = []
         self.rec: Recorder | None = None
         self.log_dir = ""
+        self.fills: list[tuple[subprocess.Popen, str]] = []  # (fill process, its node)
+        self.degraded: list[str] = []  # nodes whose simulated GPU was made to degrade
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -133,9 +150,11 @@ class Demo:
         from trainguard.stack import Stack
 
         nodes = tuple(f"node{i}" for i in range(self.cfg.nnodes))
+        sim = any(f["kind"] in SIM_FAULTS for f in self.cfg.faults)
         self.stack = Stack(agent_nodes=nodes, rendezvous=True,
                            log_dir=os.path.join(self.cfg.run_dir, "logs"),
-                           kernel_log_dir=self.cfg.run_dir)
+                           kernel_log_dir=self.cfg.run_dir,
+                           sim_dir=os.path.join(self.cfg.run_dir, "sim") if sim else None)
         self.stack.start()
         self.say(f"stack up: NATS {redact(self.stack.nats_url)}, "
                  f"Valkey {redact(self.stack.redis_url)}, "
@@ -226,6 +245,8 @@ class Demo:
                 fh.write(f"[{time.monotonic():12.6f}] NVRM: Xid (PCI:0000:3b:00): {xid}, "
                          f"pid={hb.pid}, name=python, GPU has fallen off the bus.\n")
             return ts
+        if f["kind"] in SIM_FAULTS:
+            return self.inject_degradation(f)
         if f["kind"] == "straggler":
             node, local = f["rank"] // cfg.nproc_per_node, f["rank"] % cfg.nproc_per_node
             path = os.path.join(cfg.run_dir, f"slow-node{node}-{local}")
@@ -237,6 +258,62 @@ class Demo:
         os.kill(hb.pid, sig)
         return ts
 
+    def inject_degradation(self, f: dict[str, Any]) -> int:
+        """A fault of ``SIM_FAULTS`` into simulated node ``node<f["node"]>``; the Unix ns it
+        began. Raises ValueError when the stack has no simulated hardware (``sim_dir``)."""
+        sim = getattr(self.stack, "sim_dir", None)
+        if sim is None:
+            raise ValueError(f"a {f['kind']} fault needs a stack with simulated node hardware "
+                             f"(Stack(sim_dir=...))")
+        node = f"node{f['node']}"
+        if f["kind"] == "ecc_degrading":
+            from .fake_pynvml import set_ecc_rate
+
+            ts = time.time_ns()
+            set_ecc_rate(str(sim), node, float(f.get("per_s", 5.0)))
+            self.degraded.append(node)
+            return ts
+        from trainguard.agents.host import NodeMemory
+
+        budget = self.stack.memory_budget_path(node)
+        used = NodeMemory(node, str(budget)).used_bytes()
+        total = int(used / float(f.get("start_ratio", 0.75)))
+        mb = max(1, min(int(f.get("max_mb", 384)), (total - used) // 2**20))
+        f.update(used_mib=round(used / 2**20), budget_mib=round(total / 2**20), fill_mib=mb)
+        ts = time.time_ns()
+        budget.write_text(str(total))
+        log = open(os.path.join(self.log_dir, f"fill-{node}.log"), "a")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.demo.fill", "--mb", str(mb),
+             "--rate", str(f.get("rate", 32.0)), "--hold", str(f.get("hold_s", 20.0)),
+             "--max-s", str(f.get("max_s", 60.0))],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TG_NODE": node})
+        self.fills.append((proc, node))
+        self.say(f"{node}: budget {f['budget_mib']} MiB ({f['used_mib']} in use), filling "
+                 f"{mb} MiB (pid {proc.pid})")
+        return ts
+
+    def clear_degradation(self) -> None:
+        """End what ``inject_degradation`` began: the fill processes stopped, the budgets
+        removed, the ECC counts no longer rising (a stack shared by later runs is healthy)."""
+        for proc, node in self.fills:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(FileNotFoundError):
+                self.stack.memory_budget_path(node).unlink()
+        self.fills = []
+        if self.degraded:
+            from .fake_pynvml import set_ecc_rate
+
+            for node in self.degraded:
+                set_ecc_rate(str(self.stack.sim_dir), node, 0.0)
+        self.degraded = []
+
     def timeline(self, f: dict[str, Any], injected: int | None, wait: bool = True) -> dict:
         """Wait for detection, decision and resumption after a fault injected at ``injected``
         (``wait=False``: the empty row of a fault that could not be injected)."""
@@ -245,7 +322,8 @@ class Demo:
                                 "restored_step", "resumed_step", "path", "decision", "verdict")),
                "kind": f["kind"], "rank": f["rank"], "step": f["step"],
                "node": f"node{f.get('node', f['rank'] // cfg.nproc_per_node)}",
-               "injected_ns": injected, "recovered": False, "path_reason": ""}
+               "injected_ns": injected, "recovered": False, "path_reason": "",
+               **{k: f[k] for k in ("used_mib", "budget_mib", "fill_mib") if k in f}}
         if not wait:
             return out
         deadline = time.monotonic() + cfg.recovery_timeout_s
@@ -367,7 +445,7 @@ class Demo:
             stop_progress = threading.Event()
             threading.Thread(target=self._progress, args=(stop_progress,), daemon=True).start()
             for f in cfg.faults:
-                if f["kind"] in ("node_loss", "xid"):
+                if f["kind"] in NODE_FAULTS:
                     f.setdefault("rank", f["node"] * cfg.nproc_per_node)
                 if f["kind"] != "exception":
                     self.say(f"will inject {f['kind']} into rank {f['rank']} at step {f['step']}")
@@ -395,6 +473,8 @@ class Demo:
                          for d in self.rec.of(schemas.Decision)]
         finally:
             self.stop_launchers()
+            if self.stack is not None:
+                self.clear_degradation()
             if self.rec is not None:
                 self.rec.close()
             if self.stack is not None and self._own_stack:

@@ -5,10 +5,19 @@ credentials from the service account or ``KUBECONFIG``).
 Options: ``--hold S`` (120) · ``--deadline S`` (300) · ``--poll S`` (1) · ``--no-evict`` (only
 annotate ``trainguard.io/drain-ready``; the operator drains) · ``--no-validate`` (do not wait for
 the validator's verdict) · ``--namespace NS`` (env ``TG_K8S_NAMESPACE``; default all).
+
+``python -m trainguard.k8s readmit NODE [--canary-cmd CMD]``: give a suspect node back
+(``KubernetesNodeController.readmit``): uncordon it and remove ``trainguard.io/suspect`` only
+when the canary passes — the node is ``Ready`` with no drain requested and, with
+``--canary-cmd``, the shell command ``CMD`` (env ``TG_NODE`` = the node; e.g. a health-check
+Job pinned to the node, waited for with ``kubectl wait``) exits 0. With ``REDIS_URL`` set the
+node's record in the state store becomes ``healthy``. Exit status 0 readmitted, 1 kept cordoned.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 
 from trainguard.service import ServiceConfig, main
@@ -33,10 +42,61 @@ def parse(argv: list[str]) -> tuple[DrainConfig, KubeConfig]:
                        evict=not a.no_evict, require_valid=not a.no_validate), kube
 
 
+async def command_canary(cmd: str, node: str, timeout_s: float) -> tuple[bool, str]:
+    """Run ``cmd`` in a shell with ``TG_NODE=node``; passes on exit status 0 within
+    ``timeout_s`` seconds. The detail quotes the end of its output."""
+    proc = await asyncio.create_subprocess_shell(
+        cmd, env={**os.environ, "TG_NODE": node}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return False, f"canary {cmd!r} still running after {timeout_s:.0f} s"
+    tail = " ".join(out.decode(errors="replace").split())[-200:]
+    return proc.returncode == 0, f"canary {cmd!r} exited {proc.returncode}" + (
+        f": {tail}" if tail else "")
+
+
+async def readmit(argv: list[str]) -> int:
+    """``readmit NODE [--canary-cmd CMD] [--canary-timeout S]``; returns the exit status."""
+    from trainguard.state import StateStore
+
+    from .controller import KubernetesNodeController
+
+    p = argparse.ArgumentParser(prog="python -m trainguard.k8s readmit")
+    p.add_argument("node")
+    p.add_argument("--canary-cmd", default="")
+    p.add_argument("--canary-timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    state = StateStore(os.environ["REDIS_URL"]) if os.environ.get("REDIS_URL") else None
+    ctl = KubernetesNodeController(state, KubeConfig())
+
+    async def canary(node: str) -> tuple[bool, str]:
+        ok, detail = await ctl.ready_canary(node)
+        if not ok or not a.canary_cmd:
+            return ok, detail
+        ok, more = await command_canary(a.canary_cmd, node, a.canary_timeout)
+        return ok, f"{detail}; {more}"
+
+    try:
+        res = await ctl.readmit(a.node, canary)
+    finally:
+        await ctl.kube.close()
+        if state is not None:
+            await state.close()
+    print(res.detail)
+    return 0 if res.ok else 1
+
+
 def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "readmit":
+        raise SystemExit(asyncio.run(readmit(argv[1:])))
     if not argv or argv[0] != "drain":
-        raise SystemExit("usage: python -m trainguard.k8s drain [options] (see --help)")
+        raise SystemExit("usage: python -m trainguard.k8s drain [options] | readmit NODE "
+                         "[--canary-cmd CMD] (see --help)")
     drain, kube = parse(argv[1:])
 
     def factory(cfg: ServiceConfig) -> DrainService:

@@ -12,9 +12,11 @@ cluster (``TG_NODE_CONTROLLER=kubernetes``, registered in ``trainguard.controlle
    HTTP 429 is retried with backoff and, when it still forbids the eviction, the result is not
    ``ok`` and says so (``trainguard.k8s.api.Kube.evict``).
 
-``restart_pod(node, job)`` deletes only the failed pod of a job on a node and lets the job's
-controller recreate it. ``readmit(node, canary)`` uncordons a suspect node and removes its label
-only when ``canary(node)`` passes (default: the node's ``Ready`` condition is ``True`` and it has
+``restart_pod(node, job, before_ns)`` deletes only the failed pod of a job on a node (one created
+before the fault) and lets the job's controller recreate it; the remediator calls it when a
+job's launcher is lost while its node is healthy (``remediator.policy.POD_RESTARTS``), and
+never cordons the node for it. ``readmit(node, canary)`` uncordons a suspect node and removes its
+label only when ``canary(node)`` passes (default: the node's ``Ready`` condition is ``True`` and it has
 no ``trainguard.io/drain-requested`` annotation). Node names are Kubernetes names as the
 downward API gives them (``spec.nodeName``), dots included.
 
@@ -23,6 +25,7 @@ to do, and ``commands`` lists the requests made, for the audit trail.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Awaitable, Callable
 
 from trainguard.controller_base import ControllerResult, NodeController
@@ -44,6 +47,7 @@ class KubernetesNodeController(NodeController):
     and ``create`` on ``pods/eviction`` (deploy/kubernetes/rbac.yaml)."""
 
     name = "kubernetes"
+    restarts_pods = True
 
     def __init__(self, state: StateStore | None = None, config: KubeConfig | None = None,
                  kube: Kube | None = None):
@@ -78,31 +82,62 @@ class KubernetesNodeController(NodeController):
         return ControllerResult(True, f"cordoned and labelled {node}, evicted {len(pods)} "
                                       f"trainguard pod(s)", cmds)
 
-    async def restart_pod(self, node: str, job: str) -> ControllerResult:
+    async def restart_pod(self, node: str, job: str, before_ns: int = 0) -> ControllerResult:
         """Delete the pod of ``job`` on ``node`` when a job controller owns it (JobSet or
         PyTorchJob labels, ``OWNER_LABELS``): that controller recreates it; nothing else of
-        the job is touched. A pod without such an owner is left alone (nothing would recreate
-        it) and the result says so."""
+        the job is touched and the node is not cordoned. Only a running pod created before
+        ``before_ns`` (Unix ns, the fault's time: the launcher's last heartbeat; 0: any) whose
+        containers have not restarted since is the failed one — a pod that is being replaced
+        already is left alone (``commands`` says why): one terminating, one ``Failed`` (its
+        Job recreates it), a replacement made since, a container the kubelet restarted in
+        place (``restartPolicy: OnFailure``). A pod without such an owner is left alone
+        (nothing would recreate it) and the result is not ``ok``."""
         try:
             pods = await self.kube.managed_pods(node, job)
         except Exception as exc:  # noqa: BLE001
             return ControllerResult(False, f"list pods of {job} on {node}: {_why(exc)}")
         if not pods:
-            return ControllerResult(False, f"no pod of job {job} ({JOB_LABEL}) on node {node}")
+            return ControllerResult(False, f"no pod of job {job} on node {node}: deleted "
+                                           f"already, or not labelled {JOB_LABEL}={job} and "
+                                           f"{self.kube.cfg.managed_selector}")
         cmds: list[Any] = []
+        deleted = 0
         for p in pods:
             meta = p["metadata"]
             labels = meta.get("labels") or {}
             ns, name = meta.get("namespace", ""), meta["name"]
+            path = f"/api/v1/namespaces/{ns}/pods/{name}"
+            if meta.get("deletionTimestamp"):
+                cmds.append({"skipped": path, "why": "already terminating"})
+                continue
+            status = p.get("status") or {}
+            if status.get("phase") in ("Failed", "Succeeded"):
+                cmds.append({"skipped": path, "why": f"{status['phase']}: its controller "
+                                                     f"replaces it"})
+                continue
+            created = _unix_ns(meta.get("creationTimestamp"))
+            if before_ns and created is not None and created >= before_ns:
+                cmds.append({"skipped": path, "why": "created after the fault: a replacement"})
+                continue
+            started = [_unix_ns(((c.get("state") or {}).get("running") or {}).get("startedAt"))
+                       for c in status.get("containerStatuses") or []]
+            if before_ns and any(t is not None and t >= before_ns for t in started):
+                cmds.append({"skipped": path, "why": "its container restarted after the fault "
+                                                     "(restartPolicy OnFailure)"})
+                continue
             if not any(k in labels for k in OWNER_LABELS):
                 return ControllerResult(False, f"pod {ns}/{name} has no JobSet or PyTorchJob "
                                                f"owner: deleting it would not recreate it", cmds)
-            cmds.append(_req("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}"))
+            cmds.append(_req("DELETE", path))
             try:
                 await self.kube.delete_pod(ns, name)
             except Exception as exc:  # noqa: BLE001
                 return ControllerResult(False, f"delete {ns}/{name}: {_why(exc)}", cmds)
-        return ControllerResult(True, f"deleted {len(cmds)} pod(s) of {job} on {node}; "
+            deleted += 1
+        if not deleted:
+            return ControllerResult(True, f"no pod of {job} on {node} to delete: "
+                                          f"{cmds[0]['why']}", cmds)
+        return ControllerResult(True, f"deleted {deleted} pod(s) of {job} on {node}; "
                                       f"their controller recreates them", cmds)
 
     async def ready_canary(self, node: str) -> tuple[bool, str]:
@@ -136,6 +171,21 @@ class KubernetesNodeController(NodeController):
         if self.state is not None:
             await self.state.set_node(node, "healthy", f"readmitted: {detail}"[:500])
         return ControllerResult(True, f"canary passed ({detail}); uncordoned {node}", cmds)
+
+
+def _unix_ns(stamp: Any) -> int | None:
+    """An API timestamp (RFC 3339 text, or a datetime) as Unix ns; None when absent or
+    unreadable."""
+    if isinstance(stamp, str):
+        try:
+            stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if not isinstance(stamp, datetime.datetime):
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=datetime.timezone.utc)
+    return int(stamp.timestamp() * 1e9)
 
 
 def _why(exc: BaseException) -> str:
