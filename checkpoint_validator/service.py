@@ -1,5 +1,6 @@
 """The checkpoint validator service: ``ckpt.saved`` → verify → mark in the state store →
-``ckpt.validated`` | ``ckpt.invalid`` on ``tg.job.<job>.ckpt``.
+``ckpt.validated`` | ``ckpt.invalid`` on ``tg.job.<job>.ckpt``; ``recovery.verified`` with
+``ok`` False (a restored state whose loss is off the saved one) → that checkpoint marked invalid.
 
 Thin: the verdict is ``trainguard.checkpoint.verify.validate_checkpoint`` (pure, unit-tested,
 shared with the rank-side restore); the check runs in a worker thread so that the service keeps
@@ -38,7 +39,31 @@ class CheckpointValidator(Service):
         self._lock = asyncio.Lock()
 
     def subscriptions(self):
-        return [(f"{subjects.PREFIX}.job.*.ckpt", self.on_ckpt)]
+        return [(f"{subjects.PREFIX}.job.*.ckpt", self.on_ckpt),
+                (f"{subjects.PREFIX}.job.*.recovery", self.on_recovery)]
+
+    async def on_recovery(self, subject: str, ev: schemas.Event) -> None:
+        """A restore whose loss check failed (``recovery.verified``, ``ok`` False): the
+        checkpoint it restored read back whole but holds a state that is not the one saved
+        with its loss. Mark that checkpoint (the job's indexed one at ``restored_step``)
+        invalid with the losses as the reason, so that no restore takes it again: the next
+        one resumes from an older valid checkpoint."""
+        if not isinstance(ev, schemas.RecoveryVerified) or ev.ok or ev.restored_step < 0:
+            return
+        assert self.state is not None
+        job = ev.job or subject.split(".")[2]
+        reason = (f"restored at generation {ev.generation}, the loss check failed on rank "
+                  f"{ev.rank}: loss {ev.loss_after!r} after the restore, {ev.loss_at_save!r} "
+                  f"at save time (tolerance {ev.tolerance:g})")
+        for c in await self.state.checkpoints(job):
+            if c["step"] == ev.restored_step and c["status"] != "invalid":
+                await self.state.mark_checkpoint(job, c["path"], c["step"], valid=False,
+                                                 reasons=[reason])
+                self.counts["invalid"] += 1
+                log.warning("%s: checkpoint %s marked invalid: %s", job, c["path"], reason)
+                await self.bus.publish(subjects.job(job, "ckpt"), schemas.CheckpointInvalid(
+                    job=job, path=c["path"], step=c["step"], reasons=[reason],
+                    trace=ev.child_trace()))
 
     async def setup(self) -> None:
         # the NaN/Inf scan needs torch; import it now, beside the start-up, not inside the

@@ -14,8 +14,9 @@ from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts``
 What ``step`` decides, by input:
 
 * ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
-  ``detector.signals``) and the one-off rules run: crash, log line, failed save, NaN loss, XID,
-  telemetry (GPU counters, and the host and link rules of ``detector.telemetry``). A job
+  ``detector.signals``) and the one-off rules run: crash, log line, failed save, a restore
+  whose loss check failed (``recovery.verified`` with ``ok`` False), NaN loss, XID, telemetry
+  (GPU counters, and the host and link rules of ``detector.telemetry``). A job
   first seen is read from the job record at the next tick. Event types the
   detector does not consume produce nothing.
 * ``Tick`` — silence, node lost and launcher lost (a job's launcher and its ranks on a node
@@ -66,8 +67,8 @@ from .memory import bus_back, forget_job, gc, index
 from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_heartbeat,
                        silence_rule, stall_rule, straggler_rule, throughput_rule)
 from .signals import (NodeState, crash_rule, launcher_lost_rule, log_rule, node_lost_rule,
-                      observe_node_heartbeat,
-                      save_failed_finding, telemetry_rule, xid_rule)
+                      observe_node_heartbeat, recovery_check_finding, save_failed_finding,
+                      telemetry_rule, xid_rule)
 from .telemetry import cpu_context, host_rules, link_rules
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
@@ -75,7 +76,8 @@ __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "n
 
 #: The subjects the detector consumes.
 TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry", "tg.node.*.kernel")
+          "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
+          "tg.node.*.kernel")
 
 #: Fault classes a node's kernel log shows for the whole node (a NIC link down, an NFS server
 #: gone, a machine-check, a GPU off the bus): such a finding goes to every job with members on
@@ -355,6 +357,17 @@ def _on_save_failed(state: DetectorState, inp: Received, now: float) -> list[Eff
     return out
 
 
+def _on_recovery_verified(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    ev = inp.event
+    if ev.ok:
+        return []
+    out: list[Effect] = []
+    f = recovery_check_finding(ev.rank, ev.node, ev.restored_step, ev.loss_at_save,
+                               ev.loss_after, ev.tolerance, ev.generation, ev.ts)
+    _emit(state, out, _job_of(inp), f, now, inp.wall_ns, ev)
+    return out
+
+
 def _on_node_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
     ev = inp.event
     observe_node_heartbeat(_node(state, _node_of(inp)), ev.role, now, ev.job)
@@ -397,6 +410,7 @@ _HANDLERS = {
     schemas.WorkerStarted: _on_worker_started,
     schemas.LogLine: _on_log,
     schemas.CheckpointSaveFailed: _on_save_failed,
+    schemas.RecoveryVerified: _on_recovery_verified,
     schemas.NodeHeartbeat: _on_node_heartbeat,
     schemas.XidEvent: _on_xid,
     schemas.NodeTelemetry: _on_telemetry,

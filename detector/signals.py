@@ -345,3 +345,27 @@ def save_failed_finding(rank: int | None, node: str | None, step: int, error: st
                    detail={"pattern": "checkpoint_save_failed", "layer": "infrastructure",
                            "weight": 0.8, "errno": errno, "step": step},
                    ts=ts, generation=generation)
+
+
+def recovery_check_finding(rank: int | None, node: str | None, restored_step: int,
+                           loss_at_save: float | None, loss_after: float | None,
+                           tolerance: float, generation: int | None, ts: int) -> Finding:
+    """A restore whose state failed the post-recovery loss check (schema ``recovery.verified``
+    with ``ok`` False: the loss of the first step after the restore is off the loss recorded at
+    save time by more than ``tolerance × max(1, |loss_at_save|)``, or not finite;
+    ``trainguard.checkpoint.restorer.loss_matches``). The checkpoint read back whole (it
+    passed validation and the restore's checks), but its state is not the one the job saved
+    with that loss: fault class ``checkpoint_corrupt``, layer hint ``application`` (what the
+    program put into the checkpoint, not the storage, is wrong). One anomaly per rank and
+    generation; ``detail["step"]`` is the restored step (loop detection)."""
+    return Finding("recovery_check", "checkpoint_corrupt",
+                   ranks=[rank] if rank is not None else [], nodes=[node] if node else [],
+                   evidence=[f"the loss after restoring step {restored_step} is {loss_after!r}, "
+                             f"{loss_at_save!r} at save time: beyond the tolerance "
+                             f"{tolerance:g} × max(1, |loss at save|)"],
+                   detail={"pattern": "recovery_loss_check", "layer": "application",
+                           "weight": 0.9, "step": restored_step,
+                           "restored_step": restored_step, "loss_at_save": loss_at_save,
+                           "loss_after": loss_after, "tolerance": tolerance},
+                   ts=ts, generation=generation)
+

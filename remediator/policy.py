@@ -101,6 +101,12 @@ TABLE: tuple[Rule, ...] = (
          "restore picks the newest valid checkpoint; the validator rejects NaN/Inf state"),
     Rule(F.CHECKPOINT_CORRUPT, None, A.RESTART_IN_PROCESS,
          "restore skips checkpoints the validator marked invalid and loads an older valid one"),
+    Rule(F.CHECKPOINT_CORRUPT, L.APPLICATION, A.STOP_JOB_NOTIFY_USER,
+         "a restored state failed the loss check (recovery.verified: the checkpoint read back "
+         "whole, but its loss is off the saved one): every replica holds that state now, so a "
+         "restart would bring it back from the peers; the validator marks the checkpoint "
+         "invalid, so a new launch of the job resumes from an older valid one",
+         overridable=False),
     Rule(F.CRASH, None, A.RESTART_WORKERS,
          "the rank's process is gone: start it again (warm spare) and rejoin"),
     Rule(F.CRASH, L.HARDWARE, A.EXCLUDE_NODE_AND_REQUEUE,

@@ -394,3 +394,35 @@ def test_refresh_calls_reads_every_known_job(wait):
     calls = refresh_calls(s, T0, wait=wait)
     assert [(c.args, c.wait) for c in calls] == [(("x",), wait), (("y",), wait)]
     assert s.due == set()
+
+
+def test_a_failed_loss_check_after_a_restore_is_an_anomaly_the_policy_stops_on():
+    """recovery.verified with ok False → one checkpoint_corrupt anomaly per rank (layer hint
+    application) → the attributor's verdict → the policy stops the job; ok True → nothing."""
+    from trainguard.attributor.decide import decide as attribute
+    from trainguard.remediator.policy import decide as remediate
+
+    def verified(rank, ok, loss_after):
+        return T0, Received(subjects.job("j", "recovery"), schemas.RecoveryVerified(
+            job="j", rank=rank, node="n0", generation=2, restored_step=20, loss_at_save=0.31,
+            loss_after=loss_after, tolerance=0.5, ok=ok), wall(T0))
+
+    _, eff = run_offline(step, state(), [verified(0, True, 0.33)])
+    assert published(eff) == []
+    _, eff = run_offline(step, state(), [verified(0, False, 2.30), verified(1, False, 2.28),
+                                         verified(1, False, 2.28)])
+    found = [e.event for e in published(eff)]
+    assert [(a.fault_class, a.kind, a.culprit.ranks) for a in found] == [
+        ("checkpoint_corrupt", "recovery_check", [0]), ("checkpoint_corrupt", "recovery_check",
+                                                        [1])]
+    assert found[0].detail["step"] == 20 and "2.3" in found[0].evidence[0]
+    spec = attribute(found)
+    assert (spec.fault_class, spec.layer) == ("checkpoint_corrupt", "application")
+    v = schemas.Verdict(job="j", fault_class=spec.fault_class, layer=spec.layer,
+                        culprit={"ranks": spec.ranks, "nodes": spec.nodes}, generation=2,
+                        detail=spec.detail)
+    rec = JobRecord(mode="action", generation=2, world_size=2, retry_budget=5,
+                    members=[{"rank": 0, "node": "n0", "local_rank": 0},
+                             {"rank": 1, "node": "n0", "local_rank": 1}])
+    d = remediate(v, rec)
+    assert d is not None and d.action == "stop_job_notify_user", d

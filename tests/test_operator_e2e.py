@@ -6,7 +6,17 @@ on an embedded stack whose services serve ``/metrics`` on ephemeral ports:
   current detector, attributor and remediator, gives exactly the recorded decisions; a changed
   policy row changes them;
 * every metric the Grafana dashboard queries is exported by a running service or the console;
-* ``trainguard report`` and the console's goodput API read the same history.
+* ``trainguard report`` and the console's goodput API read the same history;
+* a real Prometheus (Debian's ``prometheus`` binary, on a free port, its own config and data
+  directory) scraping the services and the console during the run answers the decision count,
+  the fault → decision latency and every query of the Grafana dashboard;
+* the console's pages, opened in headless Chromium (Playwright), show the job, its incidents
+  (times, verdicts, decisions) and the node table;
+* the console's goodput API, its ``/metrics`` gauge and the report give the same training
+  goodput, and it agrees with ``bench/recovery.py``'s definition computed from the ranks' own
+  per-step records of the same run.
+
+The console and Prometheus start before the demo, so they watch the recoveries as they happen.
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 import warnings
 
@@ -43,19 +54,36 @@ def run():
     from trainguard.state import StateStore
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tg-ops-e2e-"))
+    progress = tmp / "progress.txt"
+    saved_env = {k: os.environ.get(k) for k in ("BENCH_PROGRESS", "PYTHONPATH")}
     st = Stack(services=("agent", "detector", "attributor", "remediator",
                          "checkpoint_validator"), agent_nodes=("node0", "node1"),
                rendezvous=True, log_dir=str(tmp / "logs"), kernel_log_dir=str(tmp),
                env={"TG_METRICS_PORT": "0"})
     st.start(timeout=120)
+    console = prom = None
     try:
+        console = _start_console(st)
+        prom = _start_prometheus(st, console[1], tmp)
+        # the ranks append bench/recovery.py's per-step records (bench/peers/tg_hook)
+        os.environ["BENCH_PROGRESS"] = str(progress)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(ROOT, "bench", "peers", "tg_hook"), ROOT]
+            + ([saved_env["PYTHONPATH"]] if saved_env["PYTHONPATH"] else []))
         faults = [{"id": 1, "kind": "sigkill", "rank": 1, "step": 30},
                   {"id": 2, "kind": "exception", "rank": 2, "step": 60},
                   {"id": 3, "kind": "hang", "rank": 3, "step": 90}]
         cfg = DemoConfig(mode="action", job=JOB, steps=120, faults=faults,
                          run_dir=str(tmp / "demo"), ckpt_every=10, step_sleep_s=0.01,
                          recovery_timeout_s=60, quiet=True)
-        rep = Demo(cfg, stack=st).run()
+        try:
+            rep = Demo(cfg, stack=st).run()
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         time.sleep(0.5)  # the last events stored
         buf = io.StringIO()
         asyncio.run(history(st.nats_url, buf, "tg.>"))
@@ -74,8 +102,17 @@ def run():
         snap = dataclasses.asdict(asyncio.run(settings()))
         (tmp / "job.json").write_text(json.dumps(snap))
         yield {"stack": st, "demo": rep, "path": path, "records": list(read_recording(
-            io.StringIO(buf.getvalue()))), "snapshot": snap, "tmp": tmp}
+            io.StringIO(buf.getvalue()))), "snapshot": snap, "tmp": tmp,
+            "console_port": console[1], "prometheus": prom and prom[1],
+            "progress": progress}
     finally:
+        for p in (console, prom):
+            if p is not None:
+                p[0].terminate()
+                try:
+                    p[0].wait(10)
+                except subprocess.TimeoutExpired:
+                    p[0].kill()
         st.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -147,16 +184,18 @@ def _scrape(port: int) -> str:
         return r.read().decode()
 
 
-def _console(run):
+def _start_console(st):
+    """The console as its own process (reader role), goodput refreshed every 3 s:
+    ``(process, port)``."""
     from trainguard.embedded import free_port
 
-    st = run["stack"]
     port = free_port()
     nats_url, redis_url = st.urls("reader")
     env = {**os.environ, "PYTHONPATH": ROOT, "NATS_URL": nats_url, "REDIS_URL": redis_url}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--port", str(port),
+                             "--refresh-s", "3"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    for _ in range(200):
+    for _ in range(300):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
             return proc, port
@@ -164,6 +203,55 @@ def _console(run):
             time.sleep(0.1)
     proc.kill()
     raise AssertionError(f"console did not start: {proc.stderr.read().decode()[-2000:]}")
+
+
+#: the processes serving /metrics in the fixture's stack (health name → Prometheus job)
+SCRAPED = ("detector", "attributor", "remediator", "checkpoint_validator", "agent-node0",
+           "agent-node1")
+
+
+def _start_prometheus(st, console_port: int, tmp):
+    """A real Prometheus (``prometheus`` on PATH: Debian's package) scraping every service's
+    ``/metrics`` and the console's each second, on a free port with its own data directory:
+    ``(process, port)``; None when the binary is missing (the tests that need it skip)."""
+    import shutil
+
+    from trainguard.embedded import free_port
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        return None
+    targets = {name: st.health(name, timeout=3.0)["metrics_port"] for name in SCRAPED}
+    targets["console"] = console_port
+    # honor_labels: the console's goodput carries a `job` label of its own (the training job),
+    # which Prometheus would otherwise rename to `exported_job`
+    jobs = "".join(f"  - job_name: {name}\n    honor_labels: true\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{p}']\n" for name, p in targets.items())
+    cfg = tmp / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                   "scrape_configs:\n" + jobs)
+    port = free_port()
+    log = open(tmp / "prometheus.log", "w")
+    proc = subprocess.Popen([binary, f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp / 'prometheus-data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp))
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=1)
+            return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+
+
+def _promql(port: int, expr: str) -> list[dict]:
+    """The result vector of an instant query (Prometheus HTTP API ``/api/v1/query``)."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
 
 
 def test_dashboard_queries_only_metrics_the_services_export(run):
@@ -176,18 +264,14 @@ def test_dashboard_queries_only_metrics_the_services_export(run):
         port = st.health(name, timeout=3.0)["metrics_port"]
         assert port, name
         texts[name] = _scrape(port)
-    proc, port = _console(run)
-    try:
-        for _ in range(100):  # the console's first goodput refresh
-            texts["console"] = _scrape(port)
-            if f'tg_job_training_goodput{{job="{JOB}"}}' in texts["console"]:
-                break
-            time.sleep(0.2)
-        goodput = json.loads(urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/api/jobs/{JOB}/goodput", timeout=30).read())
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    port = run["console_port"]
+    for _ in range(100):  # the console's first goodput refresh
+        texts["console"] = _scrape(port)
+        if f'tg_job_training_goodput{{job="{JOB}"}}' in texts["console"]:
+            break
+        time.sleep(0.2)
+    goodput = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/api/jobs/{JOB}/goodput", timeout=30).read())
     exported = {m.group(1) for t in texts.values()
                 for m in re.finditer(r"^# TYPE (\w+) ", t, re.M)}
     exported |= {n + "_total" for n in list(exported)}  # a counter's TYPE line has no _total
@@ -240,3 +324,166 @@ def test_report_of_the_stored_history(run, tmp_path):
     assert "crash → restart_workers" in md and "## Recovery 3:" in md
     png = (tmp_path / f"{JOB}-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def _prometheus(run) -> int:
+    if run["prometheus"] is None:
+        pytest.skip("prometheus is not installed (Debian: apt-get install prometheus; only the "
+                    "binary is used, started here on a free port)")
+    return run["prometheus"]
+
+
+def test_prometheus_answers_decisions_latency_and_every_dashboard_query(run):
+    port = _prometheus(run)
+    # the scrapes after the run (each second) hold the final counts
+    by_action: dict[str, float] = {}
+    for _ in range(100):
+        by_action = {r["metric"].get("action", ""): float(r["value"][1]) for r in _promql(
+            port, "sum by (action) (tg_decisions_total)")}
+        if by_action.get("restart_workers", 0) >= 2 and by_action.get("restart_in_process"):
+            break
+        time.sleep(0.3)
+    assert by_action.get("restart_workers", 0) >= 2, by_action  # the SIGKILL and the hang
+    assert by_action.get("restart_in_process", 0) >= 1, by_action  # the exception
+    mean = {r["metric"]["action"]: float(r["value"][1]) for r in _promql(
+        port, "sum by (action) (tg_fault_to_decision_seconds_sum) / "
+              "sum by (action) (tg_fault_to_decision_seconds_count)")}
+    # fault → decision: milliseconds for a kill or an exception, the 2 s hang timeout for a hang
+    assert 0 < mean["restart_in_process"] < 5, mean
+    assert 0 < mean["restart_workers"] < 30, mean
+    dash = json.load(open(os.path.join(ROOT, "deploy", "grafana", "trainguard.json")))
+    empty, unchecked = [], []
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            if "tg_gpu_" in t["expr"]:  # NVML: no GPU on this machine, nothing to export
+                if not _promql(port, "count({__name__=~\"tg_gpu_.+\"})"):
+                    unchecked.append(t["expr"])
+                    continue
+            res = _promql(port, t["expr"])
+            if not any(r["value"][1] not in ("NaN", "+Inf", "-Inf") for r in res):
+                empty.append((p["title"], t["expr"], res[:3]))
+    assert not empty, empty
+    if unchecked:
+        warnings.warn(f"no GPU here: {len(unchecked)} GPU queries not checked")
+    good = _promql(port, f'tg_job_training_goodput{{job="{JOB}"}}')
+    assert good and 0 < float(good[0]["value"][1]) <= 1, good
+
+
+def _chromium() -> str:
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright: the test extra)")
+    return path
+
+
+def test_console_in_a_browser_shows_the_job_its_incidents_and_the_nodes(run):
+    chromium = _chromium()  # skips without chromium or playwright
+    from playwright.sync_api import sync_playwright
+
+    base = f"http://127.0.0.1:{run['console_port']}/"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(base)
+            assert page.locator("#jobs a", has_text=JOB).count() == 1
+            nodes = {r[0]: r for r in _rows(page, "#nodes")}
+            assert {"node0", "node1"} <= set(nodes), nodes
+            assert all(nodes[n][1] in ("healthy", "suspect") for n in ("node0", "node1"))
+            assert JOB in nodes["node0"][3]  # its ranks
+            page.locator("#jobs a", has_text=JOB).click()
+            page.wait_for_selector("#incidents")
+            assert page.locator("#job").inner_text() == JOB
+            head = [h.inner_text() for h in page.locator("#incidents thead th").all()]
+            rows = [dict(zip(head, r)) for r in _rows(page, "#incidents")]
+            seen = {(r["fault class"], r["decision"], r["culprit"].split(";")[0]) for r in rows}
+            assert {("crash", "restart_workers", "ranks 1"),
+                    ("app_exception", "restart_in_process", "ranks 2")} <= seen, rows
+            assert any(r["decision"] == "restart_workers" and r["culprit"].startswith("ranks 3")
+                       for r in rows), rows  # the hang
+            for r in rows:
+                assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3}", r["fault (UTC)"]), r
+                for k in ("detected", "decided", "training again"):
+                    assert re.fullmatch(r"\+\d+\.\d{3} s", r[k]), (k, r)
+                assert r["layer"] not in ("", "–") and r["reason"] not in ("", "–"), r
+                assert r["recovery path"] in ("peer", "checkpoint"), r
+                assert r["steps rolled back"].isdigit(), r
+            job_nodes = {r[0] for r in _rows(page, "#nodes")}
+            assert {"node0", "node1"} <= job_nodes
+            gp = page.locator("#goodput").inner_text()
+            assert re.fullmatch(r"\d+\.\d %", gp), gp
+        finally:
+            browser.close()
+
+
+def _rows(page, table: str) -> list[list[str]]:
+    return [[c.inner_text().strip() for c in tr.locator("td").all()]
+            for tr in page.locator(f"{table} tbody tr").all()]
+
+
+def _bench_recovery():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_recovery",
+                                                  os.path.join(ROOT, "bench", "recovery.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return mod
+
+
+def test_goodput_agrees_in_console_metrics_report_and_bench(run):
+    from trainguard import schemas
+    from trainguard.report import build_report
+
+    port = run["console_port"]
+    api = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/api/jobs/{JOB}/goodput", timeout=30).read())
+    gauge = None
+    for _ in range(50):  # the gauge is refreshed every 3 s from the same history
+        m = re.search(rf'^tg_job_training_goodput\{{job="{JOB}"\}} (\S+)$', _scrape(port), re.M)
+        gauge = float(m.group(1)) if m else None
+        if gauge == api["training_goodput"]:
+            break
+        time.sleep(0.2)
+    events = []
+    for rec in run["records"]:
+        try:
+            events.append(schemas.decode(rec.data))
+        except schemas.DecodeError:
+            continue
+    rep = build_report(JOB, events)
+    assert api["training_goodput"] == gauge == rep["goodput"]["training_goodput"], (
+        api["training_goodput"], gauge, rep["goodput"]["training_goodput"])
+    # bench/recovery.py's training goodput of the same run, from the ranks' own per-step
+    # records (bench/peers/tg_hook): distinct steps × fault-free median step / wall time
+    bench = _bench_recovery()
+    injected = [{"kind": f["kind"], "ranks": [f["rank"]], "step": f["step"],
+                 "t_ns": f["injected_ns"]} for f in run["demo"]["faults"] if f["injected_ns"]]
+    with open(run["progress"]) as fh:
+        ours = bench.analyse_run(fh, injected=injected)
+    led = api["training_goodput"]
+    print(f"training goodput: ledger {led} (ref step {api['ref_step_s']:.4f} s, "
+          f"{api['useful_steps']} steps, {api['wall_s']:.2f} s); bench "
+          f"{ours['training_goodput']} (ref step {ours['ref_step_s']:.4f} s)")
+    assert ours["training_goodput"] is not None and ours["records"] > 100, ours
+    # the same definition over two samplings of the same steps (heartbeats vs the ranks' step
+    # records): the wall times differ by a heartbeat period at either end, the reference step
+    # by the median's sampling
+    assert abs(led - ours["training_goodput"]) <= GOODPUT_AGREEMENT, (led, ours)
+
+
+#: How far the ledger's training goodput (heartbeats) and bench/recovery.py's (per-step
+#: records) of the same run may differ (absolute).
+GOODPUT_AGREEMENT = 0.05

@@ -316,3 +316,92 @@ def test_rank_killed_while_starting_recovers(stack, tmp_path):
     text = out.read_text()
     assert "decision restart_workers (executing) generation 1" in text, text[-3000:]
     assert re.search(r"finished at step 59 generation [1-9]", text), text[-3000:]
+
+
+_WRONG_CHECKPOINT_SCRIPT = '''
+import os, time, torch, trainguard
+
+MARK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "raised")
+
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # from the newest valid checkpoint only (no state from peers), so that the restore reads
+    # the checkpoint this test makes wrong
+    ckpt = ctx.checkpointer(model, opt, peer_recovery=False)
+    start = ckpt.restore()
+    print(f"restored step {ckpt.restored_step} generation {ctx.generation}", flush=True)
+    net = ctx.ddp(model)
+    for step in range(start, 60):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = net(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.progress(step, loss=float(loss))
+        if step % 10 == 0 and step:
+            if step == 20:  # a valid checkpoint of a wrong state, with the right loss
+                keep = [p.detach().clone() for p in model.parameters()]
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(30.0)
+                ckpt.save(step, loss=float(loss))  # staged: a copy of the state as it is now
+                with torch.no_grad():
+                    for p, k in zip(model.parameters(), keep):
+                        p.copy_(k)
+            else:
+                ckpt.save(step, loss=float(loss))
+        if step == 25 and ctx.rank == 1 and not os.path.exists(MARK):
+            ckpt.wait(30)
+            time.sleep(1.0)  # the validator marks step 20 valid (a tiny state: milliseconds)
+            open(MARK, "w").close()
+            raise RuntimeError("injected at step 25")
+        time.sleep(0.02)
+    print(f"finished at step {step} generation {ctx.generation}", flush=True)
+
+trainguard.run(train)
+'''
+
+
+def test_a_restored_state_whose_loss_jumps_fails_its_check_and_stops_the_job(stack, tmp_path):
+    """A valid checkpoint of a wrong state (step 20's parameters ×30, saved with the loss of
+    the right ones): the exception at step 25 restarts in process, the restore takes step 20,
+    the loss after it is far off the saved one → ``recovery.verified`` not ok → the detector's
+    ``checkpoint_corrupt`` anomaly (layer application) → the remediator stops the job (every
+    replica holds the wrong state now), and the validator marks step 20 invalid, so the
+    newest valid checkpoint is step 10 again: what a new launch resumes from."""
+    import subprocess
+    import sys
+
+    from trainguard.state import StateStore
+
+    job = "e2e-wrong-ckpt"
+    script = tmp_path / "train.py"
+    script.write_text(_WRONG_CHECKPOINT_SCRIPT)
+    out = tmp_path / "launch.out"
+    cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nproc-per-node", "2",
+           "--spares", "1", "--job", job, "--mode", "action", "--nats-url", stack.nats_url,
+           "--redis-url", stack.redis_url, "--rdzv-endpoint", stack.rdzv_endpoint,
+           "--ckpt-dir", str(tmp_path / "ckpt"), str(script)]
+    with open(out, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path,
+                            timeout=240).returncode
+    text = out.read_text()
+    assert "decision restart_in_process" in text, text[-3000:]
+    assert "restored step 20 generation 1" in text, text[-3000:]
+    assert "decision stop_job_notify_user" in text, text[-3000:]
+    assert "finished at step" not in text and rc == 3, (rc, text[-3000:])
+
+    async def read():
+        s = StateStore(stack.redis_url)
+        try:
+            return await s.checkpoints(job), await s.audit_trail(job)
+        finally:
+            await s.close()
+    ckpts, audit = asyncio.run(read())
+    by_step = {c["step"]: c for c in ckpts}
+    assert by_step[20]["status"] == "invalid", ckpts
+    assert "loss check failed" in by_step[20]["reasons"][0], by_step[20]
+    assert max(c["step"] for c in ckpts if c["status"] == "valid") == 10, ckpts
+    stop = [a for a in audit if a.get("type") == "decision"
+            and a["action"] == "stop_job_notify_user"]
+    assert stop and stop[0]["fault_class"] == "checkpoint_corrupt", audit

@@ -26,6 +26,7 @@ def verdict(fault_class, layer="application", ranks=(), nodes=(), **kw):
     ("app_exception", "application", "restart_in_process"),
     ("nan_loss", "application", "restart_in_process"),
     ("checkpoint_corrupt", "infrastructure", "restart_in_process"),
+    ("checkpoint_corrupt", "application", "stop_job_notify_user"),  # a restore's loss check
     ("crash", "unknown", "restart_workers"),
     ("crash", "hardware", "exclude_node_and_requeue"),
     ("oom_host", "application", "restart_workers"),

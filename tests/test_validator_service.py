@@ -161,3 +161,39 @@ def test_validating_a_deleted_checkpoint_reports_instead_of_raising(tmp_path):
     shutil.rmtree(path)
     rep = validate_checkpoint(path)
     assert not rep.ok and "does not exist" in rep.reasons[0]
+
+
+async def test_a_failed_loss_check_after_a_restore_marks_that_checkpoint_invalid(servers,
+                                                                                 redis_db):
+    """recovery.verified not ok → the checkpoint at its restored step is invalid (reason: the
+    losses), ckpt.invalid published; an ok check or another step changes nothing."""
+    job = "vloss"
+    store = StateStore(redis_db)
+    for step in (10, 20):
+        await store.mark_checkpoint(job, f"/ck/step-{step}", step, valid=True)
+    svc = CheckpointValidator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_db))
+    task = asyncio.create_task(svc.run())
+    watcher = await Bus(servers.nats_url, "test-watch").connect()
+    invalid: list[schemas.Event] = []
+    await watcher.subscribe(subjects.job(job, "ckpt"), lambda s, e: invalid.append(e)
+                            if e.SCHEMA == "ckpt.invalid" else None)
+    await watcher.flush()
+    for _ in range(100):
+        try:
+            await watcher.request("tg.svc.checkpoint_validator.health", b"", timeout=0.2)
+            break
+        except Exception:  # noqa: BLE001
+            await asyncio.sleep(0.05)
+    for ok, loss in ((True, 0.3), (False, 9.5)):
+        await watcher.publish(subjects.job(job, "recovery"), schemas.RecoveryVerified(
+            job=job, rank=1, generation=2, restored_step=20, loss_at_save=0.31,
+            loss_after=loss, tolerance=0.5, ok=ok))
+    await _wait_for(invalid, 1)
+    idx = {c["step"]: c for c in await store.checkpoints(job)}
+    assert idx[20]["status"] == "invalid" and idx[10]["status"] == "valid"
+    assert "loss check failed on rank 1" in idx[20]["reasons"][0]
+    assert "9.5" in idx[20]["reasons"][0] and invalid[0].step == 20
+    await watcher.close()
+    await store.close()
+    svc.stop()
+    await asyncio.wait_for(task, 10)

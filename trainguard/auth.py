@@ -118,8 +118,8 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("detector",
          ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ) + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry", "tg.node.*.kernel",
-          "tg.svc.detector.health") + _consumer("detector")[1],
+          "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
+          "tg.node.*.kernel", "tg.svc.detector.health") + _consumer("detector")[1],
          "resetkeys ~tg:members:detector %R~tg:* " + _SERVICE_CMDS,
          "turns raw signals into anomalies; reads job records (learned timeouts, members); "
          "holds its replica's lease (`tg:members:detector`); consumes the streams durably.",
@@ -148,7 +148,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          responses=True),
     Role("checkpoint_validator",
          ("tg.job.*.ckpt", _DLQ) + _consumer("checkpoint_validator")[0],
-         ("tg.job.*.ckpt", "tg.svc.checkpoint_validator.health")
+         ("tg.job.*.ckpt", "tg.job.*.recovery", "tg.svc.checkpoint_validator.health")
          + _consumer("checkpoint_validator")[1],
          "resetkeys ~tg:ckpt:* ~tg:members:checkpoint_validator %R~tg:* " + _SERVICE_CMDS,
          "the only writer of checkpoint validity (`tg:ckpt:*`); publishes its verdict on "

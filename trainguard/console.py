@@ -14,7 +14,21 @@
 * ``GET /metrics`` — Prometheus: ``tg_job_training_goodput{job}`` and
   ``tg_job_gpu_seconds_lost{job, phase}`` of the jobs in the state store, from ledgers
   refreshed every ``refresh_s`` (15 s) in the background (with ``--nats-url``);
-* ``GET /`` — a page listing the jobs and, for a chosen job, its decisions.
+* ``GET /api/nodes`` — the node table: every node of a job record (members, spares) or with
+  a ``tg:node`` record: ``[{"node", "state" (excluded | lost | suspect | healthy), "status"
+  (the store's; None when it has none), "reason", "updated_ns", "ranks" {job: [ranks]},
+  "spare_for" [jobs], "faults" (node-layer faults in the cross-job history within the
+  attributor's ``history_window_s``), "fault_jobs", "repeat_offender"}]``; ``suspect``: such
+  faults in at least one job, ``repeat_offender``: in ``node_repeat_jobs`` jobs or more (the
+  attributor's rule, ``trainguard.attributor.decide``);
+* ``GET /api/jobs/{job}/incidents`` — ``{"source", "goodput", "incidents", "flags"}``: with
+  ``--nats-url`` the report's recoveries (``trainguard.report.build_report``: times, verdict,
+  decision, restored step, steps rolled back, recovery path, loss check) from the stored
+  history, else the audit trail's decisions (times, fault class, culprit, action, reason);
+  ``flags``: the decisions of action ``none``;
+* ``GET /`` — the page of jobs and nodes; ``GET /job/{job}`` — one job's page: record,
+  goodput, incidents, nodes, checkpoints, audit trail (``trainguard.console_page``: HTML
+  rendered here, no script; both reload every 5 s).
 """
 from __future__ import annotations
 
@@ -24,11 +38,15 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from trainguard import schemas
+
+from .console_page import index_page, job_page
 from .goodput import Ledger, ledger
 from .state import StateStore
 
@@ -120,42 +138,123 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                 "audit": await store["s"].audit_trail(job, count=audit_count),
                 "checkpoints": await store["s"].checkpoints(job)}
 
+    async def nodes_view(only: set[str] | None = None) -> list[dict[str, Any]]:
+        from .attributor.decide import AttributorConfig, history_from_records
+
+        st = store["s"]
+        records = await st.nodes()
+        ranks: dict[str, dict[str, list[int]]] = {}
+        spare: dict[str, list[str]] = {}
+        for name in sorted(await st.jobs()):
+            rec = await st.job(name)
+            for m in rec.members or []:
+                ranks.setdefault(str(m.get("node")), {}).setdefault(name, []).append(
+                    int(m.get("rank", -1)))
+            for n in rec.spare_nodes or []:
+                spare.setdefault(n, []).append(name)
+        names = sorted(set(records) | set(ranks) | set(spare))
+        if only is not None:
+            names = [n for n in names if n in only]
+        cfg = AttributorConfig()
+        since = time.time_ns() - int(cfg.history_window_s * 1e9)
+        hist = {n: await st.node_history(n, since) for n in names}
+        h = history_from_records("", hist, [], since_ns=since)
+        out = []
+        for n in names:
+            r = records.get(n) or {}
+            jobs_hit = sorted(h.node_jobs.get(n, set()))
+            status = r.get("status")
+            state = status if status in ("excluded", "lost") else (
+                "suspect" if jobs_hit else "healthy")
+            out.append({"node": n, "state": state, "status": status,
+                        "reason": r.get("reason") or "",
+                        "updated_ns": int(r["updated_ns"]) if r.get("updated_ns") else None,
+                        "ranks": {j: sorted(v) for j, v in ranks.get(n, {}).items()},
+                        "spare_for": spare.get(n, []),
+                        "faults": sum(1 for x in hist[n] if x.get("layer") in NODE_LAYER_WORDS),
+                        "fault_jobs": jobs_hit,
+                        "repeat_offender": len(jobs_hit) >= cfg.node_repeat_jobs})
+        return out
+
+    async def incidents_view(name: str) -> dict[str, Any]:
+        st = store["s"]
+        audit = await st.audit_trail(name, count=100000)
+        if nats_url:
+            from .report import build_report, job_events
+
+            events = await job_events(nats_url, name)
+            if events:
+                rep = build_report(name, events, audit)
+                ledgers[name] = ledger(events, name)
+                flags = [e.to_dict() for e in events
+                         if isinstance(e, schemas.Decision) and e.action == "none"]
+                return {"source": "the stored history", "goodput": rep["goodput"],
+                        "incidents": rep["recoveries"], "flags": flags}
+        decs = [a.get("decision") or a for a in audit if a.get("type") == "decision"]
+        incs = []
+        for d in decs:
+            if d.get("action") == "none":
+                continue
+            f, det, ts = d.get("fault_ts") or 0, d.get("detected_ts") or 0, d.get("ts") or 0
+            incs.append({
+                "fault_class": d.get("fault_class"), "action": d.get("action"),
+                "generation": d.get("generation"),
+                "times_ns": {"fault": f, "detected": det, "decided": ts, "resumed": None},
+                "seconds_from_fault": {
+                    "detected": round((det - f) / 1e9, 3) if f and det else None,
+                    "decided": round((ts - f) / 1e9, 3) if f and ts else None,
+                    "resumed": None},
+                "decision_id": d.get("event_id") or d.get("decision_id"), "verdict": None,
+                "decision": {"action": d.get("action"), "generation": d.get("generation"),
+                             "executed": d.get("execute"), "mode": d.get("mode"),
+                             "ranks": d.get("ranks") or [], "nodes": d.get("nodes") or [],
+                             "reason": d.get("reason")},
+                "restored_step": None, "steps_replayed": None, "path": None,
+                "continuity_ok": None})
+        led = ledgers.get(name)
+        return {"source": "the audit trail (no --nats-url: no verdicts nor resumes)",
+                "goodput": None if led is None else {
+                    k: v for k, v in led.to_dict().items() if k != "incidents"},
+                "incidents": incs, "flags": [d for d in decs if d.get("action") == "none"]}
+
+    @app.get("/api/nodes")
+    async def api_nodes() -> list[dict[str, Any]]:
+        return await nodes_view()
+
+    @app.get("/api/jobs/{name}/incidents")
+    async def api_incidents(name: str) -> dict[str, Any]:
+        if name not in await store["s"].jobs():
+            raise HTTPException(404, f"no job {name!r}: GET /jobs lists the known ones")
+        try:
+            return await incidents_view(name)
+        except (ConnectionError, ValueError) as exc:
+            raise HTTPException(503, str(exc)) from None
+
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
-        return _PAGE
+        return index_page(await jobs(), await nodes_view())
+
+    @app.get("/job/{name}", response_class=HTMLResponse)
+    async def job_html(name: str) -> str:
+        st = store["s"]
+        if name not in await st.jobs():
+            raise HTTPException(404, f"no job {name!r}: GET /jobs lists the known ones")
+        rec = await st.job(name)
+        try:
+            incs = await incidents_view(name)
+        except (ConnectionError, ValueError) as exc:
+            incs = {"source": f"nothing ({exc})", "goodput": None, "incidents": [], "flags": []}
+        mine = {str(m.get("node")) for m in rec.members or []} | set(rec.spare_nodes or [])
+        for r in incs["incidents"]:
+            mine |= set((r.get("decision") or {}).get("nodes") or [])
+        return job_page(name, rec.to_dict(), incs, await nodes_view(mine),
+                        await st.checkpoints(name), await st.audit_trail(name, count=100000))
 
     return app
 
 
-_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>trainguard</title>
-<style>body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse}
-td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}a{cursor:pointer;color:#06c}</style>
-</head><body><h1>trainguard</h1><table id="jobs"></table><h2 id="title"></h2><p id="goodput"></p>
-<table id="audit"></table><script>
-const esc = s => String(s ?? "").replace(/[&<>]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;"}[c]));
-function row(cells, tag) { return "<tr>" + cells.map(c => `<${tag}>${c}</${tag}>`).join("") + "</tr>"; }
-async function jobs() {
-  const js = await (await fetch("jobs")).json();
-  document.getElementById("jobs").innerHTML =
-    row(["job","mode","generation","world size","status","retries"], "th") +
-    js.map(j => row([`<a onclick="show('${esc(j.job)}')">${esc(j.job)}</a>`, esc(j.mode),
-      esc(j.generation), esc(j.world_size), esc(j.status),
-      `${esc(j.retries_used ?? 0)} / ${esc(j.retry_budget)}`], "td")).join("");
-}
-async function show(job) {
-  const j = await (await fetch("jobs/" + encodeURIComponent(job))).json();
-  document.getElementById("title").textContent = job + " — audit trail";
-  const g = await fetch("api/jobs/" + encodeURIComponent(job) + "/goodput");
-  document.getElementById("goodput").textContent = g.ok ? (gp => `training goodput ${
-    gp.training_goodput === null ? "–" : (100 * gp.training_goodput).toFixed(1) + " %"}; GPU-s lost: ${
-    Object.entries(gp.gpu_s_lost).map(([k, v]) => k + " " + v.toFixed(1)).join(", ")}`)(await g.json()) : "";
-  document.getElementById("audit").innerHTML =
-    row(["type","action","generation","execute","reason"], "th") +
-    j.audit.map(a => row([esc(a.type), esc(a.action), esc(a.generation), esc(a.execute),
-      esc(a.reason)], "td")).join("");
-}
-jobs(); setInterval(jobs, 2000);
-</script></body></html>"""
+#: Layers whose faults count against a node (``trainguard.attributor.decide.NODE_LAYERS``).
+NODE_LAYER_WORDS = ("hardware", "system_software", "infrastructure")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="NATS (reader role) for the goodput of the stored history")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=int(os.environ.get("TG_CONSOLE_PORT", "8080")))
+    p.add_argument("--refresh-s", type=float, default=15.0,
+                   help="seconds between refreshes of the goodput behind /metrics (15)")
     args = p.parse_args(argv)
     if not args.redis_url:
         print("trainguard console: pass --redis-url or set REDIS_URL (`trainguard up` prints it)",
@@ -173,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    uvicorn.run(create_app(args.redis_url, args.nats_url), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(args.redis_url, args.nats_url, args.refresh_s), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -11,7 +11,8 @@ step and the steps replayed (``recovery.resumed``), the loss before (the last re
 heartbeat before the fault) and after (the first after the resume; ``recovery.verified`` when
 present, with its verdict ``ok``), all of one rank (the lowest reporting a loss: each rank's
 loss is its own shard's), the verdict (fault class, layer, culprit, confidence) and
-the decision (action, generation, executed, reason). The job's goodput ledger
+the decision (action, generation, executed, reason), the recovery path (``peer`` or
+``checkpoint``, and why: ``recovery.resumed``). The job's goodput ledger
 (``trainguard.goodput``) heads the report.
 
 Needs ``NATS_URL`` (history: the ``reader`` role suffices) and, for the audit trail,
@@ -81,8 +82,11 @@ def build_report(job: str, events: list[schemas.Event],
     decisions = {e.event_id: e for e in evs if isinstance(e, schemas.Decision)}
     verified = [e for e in evs if isinstance(e, schemas.RecoveryVerified)
                 and (loss_rank is None or e.rank in (None, loss_rank))]
+    resumes = [e for e in evs if isinstance(e, schemas.TrainingResumed)]
     recoveries = []
     for inc in led.incidents:
+        back = [r for r in resumes if inc.resumed_ns is not None
+                and inc.decided_ns <= r.ts <= inc.resumed_ns and r.generation >= inc.generation]
         dec = decisions.get(inc.decision_id)
         v = verdicts.get(dec.verdict_id) if dec is not None else None
         ver = next((x for x in verified if inc.resumed_ns is not None
@@ -96,7 +100,10 @@ def build_report(job: str, events: list[schemas.Event],
             "seconds_from_fault": {"detected": _s(inc.fault_ns, inc.detected_ns),
                                    "decided": _s(inc.fault_ns, inc.decided_ns),
                                    "resumed": _s(inc.fault_ns, inc.resumed_ns)},
+            "decision_id": inc.decision_id,
             "restored_step": inc.restored_step, "steps_replayed": inc.steps_rolled_back,
+            "path": back[-1].path if back else None,
+            "path_reason": back[-1].reason if back else None,
             "loss_rank": loss_rank, "loss_before": _loss_before(hbs_loss, inc.fault_ns),
             "loss_after": loss_after,
             "loss_at_save": ver.loss_at_save if ver else None,
@@ -148,7 +155,7 @@ def to_markdown(rep: dict[str, Any], picture: str | None = None) -> str:
                   f"* times from the fault: detected {_f(sec['detected'])} s, decided "
                   f"{_f(sec['decided'])} s, training again {_f(sec['resumed'])} s",
                   f"* restored step {_f(r['restored_step'])}, steps replayed "
-                  f"{_f(r['steps_replayed'])}",
+                  f"{_f(r['steps_replayed'])}, from {_f(r.get('path'))}",
                   f"* loss (rank {r['loss_rank']}) before {_f(r['loss_before'], '{:.4f}')}, after "
                   f"{_f(r['loss_after'], '{:.4f}')}, at save {_f(r['loss_at_save'], '{:.4f}')}"
                   f"; continuity verdict: "
@@ -180,9 +187,18 @@ def plot_timeline(rep: dict[str, Any], events: list[schemas.Event], path: str) -
                  key=lambda e: e.ts)
     t0 = hbs[0].ts if hbs else min((e.ts for e in events), default=0)
     fig, ax = plt.subplots(figsize=(10, 4))
-    for rank in sorted({h.rank for h in hbs if h.rank is not None}):
+    for i, rank in enumerate(sorted({h.rank for h in hbs if h.rank is not None})):
         pts = [((h.ts - t0) / 1e9, h.step) for h in hbs if h.rank == rank]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"rank {rank}")
+        # one line per process: a restarted rank starts over below its last step, and a line
+        # from the old process's last heartbeat to the new one's first is no training
+        segs: list[list[tuple[float, int]]] = []
+        for p in pts:
+            if not segs or p[1] < segs[-1][-1][1]:
+                segs.append([])
+            segs[-1].append(p)
+        for j, seg in enumerate(segs):
+            ax.plot([p[0] for p in seg], [p[1] for p in seg], lw=1, color=f"C{i}",
+                    label=f"rank {rank}" if j == 0 else None)
     colors = {"detection": "#f4a261", "decision": "#e76f51", "restart": "#9d4edd"}
     for r in rep["recoveries"]:
         t = r["times_ns"]

@@ -289,6 +289,15 @@ class StateStore:
     async def node(self, node: str) -> dict[str, str]:
         return await self.r.hgetall(f"tg:node:{node}")
 
+    async def nodes(self) -> dict[str, dict[str, str]]:
+        """Every node with a ``tg:node:<node>`` record: node → ``{status, reason, updated_ns}``
+        (SCAN, so a large store is read in batches, never blocked)."""
+        out: dict[str, dict[str, str]] = {}
+        async for key in self.r.scan_iter(match="tg:node:*", count=500):
+            node = key[len("tg:node:"):]
+            out[node] = await self.r.hgetall(key)
+        return out
+
     # ---- checkpoints --------------------------------------------------------------------------
     async def add_checkpoint(self, job: str, path: str, step: int) -> None:
         """Index a committed checkpoint as ``pending`` (until the validator marks it)."""
