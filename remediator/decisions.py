@@ -253,8 +253,12 @@ def on_exclude_claim(state, seq, w: Work, inp: Reply, now) -> Out:
                         reply=("exclude", seq, inp.tag[2]), wait=False)]
 
 
-def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
-    """The controller's ``ControllerResult`` (or its error: a failed drain) → action.result."""
+def _controller_result(state: RemediatorState, w: Work, inp: Reply, action: str,
+                       step: str | None = None) -> list[Effect]:
+    """The effects of a controller call's reply (``ControllerResult`` or an error) on node
+    ``inp.tag[2]``: an ``action.result`` of ``action`` (executor ``controller:<name>``; its
+    detail prefixed with ``step`` when given) and, when it failed, a ``controller_failed``
+    audit record (left to the watchdog: training does not resume)."""
     node, dec = inp.tag[2], w.decision
     assert dec is not None
     if inp.error:
@@ -265,13 +269,19 @@ def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
     if not ok:
         effects.append(store("audit", w.job, {
             "type": "controller_failed", "decision_id": dec.event_id, "node": node,
-            "controller": state.controller, "reason": detail, "ts": inp.wall_ns}))
+            "controller": state.controller, **({"step": step} if step else {}),
+            "reason": detail, "ts": inp.wall_ns}))
     effects.append(Publish(subjects.job(w.job, "action"), ActionResult(
         job=w.job, node=node, trace=dec.child_trace(), decision_id=dec.event_id,
         idempotency_key=dec.idempotency_key, executor=f"controller:{state.controller}",
-        action="exclude_node_and_requeue", ok=ok, detail=detail,
+        action=action, ok=ok, detail=f"{step} {node}: {detail}" if step else detail,
         **({"ts": inp.wall_ns} if inp.wall_ns else {}))))
-    return _next_node(state, seq, effects)
+    return effects
+
+
+def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
+    """The controller's ``ControllerResult`` (or its error: a failed drain) → action.result."""
+    return _next_node(state, seq, _controller_result(state, w, inp, "exclude_node_and_requeue"))
 
 
 # ---- pod restart through the controller ------------------------------------------------------
@@ -306,21 +316,6 @@ def on_pod_restart(state, seq, w: Work, inp: Reply, now) -> Out:
     """The controller's ``restart_pod`` result (or its error) → ``action.result`` of the
     decision's action (``restart_workers``), executor ``controller:<name>``; a failure is
     audited (``controller_failed``) and left to the watchdog (training does not resume)."""
-    node, dec = inp.tag[2], w.decision
-    assert dec is not None
-    if inp.error:
-        ok, detail = False, inp.error
-    else:
-        ok, detail = bool(inp.value.ok), str(inp.value.detail)
-    effects: list[Effect] = []
-    if not ok:
-        effects.append(store("audit", w.job, {
-            "type": "controller_failed", "decision_id": dec.event_id, "node": node,
-            "controller": state.controller, "step": "restart_pod", "reason": detail,
-            "ts": inp.wall_ns}))
-    effects.append(Publish(subjects.job(w.job, "action"), ActionResult(
-        job=w.job, node=node, trace=dec.child_trace(), decision_id=dec.event_id,
-        idempotency_key=dec.idempotency_key, executor=f"controller:{state.controller}",
-        action=dec.action, ok=ok, detail=f"restart_pod {node}: {detail}",
-        **({"ts": inp.wall_ns} if inp.wall_ns else {}))))
-    return _next_pod(state, seq, effects)
+    assert w.decision is not None
+    return _next_pod(state, seq, _controller_result(state, w, inp, w.decision.action,
+                                                    "restart_pod"))
