@@ -224,19 +224,17 @@ def link_rules(win: HostWindow, node: str, gpus: list[dict], now: float,
             out.append(_finding("nvlink_crc_rate", node,
                                 f"GPU {gid} NVLink CRC errors at {crc / dt:.0f}/s", ts,
                                 gpus=[gid], gpu_index=idx, per_s=round(crc / dt, 1)))
-        if replay is not None and prev[2] is not None and replay > prev[2]:
-            per_min = (replay - prev[2]) * 60.0 / dt
-            if per_min >= tc.pcie_replays_per_min:
-                out.append(_finding("pcie_replay_rate", node,
-                                    f"GPU {gid} PCIe replays at {per_min:.0f}/min "
-                                    f"({prev[2]} -> {replay} in {dt:.1f} s)", ts, gpus=[gid],
-                                    gpu_index=idx, per_min=round(per_min, 1)))
-        if sbe is not None and prev[3] is not None and sbe > prev[3]:
-            per_min = (sbe - prev[3]) * 60.0 / dt
-            if per_min >= tc.ecc_corrected_per_min:
-                out.append(_finding("ecc_corrected_rate", node,
-                                    f"GPU {gid} corrected ECC errors at {per_min:.0f}/min "
-                                    f"({prev[3]} -> {sbe} in {dt:.1f} s)", ts, gpus=[gid],
-                                    gpu_index=idx, per_min=round(per_min, 1),
-                                    before=prev[3], after=sbe))
+        for kind, what, now_n, then_n, limit in (
+                ("pcie_replay_rate", "PCIe replays", replay, prev[2], tc.pcie_replays_per_min),
+                ("ecc_corrected_rate", "corrected ECC errors", sbe, prev[3],
+                 tc.ecc_corrected_per_min)):
+            if now_n is None or then_n is None or now_n <= then_n:
+                continue
+            per_min = (now_n - then_n) * 60.0 / dt
+            if per_min >= limit:
+                out.append(_finding(kind, node, f"GPU {gid} {what} at {per_min:.0f}/min "
+                                                f"({then_n} -> {now_n} in {dt:.1f} s)", ts,
+                                    gpus=[gid], gpu_index=idx, per_min=round(per_min, 1),
+                                    **({"before": then_n, "after": now_n}
+                                       if kind == "ecc_corrected_rate" else {})))
     return out
