@@ -105,11 +105,12 @@ def service_topics() -> dict[str, tuple[str, ...]]:
     """The subjects each service subscribes, read from the services themselves."""
     from trainguard.attributor.service import Attributor
     from trainguard.detector.reducer import TOPICS
+    from trainguard.checkpoint_validator.service import CheckpointValidator
     from trainguard.remediator.service import Remediator
 
     return {"detector": tuple(TOPICS), "attributor": tuple(Attributor.topics),
             "remediator": tuple(Remediator.topics),
-            "checkpoint_validator": ("tg.job.*.ckpt",)}
+            "checkpoint_validator": tuple(CheckpointValidator.topics)}
 
 
 # ---- hostile values (hypothesis) ---------------------------------------------------------------

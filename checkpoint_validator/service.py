@@ -38,9 +38,11 @@ class CheckpointValidator(Service):
         self.counts = {"validated": 0, "invalid": 0, "bytes": 0, "seconds": 0.0}
         self._lock = asyncio.Lock()
 
+    #: the subjects it consumes: saved checkpoints, and recoveries (for a failed loss check)
+    topics = (f"{subjects.PREFIX}.job.*.ckpt", f"{subjects.PREFIX}.job.*.recovery")
+
     def subscriptions(self):
-        return [(f"{subjects.PREFIX}.job.*.ckpt", self.on_ckpt),
-                (f"{subjects.PREFIX}.job.*.recovery", self.on_recovery)]
+        return list(zip(self.topics, (self.on_ckpt, self.on_recovery)))
 
     async def on_recovery(self, subject: str, ev: schemas.Event) -> None:
         """A restore whose loss check failed (``recovery.verified``, ``ok`` False): the
