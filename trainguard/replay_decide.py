@@ -8,7 +8,8 @@ FILE is what ``trainguard replay record`` (or ``record --history``) writes. Ever
 input of the chain (heartbeats, worker and log lines, checkpoints, node heartbeats, telemetry,
 XIDs, kernel lines, action results, recovery events) is stepped, in file order, through
 ``run_offline`` of each reducer that consumes its subject, at the virtual time of its
-``recv_ns``; each service also gets a ``Tick`` every ``tick_s`` (50 ms, as live). What a
+``recv_ns``; each service also gets a ``Tick`` every ``tick_s`` (50 ms, as live) and one at
+the instant of each input, before it. What a
 reducer publishes goes on to the reducers that subscribe to it (anomaly → attributor, verdict
 → remediator) at the same virtual time. The recorded anomalies, verdicts and decisions are not
 inputs: they are what the replay is compared with.
@@ -224,6 +225,10 @@ def decide(records: Iterable[Record], policy: pol.Policy | None = None,
         if ev.SCHEMA in OUTPUT_SCHEMAS or rec.subject.startswith("tg.dlq."):
             continue
         ticks_until(now)
+        # and a tick at the input's own instant: a threshold a live tick found (a rank silent
+        # past its hang timeout) is found before the input that followed it live (the peers'
+        # connection resets of the hung rank's kill), whatever the phase of the 50 ms grid
+        run(now, [(svc, Tick(rec.recv_ns)) for svc in steps])
         store.observe(ev)
         first = [(svc, Received(rec.subject, ev, rec.recv_ns)) for svc, subs in topics.items()
                  if any(_matches(p, rec.subject) for p in subs)]
