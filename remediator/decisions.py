@@ -107,8 +107,8 @@ def _fold_then_pods(state: RemediatorState, seq: int, w: Work, owner: str, why: 
                                                 "carried out for it", wall_ns)
     assert w.decision is not None
     held = w.decision.model_copy(update={"event_id": owner.rsplit("/", 1)[0]})
-    state, w = update(count(state, "folded"), seq, decision=held, pods=tuple(pods))
-    return state, audit + [_pod_claim(w, seq)]
+    return _start_node_steps(count(state, "folded"), seq, "restart_pod", pods, audit,
+                             decision=held)
 
 
 def on_escalation_claim(state, seq, w: Work, inp: Reply, now) -> Out:
@@ -218,39 +218,71 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
     elif dec.execute:  # a stop supersedes a pending recovery; a flag (none) does not
         state = without_pending(state, job)
     if dec.execute and dec.action == "exclude_node_and_requeue" and dec.nodes:
-        state, w = update(state, seq, nodes=tuple(dec.nodes))
-        return state, effects + [_exclude_claim(w, seq)]
+        return _start_node_steps(state, seq, "exclude", dec.nodes, effects)
     pods, _ = pol.pod_restart(dec, w.verdict, state.restarts_pods, state.config.policy)
     if dec.execute and pods:
-        state, w = update(state, seq, pods=tuple(pods))
-        return state, effects + [_pod_claim(w, seq)]
+        return _start_node_steps(state, seq, "restart_pod", pods, effects)
     return done(state, seq), effects
 
 
-# ---- exclusion through the controller ----------------------------------------------------------
-def _exclude_claim(w: Work, seq: int) -> Call:
+# ---- the node controller's part of a decision: exclusion or pod restart, node by node -------------
+#: ``Work.node_step`` → the action its ``action.result`` reports (None: the decision's own) and
+#: the prefix of that result's detail (None: the controller's detail alone). The step is also the
+#: controller method called and the middle of the claim key ``<key>:<step>:<node>``.
+NODE_STEPS: dict[str, tuple[str | None, str | None]] = {
+    "exclude": ("exclude_node_and_requeue", None),
+    "restart_pod": (None, "restart_pod"),
+}
+
+
+def _node_claim(w: Work, seq: int) -> Call:
     assert w.decision is not None
     node = w.nodes[0]
-    return store("claim", f"{w.decision.idempotency_key}:exclude:{node}", w.decision.event_id,
-                 reply=("exclude_claim", seq, node))
+    return store("claim", f"{w.decision.idempotency_key}:{w.node_step}:{node}",
+                 w.decision.event_id, reply=("node_claim", seq, node))
+
+
+def _start_node_steps(state: RemediatorState, seq: int, step: str, nodes, effects: list[Effect],
+                      **changes) -> Out:
+    state, w = update(state, seq, node_step=step, nodes=tuple(nodes), **changes)
+    return state, effects + [_node_claim(w, seq)]
 
 
 def _next_node(state: RemediatorState, seq: int, effects: list[Effect]) -> Out:
     state, w = update(state, seq, nodes=state.work[seq].nodes[1:])
     if not w.nodes:
         return done(state, seq), effects
-    return state, effects + [_exclude_claim(w, seq)]
+    return state, effects + [_node_claim(w, seq)]
 
 
-def on_exclude_claim(state, seq, w: Work, inp: Reply, now) -> Out:
-    if inp.value is not None:  # this exclusion was already carried out
+def on_node_claim(state, seq, w: Work, inp: Reply, now) -> Out:
+    """Claimed: ask the controller in the background (``wait=False``: a scheduler's drain can
+    take seconds, and the decision is committed and published already, so other jobs'
+    inputs need not wait for it). Held: this node's step was already carried out."""
+    if inp.value is not None:
         return _next_node(state, seq, [])
-    dec = w.decision
+    dec, node = w.decision, inp.tag[2]
     assert dec is not None
-    # in the background (wait=False): a scheduler's drain can take seconds, and the decision
-    # is committed and published already, so other jobs' inputs need not wait for it
-    return state, [Call("controller", "exclude", (inp.tag[2], w.job, dec.reason),
-                        reply=("exclude", seq, inp.tag[2]), wait=False)]
+    if w.node_step == "exclude":
+        args: tuple = (node, w.job, dec.reason)
+    else:
+        # only a pod older than the fault is the failed one: a replacement made since is left
+        onset = w.verdict.detail.get("last_beat_ns") if w.verdict is not None else None
+        before_ns = (onset if isinstance(onset, int) and onset > 0
+                     else dec.fault_ts or dec.detected_ts)
+        args = (node, w.job, before_ns)
+    return state, [Call("controller", w.node_step, args, reply=("node_step", seq, node),
+                        wait=False)]
+
+
+def on_node_step(state, seq, w: Work, inp: Reply, now) -> Out:
+    """The controller's ``ControllerResult`` (or its error: a failed drain or pod restart) →
+    ``action.result``; a failure is audited (``controller_failed``) and does not escalate here:
+    an excluded node's job re-ranks without it anyway, a pod not restarted is the watchdog's."""
+    assert w.decision is not None
+    action, prefix = NODE_STEPS[w.node_step]
+    return _next_node(state, seq, _controller_result(state, w, inp, action or w.decision.action,
+                                                     prefix))
 
 
 def _controller_result(state: RemediatorState, w: Work, inp: Reply, action: str,
@@ -277,45 +309,3 @@ def _controller_result(state: RemediatorState, w: Work, inp: Reply, action: str,
         action=action, ok=ok, detail=f"{step} {node}: {detail}" if step else detail,
         **({"ts": inp.wall_ns} if inp.wall_ns else {}))))
     return effects
-
-
-def on_exclude(state, seq, w: Work, inp: Reply, now) -> Out:
-    """The controller's ``ControllerResult`` (or its error: a failed drain) → action.result."""
-    return _next_node(state, seq, _controller_result(state, w, inp, "exclude_node_and_requeue"))
-
-
-# ---- pod restart through the controller ------------------------------------------------------
-def _pod_claim(w: Work, seq: int) -> Call:
-    assert w.decision is not None
-    node = w.pods[0]
-    return store("claim", f"{w.decision.idempotency_key}:restart_pod:{node}",
-                 w.decision.event_id, reply=("pod_claim", seq, node))
-
-
-def _next_pod(state: RemediatorState, seq: int, effects: list[Effect]) -> Out:
-    state, w = update(state, seq, pods=state.work[seq].pods[1:])
-    if not w.pods:
-        return done(state, seq), effects
-    return state, effects + [_pod_claim(w, seq)]
-
-
-def on_pod_claim(state, seq, w: Work, inp: Reply, now) -> Out:
-    if inp.value is not None:  # this pod was already replaced for this decision
-        return _next_pod(state, seq, [])
-    dec = w.decision
-    assert dec is not None
-    # only a pod older than the fault is the failed one: a replacement made since is left alone
-    onset = w.verdict.detail.get("last_beat_ns") if w.verdict is not None else None
-    before_ns = (onset if isinstance(onset, int) and onset > 0
-                 else dec.fault_ts or dec.detected_ts)
-    return state, [Call("controller", "restart_pod", (inp.tag[2], w.job, before_ns),
-                        reply=("pod_restart", seq, inp.tag[2]), wait=False)]
-
-
-def on_pod_restart(state, seq, w: Work, inp: Reply, now) -> Out:
-    """The controller's ``restart_pod`` result (or its error) → ``action.result`` of the
-    decision's action (``restart_workers``), executor ``controller:<name>``; a failure is
-    audited (``controller_failed``) and left to the watchdog (training does not resume)."""
-    assert w.decision is not None
-    return _next_pod(state, seq, _controller_result(state, w, inp, w.decision.action,
-                                                    "restart_pod"))

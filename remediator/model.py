@@ -60,8 +60,13 @@ class Work:
     ``verdict`` — None for a watchdog escalation; ``prev``/``why`` — the escalated decision and
     why; ``record`` — the job record read; ``decision`` — as claimed so far; ``fault_gen`` — the
     generation the fault happened in; ``expected``/``tries`` — the generation bump;
-    ``nodes`` — nodes still to exclude; ``pods`` — nodes whose pod of the job is still to be
-    replaced (``policy.pod_restart``)."""
+    ``node_step`` — what the node controller does for the decision (``"exclude"``, or
+    ``"restart_pod"`` on the nodes ``policy.pod_restart`` names; ``decisions.NODE_STEPS``);
+    ``nodes`` — the nodes it still has to do it on; ``token`` — this chain's owner string of
+    the verdict claim (``remediator@<Unix ns received>``: a retried claim that finds its own
+    token knows its first try landed); ``last_call`` — the chain's state-store call in flight
+    (issued again when it fails); ``retry_at`` — service time it is due again (None: not
+    waiting); ``store_tries`` — its failed tries so far."""
 
     job: str
     verdict: Verdict | None = None
@@ -72,8 +77,8 @@ class Work:
     fault_gen: int = 0
     expected: int = 0
     tries: int = 0
+    node_step: str = ""
     nodes: tuple[str, ...] = ()
-    pods: tuple[str, ...] = ()
     token: str = "remediator"
     last_call: Any = None
     retry_at: float | None = None

@@ -22,17 +22,15 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
    (``commit_decision``: retries, last fault/decision, the new world, stop, the
    ``pending_decision`` the watchdog waits on); then in every mode: audit, publish on
    ``tg.job.<job>.decision``, and watch an executed recovery decision;
-6. exclusion of an executed ``exclude_node_and_requeue``, per node: ``exclude_claim`` claims
-   ``<key>:exclude:<node>`` (held: already carried out), ``exclude`` asks the controller and
-   publishes its ``action.result`` (the controller call runs in the background:
-   ``wait=False``); a failed drain is audited (``controller_failed``) and does
-   not escalate: the job re-ranks without the node anyway;
-7. pod restart of an executed decision for which ``policy.pod_restart`` names nodes (a lost
-   launcher on a healthy node, under a controller that recreates pods), per node:
-   ``pod_claim`` claims ``<key>:restart_pod:<node>`` (held: already done), ``pod_restart``
-   asks the controller (``restart_pod(node, job, before_ns)``, in the background) and
-   publishes its ``action.result``; a failure is audited (``controller_failed``) and left to
-   the watchdog.
+6. the node controller's part (``decisions.NODE_STEPS``), per node: the exclusion of an
+   executed ``exclude_node_and_requeue`` (``exclude(node, job, reason)``), or the pod restart
+   of an executed decision for which ``policy.pod_restart`` names nodes (a lost launcher on a
+   healthy node, under a controller that recreates pods: ``restart_pod(node, job,
+   before_ns)``). ``node_claim`` claims ``<key>:<step>:<node>`` (held: already carried out),
+   ``node_step`` gets the controller's result (the call runs in the background:
+   ``wait=False``) and publishes its ``action.result``; a failure is audited
+   (``controller_failed``) and does not escalate here (an excluded node's job re-ranks
+   without it anyway; a pod not restarted is the watchdog's).
 
 A stage whose call failed (Valkey gone) ends that work with a ``Log``: nothing is published
 for a decision whose record was not written.
@@ -92,16 +90,19 @@ def step(state: RemediatorState, inp: Input, now: float) -> Out:
     for e in effects:
         tag = getattr(e, "reply", None)
         if (isinstance(e, Call) and e.target == "state" and isinstance(tag, tuple)
-                and len(tag) > 1 and tag[0] in _RETRIED and tag[1] in state.work):
+                and len(tag) > 1 and _retried(tag[0]) and tag[1] in state.work):
             state, _ = update(state, tag[1], last_call=e, retry_at=None)
     return state, effects
 
 
-#: the chain stages whose failed state-store call is issued again (the controller's own calls,
-#: exclude and pod_restart, report their failures themselves)
-_RETRIED = frozenset({"verdict_claim", "job", "flag_owner", "claim", "escalation_claim", "bump",
-                      "commit", "outbox_put", "exclude_claim", "pod_claim", "wd_job",
-                      "wd_claim"})
+#: the stage whose reply is the node controller's, not the state store's: its failure is the
+#: controller's to report (``decisions.on_node_step``), never issued again here
+_CONTROLLER_STAGE = "node_step"
+
+
+def _retried(stage: str) -> bool:
+    """Whether a failed call of chain stage ``stage`` is issued again (every state-store stage)."""
+    return stage in _STAGES and stage != _CONTROLLER_STAGE
 
 
 def _retry_due(state: RemediatorState, now: float) -> Out:
@@ -164,9 +165,9 @@ def _step(state: RemediatorState, inp: Input, now: float) -> Out:
         handler = _STAGES.get(inp.tag[0])
         if w is None or handler is None:
             return state, []
-        if inp.error and inp.tag[0] not in ("exclude", "pod_restart"):
+        if inp.error and _retried(inp.tag[0]):
             return _store_failed(state, seq, w, inp, now)
-        if inp.tag[0] in _RETRIED and w.store_tries:
+        if w.store_tries:
             state, w = update(state, seq, store_tries=0)
         return handler(state, seq, w, inp, now)
     return state, []
@@ -198,8 +199,7 @@ _STAGES = {
     "verdict_claim": d.on_verdict_claim, "job": d.on_job, "flag_owner": d.on_flag_owner,
     "claim": d.on_claim, "escalation_claim": d.on_escalation_claim, "bump": d.on_bump,
     "commit": d.on_commit, "outbox_put": d.on_outbox_put,
-    "exclude_claim": d.on_exclude_claim, "exclude": d.on_exclude,
-    "pod_claim": d.on_pod_claim, "pod_restart": d.on_pod_restart,
+    "node_claim": d.on_node_claim, "node_step": d.on_node_step,
     "wd_job": wd.on_wd_job, "wd_claim": wd.on_wd_claim,
 }
 
