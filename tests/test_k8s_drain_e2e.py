@@ -17,19 +17,19 @@ annotates the node ``trainguard.io/drain-requested`` and asserts, on what happen
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from k8s_fixtures.emulator import NODES, cluster
+from k8s_fixtures.jobs import events as _events
+from k8s_fixtures.jobs import launch
+from k8s_fixtures.jobs import records as _records
 from trainguard.k8s.api import DRAIN_READY, DRAIN_REQUESTED, KubeConfig
 from trainguard.k8s.drain import DrainConfig, DrainService
 from trainguard.service import ServiceConfig
@@ -37,30 +37,6 @@ from trainguard.service import ServiceConfig
 pytestmark = pytest.mark.slow
 
 NODE = "ip-10-0-1-2.ec2.internal"
-SCRIPT = Path(__file__).parent / "fixtures" / "k8s" / "train_drain.py"
-BIN = Path(sys.executable).parent
-
-
-def _records(d: Path) -> list[dict]:
-    out = []
-    for f in sorted(d.glob("rank*.jsonl")):
-        out += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-    return sorted(out, key=lambda r: r["t_ns"])
-
-
-def _launch(stack, job: str, tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    nats, redis = stack.urls("worker")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NATS_URL", "REDIS_URL", "TG_RDZV_ENDPOINT", "TG_NODE")}
-    env["PYTHONUNBUFFERED"] = "1"
-    log = tmp / f"{name}.log"
-    cmd = [str(BIN / "trainguard"), "launch", "--nnodes", "1", "--nproc-per-node", "2",
-           "--node", NODE, "--job", job, "--mode", "action", "--spares", "1",
-           "--nats-url", nats, "--redis-url", redis, "--rdzv-endpoint", stack.rdzv_endpoint,
-           "--ckpt-dir", str(tmp / "ckpt"), str(SCRIPT), "--record-dir", str(tmp / "rec"),
-           "--sleep", "0.05"]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True), log
 
 
 def _stop(p: subprocess.Popen) -> None:
@@ -70,14 +46,6 @@ def _stop(p: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         p.wait(10)
-
-
-def _events(stack, job: str, kind: str) -> list[dict]:
-    from trainguard.replay import history
-
-    buf = io.StringIO()
-    asyncio.run(history(stack.nats_url, buf, subject=f"tg.job.{job}.{kind}"))
-    return [json.loads(x)["event"] for x in buf.getvalue().splitlines() if x.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +71,7 @@ def test_drain_checkpoints_first_then_evicts_and_loses_no_step(stack, tmp_path):
         async with cluster() as c:
             c.add_node(NODE)
             c.add_pod(f"{job}-workers-0-0", NODE, job)
-            launcher, log = _launch(stack, job, tmp_path, "launch1")
+            launcher, log = launch(stack, job, tmp_path, "launch1", NODE)
             procs.append(launcher)
 
             def on_evict(ns, name):  # the kubelet's part: stop the pod's container (SIGTERM)
@@ -174,7 +142,7 @@ def test_drain_checkpoints_first_then_evicts_and_loses_no_step(stack, tmp_path):
         assert max(r["step"] for r in at_evict) == step, [r["step"] for r in at_evict[-6:]]
         assert {r["rank"] for r in at_evict if r["step"] == step} == {0, 1}
         # the job's next run resumes right after the checkpoint
-        p2, log2 = _launch(stack, job, tmp_path, "launch2")
+        p2, log2 = launch(stack, job, tmp_path, "launch2", NODE)
         procs.append(p2)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 120:  # ≈ 10 s here; start-up slows a lot under load

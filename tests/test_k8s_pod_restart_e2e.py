@@ -17,12 +17,9 @@ launcher and rank: a wedged pod; its node's agent goes on) and asserts, on what 
 from __future__ import annotations
 
 import asyncio
-import io
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -30,35 +27,19 @@ from pathlib import Path
 import pytest
 
 from k8s_fixtures.emulator import cluster
+from k8s_fixtures.jobs import events as _events
+from k8s_fixtures.jobs import launch
+from k8s_fixtures.jobs import records as _records
 
 pytestmark = pytest.mark.slow
 
 NODES = ("ip-10-0-1-2.ec2.internal", "ip-10-0-1-3.ec2.internal")
-SCRIPT = Path(__file__).parent / "fixtures" / "k8s" / "train_drain.py"
-BIN = Path(sys.executable).parent
 
 
-def _records(d: Path) -> list[dict]:
-    out = []
-    for f in sorted(d.glob("rank*.jsonl")):
-        out += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-    return sorted(out, key=lambda r: r["t_ns"])
-
-
-def _launch(stack, job: str, tmp: Path, node_rank: int, name: str) -> tuple[subprocess.Popen,
-                                                                           Path]:
-    nats, redis = stack.urls("worker")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NATS_URL", "REDIS_URL", "TG_RDZV_ENDPOINT", "TG_NODE", "KUBECONFIG")}
-    env["PYTHONUNBUFFERED"] = "1"
-    log = tmp / f"{name}.log"
-    cmd = [str(BIN / "trainguard"), "launch", "--nnodes", "2", "--nproc-per-node", "1",
-           "--node-rank", str(node_rank), "--node", NODES[node_rank], "--job", job,
-           "--mode", "action", "--spares", "1", "--nats-url", nats, "--redis-url", redis,
-           "--rdzv-endpoint", stack.rdzv_endpoint, "--ckpt-dir", str(tmp / "ckpt"),
-           str(SCRIPT), "--record-dir", str(tmp / "rec"), "--sleep", "0.05"]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True), log
+def _pod(stack, job: str, tmp: Path, node_rank: int, name: str):
+    """The training pod of node ``NODES[node_rank]``: 2 nodes × 1 rank."""
+    return launch(stack, job, tmp, name, NODES[node_rank], nnodes=2, nproc_per_node=1,
+                  node_rank=node_rank)
 
 
 def _signal(p: subprocess.Popen, sig: int) -> None:
@@ -66,14 +47,6 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _events(stack, job: str, kind: str) -> list[dict]:
-    from trainguard.replay import history
-
-    buf = io.StringIO()
-    asyncio.run(history(stack.nats_url, buf, subject=f"tg.job.{job}.{kind}"))
-    return [json.loads(x)["event"] for x in buf.getvalue().splitlines() if x.strip()]
 
 
 def test_a_wedged_pod_is_deleted_and_replaced_and_its_node_stays_in_service(tmp_path):
@@ -101,8 +74,8 @@ def test_a_wedged_pod_is_deleted_and_replaced_and_its_node_stays_in_service(tmp_
             # started from this thread: its children die with the thread that spawned them
             # (PR_SET_PDEATHSIG), and the emulator needs not answer while they start
             st.start(timeout=120)
-            p0, log0 = _launch(st, job, tmp_path, 0, "pod0")
-            p1, log1 = _launch(st, job, tmp_path, 1, "pod1")
+            p0, log0 = _pod(st, job, tmp_path, 0, "pod0")
+            p1, log1 = _pod(st, job, tmp_path, 1, "pod1")
             procs.extend([p0, p1])
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # both ranks training
@@ -127,7 +100,7 @@ def test_a_wedged_pod_is_deleted_and_replaced_and_its_node_stays_in_service(tmp_
             _signal(p1, signal.SIGCONT)
             p1.wait(10)
             c.add_pod(f"{job}-workers-0-1-b", NODES[1], job, created="2030-01-01T00:00:00Z")
-            p2, log2 = _launch(st, job, tmp_path, 1, "pod1-new")
+            p2, log2 = _pod(st, job, tmp_path, 1, "pod1-new")
             procs.append(p2)
             t1 = time.monotonic()
             while time.monotonic() - t1 < 120:  # both ranks training again
