@@ -195,14 +195,21 @@ def _start_console(st):
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--port", str(port),
                              "--refresh-s", "3"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_http(proc, f"http://127.0.0.1:{port}/healthz",
+               lambda: f"console did not start: {proc.stderr.read().decode()[-2000:]}")
+    return proc, port
+
+
+def _wait_http(proc: subprocess.Popen, url: str, why) -> None:
+    """Return once ``url`` answers (30 s at most); else kill ``proc`` and fail with ``why()``."""
     for _ in range(300):
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
-            return proc, port
+            urllib.request.urlopen(url, timeout=1)
+            return
         except OSError:
             time.sleep(0.1)
     proc.kill()
-    raise AssertionError(f"console did not start: {proc.stderr.read().decode()[-2000:]}")
+    raise AssertionError(why())
 
 
 #: the processes serving /metrics in the fixture's stack (health name → Prometheus job)
@@ -236,14 +243,9 @@ def _start_prometheus(st, console_port: int, tmp):
                              f"--storage.tsdb.path={tmp / 'prometheus-data'}",
                              f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp))
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=1)
-            return proc, port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+    _wait_http(proc, f"http://127.0.0.1:{port}/-/ready",
+               lambda: f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+    return proc, port
 
 
 def _promql(port: int, expr: str) -> list[dict]:

@@ -29,6 +29,16 @@ async def _wait_for(events: list, n: int, timeout: float = 20.0) -> None:
     assert len(events) >= n, events
 
 
+async def _answering(bus: Bus) -> None:
+    """Return once the validator answers its health request: it is subscribed by then."""
+    for _ in range(100):
+        try:
+            await bus.request("tg.svc.checkpoint_validator.health", b"", timeout=0.2)
+            return
+        except Exception:  # noqa: BLE001
+            await asyncio.sleep(0.05)
+
+
 async def test_saved_validated_marked_and_restored(servers, redis_db, tmp_path):
     job = "vsvc"
     svc = CheckpointValidator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_db))
@@ -39,12 +49,7 @@ async def test_saved_validated_marked_and_restored(servers, redis_db, tmp_path):
                             lambda s, e: verdicts.append(e) if e.SCHEMA in (
                                 "ckpt.validated", "ckpt.invalid") else None)
     await watcher.flush()
-    for _ in range(100):  # the service is subscribed once it answers health
-        try:
-            await watcher.request("tg.svc.checkpoint_validator.health", b"", timeout=0.2)
-            break
-        except Exception:  # noqa: BLE001
-            await asyncio.sleep(0.05)
+    await _answering(watcher)
     tbus = ThreadedBus(servers.nats_url, "test-rank").start()
     assert tbus.wait_connected(5)
     root = str(tmp_path / "ckpt")
@@ -110,12 +115,7 @@ async def test_bad_message_does_not_kill_validator(servers, redis_db, tmp_path):
     svc = CheckpointValidator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_db))
     task = asyncio.create_task(svc.run())
     b = await Bus(servers.nats_url, "test-bad").connect()
-    for _ in range(100):
-        try:
-            await b.request("tg.svc.checkpoint_validator.health", b"", timeout=0.2)
-            break
-        except Exception:  # noqa: BLE001
-            await asyncio.sleep(0.05)
+    await _answering(b)
     got: list = []
     await b.subscribe(subjects.job("bad", "ckpt"),
                       lambda s, e: got.append(e) if e.SCHEMA == "ckpt.invalid" else None)
@@ -178,12 +178,7 @@ async def test_a_failed_loss_check_after_a_restore_marks_that_checkpoint_invalid
     await watcher.subscribe(subjects.job(job, "ckpt"), lambda s, e: invalid.append(e)
                             if e.SCHEMA == "ckpt.invalid" else None)
     await watcher.flush()
-    for _ in range(100):
-        try:
-            await watcher.request("tg.svc.checkpoint_validator.health", b"", timeout=0.2)
-            break
-        except Exception:  # noqa: BLE001
-            await asyncio.sleep(0.05)
+    await _answering(watcher)
     for ok, loss in ((True, 0.3), (False, 9.5)):
         await watcher.publish(subjects.job(job, "recovery"), schemas.RecoveryVerified(
             job=job, rank=1, generation=2, restored_step=20, loss_at_save=0.31,
