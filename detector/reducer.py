@@ -247,22 +247,22 @@ def _node(state: DetectorState, name: str) -> NodeState:
     return ns
 
 
-def _job_of(inp: Received) -> str:
-    """The job an input concerns; a subject token this detector could not publish about
-    (``subjects.token``) raises ValueError before any state is keyed by it. The name keeps its
-    dots (the subject's token is decoded: ``subjects.untoken``)."""
-    name = inp.event.job or subjects.untoken(inp.subject.split(".")[2])
+def _named(given: str | None, subject: str) -> str:
+    """The job or node an input concerns, as its name (dots included:
+    ``ip-10-0-1-2.ec2.internal``, what job members and culprits name): the event's own, else its
+    subject's (``subjects.parse``, decoded). Raises ValueError for a name that cannot be a
+    subject token (``subjects.token``) before any state is keyed by it."""
+    name = given or subjects.parse(subject)["name"]
     subjects.token(name)
     return name
+
+
+def _job_of(inp: Received) -> str:
+    return _named(inp.event.job, inp.subject)
 
 
 def _node_of(inp: Received) -> str:
-    """The node an input concerns, as its name (dots included: ``ip-10-0-1-2.ec2.internal``,
-    what job members and culprits name), from the event or else its subject's token; raises
-    ValueError for a name that cannot be a subject token (``subjects.token``)."""
-    name = inp.event.node or subjects.untoken(inp.subject.split(".")[2])
-    subjects.token(name)
-    return name
+    return _named(inp.event.node, inp.subject)
 
 
 # ---- received events -----------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                 "checkpoints": await store["s"].checkpoints(job)}
 
     async def nodes_view(only: set[str] | None = None) -> list[dict[str, Any]]:
-        from .attributor.decide import AttributorConfig, history_from_records
+        from .attributor.decide import NODE_LAYERS, AttributorConfig, history_from_records
 
         st = store["s"]
         records = await st.nodes()
@@ -171,14 +171,16 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                         "updated_ns": int(r["updated_ns"]) if r.get("updated_ns") else None,
                         "ranks": {j: sorted(v) for j, v in ranks.get(n, {}).items()},
                         "spare_for": spare.get(n, []),
-                        "faults": sum(1 for x in hist[n] if x.get("layer") in NODE_LAYER_WORDS),
+                        "faults": sum(1 for x in hist[n] if x.get("layer") in NODE_LAYERS),
                         "fault_jobs": jobs_hit,
                         "repeat_offender": len(jobs_hit) >= cfg.node_repeat_jobs})
         return out
 
-    async def incidents_view(name: str) -> dict[str, Any]:
+    async def incidents_view(name: str, audit: list[dict[str, Any]] | None = None
+                             ) -> dict[str, Any]:
         st = store["s"]
-        audit = await st.audit_trail(name, count=100000)
+        if audit is None:
+            audit = await st.audit_trail(name, count=100000)
         if nats_url:
             from .report import build_report, job_events
 
@@ -240,21 +242,18 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
         if name not in await st.jobs():
             raise HTTPException(404, f"no job {name!r}: GET /jobs lists the known ones")
         rec = await st.job(name)
+        audit = await st.audit_trail(name, count=100000)  # read once: incidents and the trail
         try:
-            incs = await incidents_view(name)
+            incs = await incidents_view(name, audit)
         except (ConnectionError, ValueError) as exc:
             incs = {"source": f"nothing ({exc})", "goodput": None, "incidents": [], "flags": []}
         mine = {str(m.get("node")) for m in rec.members or []} | set(rec.spare_nodes or [])
         for r in incs["incidents"]:
             mine |= set((r.get("decision") or {}).get("nodes") or [])
         return job_page(name, rec.to_dict(), incs, await nodes_view(mine),
-                        await st.checkpoints(name), await st.audit_trail(name, count=100000))
+                        await st.checkpoints(name), audit)
 
     return app
-
-
-#: Layers whose faults count against a node (``trainguard.attributor.decide.NODE_LAYERS``).
-NODE_LAYER_WORDS = ("hardware", "system_software", "infrastructure")
 
 
 def main(argv: list[str] | None = None) -> int:
