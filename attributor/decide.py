@@ -165,6 +165,10 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     layer = str(_hint(root, "layer", default_layer(root.fault_class)))
     notes: list[str] = []
     facts: dict[str, Any] = {}
+    reread = _reread(root, ordered_a)
+    if reread:
+        fault_class, layer, why = reread
+        notes.append(why)
 
     # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
     # several OOM-killed ranks); symptoms and victims never add culprits.
@@ -277,6 +281,29 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
         generation=root.generation if root.generation is not None else (max(gens) if gens
                                                                         else None),
         detail=detail, signature=sig)
+
+
+#: A root whose class its row only infers (``evidence.is_guess``), read again by what else the
+#: incident shows: (root's pattern, another anomaly's pattern, fault class, layer, why).
+REREADINGS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("sigkill", "rank_sigterm", FaultClass.CRASH.value, Layer.SYSTEM_SOFTWARE.value,
+     "a rank was SIGKILLed while ranks were sent SIGTERM: its launcher, process manager, "
+     "scheduler or an operator tore the job down (Slurm and torchrun send SIGTERM, then "
+     "SIGKILL to what is left); the kernel's OOM killer sends SIGKILL alone, to the process "
+     "it picks (mm/oom_kill.c)"),
+)
+
+
+def _reread(root: Anomaly, anomalies: list[Anomaly]) -> tuple[str, str, str] | None:
+    """The first ``REREADINGS`` row that applies to ``root``: (fault class, layer, why)."""
+    if not ev.is_guess(root):
+        return None
+    pattern = root.detail.get("pattern")
+    for root_pattern, witness, fault_class, layer, why in REREADINGS:
+        if pattern == root_pattern and any(a is not root and a.detail.get("pattern") == witness
+                                           for a in anomalies):
+            return fault_class, layer, why
+    return None
 
 
 def _who(a: Anomaly) -> str:

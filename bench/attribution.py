@@ -4,8 +4,8 @@
 
 Runs ``trainguard diagnose``'s code (detector rules + attributor decide) on each case's
 ``log_excerpt`` and compares with the labels: fault_class accuracy over all cases (target
-≥ 90 %), layer accuracy over the cases whose label confidence is medium or high (target
-≥ 75 %). Prints every miss. The corpus is only read here, never by the tests.
+≥ 95 %), layer accuracy over the cases whose label confidence is medium or high (target
+≥ 85 %). Prints every miss. The corpus is only read here, never by the tests.
 """
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     fc_acc = fc_ok / len(cases)
     layer_acc = layer_ok / layer_n if layer_n else 0.0
     print(f"cases: {len(cases)}  ({dt * 1000 / max(1, len(cases)):.2f} ms per case)")
-    print(f"fault_class accuracy: {fc_ok}/{len(cases)} = {fc_acc:.1%}  (target >= 90%)")
+    print(f"fault_class accuracy: {fc_ok}/{len(cases)} = {fc_acc:.1%}  (target >= 95%)")
     print(f"layer accuracy (label confidence medium/high): {layer_ok}/{layer_n} = "
-          f"{layer_acc:.1%}  (target >= 75%)")
+          f"{layer_acc:.1%}  (target >= 85%)")
     print("misses:" if misses else "misses: none")
     for m in misses:
         print("  " + m)

@@ -199,6 +199,18 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "multiprocessing/api.py 'Received %s death signal, shutting down workers'): the "
            "scheduler cancelled, preempted or timed out the job, or killed it after another "
            "node's task failed — a symptom; the scheduler's own line says which"),
+    _p("rank_sigterm",
+       r"^(?:\[[\d,]+\]<std\w+>:)?Terminated\s*$|\btasks? [\d,-]+: Terminated\b|"
+       r"exit(?:ed)? with (?:status|exit) code 143\b|terminated with signal SIGTERM|"
+       r"return code = -15\b|<Signals\.SIGTERM: 15>",
+       "crash", "system_software", symptom=True, weight=0.3,
+       why="a rank ended by SIGTERM: someone tore the job down — its launcher or process "
+           "manager after another rank failed, the scheduler, an operator (bash's job report "
+           "is strsignal(SIGTERM), 'Terminated'; srun src/srun/launch.c '%s: task %s: %s'; "
+           "Python's CalledProcessError '<Signals.SIGTERM: 15>'; 128 + 15 = exit status "
+           "143). A symptom; it also says that a SIGKILL of a peer came from the same hand, "
+           "not from the OOM killer, which sends SIGKILL alone (attributor ``REREADINGS``). "
+           "Not torchrun's own 'Sending process %s closing signal SIGTERM', its cleanup"),
     # ==== the cluster: preemption, eviction, node failure, time limit ===========================
     _p("scheduler_node_failure",
        r"CANCELLED AT \S+ DUE TO (?:NODE ?FAILURE|PREEMPTION)|Node failure on \S+|"

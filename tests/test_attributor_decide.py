@@ -150,3 +150,32 @@ def test_among_warnings_the_strongest_leads_not_the_first():
     assert decide([save, ecc]).fault_class == "ecc"
     # an error still wins by time order: the earliest error explains what follows it
     assert decide([mem, crash(2, 90, node="node1")]).fault_class == "crash"
+
+
+def _sigkill_guess(rank, ts):
+    return anomaly("log_pattern", "oom_host", ts, [rank], pattern="sigkill", layer="application",
+                   weight=0.45)
+
+
+def _sigterm(rank, ts):
+    return anomaly("log_pattern", "crash", ts, [rank], symptom=True, pattern="rank_sigterm",
+                   layer="system_software", weight=0.3)
+
+
+@pytest.mark.parametrize("others, fault_class, layer", [
+    ([], "oom_host", "application"),                         # a bare SIGKILL: the OOM guess
+    ([_sigterm(1, 120), _sigterm(2, 121)], "crash", "system_software"),   # a job torn down
+    ([reset(1, 110)], "oom_host", "application"),             # victims' resets change nothing
+])
+def test_a_guessed_sigkill_is_read_again_by_what_else_the_incident_shows(others, fault_class,
+                                                                          layer):
+    v = decide([_sigkill_guess(0, 100), *others])
+    assert (v.fault_class, v.layer, v.ranks) == (fault_class, layer, [0])
+    assert any("tore the job down" in n for n in v.detail["notes"]) == (fault_class == "crash")
+
+
+def test_an_observed_oom_kill_is_not_read_again():
+    oom = anomaly("log_pattern", "oom_host", 100, [0], pattern="host_oom_kill",
+                  layer="application", weight=0.9)
+    v = decide([oom, _sigkill_guess(0, 101), _sigterm(1, 120)])
+    assert (v.fault_class, v.layer) == ("oom_host", "application")
