@@ -14,7 +14,7 @@ from trainguard.schemas.vocabulary import signature, stronger
 
 from . import policy as pol
 from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
-                    decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
+                    FOLDED, decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
                     update, verdict_key, verdict_token, without_pending)
 
 #: what a verdict's claim holds once its decision is stored (``StateStore.commit_decision``'s
@@ -43,7 +43,7 @@ def on_verdict_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     if inp.value is not None and inp.value != w.token:
         why = ("this verdict was already decided" if str(inp.value).startswith(DECIDED)
                else "this verdict was already handled")
-        return fold(state, seq, w, None, why, inp.wall_ns)
+        return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)
     return state, [store("job", w.job, reply=("job", seq))]
 
 
@@ -65,7 +65,8 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
     if dec is None:
         return count(done(state, seq), "ignored"), [store("audit", w.job, {
             "type": "ignored", "verdict_id": v.event_id, "fault_class": v.fault_class,
-            "reason": "verdict names no job"})]
+            "reason": "verdict names no job"}),
+            store("settle", verdict_key(w.job, v.event_id), FOLDED, wait=False)]
     fault_gen = pol.fault_generation(v, pol.with_defaults(rec, policy))
     # the verdict's own decision id: decided again after a restart, it is the same decision
     dec = stamp(dec, inp.wall_ns).model_copy(update={"event_id": decision_id(v.event_id)})

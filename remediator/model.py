@@ -198,11 +198,21 @@ def brief(dec: Decision, fault_gen: int) -> dict[str, Any]:
             "ts": dec.ts}
 
 
+#: what the claim of a verdict folded after its claim holds (``StateStore.settle``)
+FOLDED = "folded"
+
+
 def fold(state: RemediatorState, seq: int, w: Work, owner: str | None, why: str,
-         wall_ns: int) -> Out:
+         wall_ns: int, claimed: bool = True) -> Out:
+    """Work ``seq`` decides nothing: audited as folded into ``owner`` for ``why``. ``claimed``:
+    the chain holds the verdict's claim, which is settled (``FOLDED``, in the background), so
+    the verdict delivered or replayed again folds at its claim instead of being decided anew."""
     v = w.verdict
     assert v is not None
-    return count(done(state, seq), "folded"), [store("audit", w.job, {
+    effects: list[Effect] = [store("audit", w.job, {
         "type": "folded", "verdict_id": v.event_id, "fault_class": v.fault_class,
         "culprit": v.culprit.model_dump(), "into": owner or "", "reason": why, "ts": wall_ns})]
+    if claimed:
+        effects.append(store("settle", verdict_key(w.job, v.event_id), FOLDED, wait=False))
+    return count(done(state, seq), "folded"), effects
 

@@ -67,6 +67,9 @@ class Store:
             self.claims[key] = owner
         return prev
 
+    def settle(self, key, outcome):
+        self.claims[key] = outcome
+
     def claimed_by(self, key):
         return self.claims.get(key)
 
@@ -397,6 +400,24 @@ def test_a_verdict_delivered_again_after_its_decision_was_stored_is_folded():
     assert st.records["j"].generation == gen == 1
     [(job, [kept])] = st.outbox().items()
     assert kept["event_id"] == decision_id(v.event_id)
+
+
+def test_a_folded_verdict_stepped_again_by_its_replica_folds_at_its_claim():
+    """A replica that gets a job back replays its verdicts of the last hour: one it folded
+    before (its claim settled ``folded``) is not decided anew with a later record."""
+    st = Store(j=record(status="finished"))
+    v = crash(rank=3)
+    mine = RemediatorState(config=RemediatorConfig(controller="local"), armed=True,
+                           replica="r1")
+    _, eff = run(st, [verdict_in(v)], state=mine)
+    for c in calls(eff, "settle"):  # a call without a reply: run_offline leaves it to us
+        st(c)
+    assert st.claims[f"j:verdict:{v.event_id}"] == "folded"
+    st.records["j"].status = "running"
+    _, eff = run(st, [verdict_in(v, 5.0)], state=mine)
+    assert published(eff) == [] and calls(eff, "job") == []
+    [fold] = audits(eff, "folded")
+    assert fold["reason"] == "this verdict was already handled"
 
 
 def test_another_replicas_claim_of_the_verdict_folds():

@@ -122,6 +122,9 @@ class MemoryStore:
         self.claims[key] = owner
         return None
 
+    def settle(self, key: str, outcome: str, ttl_s: int = 0) -> None:
+        self.claims[key] = outcome
+
     def claimed_by(self, key: str) -> str | None:
         return self.claims.get(key)
 

@@ -283,6 +283,11 @@ class StateStore:
             return None
         return await self.r.get(_idem_key(key))
 
+    async def settle(self, key: str, outcome: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> None:
+        """Idempotency ``key``, claimed by the caller, is settled: it holds ``outcome`` from now
+        on (e.g. ``folded``), so whoever claims it later learns it was handled and how."""
+        await self.r.set(_idem_key(key), outcome, ex=ttl_s)
+
     async def claimed_by(self, key: str) -> str | None:
         """The owner holding idempotency ``key``, or None when nobody claimed it (read only)."""
         return await self.r.get(_idem_key(key))
