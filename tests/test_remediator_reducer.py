@@ -315,7 +315,7 @@ def test_a_retried_claim_that_had_landed_is_this_chains_own():
     assert d.ranks == [3] and lost["n"] == 1
 
 
-# ---- in flight: a verdict's message is acked only once its chain completed ------------------------
+# ---- in flight: a verdict's message is acked only once its chain completed ---------------------
 def test_a_verdict_waiting_on_valkey_is_in_flight_until_decided():
     st = Store(j=record())
     st.fail.add("claim")

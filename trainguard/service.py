@@ -20,9 +20,10 @@ outcome is still being worked out once handled (its event id in ``unfinished()``
 whose state-store call waits to be tried again) is held unacked, kept from redelivery with
 in-progress acks, and acked once it leaves ``unfinished()``; a replica killed meanwhile gets it
 again when it comes back (``consume.HELD_ACK_WAIT_S`` after the last in-progress ack at most). A
-message delivered again while this process still handles or holds it is not handled twice. Several replicas run side by side: each holds a lease in
-Valkey (``trainguard.membership``) and handles the events of the jobs it owns by rendezvous
-hashing over the live replicas; the others' events it acks unhandled. When the members change,
+message delivered again while this process still handles or holds it is not handled twice.
+Several replicas run side by side: each holds a lease in Valkey (``trainguard.membership``) and
+handles the events of the jobs it owns by rendezvous hashing over the live replicas; the others'
+events it acks unhandled. When the members change,
 ``members_changed`` gets the keys this replica gained and lost (``ReducerService`` rebuilds a
 gained job from the stream and forgets a lost one). Topics no stream keeps stay plain NATS
 subscriptions, filtered the same way.
