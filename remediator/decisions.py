@@ -14,8 +14,12 @@ from trainguard.schemas.vocabulary import signature, stronger
 
 from . import policy as pol
 from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
-                    done, fold,
-                    owner_action, owner_of, stamp, start, update, without_pending)
+                    FOLDED, decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
+                    update, verdict_key, verdict_token, without_pending)
+
+#: what a verdict's claim holds once its decision is stored (``StateStore.commit_decision``'s
+#: ``settles``): ``decided:<decision id>``
+DECIDED = "decided:"
 
 
 # ---- verdicts -----------------------------------------------------------------------------------
@@ -24,18 +28,28 @@ def on_verdict(state: RemediatorState, subject: str, ev: Verdict, wall_ns: int) 
         job = ev.job or subjects.parse(subject)["name"]
     except ValueError:
         return state, []
+    if ev.event_id in in_flight(state):  # delivered again while its chain runs here
+        return state, [Log(logging.DEBUG, f"{job}: verdict {ev.event_id} already in flight")]
     v = ev if ev.job == job else ev.model_copy(update={"job": job})
-    token = f"remediator@{wall_ns}"
+    token = verdict_token(state.replica, v.event_id)
     state, seq = start(state, Work(job, verdict=v, token=token))
-    return state, [store("claim", f"{job}:verdict:{v.event_id}", token,
+    return state, [store("claim", verdict_key(job, v.event_id), token,
                          reply=("verdict_claim", seq))]
 
 
 def on_verdict_claim(state, seq, w: Work, inp: Reply, now) -> Out:
-    # the chain's own token: a retried claim whose first try landed before its reply was lost
+    # the chain's own token: its first try landed (a retried claim whose reply was lost, or the
+    # verdict delivered again after a restart of this replica): carry on from there
     if inp.value is not None and inp.value != w.token:
-        return fold(state, seq, w, None, "this verdict was already handled", inp.wall_ns)
+        why = ("this verdict was already decided" if str(inp.value).startswith(DECIDED)
+               else "this verdict was already handled")
+        return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)
     return state, [store("job", w.job, reply=("job", seq))]
+
+
+def _settles(w: Work) -> str | None:
+    """The verdict claim the stored decision of ``w`` settles (None: a watchdog escalation)."""
+    return None if w.verdict is None else verdict_key(w.job, w.verdict.event_id)
 
 
 def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
@@ -51,10 +65,12 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
     if dec is None:
         return count(done(state, seq), "ignored"), [store("audit", w.job, {
             "type": "ignored", "verdict_id": v.event_id, "fault_class": v.fault_class,
-            "reason": "verdict names no job"})]
+            "reason": "verdict names no job"}),
+            store("settle", verdict_key(w.job, v.event_id), FOLDED, wait=False)]
     fault_gen = pol.fault_generation(v, pol.with_defaults(rec, policy))
-    state, w = update(state, seq, record=rec, decision=stamp(dec, inp.wall_ns),
-                      fault_gen=fault_gen)
+    # the verdict's own decision id: decided again after a restart, it is the same decision
+    dec = stamp(dec, inp.wall_ns).model_copy(update={"event_id": decision_id(v.event_id)})
+    state, w = update(state, seq, record=rec, decision=dec, fault_gen=fault_gen)
     if dec.action == "none":
         # a flag for an incident that already has its decision adds nothing
         return state, [store("claimed_by", f"{w.job}:g{fault_gen}", reply=("flag_owner", seq))]
@@ -156,7 +172,7 @@ def on_bump(state, seq, w: Work, inp: Reply, now) -> Out:
                          last_decision=brief(dec, w.fault_gen), last_fault=last_fault,
                          stopped=dec.action == "stop_job_notify_user",
                          pending_decision=pending, outbox=dec.to_dict(), **world,
-                         reply=("commit", seq))]
+                         settles=_settles(w), reply=("commit", seq))]
 
 
 def on_commit(state, seq, w: Work, inp: Reply, now) -> Out:
@@ -197,7 +213,8 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
     assert dec is not None
     job = w.job
     if not in_outbox:
-        return state, [store("outbox_put", job, dec.to_dict(), reply=("outbox_put", seq))]
+        return state, [store("outbox_put", job, dec.to_dict(), settles=_settles(w),
+                             reply=("outbox_put", seq))]
     state = count(state, "decisions")
     state, publish = publish_decision(state, dec)
     effects: list[Effect] = [

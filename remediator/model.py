@@ -2,6 +2,7 @@
 flight, and the small pure updates of them that the stages share (``remediator.reducer``)."""
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -63,8 +64,9 @@ class Work:
     ``node_step`` — what the node controller does for the decision (``"exclude"``, or
     ``"restart_pod"`` on the nodes ``policy.pod_restart`` names; ``decisions.NODE_STEPS``);
     ``nodes`` — the nodes it still has to do it on; ``token`` — this chain's owner string of
-    the verdict claim (``remediator@<Unix ns received>``: a retried claim that finds its own
-    token knows its first try landed); ``last_call`` — the chain's state-store call in flight
+    the verdict claim (``verdict_token``: derived from the replica and the verdict, so a
+    retried claim, or the claim of the same verdict delivered again to this replica after a
+    restart, that finds its own token knows its first try landed and carries on); ``last_call`` — the chain's state-store call in flight
     (issued again when it fails); ``retry_at`` — service time it is due again (None: not
     waiting); ``store_tries`` — its failed tries so far."""
 
@@ -99,7 +101,8 @@ class RemediatorState:
     decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
     decisions whose stored publish is in flight; ``last_sweep`` — service time of the last
     outbox sweep; ``outbox_counts`` — decisions stored in the stream, published again;
-    ``serves`` — whether this replica serves a job (every job when alone)."""
+    ``serves`` — whether this replica serves a job (every job when alone); ``replica`` — this
+    replica's name (``ServiceConfig.replica``), in its verdict claims."""
 
     config: RemediatorConfig = field(default_factory=RemediatorConfig)
     controller: str = "local"
@@ -112,6 +115,7 @@ class RemediatorState:
     publishing: frozenset = frozenset()
     last_sweep: float = float("-inf")
     serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
+    replica: str = "remediator"
     outbox_counts: dict[str, int] = field(default_factory=lambda: {"stored": 0,
                                                                    "republished": 0})
 
@@ -120,6 +124,33 @@ Out = tuple[RemediatorState, list[Effect]]
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def in_flight(state: RemediatorState) -> frozenset[str]:
+    """Ids of the verdicts whose chain is in flight (``trainguard.reducer``'s ``in_flight``):
+    claimed or not yet, waiting on a reply, a retry of a failed state-store call, or the node
+    controller. A verdict leaves it once decided and carried out, folded, ignored or given up."""
+    return frozenset(w.verdict.event_id for w in state.work.values() if w.verdict is not None)
+
+
+def verdict_key(job: str, verdict_id: str) -> str:
+    """The claim key of a verdict: ``<job>:verdict:<verdict id>``."""
+    return f"{job}:verdict:{verdict_id}"
+
+
+def verdict_token(replica: str, verdict_id: str) -> str:
+    """The owner a replica claims a verdict with: ``remediator@<replica>/<verdict id>``. The
+    same in every process of that replica (the one a restarted replica's durable consumer
+    delivers the unacked verdict to again), different between replicas (two replicas that both
+    step a verdict while their members change do not both decide it)."""
+    return f"remediator@{replica}/{verdict_id}"
+
+
+def decision_id(verdict_id: str) -> str:
+    """The event id of the decision of verdict ``verdict_id``: 32 hex characters derived from
+    it (BLAKE2b), the same in every process, so the decision of a verdict decided again after a
+    restart is the first try's: the same owner of its claim, outbox entry and ``Nats-Msg-Id``."""
+    return hashlib.blake2b(f"decision:{verdict_id}".encode(), digest_size=16).hexdigest()
+
+
 def start(state: RemediatorState, w: Work) -> tuple[RemediatorState, int]:
     seq = state.seq + 1
     return replace(state, seq=seq, work={**state.work, seq: w}), seq
@@ -167,11 +198,21 @@ def brief(dec: Decision, fault_gen: int) -> dict[str, Any]:
             "ts": dec.ts}
 
 
+#: what the claim of a verdict folded after its claim holds (``StateStore.settle``)
+FOLDED = "folded"
+
+
 def fold(state: RemediatorState, seq: int, w: Work, owner: str | None, why: str,
-         wall_ns: int) -> Out:
+         wall_ns: int, claimed: bool = True) -> Out:
+    """Work ``seq`` decides nothing: audited as folded into ``owner`` for ``why``. ``claimed``:
+    the chain holds the verdict's claim, which is settled (``FOLDED``, in the background), so
+    the verdict delivered or replayed again folds at its claim instead of being decided anew."""
     v = w.verdict
     assert v is not None
-    return count(done(state, seq), "folded"), [store("audit", w.job, {
+    effects: list[Effect] = [store("audit", w.job, {
         "type": "folded", "verdict_id": v.event_id, "fault_class": v.fault_class,
         "culprit": v.culprit.model_dump(), "into": owner or "", "reason": why, "ts": wall_ns})]
+    if claimed:
+        effects.append(store("settle", verdict_key(w.job, v.event_id), FOLDED, wait=False))
+    return count(done(state, seq), "folded"), effects
 

@@ -8,8 +8,12 @@ clock in seconds (watchdog deadlines); wall-clock fields (a decision's ``ts``, a
 A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is ``(stage, seq,
 …)``, ``seq`` numbering the work in flight (``RemediatorState.work``):
 
-1. ``verdict_claim`` — claim ``<job>:verdict:<verdict id>``; held → fold (the same verdict
-   delivered twice is decided once);
+1. ``verdict_claim`` — claim ``<job>:verdict:<verdict id>`` for ``verdict_token`` (this
+   replica and the verdict); held by another owner, or settled (``decided:<decision id>``,
+   written with the decision) → fold (the same verdict delivered twice is decided once); held
+   by its own token → carry on (its first try landed: a lost reply, or the verdict delivered
+   again to this replica after a restart). A verdict already in flight here is stepped as
+   nothing;
 2. ``job`` — read the job record; an ended job (stopped, finished, failed) → fold; else the pure
    ``policy.decide``;
 3. ``flag_owner`` — a flag (action ``none``) for a generation that already has its decision
@@ -32,8 +36,14 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
    (``controller_failed``) and does not escalate here (an excluded node's job re-ranks
    without it anyway; a pod not restarted is the watchdog's).
 
-A stage whose call failed (Valkey gone) ends that work with a ``Log``: nothing is published
-for a decision whose record was not written.
+A stage whose state-store call failed (Valkey gone) is issued again at a later ``Tick``
+(``RemediatorConfig.store_retry_s``; given up after ``store_retries``, with a ``Log``): nothing
+is published for a decision whose record was not written. The verdict stays ``in_flight``
+meanwhile, and the service acks its message only once it left (decided, folded, ignored, given
+up): a remediator killed while it waits gets the verdict again after its restart. The decision
+of a verdict has an id derived from the verdict (``model.decision_id``), so the retried chain
+claims, stores and publishes the first try's decision; the commit (or the observe-mode outbox
+put) settles the verdict's claim in the same transaction, so a delivery after that folds.
 
 Outbox: a decision is written to the job's outbox (``tg:job:<job>:outbox``) in the same step
 as its record — inside ``commit_decision`` in action mode, ``outbox_put`` otherwise — and only
@@ -74,9 +84,9 @@ from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict
 from . import decisions as d
 from . import watchdog as wd
 from .model import (Out, Pending, RemediatorConfig, RemediatorState, Work, count_outbox,
-                    done, update, without_pending)
+                    done, in_flight, update, without_pending)
 
-__all__ = ["RemediatorConfig", "RemediatorState", "Pending", "Work", "step"]
+__all__ = ["RemediatorConfig", "RemediatorState", "Pending", "Work", "step", "in_flight"]
 
 
 def step(state: RemediatorState, inp: Input, now: float) -> Out:

@@ -12,7 +12,9 @@ module wires it to the bus (``trainguard.reducer.ReducerService``) with two call
 
 Pending decisions live in the job record (``pending_decision``), so a restarted remediator
 re-arms them (the first tick, fed in ``setup`` before any subscription) and, because every
-claim is in Redis, never repeats one.
+claim is in Redis, never repeats one. A verdict's message is acked only once its chain has
+completed (``holding_topics``, ``reducer.in_flight``): a verdict that waited on Valkey when the
+process died is delivered to the restarted replica again and decided then, once.
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ class Remediator(ReducerService[RemediatorState]):
 
     name = "remediator"
     topics = ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery")
+    #: a verdict's message is acked once its chain completed (``reducer.in_flight``), so a
+    #: verdict waiting on Valkey when this process dies is decided by its restart
+    holding_topics = ("tg.job.*.verdict",)
 
     def __init__(self, config: ServiceConfig | None = None,
                  rconfig: RemediatorConfig | None = None,
@@ -58,10 +63,13 @@ class Remediator(ReducerService[RemediatorState]):
         name = self._controller.name if self._controller else self.rconfig.controller
         pods = bool(getattr(self._controller, "restarts_pods", False))
         return RemediatorState(config=self.rconfig, controller=name, restarts_pods=pods,
-                               serves=self.membership.owns)
+                               serves=self.membership.owns, replica=self.config.replica)
 
     def step(self, state, inp, now):
         return reducer.step(state, inp, now)
+
+    def in_flight(self, state):
+        return reducer.in_flight(state)
 
     def targets(self) -> dict[str, Any]:
         bus: Any = self.bus

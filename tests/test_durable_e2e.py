@@ -211,3 +211,79 @@ async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secu
     assert d.ranks == [2] and d.action == "restart_workers"
     await store.close()
     await bus.close()
+
+
+@pytest.fixture
+def persistent(tmp_path):
+    """As ``secured``, with Valkey keeping its append-only file, so it can be stopped and
+    started again with its data (``trainguard up``'s setting)."""
+    with EmbeddedServers(data_dir=tmp_path / "state") as srv:
+        async def streams():
+            bus = await Bus(srv.nats_url, "admin").connect()
+            await bus.ensure_streams()
+            await bus.close()
+
+        asyncio.run(streams())
+        yield srv
+
+
+async def _holding(bus: Bus, replica: str, n: int) -> bool:
+    try:
+        body = json.loads(await bus.request(health_subject("remediator", replica), timeout=0.5))
+    except Exception:  # noqa: BLE001 - not answering yet
+        return False
+    return body["stats"]["holding"] == n
+
+
+async def test_a_verdict_held_through_a_valkey_outage_and_a_sigkill_is_decided_once(
+        persistent, tmp_path):
+    """bench/chaos.py found it: Valkey was down when a verdict arrived, and the remediator was
+    SIGKILLed while it waited to try its claim again; the verdict's message had been acked, so
+    nothing decided it. Now the message is held unacked while its chain waits, and the
+    restarted replica gets it again and decides it: one decision, carried out once."""
+    from trainguard.remediator.model import decision_id
+
+    procs = Procs(persistent, tmp_path)
+    bus = await Bus(persistent.nats_url, "test").connect()
+    store = StateStore(persistent.redis_url)
+    try:
+        await store.register_job("jv", mode="action", generation=0, world_size=4,
+                                 min_world_size=2, retry_budget=5, retries_used=0,
+                                 members=MEMBERS, status="running")
+        procs.start("remediator", "r1")
+        await healthy(bus, "remediator", "r1")
+        valkey = persistent._server("valkey")
+        port = valkey.port
+        valkey.proc.terminate()  # stopped (its append-only file written)
+        valkey.proc.wait(10)
+        v = Verdict(job="jv", fault_class="node_lost", layer="infrastructure",
+                    culprit={"nodes": ["n2"]}, generation=0, first_ts=2000)
+        await bus.publish(subjects.job("jv", "verdict"), v)
+        await bus.flush()
+        # the verdict's claim waits for Valkey: its message is held, not acked
+        assert await wait_until(lambda: _holding(bus, "r1", 1), 15), procs.log("remediator",
+                                                                               "r1")
+        procs.kill("remediator", "r1")
+        valkey.start()
+        assert valkey.port == port
+        await store.close()
+        store = StateStore(persistent.redis_url)  # its connection closed with that Valkey
+        procs.start("remediator", "r1")
+        assert await wait_until(lambda: _count(bus, "jv", "action", 1), 40), procs.log(
+            "remediator", "r1")
+        await asyncio.sleep(3.0)  # outbox sweeps and an ack wait more: nothing again
+        [d] = await stored(bus, "jv", "decision")
+        assert d.event_id == decision_id(v.event_id)
+        assert (d.action, d.execute, d.nodes, d.generation) == (
+            "exclude_node_and_requeue", True, ["n2"], 1)
+        [ar] = await stored(bus, "jv", "action")
+        assert ar.ok and ar.decision_id == d.event_id and ar.node == "n2"
+        rec = await store.job("jv")
+        assert rec.generation == 1 and rec.world_size == 2
+        assert (await store.node("n2"))["status"] == "excluded"
+        assert [r["type"] for r in await store.audit_trail("jv")].count("decision") == 1
+        assert await wait_until(lambda: _holding(bus, "r1", 0), 5)  # acked once decided
+    finally:
+        procs.stop()
+        await store.close()
+        await bus.close()

@@ -12,6 +12,7 @@ from trainguard import schemas
 from trainguard.controllers import ControllerResult
 from trainguard.reducer import Call, Log, Publish, Received, Tick, run_offline
 from trainguard.remediator import reducer
+from trainguard.remediator.model import decision_id, verdict_token
 from trainguard.remediator.reducer import RemediatorConfig, RemediatorState
 from trainguard.schemas import (ActionResult, Decision, JobRecord, TrainingResumed, Verdict,
                                 subjects)
@@ -66,6 +67,9 @@ class Store:
             self.claims[key] = owner
         return prev
 
+    def settle(self, key, outcome):
+        self.claims[key] = outcome
+
     def claimed_by(self, key):
         return self.claims.get(key)
 
@@ -75,8 +79,10 @@ class Store:
     def jobs(self):
         return sorted(self.records)
 
-    def outbox_put(self, job, decision):
+    def outbox_put(self, job, decision, settles=None):
         self.outboxes.setdefault(job, {})[decision["event_id"]] = copy.deepcopy(decision)
+        if settles is not None:
+            self.claims[settles] = f"decided:{decision['event_id']}"
 
     def outbox_done(self, job, decision_id):
         self.outboxes.get(job, {}).pop(decision_id, None)
@@ -92,10 +98,10 @@ class Store:
 
     def commit_decision(self, job, *, retries_used, last_decision, last_fault=None,
                         members=None, world_size=None, spare_nodes=None, stopped=False,
-                        pending_decision=None, outbox=None):
+                        pending_decision=None, outbox=None, settles=None):
         rec = self.records[job]
         if outbox is not None:
-            self.outbox_put(job, outbox)
+            self.outbox_put(job, outbox, settles)
         rec.retries_used, rec.last_decision = retries_used, last_decision
         rec.pending_decision = pending_decision
         for k, v in dict(last_fault=last_fault, members=members, world_size=world_size,
@@ -149,7 +155,8 @@ def test_one_decision_then_the_same_verdict_is_folded():
     assert (d.action, d.generation, d.execute, d.ranks, d.nodes, d.idempotency_key) == (
         "restart_workers", 1, True, [3], ["n2"], "j:g0")
     assert d.ts == WALL  # wall-clock fields from the input
-    assert st.claims[f"j:verdict:{v.event_id}"] == f"remediator@{WALL}"  # this chain's token
+    assert d.event_id == decision_id(v.event_id)  # the verdict's own decision id
+    assert st.claims[f"j:verdict:{v.event_id}"] == f"decided:{d.event_id}"  # settled
     assert st.claims["j:g0"] == f"{d.event_id}/restart_workers"
     rec = st.records["j"]
     assert rec.generation == 1 and rec.retries_used == 1
@@ -158,7 +165,7 @@ def test_one_decision_then_the_same_verdict_is_folded():
     assert rec.pending_decision["deadline_ns"] == WALL + 60 * 10**9
     [dec_rec, fold] = audits(eff)
     assert dec_rec["type"] == "decision" and dec_rec["decision_id"] == d.event_id
-    assert fold["type"] == "folded" and fold["reason"] == "this verdict was already handled"
+    assert fold["type"] == "folded" and fold["reason"] == "this verdict was already decided"
     assert state.counts == {"decisions": 1, "folded": 1, "escalations": 0, "ignored": 0}
     assert state.pending["j"].decision.event_id == d.event_id
     assert state.pending["j"].deadline == pytest.approx(60.0)
@@ -306,6 +313,122 @@ def test_a_retried_claim_that_had_landed_is_this_chains_own():
     state, eff = run(answer, [verdict_in(crash(rank=3))] + ticks(0.5, 5.0))
     [d] = published(eff)
     assert d.ranks == [3] and lost["n"] == 1
+
+
+# ---- in flight: a verdict's message is acked only once its chain completed ---------------------
+def test_a_verdict_waiting_on_valkey_is_in_flight_until_decided():
+    st = Store(j=record())
+    st.fail.add("claim")
+    v = crash(rank=3)
+    state, eff = run(st, [verdict_in(v)] + ticks(0.5, 2.0))
+    assert reducer.in_flight(state) == {v.event_id} and published(eff) == []
+    st.fail.clear()
+    state, eff = run_offline(reducer.step, state, ticks(2.5, 10.0), st)
+    [d] = published(eff)
+    assert d.event_id == decision_id(v.event_id) and reducer.in_flight(state) == frozenset()
+
+
+def test_a_verdict_given_up_leaves_in_flight():
+    st = Store(j=record())
+    st.fail.add("job")
+    state, _ = run(st, [verdict_in(crash())] + ticks(0.5, 200.0))
+    assert reducer.in_flight(state) == frozenset() and state.work == {}
+
+
+def test_the_same_verdict_delivered_again_while_in_flight_is_stepped_as_nothing():
+    st = Store(j=record())
+    st.fail.add("claim")
+    v = crash(rank=3)
+    state, eff = run(st, [verdict_in(v), verdict_in(v, 0.1)])
+    assert len(state.work) == 1 and len(calls(eff, "claim")) == 1
+    st.fail.clear()
+    state, eff = run_offline(reducer.step, state, ticks(0.5, 10.0), st)
+    assert len(published(eff)) == 1 and state.work == {}
+
+
+def _died(st: Store, v: Verdict, method: str, replica: str = "r1") -> None:
+    """A first process of ``replica`` steps ``v`` with every ``method`` call failing (Valkey
+    went away at that stage), a few ticks, and is killed: its state is gone, Valkey's stays."""
+    st.fail.add(method)
+    run(st, [verdict_in(v)] + ticks(0.5, 3.0), state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica=replica))
+    st.fail.clear()
+
+
+#: how far the killed process got before Valkey went away → what its restart finds
+RESUMED = [
+    # (stage whose call failed, the verdict claim the restart finds)
+    ("claim", None),                      # nothing landed: decided as new
+    ("job", "own"),                       # verdict claimed: its own token, carried on
+    ("bump_generation", "own"),           # and the decision's key claimed: its own owner
+]
+
+
+@pytest.mark.parametrize("method,found", RESUMED)
+def test_a_verdict_delivered_again_after_a_restart_is_decided_once(method, found):
+    """bench/chaos.py found it: Valkey was down when a verdict arrived, and the remediator was
+    SIGKILLed while it waited to try again. Its message is redelivered to the restarted
+    replica; the chain resumes from what Valkey holds and decides it once."""
+    st = Store(j=record())
+    v = crash(rank=3)
+    _died(st, v, method)
+    key = f"j:verdict:{v.event_id}"
+    assert st.claims.get(key) == (verdict_token("r1", v.event_id) if found else None)
+    state, eff = run(st, [verdict_in(v, 10.0)] + ticks(10.5, 14.0), state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1"))
+    [d] = published(eff)
+    assert d.event_id == decision_id(v.event_id) and d.ranks == [3]
+    assert st.claims["j:g0"] == f"{d.event_id}/restart_workers"
+    assert st.claims[key] == f"decided:{d.event_id}"
+    assert st.records["j"].last_decision["id"] == d.event_id
+    assert [c.args for c in calls(eff, "outbox_done")] == [("j", d.event_id)]
+    assert len(audits(eff, "decision")) == 1 and audits(eff, "folded") == []
+
+
+def test_a_verdict_delivered_again_after_its_decision_was_stored_is_folded():
+    """Killed after the commit, before its ack: the verdict comes again and folds; the stored
+    decision (same id) is what the outbox sweep publishes."""
+    st = Store(j=record())
+    v = crash(rank=3)
+    _died(st, v, "outbox_done")  # committed and published; not acked
+    gen = st.records["j"].generation
+    state, eff = run(st, [verdict_in(v, 10.0)], state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1"))
+    assert published(eff) == [] and calls(eff, "commit_decision") == []
+    [fold] = audits(eff, "folded")
+    assert fold["reason"] == "this verdict was already decided"
+    assert st.records["j"].generation == gen == 1
+    [(job, [kept])] = st.outbox().items()
+    assert kept["event_id"] == decision_id(v.event_id)
+
+
+def test_a_folded_verdict_stepped_again_by_its_replica_folds_at_its_claim():
+    """A replica that gets a job back replays its verdicts of the last hour: one it folded
+    before (its claim settled ``folded``) is not decided anew with a later record."""
+    st = Store(j=record(status="finished"))
+    v = crash(rank=3)
+    mine = RemediatorState(config=RemediatorConfig(controller="local"), armed=True,
+                           replica="r1")
+    _, eff = run(st, [verdict_in(v)], state=mine)
+    for c in calls(eff, "settle"):  # a call without a reply: run_offline leaves it to us
+        st(c)
+    assert st.claims[f"j:verdict:{v.event_id}"] == "folded"
+    st.records["j"].status = "running"
+    _, eff = run(st, [verdict_in(v, 5.0)], state=mine)
+    assert published(eff) == [] and calls(eff, "job") == []
+    [fold] = audits(eff, "folded")
+    assert fold["reason"] == "this verdict was already handled"
+
+
+def test_another_replicas_claim_of_the_verdict_folds():
+    st = Store(j=record())
+    v = crash(rank=3)
+    st.claims[f"j:verdict:{v.event_id}"] = verdict_token("r2", v.event_id)
+    state, eff = run(st, [verdict_in(v)], state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1"))
+    assert published(eff) == [] and "j:g0" not in st.claims
+    [fold] = audits(eff, "folded")
+    assert fold["reason"] == "this verdict was already handled"
 
 
 # ---- exclusion through the controller --------------------------------------------------------------

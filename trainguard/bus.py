@@ -219,16 +219,17 @@ class Bus:
         self._streams[subject] = (name, time.monotonic() + ttl_s)
         return name
 
-    async def handle(self, subject: str, data: bytes, handler: Handler, *extra: Any) -> None:
+    async def handle(self, subject: str, data: bytes, handler: Handler,
+                     *extra: Any) -> Event | None:
         """Decode ``data`` and call ``handler(subject, event, *extra)``: what every subscription
         does with a message. Undecodable: dead-lettered; a handler error: counted, logged once
-        per type. Never raises."""
+        per type. Returns the event (None when it was dead-lettered); never raises."""
         self.stats.received += 1
         try:
             ev = schemas.decode(data)
         except DecodeError as exc:
             await self.dead_letter(subject, data, exc)
-            return
+            return None
         try:
             res = handler(subject, ev, *extra)
             if asyncio.iscoroutine(res):
@@ -239,6 +240,7 @@ class Bus:
                            "%s: handler error on %s (%s): %s", self.name, subject,
                            ev.SCHEMA, exc, )
             log.debug("handler error", exc_info=True)
+        return ev
 
     async def last_stored(self, subject: str) -> Any | None:
         """The newest message a JetStream stream keeps on exact ``subject`` (``.subject``,

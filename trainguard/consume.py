@@ -7,8 +7,10 @@ how a replica rebuilds a job it takes over.
   an anomaly, a verdict, an action result or a recovery still needs its answer minutes later.
 * ``durable_subscribe`` — one JetStream push consumer per (service, replica, topic), with
   explicit acks: the service acks each message after it handled it (for a reducer: after the
-  step and its waited-for effects), so a replica killed mid-way gets the unacked messages again
-  when it comes back under the same name, and everything that arrived while it was down.
+  step and its waited-for effects; a message whose outcome is still being worked out, e.g. a
+  verdict whose state-store call waits to be tried again, once that is settled), so a replica
+  killed mid-way gets the unacked messages again when it comes back under the same name, and
+  everything that arrived while it was down.
   Of that backlog (stored before the process started), messages older than their family's
   relevance are acked without being handled; live traffic is handled however late.
 * ``replay`` — the stored messages of a subject (wildcards allowed) since a time, oldest first,
@@ -78,6 +80,11 @@ DURABLE_INACTIVE_S = 3600.0
 #: Seconds the server waits for an ack before it delivers a message again (a step waits on
 #: Valkey at most its socket timeout, 5 s).
 ACK_WAIT_S = 30.0
+#: The ack wait, seconds, of a topic whose messages a service may hold unacked until their
+#: outcome is settled (``Service.holding_topics``): the live service keeps them with in-progress
+#: acks every ``HELD_ACK_WAIT_S / 3`` s, so the wait only bounds how soon a message held by a
+#: process that died is delivered to its restarted replica.
+HELD_ACK_WAIT_S = 6.0
 #: Unacked messages the server lets one consumer have in flight (a burst of heartbeats of
 #: 10,000 ranks fits).
 MAX_ACK_PENDING = 50_000
@@ -154,9 +161,12 @@ async def stream_of(js: Any, topic: str) -> str | None:
 
 
 async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
-                            on_message: OnMessage, retry_s: float = 10.0) -> Any | None:
+                            on_message: OnMessage, retry_s: float = 10.0,
+                            ack_wait_s: float = ACK_WAIT_S) -> Any | None:
     """Bind (creating it when new) the durable push consumer of ``service``/``replica`` on
-    ``topic`` and hand each message to ``on_message(msg)``, which must ack it. A new consumer
+    ``topic`` and hand each message to ``on_message(msg)``, which must ack it (within
+    ``ack_wait_s`` seconds, or keep it with in-progress acks; the ack wait is set when the
+    consumer is created: an existing consumer keeps its own). A new consumer
     starts with what arrives from now on (a replica taking over a job replays what it needs,
     ``replay``); an existing one resumes after its last acked message. Returns the subscription,
     or None when no stream keeps ``topic``. A consumer still bound to a previous process of the
@@ -171,7 +181,7 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     cfg = ConsumerConfig(
         durable_name=name, deliver_subject=deliver_subject(service, replica, topic),
         filter_subject=topic, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=ACK_WAIT_S, max_ack_pending=MAX_ACK_PENDING,
+        ack_wait=ack_wait_s, max_ack_pending=MAX_ACK_PENDING,
         inactive_threshold=DURABLE_INACTIVE_S)
     deadline = time.monotonic() + retry_s
     while True:

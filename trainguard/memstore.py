@@ -20,6 +20,7 @@ from typing import Any
 
 from trainguard import schemas
 from trainguard.schemas.job import FIELDS, JobRecord, _check_shapes, encode_fields
+from trainguard.state import settle_value
 
 __all__ = ["MemoryStore", "MemoryController"]
 
@@ -121,6 +122,9 @@ class MemoryStore:
         self.claims[key] = owner
         return None
 
+    def settle(self, key: str, outcome: str, ttl_s: int = 0) -> None:
+        self.claims[key] = outcome
+
     def claimed_by(self, key: str) -> str | None:
         return self.claims.get(key)
 
@@ -136,10 +140,11 @@ class MemoryStore:
                         world_size: int | None = None, spare_nodes: list[str] | None = None,
                         stopped: bool = False,
                         pending_decision: dict[str, Any] | None = None,
-                        outbox: dict[str, Any] | None = None) -> None:
+                        outbox: dict[str, Any] | None = None,
+                        settles: str | None = None) -> None:
         rec = self._rec(job)
         if outbox is not None:
-            self.outbox_put(job, outbox)
+            self.outbox_put(job, outbox, settles)
         # through JSON, as the hash stores it: the reducers read back what Valkey would give
         fields = {"retries_used": retries_used, "last_decision": last_decision,
                   "last_fault": last_fault, "members": members, "world_size": world_size,
@@ -150,8 +155,10 @@ class MemoryStore:
         rec.pending_decision = (None if pending_decision is None
                                 else _roundtrip("pending_decision", pending_decision))
 
-    def outbox_put(self, job: str, decision: dict[str, Any]) -> None:
+    def outbox_put(self, job: str, decision: dict[str, Any], settles: str | None = None) -> None:
         self.outboxes.setdefault(job, {})[str(decision["event_id"])] = copy.deepcopy(decision)
+        if settles is not None:
+            self.claims[settles] = settle_value(str(decision["event_id"]))
 
     def outbox_done(self, job: str, decision_id: str) -> None:
         self.outboxes.get(job, {}).pop(decision_id, None)

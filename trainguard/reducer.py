@@ -35,6 +35,13 @@ Effects:
   ``wait=False`` runs the call in the background: later effects and inputs do not wait for it.
 * ``Log(level, message)`` — a log line (the service's logger).
 
+In flight: ``in_flight(state)`` names the received events (event ids) whose chain of effects
+has not completed yet: one waiting for a ``Reply`` still to come or for a ``Tick`` to try a
+failed call again. A durable message carrying one of them (a topic of ``holding_topics``) is
+acked only once it leaves that set (``trainguard.service``), so a process killed meanwhile gets
+it again after its restart and steps it anew; ``step`` must then resume the chain from what the
+state store says was done (stable claim owners), and step an input already in flight as nothing.
+
 Ordering: inputs are stepped one at a time, in arrival order; an input's effects run in list
 order, and a waited-for ``Reply`` is stepped (with its own effects) before the next effect of
 the list. One input and its reply chain are therefore atomic with respect to every other input:
@@ -46,7 +53,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Hashable, Iterable, Sequence, TypeVar, Union
+from typing import (Any, Callable, Collection, Generic, Hashable, Iterable, Sequence, TypeVar,
+                    Union)
 
 from trainguard import schemas
 from trainguard.schemas import Event
@@ -194,6 +202,15 @@ class ReducerService(Service, Generic[S]):
 
     def step(self, state: S, event: Input, now: float) -> tuple[S, list[Effect]]:
         raise NotImplementedError
+
+    def in_flight(self, state: S) -> Collection[str]:
+        """Event ids of the received inputs whose chain of effects has not completed in
+        ``state`` (see the module docstring). Default: none (every message acked once
+        stepped)."""
+        return ()
+
+    def unfinished(self) -> Collection[str]:
+        return self.in_flight(self.model)
 
     def targets(self) -> dict[str, Any]:
         """Call targets by name; ``"state"`` is the state store."""

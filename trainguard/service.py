@@ -15,9 +15,15 @@ A ``partitioned`` service (detector, attributor, remediator, checkpoint validato
 topic a JetStream stream keeps through its own durable consumer with explicit acks
 (``trainguard.consume``): a message is acked once handled, so a replica that restarts under the
 same ``--replica`` name handles what arrived while it was down, within each subject family's
-relevance (``consume.RELEVANCE``). Several replicas run side by side: each holds a lease in
-Valkey (``trainguard.membership``) and handles the events of the jobs it owns by rendezvous
-hashing over the live replicas; the others' events it acks unhandled. When the members change,
+relevance (``consume.RELEVANCE``). A message of one of the service's ``holding_topics`` whose
+outcome is still being worked out once handled (its event id in ``unfinished()``: a verdict
+whose state-store call waits to be tried again) is held unacked, kept from redelivery with
+in-progress acks, and acked once it leaves ``unfinished()``; a replica killed meanwhile gets it
+again when it comes back (``consume.HELD_ACK_WAIT_S`` after the last in-progress ack at most). A
+message delivered again while this process still handles or holds it is not handled twice.
+Several replicas run side by side: each holds a lease in Valkey (``trainguard.membership``) and
+handles the events of the jobs it owns by rendezvous hashing over the live replicas; the others'
+events it acks unhandled. When the members change,
 ``members_changed`` gets the keys this replica gained and lost (``ReducerService`` rebuilds a
 gained job from the stream and forgets a lost one). Topics no stream keeps stay plain NATS
 subscriptions, filtered the same way.
@@ -32,7 +38,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Sequence
 
 from trainguard.schemas import subjects
 
@@ -76,6 +82,17 @@ class ServiceConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
 
 
+@dataclass
+class _Delivery:
+    """A JetStream message this process handles or holds. ``msg`` — its latest delivery (the
+    one acked); ``event_id`` — set when it is held after handling (``Service.unfinished``);
+    ``touched`` — ``time.monotonic()`` of its delivery or last in-progress ack."""
+
+    msg: Any
+    event_id: str | None = None
+    touched: float = 0.0
+
+
 class Service:
     """Subclass and set ``name``; override ``subscriptions``, ``setup``, ``tick``, ``health``."""
 
@@ -83,6 +100,11 @@ class Service:
     uses_state = True
     #: jobs are partitioned among the service's replicas (see the module docstring)
     partitioned = False
+    #: topics whose messages may be held unacked after handling, until ``unfinished`` no
+    #: longer names their event (their consumers' ack wait: ``consume.HELD_ACK_WAIT_S``)
+    holding_topics: Sequence[str] = ()
+    #: seconds between two looks at the held messages (acks of the settled ones)
+    ack_check_s = 0.2
 
     def __init__(self, config: ServiceConfig | None = None):
         self.config = config or ServiceConfig()
@@ -96,7 +118,10 @@ class Service:
         self.metrics: Any = None  # trainguard.metrics.Metrics when TG_METRICS_PORT is set
         self._stop = asyncio.Event()
         self.membership = Membership(self.name, self.config.replica, self.config.membership)
-        self.consumed = {"durable": 0, "stale": 0, "foreign": 0, "replayed_before": 0}
+        self.consumed = {"durable": 0, "stale": 0, "foreign": 0, "replayed_before": 0,
+                         "held": 0, "again": 0}
+        self._deliveries: dict[tuple[str, int], _Delivery] = {}  # (stream, seq) -> delivery
+        self._ack_task: asyncio.Task | None = None
         self.known: set[str] = set()  # partition keys seen on the bus (owned or not)
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
@@ -119,6 +144,12 @@ class Service:
     def extra_stats(self) -> dict[str, Any]:
         """Counters of the service base class, added to the health reply's ``stats``."""
         return {}
+
+    def unfinished(self) -> Collection[str]:
+        """Event ids of handled inputs whose outcome is still being worked out: a message of
+        ``holding_topics`` carrying one is acked once it leaves this set, not when handled.
+        Default: none."""
+        return ()
 
     def accepts(self, subject: str) -> bool:
         """Whether this replica handles a message on ``subject``: its partition key is one it
@@ -149,6 +180,8 @@ class Service:
         self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         for subject, handler in self.subscriptions():
             await self._consume(subject, tracing.traced(self.name, handler))
+        if self._subs and self.config.durable and self.partitioned:
+            self._ack_task = asyncio.create_task(self._keep_deliveries())
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
         if self.partitioned:  # a replica among others answers on its own subject too
@@ -170,13 +203,26 @@ class Service:
         assert self.bus.nc is not None
         if self.config.durable and self.partitioned:
             max_age = consume.max_age_s(topic)
+            holds = topic in self.holding_topics
 
             async def on_message(msg: Any) -> None:
+                st = consume.stored_of(msg)
+                key = None if st is None else (st.stream, st.seq)
+                if key is not None and key in self._deliveries:
+                    # delivered again while handled or held here (its ack wait ran out while
+                    # the bus was away): the newest delivery is the one acked; nothing twice
+                    self.consumed["again"] += 1
+                    d = self._deliveries[key]
+                    d.msg = msg
+                    await self._progress(d)
+                    return
+                if key is not None:
+                    self._deliveries[key] = _Delivery(msg, touched=time.monotonic())
+                held = False
                 try:
                     if not self.accepts(msg.subject):  # first: the cheapest test, most common
                         self.consumed["foreign"] += 1
                         return
-                    st = consume.stored_of(msg)
                     if st is not None and st.stored_ns < self._started_ns and \
                             st.age_s > max_age:
                         # a backlog of before this process ran (a restart): only what is still
@@ -187,15 +233,20 @@ class Service:
                         self.consumed["replayed_before"] += 1  # stepped in a takeover replay
                     else:
                         self.consumed["durable"] += 1
-                        await self.bus.handle(msg.subject, msg.data, handler)
+                        ev = await self.bus.handle(msg.subject, msg.data, handler)
+                        if holds and key is not None and ev is not None and \
+                                ev.event_id in self.unfinished():
+                            held = True  # acked by _keep_deliveries once settled
+                            self.consumed["held"] += 1
+                            self._deliveries[key].event_id = ev.event_id
                 finally:
-                    try:
-                        await msg.ack()
-                    except Exception:  # noqa: BLE001 - connection gone: redelivered later
-                        pass
+                    if not held:
+                        d = self._deliveries.pop(key, None) if key is not None else None
+                        await self._ack(msg if d is None else d.msg)
 
-            sub = await consume.durable_subscribe(self.bus.nc, self.name, self.config.replica,
-                                                  topic, on_message)
+            sub = await consume.durable_subscribe(
+                self.bus.nc, self.name, self.config.replica, topic, on_message,
+                ack_wait_s=consume.HELD_ACK_WAIT_S if holds else consume.ACK_WAIT_S)
             if sub is not None:
                 self._subs.append(sub)
                 return
@@ -209,6 +260,41 @@ class Service:
                 self.consumed["foreign"] += 1
 
         self._subs.append(await self.bus.subscribe(topic, plain))
+
+    @staticmethod
+    async def _ack(msg: Any) -> None:
+        try:
+            await msg.ack()
+        except Exception:  # noqa: BLE001 - connection gone: redelivered later
+            pass
+
+    @staticmethod
+    async def _progress(d: _Delivery) -> None:
+        """An in-progress ack: the server waits its ack wait again before redelivering."""
+        d.touched = time.monotonic()
+        try:
+            await d.msg.in_progress()
+        except Exception:  # noqa: BLE001 - connection gone: redelivered later, handled once
+            pass
+
+    async def _keep_deliveries(self) -> None:
+        """Every ``ack_check_s``: ack the held messages ``unfinished`` no longer names; keep
+        every message handled or held for a third of ``consume.HELD_ACK_WAIT_S`` or longer from
+        redelivery with an in-progress ack."""
+        while not self._stop.is_set():
+            await asyncio.sleep(self.ack_check_s)
+            if not self._deliveries:
+                continue
+            still = set(self.unfinished())
+            now = time.monotonic()
+            for key, d in list(self._deliveries.items()):
+                if self._deliveries.get(key) is not d:
+                    continue  # acked by its handler meanwhile
+                if d.event_id is not None and d.event_id not in still:
+                    del self._deliveries[key]
+                    await self._ack(d.msg)
+                elif now - d.touched >= consume.HELD_ACK_WAIT_S / 3:
+                    await self._progress(d)
 
     async def _renew_loop(self) -> None:
         """Renew the lease every ``renew_s``; on a change of members, ``members_changed``."""
@@ -240,6 +326,7 @@ class Service:
                 "stats": {"received": s.received, "published": s.published,
                           "dropped": s.dropped, "handler_errors": s.handler_errors,
                           "bad": dict(s.bad), "consumed": dict(self.consumed),
+                          "holding": sum(1 for d in self._deliveries.values() if d.event_id),
                           **self.extra_stats()},
                 "metrics_port": self.metrics.port if self.metrics else None, **self.health()}
         await msg.respond(json.dumps(body).encode())
@@ -268,6 +355,8 @@ class Service:
             self.metrics.close()
         if self._member_task is not None:
             self._member_task.cancel()
+        if self._ack_task is not None:  # what is held stays unacked: the next process gets it
+            self._ack_task.cancel()
         await self.bus.close()
         if self.state is not None:
             if self.partitioned:

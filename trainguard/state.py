@@ -11,7 +11,8 @@ key                             type   content
                                        type, default, unit and encoding); ``StateStore.job``
 ``tg:job:<job>:launchers``      zset   node of each live launcher, score = lease expiry (Unix ms)
 ``tg:job:<job>:audit``          stream one entry per decision (fields: the decision as JSON)
-``tg:idem:<key>``               string decision id that claimed the key (SET NX, 7 days)
+``tg:idem:<key>``               string owner that claimed the key (SET NX, 7 days); a verdict's
+                                       claim once its decision is stored: ``decided:<id>``
 ``tg:node:<node>``              hash   status (healthy | excluded | lost), reason, updated_ns
 ``tg:ckpt:<job>``               zset   checkpoint path, score = step
 ``tg:ckpt:<job>:<path>``        hash   status (pending | valid | invalid), step, reasons (JSON)
@@ -169,14 +170,18 @@ class StateStore:
                               world_size: int | None = None,
                               spare_nodes: list[str] | None = None, stopped: bool = False,
                               pending_decision: dict[str, Any] | None = None,
-                              outbox: dict[str, Any] | None = None) -> None:
+                              outbox: dict[str, Any] | None = None,
+                              settles: str | None = None) -> None:
         """The remediator's record of an executed decision, in one transaction: retries used,
         the decision (``last_decision``), the fault it acted on (``last_fault``, kept when
         None), the new world of an exclusion (``members``/``world_size``/``spare_nodes``,
         kept when None), ``status=stopped`` for a stop, and the decision the watchdog waits on
         (``pending_decision``; None clears it), and ``outbox`` (the decision's ``to_dict()``)
         into the job's outbox, so a decision is never published without its record nor its
-        record written without the decision kept for publishing."""
+        record written without the decision kept for publishing. ``settles`` — the claim key
+        of the input the decision answers (``<job>:verdict:<verdict id>``): set to
+        ``decided:<decision id>`` in the same transaction (``settle_value``), so that input
+        delivered again after its decision was stored is not decided a second time."""
         fields: dict[str, Any] = {"retries_used": retries_used, "last_decision": last_decision}
         optional = {"last_fault": last_fault, "members": members, "world_size": world_size,
                     "spare_nodes": spare_nodes, "status": "stopped" if stopped else None}
@@ -191,13 +196,23 @@ class StateStore:
                       encode_value("pending_decision", pending_decision))
         if outbox is not None:
             pipe.hset(_outbox_key(job), str(outbox["event_id"]), json.dumps(outbox))
+            if settles is not None:
+                pipe.set(_idem_key(settles), settle_value(str(outbox["event_id"])),
+                         ex=IDEMPOTENCY_TTL_S)
         await pipe.execute()
 
     # ---- the decision outbox ------------------------------------------------------------------
-    async def outbox_put(self, job: str, decision: dict[str, Any]) -> None:
+    async def outbox_put(self, job: str, decision: dict[str, Any],
+                         settles: str | None = None) -> None:
         """Keep ``decision`` (a ``Decision.to_dict()``) in the job's outbox until
-        ``outbox_done``; the observe-mode path, where no record is committed."""
-        await self.r.hset(_outbox_key(job), str(decision["event_id"]), json.dumps(decision))
+        ``outbox_done``; the observe-mode path, where no record is committed. ``settles``: as
+        ``commit_decision``'s, in the same transaction."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(_outbox_key(job), str(decision["event_id"]), json.dumps(decision))
+        if settles is not None:
+            pipe.set(_idem_key(settles), settle_value(str(decision["event_id"])),
+                     ex=IDEMPOTENCY_TTL_S)
+        await pipe.execute()
 
     async def outbox_done(self, job: str, decision_id: str) -> None:
         """The decision ``decision_id`` is stored in JetStream: drop it from the outbox."""
@@ -263,14 +278,19 @@ class StateStore:
     async def claim(self, key: str, owner: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> str | None:
         """Claim idempotency ``key`` for ``owner``. Returns None when this call claimed it, else
         the owner that claimed it first (the caller must then not act)."""
-        ok = await self.r.set(f"tg:idem:{key}", owner, nx=True, ex=ttl_s)
+        ok = await self.r.set(_idem_key(key), owner, nx=True, ex=ttl_s)
         if ok:
             return None
-        return await self.r.get(f"tg:idem:{key}")
+        return await self.r.get(_idem_key(key))
+
+    async def settle(self, key: str, outcome: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> None:
+        """Idempotency ``key``, claimed by the caller, is settled: it holds ``outcome`` from now
+        on (e.g. ``folded``), so whoever claims it later learns it was handled and how."""
+        await self.r.set(_idem_key(key), outcome, ex=ttl_s)
 
     async def claimed_by(self, key: str) -> str | None:
         """The owner holding idempotency ``key``, or None when nobody claimed it (read only)."""
-        return await self.r.get(f"tg:idem:{key}")
+        return await self.r.get(_idem_key(key))
 
     async def audit(self, job: str, record: dict[str, Any], maxlen: int = 10000) -> str:
         """Append a record to the job's audit stream; returns the stream entry id."""
@@ -354,6 +374,15 @@ class StateStore:
         """``[(job, node)]`` that saw ``signature`` since ``since_ns``."""
         rows = await self.r.zrangebyscore(f"tg:hist:sig:{signature}", since_ns, "+inf")
         return [tuple(r.split("|", 1)) for r in rows]  # type: ignore[misc]
+
+
+def settle_value(decision_id: str) -> str:
+    """What a settled claim holds (``commit_decision``'s ``settles``): ``decided:<id>``."""
+    return f"decided:{decision_id}"
+
+
+def _idem_key(key: str) -> str:
+    return f"tg:idem:{key}"
 
 
 def _job_key(job: str) -> str:
