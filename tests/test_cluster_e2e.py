@@ -123,10 +123,6 @@ def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
         c.start_agent("node1")
 
 
-@pytest.mark.skipif(not os.environ.get("TG_LONG_TRIALS"),
-                    reason="a long trial (about 2 min; failed 1 run in 4 for a cause not yet "
-                           "found): TG_LONG_TRIALS=1 runs it; bench/cluster.py times the same "
-                           "partition; tests/test_fault_schedule.py tests the launcher's fence")
 def test_partition_excludes_the_node_and_fences_its_ranks(cluster, tmp_path):
     from trainguard.cluster import FaultRunner, training_again
 
