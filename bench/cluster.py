@@ -20,9 +20,9 @@ after the fault completed its first step (``trainguard.cluster.training_again``)
 did not happen within ``--timeout``; ``steps_rolled_back`` — the newest step every old rank had
 completed minus the step training started again after (``rolled_back``); ``culprit_correct`` —
 trainguard: its first decision naming a node names node1 alone (the slow link: a verdict named
-node1 or its ranks); Slurm alone: node1 alone is DOWN (the slow link: node1 set DOWN). For ``slow_link`` the figure is ``named_s``: fault → the
-first verdict naming node1 (or one of its ranks) on the bus; ``steps_per_s_before`` / ``_during``
-show what the slow link did to training. Slurm alone (``trainguard launch --mode observe`` under
+node1 or its ranks); Slurm alone: node1 alone is DOWN (the slow link: node1 set DOWN). For
+``slow_link`` the figure is ``named_s``: fault → the first verdict naming node1 (or one of its
+ranks) on the bus; ``steps_per_s_before`` / ``_during`` show what the slow link did to training. Slurm alone (``trainguard launch --mode observe`` under
 ``sbatch --requeue``: decisions published, none executed) recovers only by Slurm requeueing the
 job once slurmd has not answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm
 22.05 makes a requeued batch job eligible again only about 2 minutes later (``EligibleTime``,

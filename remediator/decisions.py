@@ -227,7 +227,7 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
     return done(state, seq), effects
 
 
-# ---- the node controller's part of a decision: exclusion or pod restart node by node, a stop ------
+# ---- the node controller's part of a decision: exclusion or pod restart node by node; a stop ----
 #: ``Work.node_step`` → the action its ``action.result`` reports (None: the decision's own) and
 #: the prefix of that result's detail (None: the controller's detail alone). The step is also the
 #: controller method called and the middle of the claim key ``<key>:<step>:<node>``; ``stop``

@@ -433,7 +433,7 @@ def test_a_failed_pod_restart_is_audited_and_left_to_the_watchdog():
     assert "j" in state.pending
 
 
-# ---- a stop through a scheduler that holds the job (Slurm) -----------------------------------------
+# ---- a stop through a scheduler that holds the job (Slurm) ---------------------------------------
 def slurm_state(cancels_jobs=True, timeout_s=60.0):
     return RemediatorState(config=RemediatorConfig(decision_timeout_s=timeout_s,
                                                    controller="slurm"),

@@ -1,12 +1,12 @@
 """The one interface of node controllers (local, Slurm, Kubernetes) and what they return.
 
 A controller is what the remediator calls to take a node out of service, to stop a job through
-the scheduler and, where the scheduler recreates a job's pods (``restarts_pods``: Kubernetes),
-to replace the one pod whose launcher was lost (``restart_pod``), and, where the scheduler holds
-the job (``cancels_jobs``: Slurm), to end it on a stop decision (``stop``). ``exclude``, ``stop`` and
-``restart_pod`` are coroutines returning a ``ControllerResult``; they never raise for an
-external failure (``ok`` False, ``detail`` says what to do), and they re-read the scheduler's
-state before acting, so that doing one twice is harmless (the detail says ``already …``).
+the scheduler where the scheduler holds the job (``cancels_jobs``: Slurm) and, where the
+scheduler recreates a job's pods (``restarts_pods``: Kubernetes), to replace the one pod whose
+launcher was lost (``restart_pod``). ``exclude``, ``stop`` and ``restart_pod`` are coroutines
+returning a ``ControllerResult``; they never raise for an external failure (``ok`` False,
+``detail`` says what to do), and they re-read the scheduler's state before acting, so that doing
+one twice is harmless (the detail says ``already …``).
 """
 from __future__ import annotations
 
