@@ -22,11 +22,12 @@ completed minus the step training started again after (``rolled_back``); ``culpr
 trainguard: its first decision naming a node names node1 alone (the slow link: a verdict named
 node1 or its ranks); Slurm alone: node1 alone is DOWN (the slow link: node1 set DOWN). For
 ``slow_link`` the figure is ``named_s``: fault → the first verdict naming node1 (or one of its
-ranks) on the bus; ``steps_per_s_before`` / ``_during`` show what the slow link did to training. Slurm alone (``trainguard launch --mode observe`` under
-``sbatch --requeue``: decisions published, none executed) recovers only by Slurm requeueing the
-job once slurmd has not answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm
-22.05 makes a requeued batch job eligible again only about 2 minutes later (``EligibleTime``,
-recorded per run), so its figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
+ranks) on the bus; ``steps_per_s_before`` / ``_during`` show what the slow link did to training.
+Slurm alone (``trainguard launch --mode observe`` under ``sbatch --requeue``: decisions
+published, none executed) recovers only by Slurm requeueing the job once slurmd has not
+answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm 22.05 makes a requeued
+batch job eligible again only about 2 minutes later (``EligibleTime``, recorded per run), so its
+figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
 """
 from __future__ import annotations
 
