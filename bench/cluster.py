@@ -17,13 +17,17 @@ side. The fault hits node1 when its rank 3 completes step 15:
 Figures per (system, fault), read from the ranks' per-step records (``steps.jsonl``), the same
 way for both systems: ``again_s`` — fault → the last rank of the newest generation that started
 after the fault completed its first step (``trainguard.cluster.training_again``); null when that
-did not happen within ``--timeout``. For ``slow_link`` the figure is ``named_s``: fault → the
-first verdict naming node1 (or one of its ranks) on the bus; ``steps_per_s_before`` / ``_during``
-show what the slow link did to training. Slurm alone (``trainguard launch --mode observe`` under
-``sbatch --requeue``: decisions published, none executed) recovers only by Slurm requeueing the
-job once slurmd has not answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm
-22.05 makes a requeued batch job eligible again only about 2 minutes later (``EligibleTime``,
-recorded per run), so its figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
+did not happen within ``--timeout``; ``steps_rolled_back`` — the newest step every old rank had
+completed minus the step training started again after (``rolled_back``); ``culprit_correct`` —
+trainguard: its first decision naming a node names node1 alone (the slow link: a verdict named
+node1 or its ranks); Slurm alone: node1 alone is DOWN (the slow link: node1 set DOWN). For
+``slow_link`` the figure is ``named_s``: fault → the first verdict naming node1 (or one of its
+ranks) on the bus; ``steps_per_s_before`` / ``_during`` show what the slow link did to training.
+Slurm alone (``trainguard launch --mode observe`` under ``sbatch --requeue``: decisions
+published, none executed) recovers only by Slurm requeueing the job once slurmd has not
+answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm 22.05 makes a requeued
+batch job eligible again only about 2 minutes later (``EligibleTime``, recorded per run), so its
+figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
 """
 from __future__ import annotations
 
@@ -55,6 +59,19 @@ STEPS = 200
 def _rate(recs: list[dict], t0: float, t1: float) -> float | None:
     n = len([r for r in recs if r["rank"] == 0 and t0 <= r["t"] < t1])
     return round(n / (t1 - t0), 2) if t1 > t0 else None
+
+
+def rolled_back(recs: list[dict], again: dict | None) -> int | None:
+    """Steps trained again after the recovery: the newest step every rank of the older
+    generations had completed, minus the step the new generation started after (0: nothing
+    lost); None without a recovery."""
+    if not again:
+        return None
+    old = [r for r in recs if r["gen"] < again["gen"]]
+    if not old:
+        return None
+    common = min(max(r["step"] for r in old if r["rank"] == k) for k in {r["rank"] for r in old})
+    return common - (again["first_step"] - 1)
 
 
 def run_trainguard(fault: str, timeout: float) -> dict:
@@ -99,8 +116,15 @@ def run_trainguard(fault: str, timeout: float) -> dict:
                 out["steps_per_s_during"] = _rate(recs, t_f, min(time.time(), t_f + 10))
             else:
                 out.setdefault("again_s", None)
-            decisions = [d.action for d in rec.of(schemas.Decision, int(t_f * 1e9))]
-            out["decisions"] = decisions
+                again = training_again(c.steps(job), t_f)
+                out["steps_rolled_back"] = rolled_back(c.steps(job), again)
+            decs = rec.of(schemas.Decision, int(t_f * 1e9))
+            out["decisions"] = [d.action for d in decs]
+            # the culprit named: the node of the first decision that names one (a node fault),
+            # the node or its ranks in the first verdict that names them (the slow link)
+            named = [d.nodes for d in decs if d.nodes]
+            out["culprit_correct"] = (out["named_s"] is not None if fault == "slow_link"
+                                      else bool(named) and named[0] == ["node1"])
             runner.cancel()
             return out
         finally:
@@ -138,7 +162,9 @@ def run_slurm(fault: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         key = "named_s" if fault == "slow_link" else "again_s"
         out[key] = None
+        down: set[str] = set()  # the nodes Slurm set DOWN meanwhile: its culprit
         while time.monotonic() < deadline:
+            down |= {n for n, s in c.slurm.node_states().items() if s.startswith("down")}
             if fault == "slow_link":
                 if "DOWN" in c.slurm.run("scontrol", "show", "node", "-o", "node1", check=False):
                     out[key] = round(time.time() - t_f, 3)
@@ -150,6 +176,12 @@ def run_slurm(fault: str, timeout: float) -> dict:
                                hosts=again["hosts"])
                     break
             time.sleep(0.2)
+        if key == "again_s":
+            out["steps_rolled_back"] = rolled_back(
+                c.steps(job), training_again(c.steps(job), t_f) if out[key] else None)
+        out["slurm_down"] = sorted(down)
+        out["culprit_correct"] = (out[key] is not None if fault == "slow_link"
+                                  else out["slurm_down"] == ["node1"])
         st = c.slurm.job_state(jid)
         out.update(slurm_state=st.get("JobState"), restarts=st.get("Restarts"),
                    eligible=st.get("EligibleTime"), started=st.get("StartTime"))
@@ -188,25 +220,32 @@ def main(argv=None) -> int:
                     r = {"error": f"{type(exc).__name__}: {exc}"}
                 runs.append(r)
                 key = "named_s" if fault == "slow_link" else "again_s"
-                extra = {k: r[k] for k in ("steps_per_s_before", "steps_per_s_during",
+                extra = {k: r[k] for k in ("culprit_correct", "steps_rolled_back",
+                                           "steps_per_s_before", "steps_per_s_during",
                                            "decisions", "eligible", "error") if k in r}
                 print(f"{system:<10} {fault:<10} run {i + 1}: {key} = {r.get(key)} {extra}",
                       flush=True)
             key = "named_s" if fault == "slow_link" else "again_s"
             vals = [r[key] for r in runs if r.get(key) is not None]
+            lost = [r["steps_rolled_back"] for r in runs
+                    if r.get("steps_rolled_back") is not None]
             results[f"{system}/{fault}"] = {
                 "metric": key, "median_s": statistics.median(vals) if vals else None,
                 "max_s": max(vals) if vals else None, "recovered": f"{len(vals)}/{len(runs)}",
+                "culprit_correct": f"{sum(bool(r.get('culprit_correct')) for r in runs)}"
+                                   f"/{len(runs)}",
+                "steps_rolled_back": statistics.median(lost) if lost else None,
                 "runs": runs}
             if a.json:  # after every (system, fault): an interrupted run keeps what it measured
                 with open(a.json, "w") as fh:
                     json.dump({"partial": True, "results": results}, fh, indent=2)
     report = {"wall_s": round(time.monotonic() - t0, 1), "results": results,
               "faults": {f: FAULTS[f] for f in faults}}
-    print(f"\n{'system/fault':<22} {'metric':<8} {'median s':>9} {'max s':>8} recovered")
+    print(f"\n{'system/fault':<22} {'metric':<8} {'median s':>9} {'max s':>8} recovered "
+          f"culprit_correct steps_rolled_back")
     for k, v in results.items():
         print(f"{k:<22} {v['metric']:<8} {str(v['median_s']):>9} {str(v['max_s']):>8} "
-              f"{v['recovered']}")
+              f"{v['recovered']:>9} {v['culprit_correct']:>15} {str(v['steps_rolled_back']):>17}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -1,6 +1,6 @@
 """The remediator reducer's verdict chain: claims, fold or escalate, the commit (generation,
-job record, audit, publish), the exclusion and the pod restart through the controller. Stages
-1–7 of
+job record, audit, publish), the exclusion, the pod restart and the stop through the
+controller. Stages 1–7 of
 ``remediator.reducer``; every function is pure and returns ``(state, effects)``."""
 from __future__ import annotations
 
@@ -236,27 +236,34 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
         state = without_pending(state, job)
     if dec.execute and dec.action == "exclude_node_and_requeue" and dec.nodes:
         return _start_node_steps(state, seq, "exclude", dec.nodes, effects)
+    if dec.execute and dec.action == "stop_job_notify_user" and state.cancels_jobs:
+        return _start_node_steps(state, seq, "stop", JOB_TARGET, effects)
     pods, _ = pol.pod_restart(dec, w.verdict, state.restarts_pods, state.config.policy)
     if dec.execute and pods:
         return _start_node_steps(state, seq, "restart_pod", pods, effects)
     return done(state, seq), effects
 
 
-# ---- the node controller's part of a decision: exclusion or pod restart, node by node -------------
+# ---- the node controller's part of a decision: exclusion or pod restart node by node; a stop ----
 #: ``Work.node_step`` → the action its ``action.result`` reports (None: the decision's own) and
 #: the prefix of that result's detail (None: the controller's detail alone). The step is also the
-#: controller method called and the middle of the claim key ``<key>:<step>:<node>``.
+#: controller method called and the middle of the claim key ``<key>:<step>:<node>``; ``stop``
+#: (an executed stop decision, under a controller that ``cancels_jobs``: Slurm's ``scancel``)
+#: is done once for the job, target ``JOB_TARGET``, claim key ``<key>:stop``.
 NODE_STEPS: dict[str, tuple[str | None, str | None]] = {
     "exclude": ("exclude_node_and_requeue", None),
     "restart_pod": (None, "restart_pod"),
+    "stop": (None, None),
 }
+#: the one target of a job-wide step (``stop``): the job's allocation, no node of it
+JOB_TARGET = ("",)
 
 
 def _node_claim(w: Work, seq: int) -> Call:
     assert w.decision is not None
     node = w.nodes[0]
-    return store("claim", f"{w.decision.idempotency_key}:{w.node_step}:{node}",
-                 w.decision.event_id, reply=("node_claim", seq, node))
+    key = f"{w.decision.idempotency_key}:{w.node_step}" + (f":{node}" if node else "")
+    return store("claim", key, w.decision.event_id, reply=("node_claim", seq, node))
 
 
 def _start_node_steps(state: RemediatorState, seq: int, step: str, nodes, effects: list[Effect],
@@ -282,6 +289,8 @@ def on_node_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     assert dec is not None
     if w.node_step == "exclude":
         args: tuple = (node, w.job, dec.reason)
+    elif w.node_step == "stop":  # scoped to its generation: a later one is a new run
+        args = (w.job, dec.reason, dec.generation)
     else:
         # only a pod older than the fault is the failed one: a replacement made since is left
         onset = w.verdict.detail.get("last_beat_ns") if w.verdict is not None else None
@@ -321,7 +330,7 @@ def _controller_result(state: RemediatorState, w: Work, inp: Reply, action: str,
             "controller": state.controller, **({"step": step} if step else {}),
             "reason": detail, "ts": inp.wall_ns}))
     effects.append(Publish(subjects.job(w.job, "action"), ActionResult(
-        job=w.job, node=node, trace=dec.child_trace(), decision_id=dec.event_id,
+        job=w.job, node=node or None, trace=dec.child_trace(), decision_id=dec.event_id,
         idempotency_key=dec.idempotency_key, executor=f"controller:{state.controller}",
         action=action, ok=ok, detail=f"{step} {node}: {detail}" if step else detail,
         **({"ts": inp.wall_ns} if inp.wall_ns else {}))))

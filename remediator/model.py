@@ -61,12 +61,14 @@ class Work:
     ``verdict`` — None for a watchdog escalation; ``prev``/``why`` — the escalated decision and
     why; ``record`` — the job record read; ``decision`` — as claimed so far; ``fault_gen`` — the
     generation the fault happened in; ``expected``/``tries`` — the generation bump;
-    ``node_step`` — what the node controller does for the decision (``"exclude"``, or
-    ``"restart_pod"`` on the nodes ``policy.pod_restart`` names; ``decisions.NODE_STEPS``);
-    ``nodes`` — the nodes it still has to do it on; ``token`` — this chain's owner string of
-    the verdict claim (``verdict_token``: derived from the replica and the verdict, so a
-    retried claim, or the claim of the same verdict delivered again to this replica after a
-    restart, that finds its own token knows its first try landed and carries on); ``last_call`` — the chain's state-store call in flight
+    ``node_step`` — what the node controller does for the decision (``"exclude"``,
+    ``"restart_pod"`` on the nodes ``policy.pod_restart`` names, or ``"stop"`` once for the
+    job; ``decisions.NODE_STEPS``); ``nodes`` — the nodes it still has to do it on (``("",)``
+    for ``stop``: the job's own allocation); ``token`` — this chain's owner string of the
+    verdict claim (``verdict_token``: derived from the replica and the verdict, so a retried
+    claim, or the claim of the same verdict delivered again to this replica after a restart,
+    that finds its own token knows its first try landed and carries on); ``last_call`` — the
+    chain's state-store call in flight
     (issued again when it fails); ``retry_at`` — service time it is due again (None: not
     waiting); ``store_tries`` — its failed tries so far."""
 
@@ -96,6 +98,8 @@ class RemediatorState:
     """``config`` — the live ``RemediatorConfig`` (read at each step); ``controller`` — the node
     controller's name (``action.result.executor = controller:<name>``); ``restarts_pods`` —
     whether it recreates a job's pod (``NodeController.restarts_pods``: Kubernetes);
+    ``cancels_jobs`` — whether its ``stop`` ends the job in the scheduler
+    (``NodeController.cancels_jobs``: Slurm);
     ``pending`` — job →
     ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
     decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
@@ -107,6 +111,7 @@ class RemediatorState:
     config: RemediatorConfig = field(default_factory=RemediatorConfig)
     controller: str = "local"
     restarts_pods: bool = False
+    cancels_jobs: bool = False
     pending: dict[str, Pending] = field(default_factory=dict)
     work: dict[int, Work] = field(default_factory=dict)
     seq: int = 0

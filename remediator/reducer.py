@@ -30,7 +30,10 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
    executed ``exclude_node_and_requeue`` (``exclude(node, job, reason)``), or the pod restart
    of an executed decision for which ``policy.pod_restart`` names nodes (a lost launcher on a
    healthy node, under a controller that recreates pods: ``restart_pod(node, job,
-   before_ns)``). ``node_claim`` claims ``<key>:<step>:<node>`` (held: already carried out),
+   before_ns)``), or, once for the job, the scheduler's stop of an executed
+   ``stop_job_notify_user`` under a controller that ``cancels_jobs`` (Slurm: ``stop(job,
+   reason, generation)``, claim key ``<key>:stop``; observe mode leaves the scheduler alone).
+   ``node_claim`` claims ``<key>:<step>:<node>`` (held: already carried out),
    ``node_step`` gets the controller's result (the call runs in the background:
    ``wait=False``) and publishes its ``action.result``; a failure is audited
    (``controller_failed``) and does not escalate here (an excluded node's job re-ranks

@@ -62,8 +62,10 @@ class Remediator(ReducerService[RemediatorState]):
     def initial_state(self) -> RemediatorState:
         name = self._controller.name if self._controller else self.rconfig.controller
         pods = bool(getattr(self._controller, "restarts_pods", False))
+        cancels = bool(getattr(self._controller, "cancels_jobs", False))
         return RemediatorState(config=self.rconfig, controller=name, restarts_pods=pods,
-                               serves=self.membership.owns, replica=self.config.replica)
+                               cancels_jobs=cancels, serves=self.membership.owns,
+                               replica=self.config.replica)
 
     def step(self, state, inp, now):
         return reducer.step(state, inp, now)
@@ -82,7 +84,9 @@ class Remediator(ReducerService[RemediatorState]):
         if self._controller is None:
             self._controller = make_controller(self.rconfig.controller, self.state)
         pods = bool(getattr(self._controller, "restarts_pods", False))
-        self.model = replace(self.model, controller=self._controller.name, restarts_pods=pods)
+        cancels = bool(getattr(self._controller, "cancels_jobs", False))
+        self.model = replace(self.model, controller=self._controller.name, restarts_pods=pods,
+                             cancels_jobs=cancels)
         await self.feed(Tick(time.time_ns()))  # re-arms the pending decisions of the records
 
     @property

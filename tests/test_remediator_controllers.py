@@ -30,6 +30,63 @@ def test_slurm_commands():
     assert len(SlurmController(None, SlurmConfig(slurm_job_id="")).commands("n", "r")) == 1
 
 
+@pytest.mark.parametrize("state,in_force,generation,plan,says", [
+    ("RUNNING", 3, 3, "cancel", "is RUNNING"),
+    ("PENDING", 3, 3, "cancel", "is PENDING"),          # requeued, waiting: cancelled too
+    ("RUNNING", None, 3, "cancel", "is RUNNING"),       # no record read: the decision's job
+    ("RUNNING", 2, None, "cancel", "is RUNNING"),       # no generation given: any
+    ("RUNNING", 4, 3, "skip", "superseded: generation 4 is in force"),  # a new run since
+    ("CANCELLED", 3, 3, "skip", "already ended (CANCELLED)"),
+    ("COMPLETED", 3, 3, "skip", "already ended (COMPLETED)"),
+    ("NODE_FAIL", 3, 3, "skip", "already ended (NODE_FAIL)"),
+    ("GONE", 3, 3, "skip", "Slurm no longer knows it"),
+])
+def test_slurm_stop_plan(state, in_force, generation, plan, says):
+    from trainguard.slurm_controller import stop_plan
+
+    got, why = stop_plan(state, in_force, generation, "42")
+    assert got == plan and says in why
+
+
+@pytest.mark.parametrize("rc,out,state", [
+    (0, "RUNNING\n", "RUNNING"),
+    (0, "", "GONE"),                                  # -t all, past MinJobAge: no line
+    (1, "slurm_load_jobs error: Invalid job id specified", "GONE"),
+    (1, "slurm_load_jobs error: Unable to contact slurm controller", None),  # OSError
+])
+def test_slurm_squeue_state(rc, out, state):
+    from trainguard.slurm_controller import parse_squeue_state
+
+    if state is None:
+        with pytest.raises(OSError, match="squeue exited 1"):
+            parse_squeue_state(rc, out)
+    else:
+        assert parse_squeue_state(rc, out) == state
+
+
+def test_slurm_stop_commands_record_the_reason_then_cancel():
+    from trainguard.slurm_controller import slurm_squeue_command, slurm_stop_commands
+
+    comment, cancel = slurm_stop_commands("42", "retry budget spent:\n 10 of 10 " + "x" * 300)
+    assert comment[:3] == ["scontrol", "update", "jobid=42"]
+    assert comment[3].startswith("admincomment=trainguard: retry budget spent: 10 of 10")
+    assert "\n" not in comment[3] and len(comment[3]) < 160
+    assert cancel == ["scancel", "42"]
+    assert slurm_squeue_command("42") == ["squeue", "-h", "-t", "all", "-j", "42", "-o", "%T"]
+
+
+async def test_slurm_stop_outside_slurm_cancels_nothing(redis_db):
+    from trainguard.schemas import JobSettings
+
+    st = StateStore(redis_db)
+    await st.register_settings("j", JobSettings(mode="action"))
+    res = await SlurmController(st, SlurmConfig(scontrol="/nonexistent/scontrol")).stop(
+        "j", "budget", 1)
+    assert res.ok and "nothing to cancel" in res.detail and res.commands == []
+    assert SlurmController.cancels_jobs and not LocalController.cancels_jobs
+    await st.close()
+
+
 async def test_slurm_without_scontrol_says_what_to_do(redis_db):
     st = StateStore(redis_db)
     c = SlurmController(st, SlurmConfig(scontrol="/nonexistent/scontrol", slurm_job_id="1"))

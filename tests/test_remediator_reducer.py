@@ -40,6 +40,7 @@ class Store:
         self.fail_times: dict[str, int] = {}      # method -> how many more calls raise
         self.excluded: list[str] = []
         self.restarted: list[tuple] = []          # restart_pod calls: (node, job, before_ns)
+        self.stopped: list[tuple] = []            # stop calls: (job, reason, generation)
         self.outboxes: dict[str, dict[str, dict]] = {}  # job -> decision id -> decision
 
     def __call__(self, call: Call):
@@ -49,8 +50,10 @@ class Store:
         if call.method in self.fail:
             raise ConnectionError(f"{call.method}: valkey gone")
         if call.target == "controller":
-            node = call.args[0]
-            if call.method == "restart_pod":
+            node = call.args[0]  # stop: the job
+            if call.method == "stop":
+                self.stopped.append(call.args)
+            elif call.method == "restart_pod":
                 self.restarted.append(call.args)
             else:
                 self.excluded.append(node)
@@ -551,6 +554,75 @@ def test_a_failed_pod_restart_is_audited_and_left_to_the_watchdog():
     [failed] = audits(eff, "controller_failed")
     assert failed["step"] == "restart_pod" and failed["node"] == "n2"
     assert "j" in state.pending
+
+
+# ---- a stop through a scheduler that holds the job (Slurm) ---------------------------------------
+def slurm_state(cancels_jobs=True, timeout_s=60.0):
+    return RemediatorState(config=RemediatorConfig(decision_timeout_s=timeout_s,
+                                                   controller="slurm"),
+                           controller="slurm", cancels_jobs=cancels_jobs, armed=True)
+
+
+def gpu_both_nodes():
+    return Verdict(job="j", fault_class="gpu_xid", layer="hardware",
+                   culprit={"nodes": ["n1", "n2"]}, generation=0)
+
+
+def test_a_stop_is_carried_out_by_the_scheduler_once_for_its_generation():
+    st = Store(j=record(min_world_size=1))
+    state, eff = run(st, [verdict_in(gpu_both_nodes())], slurm_state())
+    [d] = published(eff)
+    assert (d.action, d.execute, d.generation) == ("stop_job_notify_user", True, 1)
+    assert st.stopped == [("j", d.reason, 1)] and st.excluded == []
+    [ctl] = [c for c in eff if isinstance(c, Call) and c.target == "controller"]
+    assert ctl.method == "stop" and ctl.wait is False
+    [ar] = published(eff, ActionResult)
+    assert (ar.ok, ar.node, ar.executor, ar.action, ar.decision_id, ar.idempotency_key) == (
+        True, None, "controller:slurm", "stop_job_notify_user", d.event_id, d.idempotency_key)
+    assert st.claims[f"{d.idempotency_key}:stop"] == d.event_id
+    # a restarted remediator replays the verdict: the job is stopped, nothing more
+    state, eff = run(st, [verdict_in(gpu_both_nodes(), 1.0)], slurm_state())
+    assert published(eff) == [] and st.stopped == [("j", d.reason, 1)]
+
+
+def test_a_stop_already_carried_out_is_not_repeated():
+    st = Store(j=record(min_world_size=1))
+    st.claims["j:g0:stop"] = "previous"
+    state, eff = run(st, [verdict_in(gpu_both_nodes())], slurm_state())
+    [d] = published(eff)
+    assert d.idempotency_key == "j:g0" and st.stopped == [] and published(eff, ActionResult) == []
+
+
+@pytest.mark.parametrize("cancels_jobs,mode", [(False, "action"), (True, "observe")])
+def test_no_scheduler_stop_without_a_controller_that_cancels_or_in_observe_mode(cancels_jobs,
+                                                                               mode):
+    st = Store(j=record(min_world_size=1, mode=mode))
+    state, eff = run(st, [verdict_in(gpu_both_nodes())], slurm_state(cancels_jobs))
+    [d] = published(eff)
+    assert d.action == "stop_job_notify_user" and d.execute is (mode == "action")
+    assert st.stopped == [] and published(eff, ActionResult) == []
+    assert [c for c in eff if isinstance(c, Call) and c.target == "controller"] == []
+
+
+def test_a_failed_scancel_is_audited_and_the_job_stays_stopped():
+    st = Store(j=record(min_world_size=1))
+    st.controller["j"] = ControllerResult(False, "scancel 42 exited 1: access denied")
+    state, eff = run(st, [verdict_in(gpu_both_nodes())], slurm_state())
+    [ar] = published(eff, ActionResult)
+    assert not ar.ok and ar.detail == "scancel 42 exited 1: access denied"
+    [failed] = audits(eff, "controller_failed")
+    assert (failed["controller"], failed["node"]) == ("slurm", "")
+    assert st.records["j"].status == "stopped" and state.pending == {}
+
+
+def test_the_watchdogs_stop_goes_to_the_scheduler_too():
+    st = Store(j=record(min_world_size=4))
+    state, eff = run(st, [verdict_in(crash(rank=2)), (0.2, Tick(WALL)), (0.31, Tick(WALL))],
+                     slurm_state(timeout_s=0.3))
+    restart, stop = published(eff)
+    assert stop.action == "stop_job_notify_user" and stop.idempotency_key == "j:g0:wd"
+    assert st.stopped == [("j", stop.reason, 2)]
+    assert st.claims["j:g0:wd:stop"] == stop.event_id
 
 
 # ---- watchdog ---------------------------------------------------------------------------------------

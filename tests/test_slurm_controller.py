@@ -1,9 +1,11 @@
 """The Slurm node controller against a real Slurm (``trainguard.cluster.slurm``: slurmctld on the
 host, a slurmd in each of 2 node namespaces): it acts on the *training job's* Slurm id from the
 job record (not the remediator's environment), drains with the evidence as the reason, requeues
-excluding the node, cancels on stop, and does each once (it re-reads Slurm's state first).
+excluding the node, cancels on stop with the decision's reason on the job (also through the
+remediator service: observe mode leaves Slurm alone), and does each once (it re-reads Slurm's
+state first).
 
-Skips, saying why, without CAP_NET_ADMIN or without Slurm. About 15 s.
+Skips, saying why, without CAP_NET_ADMIN or without Slurm. About 20 s.
 """
 from __future__ import annotations
 
@@ -81,9 +83,14 @@ async def test_drain_requeue_cancel_for_the_training_jobs_slurm_id(slurm, redis_
 
     stop = await ctl.stop("tj", "retry budget spent")
     assert stop.ok and f"cancelled Slurm job {jid}" in stop.detail
-    _wait_state(slurm, jid, ("CANCELLED",))
+    assert _wait_state(slurm, jid, ("CANCELLED",)).get("AdminComment") == (
+        "trainguard: retry budget spent")
     stop2 = await ctl.stop("tj", "again")
     assert stop2.ok and "already ended" in stop2.detail
+    # a job Slurm no longer knows (ended before MinJobAge): already satisfied, nothing run
+    await st.register_settings("tg", JobSettings(mode="action", slurm_job_id="987654"))
+    gone = await SlurmController(st).stop("tg", "budget", 0)
+    assert gone.ok and "no longer knows it" in gone.detail, gone
     slurm.run("scontrol", "update", "nodename=node1", "state=resume")
     await st.close()
 
@@ -114,4 +121,88 @@ async def test_auto_requeue_leaves_a_job_that_goes_on_in_place(slurm, redis_db, 
     res = await SlurmController(st).exclude("node0", "tl", "ecc")
     assert res.ok and "nothing to requeue" in res.detail
     slurm.run("scontrol", "update", "nodename=node0", "state=resume")
+    await st.close()
+
+
+async def test_a_stop_decision_cancels_the_slurm_job_with_its_reason(slurm, servers, redis_db,
+                                                                      tmp_path, monkeypatch):
+    """The remediator service on a real NATS and Valkey, with the Slurm controller: a stop
+    decision in action mode cancels the training job's Slurm job and records the decision's
+    reason on it; the same verdict for an observe-mode job leaves its Slurm job untouched."""
+    import asyncio
+    import json
+
+    from trainguard.bus import Bus
+    from trainguard.remediator.service import Remediator, RemediatorConfig
+    from trainguard.schemas import ActionResult, Decision, Verdict, subjects
+    from trainguard.service import ServiceConfig, health_subject
+    from trainguard.slurm_controller import SlurmController, slurm_reason
+    from trainguard.state import StateStore
+
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    jids = {job: slurm.sbatch(None, "-N", "1", "-w", "node0", "--wrap", "sleep 120",
+                              "-o", str(tmp_path / f"out-{job}-%j")) for job in ("ta", "to")}
+    for jid in jids.values():
+        _wait_state(slurm, jid, ("RUNNING",))
+    st = StateStore(redis_db)
+    members = [{"rank": 0, "node": "node0", "local_rank": 0},
+               {"rank": 1, "node": "node1", "local_rank": 0}]
+    for job, mode in (("ta", "action"), ("to", "observe")):
+        await st.register_job(job, mode=mode, generation=0, world_size=2, min_world_size=2,
+                              retry_budget=5, members=members, status="running",
+                              slurm_job_id=jids[job])
+    svc = Remediator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_db),
+                     RemediatorConfig(controller="slurm"), controller=SlurmController(st))
+    task = asyncio.create_task(svc.run())
+    bus = await Bus(servers.nats_url, "test-slurm-stop").connect()
+    got: dict[str, list] = {"decision": [], "action": []}
+    try:
+        for _ in range(200):
+            try:
+                if json.loads(await bus.request(health_subject("remediator"),
+                                                timeout=0.2)).get("ok"):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.05)
+        for job in jids:
+            for kind in got:
+                await bus.subscribe(subjects.job(job, kind),
+                                    lambda s, e, kind=kind: got[kind].append(e))
+        await bus.flush()
+        for job in jids:  # an XID on both nodes: no node left to go on with → stop
+            await bus.publish(subjects.job(job, "verdict"), Verdict(
+                job=job, fault_class="gpu_xid", layer="hardware",
+                culprit={"nodes": ["node0", "node1"]}, generation=0))
+        for _ in range(300):
+            if len(got["decision"]) == 2 and any(
+                    isinstance(a, ActionResult) and a.executor == "controller:slurm"
+                    for a in got["action"]):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await bus.close()
+        svc.stop()
+        await asyncio.wait_for(task, 10)
+    decs = {d.job: d for d in got["decision"] if isinstance(d, Decision)}
+    assert {j: (d.action, d.execute) for j, d in decs.items()} == {
+        "ta": ("stop_job_notify_user", True), "to": ("stop_job_notify_user", False)}, got
+    [ar] = [a for a in got["action"] if a.executor == "controller:slurm"]
+    assert (ar.job, ar.ok, ar.decision_id) == ("ta", True, decs["ta"].event_id), ar
+    assert f"cancelled Slurm job {jids['ta']}" in ar.detail
+    # really cancelled, with the decision's reason on the job (scontrol show job)
+    job = _wait_state(slurm, jids["ta"], ("CANCELLED",))
+    assert job.get("AdminComment") == slurm_reason(decs["ta"].reason), job
+    # observe mode: Slurm untouched
+    other = slurm.job_state(jids["to"])
+    assert other["JobState"] == "RUNNING" and "AdminComment" not in other, other
+    # carried out again (a second remediator, the same decision): already satisfied
+    again = await SlurmController(st).stop("ta", decs["ta"].reason, decs["ta"].generation)
+    assert again.ok and "already ended (CANCELLED)" in again.detail
+    assert all(isinstance(c, dict) and "skipped" in c for c in again.commands)
+    # a stop for a generation the job has moved past (a new run since) leaves it running
+    late = await SlurmController(st).stop("to", "stale", -1)
+    assert late.ok and "superseded" in late.detail
+    assert slurm.job_state(jids["to"])["JobState"] == "RUNNING"
+    slurm.run("scancel", jids["to"])
     await st.close()

@@ -1,11 +1,12 @@
 """The one interface of node controllers (local, Slurm, Kubernetes) and what they return.
 
 A controller is what the remediator calls to take a node out of service, to stop a job through
-the scheduler and, where the scheduler recreates a job's pods (``restarts_pods``: Kubernetes),
-to replace the one pod whose launcher was lost (``restart_pod``). ``exclude``, ``stop`` and
-``restart_pod`` are coroutines returning a ``ControllerResult``; they never raise for an
-external failure (``ok`` False, ``detail`` says what to do), and they re-read the scheduler's
-state before acting, so that doing one twice is harmless (the detail says ``already …``).
+the scheduler where the scheduler holds the job (``cancels_jobs``: Slurm) and, where the
+scheduler recreates a job's pods (``restarts_pods``: Kubernetes), to replace the one pod whose
+launcher was lost (``restart_pod``). ``exclude``, ``stop`` and ``restart_pod`` are coroutines
+returning a ``ControllerResult``; they never raise for an external failure (``ok`` False,
+``detail`` says what to do), and they re-read the scheduler's state before acting, so that doing
+one twice is harmless (the detail says ``already …``).
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ class NodeController:
     name = "base"
     #: Whether ``restart_pod`` can replace a job's pod on a node (its scheduler recreates it).
     restarts_pods = False
+    #: Whether ``stop`` ends the job in its scheduler (Slurm: ``scancel``); the remediator
+    #: calls ``stop`` for an executed stop decision only then.
+    cancels_jobs = False
 
     def __init__(self, state: Any = None):
         self.state = state
@@ -47,9 +51,11 @@ class NodeController:
         """Take ``node`` out of service for ``job`` (``reason``: the decision's evidence)."""
         raise NotImplementedError
 
-    async def stop(self, job: str, reason: str) -> ControllerResult:
-        """End ``job`` through the scheduler; by default there is nothing to end (the launchers
-        stop their ranks on the stop decision themselves)."""
+    async def stop(self, job: str, reason: str, generation: int | None = None
+                   ) -> ControllerResult:
+        """End ``job`` through the scheduler for a stop decision of ``generation`` (None: any;
+        a later generation in force is a new run the stop was not about); by default there is
+        nothing to end (the launchers stop their ranks on the stop decision themselves)."""
         return ControllerResult(True, f"{self.name}: nothing to cancel for {job!r} (its "
                                       f"launchers stop on the decision)")
 

@@ -14,7 +14,10 @@ record, two decisions for one generation) drains, requeues or cancels once; the 
   on every exclusion (a job restarted from its checkpoint on a fresh allocation), ``never``.
   A requeue is ``scontrol requeue <id>`` and then ``scontrol update jobid=<id>
   excnodelist=<node,…>`` so the next allocation leaves the node out.
-* ``stop(job, reason)`` — ``scancel <id>`` unless the job has ended already.
+* ``stop(job, reason, generation)`` — for a stop decision of ``generation``: ``squeue`` first
+  (``stop_plan``: nothing when the job ended or Slurm no longer knows it, nor when a later
+  generation is in force — a new run of the job), then ``scontrol update jobid=<id>
+  admincomment="trainguard: <reason>"`` (``Comment`` when that is refused) and ``scancel <id>``.
 
 Commands are argv lists (no shell); each is bounded by ``SlurmConfig.timeout_s``. An external
 failure is a ``ControllerResult`` with ``ok`` False and what to do, never an exception.
@@ -30,26 +33,31 @@ from typing import Any
 from .controller_base import ControllerResult, NodeController
 
 __all__ = ["SlurmConfig", "SlurmController", "slurm_drain_command", "slurm_requeue_command",
-           "parse_scontrol", "SLURM_REASON_MAX", "ENDED_STATES", "REQUEUED_STATES"]
+           "slurm_squeue_command", "slurm_stop_commands", "slurm_reason", "parse_squeue_state",
+           "stop_plan", "parse_scontrol", "SLURM_REASON_MAX", "ENDED_STATES", "REQUEUED_STATES",
+           "SCANCEL_ENDED"]
 
 #: Slurm drain reasons are shown by ``sinfo -R``; keep them short and on one line.
 SLURM_REASON_MAX = 120
 #: Job states after which there is nothing to cancel (``squeue``/``scontrol`` JobState).
 ENDED_STATES = ("CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY")
+#: What ``scancel`` says of a job that ended before it could be cancelled.
+SCANCEL_ENDED = ("already completing or completed", "Invalid job id")
 #: Job states that mean a requeue has happened (or is under way).
 REQUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING")
 
 
 @dataclass
 class SlurmConfig:
-    """``scontrol``/``scancel`` paths (default: found on PATH); ``requeue`` (env
+    """``scontrol``/``scancel``/``squeue`` paths (default: found on PATH); ``requeue`` (env
     ``TG_SLURM_REQUEUE``: ``auto`` | ``always`` | ``never``, see the module docstring);
     ``slurm_job_id`` overrides the job record's (tests, a job registered without it; empty: the
     record's); ``timeout_s`` bounds each command (seconds)."""
 
     scontrol: str = field(default_factory=lambda: shutil.which("scontrol") or "scontrol")
     scancel: str = field(default_factory=lambda: shutil.which("scancel") or "scancel")
+    squeue: str = field(default_factory=lambda: shutil.which("squeue") or "squeue")
     requeue: str = field(default_factory=lambda: os.environ.get("TG_SLURM_REQUEUE", "auto"))
     slurm_job_id: str = ""
     timeout_s: float = 30.0
@@ -62,13 +70,61 @@ class SlurmConfig:
 def slurm_drain_command(node: str, reason: str, scontrol: str = "scontrol") -> list[str]:
     """argv that drains ``node`` with ``reason`` (one line, at most ``SLURM_REASON_MAX``
     characters; Slurm shows it in ``sinfo -R``)."""
-    one_line = " ".join(reason.split())[:SLURM_REASON_MAX] or "trainguard"
-    return [scontrol, "update", f"nodename={node}", "state=drain", f"reason=trainguard: {one_line}"]
+    return [scontrol, "update", f"nodename={node}", "state=drain", f"reason={slurm_reason(reason)}"]
 
 
 def slurm_requeue_command(job_id: str, scontrol: str = "scontrol") -> list[str]:
     """argv that requeues Slurm job ``job_id`` (it restarts without the drained node)."""
     return [scontrol, "requeue", str(job_id)]
+
+
+def slurm_squeue_command(job_id: str, squeue: str = "squeue") -> list[str]:
+    """argv that prints Slurm job ``job_id``'s state alone (``RUNNING``, ``CANCELLED``…; ``-t
+    all``: an ended job too, while slurmctld still holds it, ``MinJobAge``)."""
+    return [squeue, "-h", "-t", "all", "-j", str(job_id), "-o", "%T"]
+
+
+def parse_squeue_state(rc: int, out: str) -> str:
+    """``squeue`` exit status and output (``slurm_squeue_command``) → the job state, or
+    ``GONE`` when Slurm no longer knows the job (no line; ``Invalid job id specified``); raises
+    OSError for any other failure (slurmctld out of reach: nothing is known)."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    if rc == 0:
+        return lines[0].split()[0] if lines else "GONE"
+    if "Invalid job id" in out:
+        return "GONE"
+    raise OSError(f"squeue exited {rc}: {out[:300]}")
+
+
+def slurm_reason(reason: str) -> str:
+    """``reason`` as Slurm is given it: ``trainguard: `` and one line of at most
+    ``SLURM_REASON_MAX`` characters."""
+    return "trainguard: " + (" ".join(reason.split())[:SLURM_REASON_MAX].rstrip() or "trainguard")
+
+
+def slurm_stop_commands(job_id: str, reason: str, scontrol: str = "scontrol",
+                        scancel: str = "scancel") -> list[list[str]]:
+    """argvs of a stop: record ``reason`` on the job (``AdminComment``, shown by ``scontrol
+    show job``), then cancel it (``scancel <id>``: SIGTERM to its steps, SIGKILL ``KillWait``
+    later)."""
+    return [[scontrol, "update", f"jobid={job_id}", f"admincomment={slurm_reason(reason)}"],
+            [scancel, str(job_id)]]
+
+
+def stop_plan(state: str, in_force: int | None, generation: int | None,
+              job_id: str = "") -> tuple[str, str]:
+    """What a stop decision of ``generation`` does to Slurm job ``job_id`` in ``state``
+    (``parse_squeue_state``), the job record's generation being ``in_force`` (None: unknown;
+    a ``generation`` None: any): ``("cancel" | "skip", why)``. A later generation in force
+    means a new run of the job (requeued, submitted again) that this stop was not about."""
+    if generation is not None and in_force is not None and in_force > generation:
+        return "skip", (f"superseded: generation {in_force} is in force, the stop was for "
+                        f"generation {generation}: Slurm job {job_id} left as it is")
+    if state == "GONE":
+        return "skip", f"Slurm job {job_id} already ended (Slurm no longer knows it)"
+    if state in ENDED_STATES:
+        return "skip", f"Slurm job {job_id} already ended ({state})"
+    return "cancel", f"Slurm job {job_id} is {state}"
 
 
 def parse_scontrol(text: str) -> dict[str, str]:
@@ -83,13 +139,14 @@ def parse_scontrol(text: str) -> dict[str, str]:
             out[key] = v
         elif key is not None:
             out[key] += " " + tok
-    return out
+    return {k: v.strip() for k, v in out.items()}
 
 
 class SlurmController(NodeController):
     """Drain, requeue and cancel for the training job's Slurm id (see the module docstring)."""
 
     name = "slurm"
+    cancels_jobs = True
 
     def __init__(self, state=None, config: SlurmConfig | None = None):
         super().__init__(state)
@@ -199,23 +256,49 @@ class SlurmController(NodeController):
                       f"requeued Slurm job {jid} ({node} is drained, so it is not chosen; "
                       f"excnodelist not set: {out[:200]})")
 
-    async def stop(self, job: str, reason: str) -> ControllerResult:
-        jid, _ = await self._job_id(job)
+    async def _squeue_state(self, jid: str) -> str:
+        """The job's state as ``squeue`` gives it now (``GONE``: Slurm no longer knows it);
+        raises OSError / asyncio.TimeoutError."""
+        rc, out = await self._run(slurm_squeue_command(jid, self.config.squeue))
+        return parse_squeue_state(rc, out)
+
+    async def stop(self, job: str, reason: str, generation: int | None = None
+                   ) -> ControllerResult:
+        """Cancel the training job's Slurm job for a stop decision of ``generation`` (None:
+        any), recording ``reason`` on it (``AdminComment``, else ``Comment``: shown by
+        ``scontrol show job``); see ``stop_plan`` for when nothing is done."""
+        jid, record = await self._job_id(job)
         if not jid:
-            return ControllerResult(True, f"no Slurm job id in the job record of {job!r}: "
-                                          f"nothing to cancel")
+            return ControllerResult(True, f"no Slurm job id in the job record of {job!r} "
+                                          f"(launched outside Slurm): nothing to cancel")
+        cmds = slurm_stop_commands(jid, reason, self.config.scontrol, self.config.scancel)
         missing = self._missing()
         if missing:
             return ControllerResult(False, f"{missing}: cancel Slurm job {jid} by hand "
-                                           f"(scancel {jid})")
-        cmd = [self.config.scancel, jid]
+                                           f"({' '.join(cmds[-1])})", cmds)
+        in_force = record.generation if record is not None else None
+        done: list[Any] = []
         try:
-            st = (await self._show("job", jid)).get("JobState", "")
-            if st in ENDED_STATES:
-                return ControllerResult(True, f"Slurm job {jid} already ended ({st})",
-                                        [{"skipped": cmd, "why": st}])
-            rc, out = await self._run(cmd)
+            plan, why = stop_plan(await self._squeue_state(jid), in_force, generation, jid)
+            if plan == "skip":
+                return ControllerResult(True, why, [{"skipped": c, "why": why} for c in cmds])
+            comment, cancel = cmds[0], cmds[-1]
+            rc, out = await self._run(comment)
+            done.append(comment)
+            noted = rc == 0
+            if not noted:  # AdminComment is for Slurm operators: the job's own Comment then
+                user = [*comment[:-1], comment[-1].replace("admincomment=", "comment=", 1)]
+                rc, out = await self._run(user)
+                done.append(user)
+                noted = rc == 0
+            rc, out = await self._run(cancel)
+            done.append(cancel)
         except (OSError, asyncio.TimeoutError) as exc:
-            return ControllerResult(False, f"{' '.join(cmd)}: {exc or 'timed out'}", [cmd])
-        return ControllerResult(rc == 0, f"cancelled Slurm job {jid}: {reason}"[:300] if rc == 0
-                                else f"{' '.join(cmd)} exited {rc}: {out[:300]}", [cmd])
+            return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+        if rc != 0:
+            if any(m in out for m in SCANCEL_ENDED):  # it ended between squeue and scancel
+                return ControllerResult(True, f"Slurm job {jid} already ended ({out[:200]})",
+                                        done)
+            return ControllerResult(False, f"{' '.join(cancel)} exited {rc}: {out[:300]}", done)
+        said = "" if noted else " (reason not recorded on the job: scontrol update refused)"
+        return ControllerResult(True, f"cancelled Slurm job {jid}{said}: {reason}"[:300], done)
