@@ -32,6 +32,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from trainguard.schemas.job import (
     JobRecord,
@@ -89,7 +90,7 @@ class StateStore:
         cannot be reached."""
         try:
             await self.r.ping()
-        except (RedisConnectionError, OSError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise ServerUnreachable("Redis/Valkey", redact(self.url), str(exc),
                                     "REDIS_URL") from None
 
