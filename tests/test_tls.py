@@ -281,3 +281,21 @@ def test_credentials_issue_and_rotate_on_a_running_stack(tmp_path):
         assert rotated["NATS_URL"] != again["NATS_URL"]
         assert asyncio.run(_connects(rotated)) == (True, True)
         assert asyncio.run(_connects(again))[1] is False
+
+
+def test_every_service_runs_over_tls(tmp_path):
+    """Each service gets only its URLs and ``TG_TLS_CA`` and answers its health request over
+    the TLS-only bus; a job's own worker user then publishes its rank heartbeat through it."""
+    from trainguard.stack import DEFAULT_SERVICES, Stack
+
+    with Stack(services=DEFAULT_SERVICES, rendezvous=False, tls=True,
+               log_dir=tmp_path / "logs") as stack:
+        assert stack.nats_url.startswith("tls://") and stack.tls_ca
+        assert f"TG_TLS_CA={stack.tls_ca}" in stack.env_exports("worker")
+        for name in stack.service_names():
+            assert stack.health(name)["ok"] is True, name
+        nats_url, _ = stack.issue_job("svcjob")
+        assert f"TG_TLS_CA={stack.tls_ca}" in stack.env_exports("job-svcjob")
+        hb = schemas.encode(schemas.RankHeartbeat(job="svcjob", rank=0, node="n1", step=1))
+        assert asyncio.run(_publish_as(nats_url, "tg.job.svcjob.rank.0.hb", hb,
+                                       stack.tls_ca)) == []

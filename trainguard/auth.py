@@ -288,8 +288,9 @@ class Credentials:
                 kept = dict(data["passwords"])
                 jobs = dict(data.get("jobs") or {})
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path} is not a trainguard credentials file ({exc}): move it "
-                                 f"away and start again for new credentials") from None
+                if not rotate:  # a rotation replaces it whole
+                    raise ValueError(f"{path} is not a trainguard credentials file ({exc}): "
+                                     f"move it away and start again for new credentials") from None
         if rotate:  # every password anew; the jobs given their own workers keep one each
             kept, jobs = {}, {j: secrets.token_urlsafe(24) for j in jobs}
         fresh = cls.generate()

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .auth import write_private
+from .auth import job_user, write_private
 from .embedded import ServerStartError, default_data_dir, issue_job
 
 
@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServerStartError as exc:
         print(f"trainguard credentials: {exc}", file=sys.stderr)
         return 1
-    user = f"job-{args.job}"
-    assert args.job in creds.jobs
+    user = job_user(args.job)
     line = exports(data_dir, user)
     write_private(data_dir / "env" / f"{user}.env", line + "\n")
     print(line, flush=True)

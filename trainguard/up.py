@@ -32,7 +32,7 @@ from typing import Any
 
 from trainguard.schemas import subjects
 
-from .auth import ROLES, redact, write_private
+from .auth import ROLES, job_user, redact, write_private
 from .embedded import ServerStartError, default_data_dir
 from .errors import ServerUnreachable
 from .stack import DEFAULT_SERVICES, Stack, StackError, _tail
@@ -73,7 +73,7 @@ def _write_env_files(stack: Stack) -> None:
     for role in ROLES:
         write_private(stack.data_dir / "env" / f"{role}.env", stack.env_exports(role) + "\n")
     for job in stack._servers.creds.jobs:
-        user = f"job-{job}"
+        user = job_user(job)
         write_private(stack.data_dir / "env" / f"{user}.env", stack.env_exports(user) + "\n")
     where = "removed on stop" if stack._servers.data_dir is None else "kept across restarts"
     print(f"trainguard up: data and credentials in {stack.data_dir} ({where}); each role's "
