@@ -23,7 +23,7 @@ COMMANDS = {
 
 def usage() -> str:
     lines = ["usage: trainguard <command> [options]", "", "commands:"]
-    lines += [f"  {name:<11} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [f"  {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -21,6 +21,8 @@ Security (``trainguard.auth``): the embedded servers require a user; each servic
 its role (URLs with credentials in its environment, never on a command line that ``ps`` shows),
 the printed line carries the ``worker`` role's URLs (what a launcher needs), and
 ``<data dir>/env/<role>.env`` holds each role's. ``Stack.nats_url``/``redis_url`` are ``admin``'s.
+With ``tls`` (``trainguard up``'s default) NATS is TLS-only, the line adds ``TG_TLS_CA`` and the
+children get it in their environment; ``issue_job`` adds a per-job worker user.
 State: ``trainguard up`` keeps credentials, the JetStream store and Valkey's AOF in
 ``--data-dir`` (default ``$XDG_STATE_HOME/trainguard``) across a stop/start; ``--ephemeral`` (and
 ``Stack`` by default: the demo, the tests) uses a temporary directory removed on stop.
@@ -44,9 +46,9 @@ from typing import Any, Callable, Sequence
 from trainguard.schemas import subjects
 
 from .auth import JOB_USER_PREFIX, ROLES
-from .tls import CA_ENV as TLS_CA_ENV
 from .embedded import EmbeddedServers, _die_with_parent, free_port
 from .service import health_subject
+from .tls import CA_ENV as TLS_CA_ENV
 
 #: The services of the design, in start order.
 DEFAULT_SERVICES = ("agent", "detector", "attributor", "remediator", "checkpoint_validator")
