@@ -319,13 +319,16 @@ def test_data_persists_across_up_stop_up(tmp_path):
     data = tmp_path / "state"
     proc, exports = _up(data, tmp_path / "logs")
     try:
-        assert exports["NATS_URL"].startswith("nats://worker:")
+        # TLS by default: the printed line carries the CA file the clients need
+        assert exports["NATS_URL"].startswith("tls://worker:")
+        assert Path(exports["TG_TLS_CA"]) == data / "tls" / "ca.pem"
+        assert stat.S_IMODE((data / "tls" / "server.key").stat().st_mode) == 0o600
         assert stat.S_IMODE((data / "credentials.json").stat().st_mode) == 0o600
         assert stat.S_IMODE((data / "env" / "admin.env").stat().st_mode) == 0o600
         rem = _role_env(data, "remediator")
 
         async def write():
-            bus = await Bus(rem["NATS_URL"], "persist").connect()
+            bus = await Bus(rem["NATS_URL"], "persist", tls_ca=rem["TG_TLS_CA"]).connect()
             await bus.publish("tg.job.persist.decision", _decision("persist", 5))
             await bus.flush()
             st = StateStore(rem["REDIS_URL"])
@@ -345,7 +348,8 @@ def test_data_persists_across_up_stop_up(tmp_path):
             == {k: v.rsplit(":", 1)[0] for k, v in exports.items() if k != "TG_RDZV_ENDPOINT"}
 
         async def read():
-            bus = await Bus(again["NATS_URL"], "persist-rank").connect()
+            bus = await Bus(again["NATS_URL"], "persist-rank",
+                            tls_ca=again["TG_TLS_CA"]).connect()
             msg = await bus.last_stored("tg.job.persist.decision")
             await bus.close()
             st = StateStore(again["REDIS_URL"])

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
     ("trainguard.consume", CORE, False), ("trainguard.membership", CORE, False),
     ("trainguard.reducer", CORE, False), ("trainguard.embedded", CORE, False),
-    ("trainguard.auth", CORE, False),
+    ("trainguard.auth", CORE, False), ("trainguard.tls", CORE, False),
     ("trainguard.metrics", CORE, False), ("trainguard.goodput", CORE, False),
     ("trainguard.auth", CORE, False), ("trainguard.fault_schedule", CORE, False),
     ("trainguard.xid", CORE, False), ("trainguard.checkpoint.format", CORE, False),
@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.cli", COMMAND, False),
     ("trainguard.launcher", COMMAND, False),  # `trainguard launch`: may start a stack
     ("trainguard.launch_args", COMMAND, False), ("trainguard.stack", COMMAND, False),
-    ("trainguard.up", COMMAND, False),
+    ("trainguard.up", COMMAND, False), ("trainguard.credentials", COMMAND, False),
     ("trainguard.demo", COMMAND, False), ("trainguard.diagnose", COMMAND, False),
     ("trainguard.replay", COMMAND, False), ("trainguard.console", COMMAND, False),
     ("trainguard.console_page", COMMAND, False),

@@ -92,11 +92,12 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
                           cwd=ROOT)
     try:
         line = up.stdout.readline()  # blocks until healthy (or the stack failed)
-        assert line.startswith("export NATS_URL=nats://"), (line, up.stderr.read()[-3000:]
-                                                            if up.poll() is not None else "")
+        assert line.startswith("export NATS_URL=tls://"), (line, up.stderr.read()[-3000:]
+                                                           if up.poll() is not None else "")
         exports = dict(kv.split("=", 1) for kv in line.split()[1:])
-        # the worker role's URLs: what a launcher needs, and no more
-        assert exports["NATS_URL"].startswith("nats://worker:")
+        # the worker role's URLs and the CA they are verified with: what a launcher needs
+        assert exports["NATS_URL"].startswith("tls://worker:")
+        assert os.path.exists(exports["TG_TLS_CA"])
         assert exports["REDIS_URL"].startswith("redis://worker:")
         assert "@127.0.0.1:" in exports["REDIS_URL"]
         children = psutil.Process(up.pid).children(recursive=True)
@@ -109,7 +110,7 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
             socket.create_connection((host, int(port)), timeout=2).close()
 
         async def health():
-            bus = await Bus(exports["NATS_URL"], "probe").connect()
+            bus = await Bus(exports["NATS_URL"], "probe", tls_ca=exports["TG_TLS_CA"]).connect()
             body = await bus.request("tg.svc.remediator.health", timeout=2)
             await bus.close()
             return body

@@ -21,6 +21,13 @@ The two decisions that matter most are single-writer:
 ``credentials.json`` (mode 0600) in the stack's data directory and reads it back on the next
 start, so URLs stay valid across a stop/start. Deleting the file (or ``trainguard up
 --rotate-credentials``) rotates every password at the next start.
+
+**Per-job workers.** ``trainguard credentials issue --job NAME`` adds a user ``job-<NAME>``
+(``job_role``): the ``worker`` row with every ``tg.job.*`` subject narrowed to that job's
+(``tg.job.<NAME>.…``; the node heartbeat and health subjects stay as the worker's) and, in
+Valkey, writes to that job's keys only (``tg:jobs``, ``tg:job:<NAME>``,
+``tg:job:<NAME>:launchers``). Its password is kept in ``credentials.json`` under ``jobs``; a
+rotation renews it too. The shared ``worker`` role stays for launches without one.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import hashlib
 import json
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlsplit, urlunsplit
@@ -165,6 +172,44 @@ ROLES: dict[str, Role] = {r.name: r for r in (
 )}
 
 
+#: Prefix of a per-job worker's user name (``job-<job>``); no role name starts with it.
+JOB_USER_PREFIX = "job-"
+
+
+def job_user(job: str) -> str:
+    """The user name of ``job``'s workers: ``job-<job>``. Raises ``ValueError`` for a name that
+    is no subject token (``trainguard.schemas.subjects.token``) or holds a ``:`` (a URL's user
+    name ends at the first ``:``)."""
+    from trainguard.schemas import subjects
+
+    subjects.token(job)
+    if ":" in job:
+        raise ValueError(f"job {job!r}: per-job credentials need a name without ':' (it would "
+                         f"end the user name in a URL)")
+    return JOB_USER_PREFIX + job
+
+
+def job_role(job: str) -> Role:
+    """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
+    ``tg.job.<token>.``, the rest (the node heartbeat, health requests, the one JetStream read,
+    dead letters, its inbox) stays; in Valkey it may write ``tg:jobs`` (the job names),
+    ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read the rest. Raises ``ValueError`` as
+    ``job_user``."""
+    from trainguard.schemas import subjects
+
+    user = job_user(job)
+    tok = subjects.token(job)
+    worker = ROLES["worker"]
+
+    def narrow(subs: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(s.replace("tg.job.*.", f"tg.job.{tok}.", 1) for s in subs)
+    return Role(user, narrow(worker.publish), narrow(worker.subscribe),
+                f"resetkeys ~tg:jobs ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:* "
+                + _SERVICE_CMDS,
+                f"the launchers and ranks of job {job!r} only: the worker's rights on that job's "
+                f"subjects and keys, none on another job's.")
+
+
 def nats_permissions(role: Role) -> dict:
     """The ``permissions`` block of ``role`` in a nats-server configuration."""
     perms: dict = {"publish": {"allow": list(role.publish)},
@@ -188,14 +233,46 @@ def write_private(path: Path, text: str) -> None:
 
 @dataclass
 class Credentials:
-    """One password per role of ``ROLES``; ``path`` is where they are kept (None: in memory)."""
+    """One password per role of ``ROLES``, one per job given its own workers (``jobs``: job
+    name → password); ``path`` is where they are kept (None: in memory)."""
 
     passwords: dict[str, str]
     path: Path | None = None
+    jobs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def generate(cls, roles: Iterable[str] = ROLES) -> "Credentials":
         return cls({r: secrets.token_urlsafe(24) for r in roles})
+
+    def users(self) -> list[tuple[str, str, Role]]:
+        """``(user, password, role)`` of every role, then of every job's workers."""
+        return ([(n, self.passwords[n], r) for n, r in ROLES.items()]
+                + [(job_user(j), pw, job_role(j)) for j, pw in sorted(self.jobs.items())])
+
+    def password(self, user: str) -> str:
+        """The password of role or per-job user ``user``. Raises ``KeyError``."""
+        if user in self.passwords:
+            return self.passwords[user]
+        if user.startswith(JOB_USER_PREFIX) and user[len(JOB_USER_PREFIX):] in self.jobs:
+            return self.jobs[user[len(JOB_USER_PREFIX):]]
+        raise KeyError(user)
+
+    def save(self) -> None:
+        """Write them to ``path`` (0600, atomically)."""
+        if self.path is None:
+            raise ValueError("these credentials have no file")
+        write_private(self.path, json.dumps({"version": 1, "passwords": self.passwords,
+                                             "jobs": self.jobs}, indent=1) + "\n")
+
+    def add_job(self, job: str, rotate: bool = False) -> str:
+        """Give ``job``'s workers a password (a new one when ``rotate``), saved when the
+        credentials have a file; returns the user name. Raises ``ValueError`` (``job_user``)."""
+        user = job_user(job)
+        if rotate or job not in self.jobs:
+            self.jobs[job] = secrets.token_urlsafe(24)
+            if self.path is not None:
+                self.save()
+        return user
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike, rotate: bool = False) -> "Credentials":
@@ -204,24 +281,31 @@ class Credentials:
         Raises ``ValueError`` for a file that is not the stack's credentials."""
         path = Path(path)
         kept: dict[str, str] = {}
-        if path.exists() and not rotate:
+        jobs: dict[str, str] = {}
+        if path.exists():
             try:
-                kept = dict(json.loads(path.read_text())["passwords"])
+                data = json.loads(path.read_text())
+                kept = dict(data["passwords"])
+                jobs = dict(data.get("jobs") or {})
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path} is not a trainguard credentials file ({exc}): move it "
-                                 f"away and start again for new credentials") from None
+                if not rotate:  # a rotation replaces it whole
+                    raise ValueError(f"{path} is not a trainguard credentials file ({exc}): "
+                                     f"move it away and start again for new credentials") from None
+        if rotate:  # every password anew; the jobs given their own workers keep one each
+            kept, jobs = {}, {j: secrets.token_urlsafe(24) for j in jobs}
         fresh = cls.generate()
-        creds = cls({r: kept.get(r) or fresh.passwords[r] for r in ROLES}, path)
-        if creds.passwords != kept:
-            write_private(path, json.dumps({"version": 1, "passwords": creds.passwords},
-                                           indent=1) + "\n")
+        creds = cls({r: kept.get(r) or fresh.passwords[r] for r in ROLES}, path, jobs)
+        if creds.passwords != kept or rotate:
+            creds.save()
         return creds
 
-    def nats_url(self, role: str, host: str, port: int) -> str:
-        return f"nats://{role}:{self.passwords[role]}@{host}:{port}"
+    def nats_url(self, role: str, host: str, port: int, tls: bool = False) -> str:
+        """``nats://`` (``tls://`` when ``tls``) URL of role or per-job user ``role``."""
+        return f"{'tls' if tls else 'nats'}://{role}:{self.password(role)}@{host}:{port}"
 
-    def redis_url(self, role: str, host: str, port: int, db: int = 0) -> str:
-        return f"redis://{role}:{self.passwords[role]}@{host}:{port}/{db}"
+    def redis_url(self, role: str, host: str, port: int, db: int = 0, tls: bool = False) -> str:
+        """``redis://`` (``rediss://`` when ``tls``) URL of role or per-job user ``role``."""
+        return f"{'rediss' if tls else 'redis'}://{role}:{self.password(role)}@{host}:{port}/{db}"
 
 
 def redact(url: str) -> str:
@@ -246,32 +330,51 @@ MAX_PAYLOAD = 1024 * 1024
 
 def nats_config(creds: Credentials | None, host: str, port: int, store_dir: str,
                 log_file: str | None, max_file_store: int, max_payload: int = MAX_PAYLOAD,
-                http_port: int | None = None) -> str:
+                http_port: int | None = None, tls: tuple[str, str] | None = None,
+                pid_file: str | None = None) -> str:
     """The nats-server configuration (JSON, which nats-server reads as its config format):
     listen address, payload limit, JetStream store and its size cap (``max_file_store`` bytes),
-    and one user per role with the role's permissions (none when ``creds`` is None);
-    ``log_file`` None: the log goes to stderr; ``http_port``: the monitoring port (health)."""
+    and one user per role and per job given its own workers, with their permissions (none when
+    ``creds`` is None); ``log_file`` None: the log goes to stderr; ``http_port``: the
+    monitoring port (health); ``tls``: ``(cert_file, key_file)`` — every client must speak TLS
+    (a plaintext one is refused: ``Secure Connection - TLS Required``); ``pid_file``: where the
+    server writes its pid (``reload_nats`` signals it)."""
     cfg: dict = {"server_name": "trainguard", "host": host, "port": port,
                  "max_payload": max_payload,
                  "jetstream": {"store_dir": store_dir, "max_file_store": max_file_store,
                                "max_memory_store": 64 * 1024 * 1024}}
     if log_file:
         cfg["log_file"] = log_file
+    if pid_file:
+        cfg["pid_file"] = pid_file
     if http_port:
         cfg["http_port"] = http_port
+    if tls is not None:
+        cfg["tls"] = {"cert_file": tls[0], "key_file": tls[1], "timeout": 5}
     if creds is not None:
-        cfg["authorization"] = {"users": [
-            {"user": name, "password": creds.passwords[name],
-             "permissions": nats_permissions(role)} for name, role in ROLES.items()]}
+        cfg["authorization"] = nats_users(creds)
     return json.dumps(cfg, indent=1) + "\n"
 
 
+def nats_users(creds: Credentials) -> dict:
+    """The ``authorization`` block of the nats-server configuration: every user of
+    ``creds.users()`` with its permissions."""
+    return {"users": [{"user": name, "password": pw, "permissions": nats_permissions(role)}
+                      for name, pw, role in creds.users()]}
+
+
+def valkey_user_rules(password: str, role: Role) -> str:
+    """One Valkey ACL user's rules after its name: ``on``, the SHA-256 of ``password``, the
+    role's key patterns and commands."""
+    return f"on #{hashlib.sha256(password.encode()).hexdigest()} {role.valkey}"
+
+
 def valkey_acl(creds: Credentials) -> str:
-    """The Valkey ACL file: ``default`` disabled, one user per role, passwords as SHA-256."""
+    """The Valkey ACL file: ``default`` disabled, one user per role and per job given its own
+    workers, passwords as SHA-256."""
     lines = ["user default off resetkeys -@all"]
-    for name, role in ROLES.items():
-        digest = hashlib.sha256(creds.passwords[name].encode()).hexdigest()
-        lines.append(f"user {name} on #{digest} {role.valkey}")
+    for name, pw, role in creds.users():
+        lines.append(f"user {name} {valkey_user_rules(pw, role)}")
     return "\n".join(lines) + "\n"
 
 

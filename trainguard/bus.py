@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import ssl
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -26,10 +27,21 @@ from trainguard.schemas import DecodeError, Event, subjects
 
 from .auth import redact
 from .errors import ServerUnreachable
+from .tls import CA_ENV, ca_file, client_context
 
 log = logging.getLogger("trainguard.bus")
 
 Handler = Callable[..., Awaitable[None] | None]  # (subject, event, *extra)
+
+
+def tls_context(url: str, ca: str | None = None) -> ssl.SSLContext | None:
+    """The client TLS context for NATS ``url`` (a comma-separated list): one verifying against
+    ``ca_file(ca)`` when a server is ``tls://`` or a CA file is given (``ca`` or env
+    ``TG_TLS_CA``: a ``nats://`` server that requires TLS then works too), else None (nats-py
+    upgrades to TLS with the system's trust store if the server requires it)."""
+    if ca_file(ca) or any(u.strip().startswith("tls://") for u in url.split(",")):
+        return client_context(ca)
+    return None
 
 
 class NotStored(ConnectionError):
@@ -96,13 +108,17 @@ class BusStats:
 class Bus:
     """Asyncio NATS client for trainguard events.
 
-    ``url`` is a NATS URL (``nats://host:port``); ``name`` identifies the client and names the
-    dead-letter subject. ``connect`` raises ``ServerUnreachable`` (a ``ConnectionError``) with
-    what to do when the server cannot be reached within ``timeout`` seconds.
+    ``url`` is a NATS URL (``nats://host:port``, ``tls://host:port``); ``name`` identifies the
+    client and names the dead-letter subject. ``connect`` raises ``ServerUnreachable`` (a
+    ``ConnectionError``) with what to do when the server cannot be reached within ``timeout``
+    seconds. TLS (a ``tls://`` URL, or a server that requires it): the server's certificate is
+    verified against ``tls_ca``, else the CA file in env ``TG_TLS_CA``, else the system's trust
+    store (``trainguard.tls.client_context``).
     """
 
-    def __init__(self, url: str, name: str, inbox: str = "_INBOX"):
+    def __init__(self, url: str, name: str, inbox: str = "_INBOX", tls_ca: str | None = None):
         self.url = url
+        self.tls_ca = tls_ca
         self.name = name
         self.inbox = inbox  # replies to this client's requests come under ``<inbox>.>``
         self.nc: nats.NATS | None = None
@@ -119,12 +135,19 @@ class Bus:
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        try:
+            tls = tls_context(self.url, self.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ServerUnreachable("NATS", redact(self.url), f"the CA file "
+                                    f"{ca_file(self.tls_ca)} ({CA_ENV}) is unusable: {exc}",
+                                    "NATS_URL") from None
         while True:
             try:
                 self.nc = await asyncio.wait_for(nats.connect(
                     self.url, name=self.name, connect_timeout=min(timeout, 2.0),
                     max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
                     error_cb=_err, pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
+                    **({"tls": tls} if tls is not None else {}),
                 ), max(0.1, deadline - loop.time()))
                 break
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:

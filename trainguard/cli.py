@@ -9,6 +9,8 @@ import sys
 
 COMMANDS = {
     "up": ("trainguard.up", "Start NATS, Valkey and every service locally; Ctrl-C stops all."),
+    "credentials": ("trainguard.credentials", "Give one job's workers their own user on a "
+                                              "running `trainguard up`."),
     "launch": ("trainguard.launcher", "Start the ranks of one node (torchrun-compatible)."),
     "demo": ("trainguard.demo", "Train a real model under injected faults and report recovery."),
     "diagnose": ("trainguard.diagnose", "Attribute saved job logs / dmesg offline."),
@@ -21,7 +23,7 @@ COMMANDS = {
 
 def usage() -> str:
     lines = ["usage: trainguard <command> [options]", "", "commands:"]
-    lines += [f"  {name:<9} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [f"  {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 

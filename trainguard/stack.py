@@ -21,6 +21,8 @@ Security (``trainguard.auth``): the embedded servers require a user; each servic
 its role (URLs with credentials in its environment, never on a command line that ``ps`` shows),
 the printed line carries the ``worker`` role's URLs (what a launcher needs), and
 ``<data dir>/env/<role>.env`` holds each role's. ``Stack.nats_url``/``redis_url`` are ``admin``'s.
+With ``tls`` (``trainguard up``'s default) NATS is TLS-only, the line adds ``TG_TLS_CA`` and the
+children get it in their environment; ``issue_job`` adds a per-job worker user.
 State: ``trainguard up`` keeps credentials, the JetStream store and Valkey's AOF in
 ``--data-dir`` (default ``$XDG_STATE_HOME/trainguard``) across a stop/start; ``--ephemeral`` (and
 ``Stack`` by default: the demo, the tests) uses a temporary directory removed on stop.
@@ -43,9 +45,10 @@ from typing import Any, Callable, Sequence
 
 from trainguard.schemas import subjects
 
-from .auth import ROLES
+from .auth import JOB_USER_PREFIX, ROLES
 from .embedded import EmbeddedServers, _die_with_parent, free_port
 from .service import health_subject
+from .tls import CA_ENV as TLS_CA_ENV
 
 #: The services of the design, in start order.
 DEFAULT_SERVICES = ("agent", "detector", "attributor", "remediator", "checkpoint_validator")
@@ -143,7 +146,10 @@ class Stack:
       temporary directory removed on stop); ``auth`` — embedded servers require the users of
       ``trainguard.auth``; ``rotate_credentials`` — new passwords for every role;
     * ``host`` — the address NATS, Valkey and the rendezvous store listen on (default loopback;
-      the cluster harness gives its bridge's address).
+      the cluster harness gives its bridge's address);
+    * ``tls`` — the embedded servers serve TLS (``trainguard.embedded``; ``trainguard up`` by
+      default, off here so that the demo and the tests stay as they were), with a certificate
+      for loopback, this host and ``tls_names``; the children get the CA in ``TG_TLS_CA``.
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
@@ -153,7 +159,8 @@ class Stack:
                  grace_s: float = 5.0, kernel_log_dir: str | os.PathLike | None = None,
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
                  rotate_credentials: bool = False, replicas: int = 1,
-                 host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None):
+                 host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None,
+                 tls: bool = False, tls_names: Sequence[str] = ()):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -162,7 +169,8 @@ class Stack:
             raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
                              f"{', '.join(SERVICE_SPECS)}")
         self._servers = EmbeddedServers(nats_url, redis_url, data_dir=data_dir, auth=auth,
-                                        rotate=rotate_credentials, host=host)
+                                        rotate=rotate_credentials, host=host, tls=tls,
+                                        tls_names=tuple(tls_names))
         self.host = host
         self.services = tuple(services)
         self.agent_nodes = tuple(agent_nodes or (subjects.default_node(),))
@@ -194,10 +202,23 @@ class Stack:
         return self._servers.redis_url
 
     def urls(self, role: str) -> tuple[str, str]:
-        """``(nats_url, redis_url)`` of ``role`` (see ``trainguard.auth.ROLES``)."""
-        if role not in ROLES:
+        """``(nats_url, redis_url)`` of ``role`` (see ``trainguard.auth.ROLES``) or of a
+        per-job user ``job-<job>`` given by ``issue_job``. Raises ``KeyError``."""
+        creds = self._servers.creds
+        if role not in ROLES and not (creds is not None and role.startswith(JOB_USER_PREFIX)
+                                      and role[len(JOB_USER_PREFIX):] in creds.jobs):
             raise KeyError(f"no role {role!r}: choose from {', '.join(ROLES)}")
         return self._servers.urls(role)
+
+    def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
+        """Give ``job``'s workers their own user on the running servers
+        (``trainguard.auth.job_role``); returns their ``(nats_url, redis_url)``."""
+        return self._servers.issue_job(job, rotate)
+
+    @property
+    def tls_ca(self) -> str | None:
+        """The CA file clients need (``TG_TLS_CA``) when the embedded NATS serves TLS."""
+        return self._servers.tls_ca
 
     @property
     def data_dir(self) -> Path | None:
@@ -205,10 +226,12 @@ class Stack:
         return self._servers.dir
 
     def env_exports(self, role: str = "worker") -> str:
-        """``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` of ``role`` (for a shell)."""
+        """``export NATS_URL=… REDIS_URL=… TG_RDZV_ENDPOINT=…`` of ``role`` (for a shell), with
+        ``TG_TLS_CA=…`` when the servers serve TLS."""
         nats_url, redis_url = self.urls(role)
+        ca = f" {TLS_CA_ENV}={self.tls_ca}" if self.tls_ca else ""
         return (f"export NATS_URL={nats_url} REDIS_URL={redis_url} "
-                f"TG_RDZV_ENDPOINT={self.rdzv_endpoint}")
+                f"TG_RDZV_ENDPOINT={self.rdzv_endpoint}{ca}")
 
     # ---- children ---------------------------------------------------------------------------------
     def _child_env(self, role: str | None) -> dict[str, str]:
@@ -219,6 +242,8 @@ class Stack:
             env["NATS_URL"], env["REDIS_URL"] = self.urls(role)
         if self.rdzv_endpoint:
             env["TG_RDZV_ENDPOINT"] = self.rdzv_endpoint
+        if self.tls_ca:
+            env[TLS_CA_ENV] = self.tls_ca
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         return env
@@ -322,7 +347,7 @@ class Stack:
     async def _ensure_streams(self) -> None:
         from .bus import Bus
 
-        bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=10.0)
+        bus = await Bus(self.nats_url, "trainguard-up", tls_ca=self.tls_ca).connect(timeout=10.0)
         try:
             await bus.ensure_streams()
         finally:
@@ -367,7 +392,8 @@ class Stack:
         from .bus import Bus
 
         deadline = time.monotonic() + timeout
-        bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=min(10.0, timeout))
+        bus = await Bus(self.nats_url, "trainguard-up",
+                        tls_ca=self.tls_ca).connect(timeout=min(10.0, timeout))
         try:
             pending = list(names)
             while pending:
@@ -399,7 +425,8 @@ class Stack:
         async def ask() -> dict[str, Any]:
             from .bus import Bus
 
-            bus = await Bus(self.nats_url, "trainguard-up").connect(timeout=5.0)
+            bus = await Bus(self.nats_url, "trainguard-up",
+                            tls_ca=self.tls_ca).connect(timeout=5.0)
             try:
                 return json.loads(await bus.request(self._health_subject(name),
                                                     timeout=timeout))

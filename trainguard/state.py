@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import ssl
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from trainguard.schemas.job import (
     JobRecord,
@@ -43,6 +45,7 @@ from trainguard.schemas.job import (
 
 from .auth import redact
 from .errors import ServerUnreachable
+from .tls import ca_file
 
 IDEMPOTENCY_TTL_S = 7 * 86400
 
@@ -59,21 +62,36 @@ class LauncherConflict(RuntimeError):
             f"(or --node), or, if that launcher died, launch again once its lease ran out")
 
 
+def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
+    """redis-py options for ``url``: for ``rediss://``, verify the server's certificate and
+    name against ``ca_file(ca)`` (``ca``, else env ``TG_TLS_CA``, else the system's trust
+    store); nothing for ``redis://``."""
+    if not url.startswith("rediss://"):
+        return {}
+    opts: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
+                            "ssl_min_version": ssl.TLSVersion.TLSv1_2}
+    if ca_file(ca):
+        opts["ssl_ca_certs"] = ca_file(ca)
+    return opts
+
+
 class StateStore:
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
-    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.auth``)."""
+    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.auth``; ``rediss://``
+    for TLS, verified as ``tls_options`` says)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, tls_ca: str | None = None):
         self.url = url
         self.r = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2.0,
-                                         socket_timeout=5.0, health_check_interval=10)
+                                         socket_timeout=5.0, health_check_interval=10,
+                                         **tls_options(url, tls_ca))
 
     async def ping(self) -> None:
         """Raises ``ServerUnreachable`` (a ConnectionError) with what to do when Redis/Valkey
         cannot be reached."""
         try:
             await self.r.ping()
-        except (RedisConnectionError, OSError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise ServerUnreachable("Redis/Valkey", redact(self.url), str(exc),
                                     "REDIS_URL") from None
 

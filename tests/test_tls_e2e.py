@@ -1,0 +1,55 @@
+"""A real 2-rank job over the TLS-only bus, launched with its own per-job worker user: the
+launcher and its ranks work within that job's subjects and keys, a SIGKILLed rank is restarted
+by the services' decision, and the job finishes."""
+import os
+import signal
+import time
+
+import pytest
+
+from test_dropin_e2e import EPOCHS, FAULT_EPOCH, Run, _job, assert_resumed, decisions
+from trainguard.tls import CA_ENV
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory):
+    from trainguard.stack import Stack
+
+    logs = tmp_path_factory.mktemp("tls-stack-logs")
+    st = Stack(services=("agent", "detector", "attributor", "remediator"),
+               agent_nodes=("node0",), rendezvous=True, log_dir=str(logs),
+               kernel_log_dir=str(logs), tls=True)
+    st.start(timeout=120)
+    yield st
+    st.stop()
+
+
+def test_a_job_with_its_own_user_recovers_over_tls(tls_stack, tmp_path, monkeypatch):
+    run = Run(tmp_path, _job("tls"))
+    monkeypatch.setenv(CA_ENV, tls_stack.tls_ca)  # what the printed line exports
+    nats_url, redis_url = tls_stack.issue_job(run.job)
+    assert nats_url.startswith(f"tls://job-{run.job}:")
+    try:
+        node0 = run.launch(None, [
+            "--nnodes", "1", "--nproc-per-node", "2", "--mode", "action", "--node", "node0",
+            "--nats-url", nats_url, "--redis-url", redis_url,
+            "--rdzv-endpoint", tls_stack.rdzv_endpoint, "--job", run.job,
+            "--log-dir", str(tmp_path / "logs")], "node0")
+        before = run.wait_epoch(2, FAULT_EPOCH, 150)
+        t_fault = time.time_ns()
+        os.kill(before[1]["pid"], signal.SIGKILL)
+        assert node0.wait(150) == 0, run.tails()
+        assert_resumed(run, 2, run.last_before(t_fault), t_fault, EPOCHS)
+        ds = [d for d in decisions(tls_stack, run.job) if d["execute"]]
+        assert ds and ds[0]["action"] == "restart_workers" and 1 in ds[0]["ranks"], ds
+        # nothing the launcher or its ranks sent was outside the job's rights: the server logs
+        # every refused publish or subscription with the user's name
+        log = (tls_stack.data_dir / "nats" / "nats.log").read_text(errors="replace")
+        refused = [line for line in log.splitlines()
+                   if "Violation" in line and f'user:job-{run.job}"' in line]
+        assert refused == [], refused
+        assert "NOPERM" not in run.tails(20000) and "No permissions" not in run.tails(20000)
+    finally:
+        run.close()

@@ -1,0 +1,75 @@
+"""``trainguard credentials issue --job NAME``: one job's workers get their own user.
+
+The user ``job-<NAME>`` (``trainguard.auth.job_role``) may publish only that job's subjects
+(rank heartbeats, worker, log, ckpt, recovery, action) plus node heartbeats and health
+requests, listen only to that job's decisions and control requests, and write only that job's
+Valkey keys. It is saved in ``DATA_DIR/credentials.json`` and, when ``trainguard up`` runs on
+that data directory, added to NATS (config reload) and Valkey (``ACL SETUSER``) at once; a
+stopped stack gets it at its next start. Prints the job's ``export NATS_URL=… REDIS_URL=…``
+line (plus ``TG_TLS_CA``) on stdout and writes it to ``DATA_DIR/env/job-<NAME>.env`` (0600).
+``--rotate``: a new password for that job (its launchers then need the new line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .auth import job_user, write_private
+from .embedded import ServerStartError, default_data_dir, issue_job
+
+
+def exports(data_dir: Path, user: str) -> str:
+    """The ``export`` line of ``user`` on the stack of ``data_dir`` (its last host and ports)."""
+    from .auth import Credentials
+
+    creds = Credentials.load_or_create(data_dir / "credentials.json")
+    ports = json.loads((data_dir / "ports.json").read_text())
+    tls = ports.get("tls") or {}
+    host = ports.get("host") or "127.0.0.1"
+    line = (f"export NATS_URL={creds.nats_url(user, host, ports['nats'], tls=tls.get('nats'))} "
+            f"REDIS_URL={creds.redis_url(user, host, ports['valkey'], tls=tls.get('valkey'))}")
+    env = data_dir / "env" / "worker.env"
+    if env.exists():  # the rendezvous endpoint of the running stack, as its worker line says
+        for kv in env.read_text().split()[1:]:
+            if kv.startswith("TG_RDZV_ENDPOINT="):
+                line += f" {kv}"
+    if tls.get("nats") or tls.get("valkey"):
+        line += f" TG_TLS_CA={data_dir / 'tls' / 'ca.pem'}"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Returns 0 on success, 2 for a bad name or a data directory without a stack, 1 when a
+    running server refused the new user."""
+    p = argparse.ArgumentParser(prog="trainguard credentials", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    iss = sub.add_parser("issue", help="give a job's workers their own user")
+    iss.add_argument("--job", required=True, help="job name (as `trainguard launch --job`)")
+    iss.add_argument("--data-dir", default=None,
+                     help=f"the stack's data directory (default {default_data_dir()})")
+    iss.add_argument("--rotate", action="store_true", help="a new password for this job")
+    args = p.parse_args(argv)
+    data_dir = Path(args.data_dir or default_data_dir()).expanduser()
+    try:
+        creds, live = issue_job(data_dir, args.job, args.rotate)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"trainguard credentials: {exc}", file=sys.stderr)
+        return 2
+    except ServerStartError as exc:
+        print(f"trainguard credentials: {exc}", file=sys.stderr)
+        return 1
+    user = job_user(args.job)
+    line = exports(data_dir, user)
+    write_private(data_dir / "env" / f"{user}.env", line + "\n")
+    print(line, flush=True)
+    when = "now" if live else "at the next `trainguard up` (none runs on this data directory)"
+    print(f"trainguard credentials: {user} may publish and write only job {args.job!r}'s "
+          f"subjects and keys, from {when}; also in {data_dir / 'env' / (user + '.env')}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
