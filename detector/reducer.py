@@ -370,7 +370,8 @@ def _on_recovery_verified(state: DetectorState, inp: Received, now: float) -> li
 
 def _on_node_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
     ev = inp.event
-    observe_node_heartbeat(_node(state, _node_of(inp)), ev.role, now, ev.job)
+    observe_node_heartbeat(_node(state, _node_of(inp)), ev.role, now, ev.job,
+                           ending=bool(getattr(ev, "ending", False)))
     return []
 
 

@@ -89,12 +89,20 @@ class NodeState:
         self.host = HostWindow()
 
 
-def observe_node_heartbeat(ns: NodeState, role: str, now: float, job: str | None = None) -> None:
-    """A heartbeat of ``role`` (agent, launcher) at ``now``; a launcher's names its ``job``."""
+def observe_node_heartbeat(ns: NodeState, role: str, now: float, job: str | None = None,
+                           ending: bool = False) -> None:
+    """A heartbeat of ``role`` (agent, launcher) at ``now``; a launcher's names its ``job``.
+    ``ending``: the launcher's last beat as it ends on purpose (its job finished, was stopped or
+    failed there): the node forgets that launcher, so its silence is never a lost launcher (a
+    job stopped by a decision, its ranks killed by their launcher, would otherwise count as an
+    infrastructure fault of the node in cross-job history)."""
     ns.last[role] = now
     ns.lost = False
     if role == "launcher" and job:
-        ns.launchers[job] = now
+        if ending:
+            ns.launchers.pop(job, None)
+        else:
+            ns.launchers[job] = now
         ns.launchers_lost.discard(job)
 
 

@@ -56,7 +56,9 @@ class NodeHeartbeat(Event):
     """Liveness of a node-side process. Subject ``tg.node.<node>.heartbeat``.
 
     ``role`` is ``"agent"`` or ``"launcher"``; ``seq`` increments by one per beat;
-    ``interval_s`` is the sender's beat period (seconds).
+    ``interval_s`` is the sender's beat period (seconds); ``ending`` marks a sender's last beat
+    as it ends on purpose (a launcher whose job finished, stopped or failed here): its silence
+    from then on is no loss.
     """
 
     SCHEMA = "node.heartbeat"
@@ -64,6 +66,7 @@ class NodeHeartbeat(Event):
     seq: int = 0
     pid: int = 0
     interval_s: float = 1.0
+    ending: bool = False
 
 
 class XidEvent(Event):

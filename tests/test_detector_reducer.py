@@ -187,6 +187,28 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
     assert not published(eff, "node_lost")
 
 
+@pytest.mark.parametrize("ending, lost", [(False, 1), (True, 0)])
+def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, lost):
+    """A job stopped by a decision: its launcher kills its ranks and ends, with a last beat
+    marked ``ending``; its silence after that must not become an infrastructure fault of the
+    node (which cross-job history would hold against it)."""
+    node = "vm"
+    recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": node, "local_rank": 0}])}
+
+    def node_hb(t, role, job=None, end=False):
+        return t, Received(subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(
+            node=node, role=role, job=job, ending=end), wall(t))
+
+    inputs = [hb(T0, job="a", rank=0, node=node), node_hb(T0, "launcher", "a"),
+              tick(T0 + 0.05), node_hb(T0 + 0.1, "launcher", "a", end=ending)]
+    for k in range(1, 10):  # only the agent goes on
+        t = T0 + k * 0.5
+        inputs += [node_hb(t, "agent"), tick(t + 0.01)]
+    s, eff = run_offline(step, state(rules=DetectorConfig(silence_timeout_s=60.0)), inputs,
+                         records(recs))
+    assert len(published(eff, "launcher_lost")) == lost
+
+
 def test_a_powered_off_node_is_lost_not_its_launcher():
     """The agent's last beat comes a moment after the launcher's (a power-off stops both):
     node lost only."""

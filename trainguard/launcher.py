@@ -176,7 +176,10 @@ class Launcher:
 
     def shutdown(self) -> None:
         cfg = self.cfg
-        self.lease.stop_heartbeat()
+        # a launch stopped from outside (SIGTERM 143, SIGINT 130: a pod deleted, a job
+        # cancelled) or fenced off did not end on purpose: its silence may still be a loss
+        self.lease.stop_heartbeat(ending=not self.loop.fenced and self.loop.exit_status
+                                  not in (None, 130, 143))
         self.pool.shutdown()
         status = self.loop.exit_status
         if self.loop.fenced:

@@ -184,8 +184,17 @@ class JobLease:
         the group attempt read at ``position()`` (the run's generation and attempt)."""
         threading.Thread(target=self._heartbeat, args=(position,), daemon=True).start()
 
-    def stop_heartbeat(self) -> None:
+    def stop_heartbeat(self, ending: bool = False) -> None:
+        """Stop the heartbeat thread. ``ending``: the launch ends on purpose (its ranks
+        finished, a decision stopped the job, a failure it does not recover from here): publish
+        its last beat marked ``ending``, so its silence from now on is no lost launcher."""
         self._stop.set()
+        if not ending:
+            return
+        cfg = self.cfg
+        self.bus.publish(subjects.node(cfg.node, "heartbeat"), schemas.NodeHeartbeat(
+            node=cfg.node, job=cfg.job, role="launcher", seq=-1, pid=os.getpid(),
+            interval_s=cfg.heartbeat_interval_s, ending=True))
 
     def _heartbeat(self, position: Callable[[], tuple[int, int]]) -> None:
         cfg = self.cfg
