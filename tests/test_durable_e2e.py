@@ -26,16 +26,21 @@ MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1",
            {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
 
 
+def _with_streams(srv: EmbeddedServers) -> EmbeddedServers:
+    """``srv`` with trainguard's JetStream streams created (as the admin role)."""
+    async def streams():
+        bus = await Bus(srv.nats_url, "admin").connect()
+        await bus.ensure_streams()
+        await bus.close()
+
+    asyncio.run(streams())
+    return srv
+
+
 @pytest.fixture
 def secured():
     with EmbeddedServers() as srv:
-        async def streams():
-            bus = await Bus(srv.nats_url, "admin").connect()
-            await bus.ensure_streams()
-            await bus.close()
-
-        asyncio.run(streams())
-        yield srv
+        yield _with_streams(srv)
 
 
 class Procs:
@@ -218,13 +223,7 @@ def persistent(tmp_path):
     """As ``secured``, with Valkey keeping its append-only file, so it can be stopped and
     started again with its data (``trainguard up``'s setting)."""
     with EmbeddedServers(data_dir=tmp_path / "state") as srv:
-        async def streams():
-            bus = await Bus(srv.nats_url, "admin").connect()
-            await bus.ensure_streams()
-            await bus.close()
-
-        asyncio.run(streams())
-        yield srv
+        yield _with_streams(srv)
 
 
 async def _holding(bus: Bus, replica: str, n: int) -> bool:

@@ -197,7 +197,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                           "whole worker group restarts from warm spares)")
     own.add_argument("--spare-node", action="store_true",
                      help="start no ranks; wait to replace an excluded node")
-    own.add_argument("--hang-timeout", type=float, default=0.0)
+    own.add_argument("--hang-timeout", type=float, default=0.0,
+                     help="seconds of rank heartbeat silence that make a hang (default 0: the "
+                          "detector's own, 5 s, 10 s in start-up, checkpoint, eval and recovery "
+                          "phases; a rank beating but making no step progress hangs after 5× "
+                          "its p99 step time, at least 10 s)")
     own.add_argument("--startup-timeout", type=float, default=None)
     own.add_argument("--node-timeout", type=float, default=3.0)
     own.add_argument("--retry-budget", type=int, default=None)
