@@ -68,6 +68,7 @@ _RANK_RE = (
     re.compile(r"^\[\d+,(?P<rank>\d+)\]<std(?:out|err)>:"),        # Open MPI --tag-output
     re.compile(r"\d\[\d+,(?P<rank>\d+)\]<std(?:out|err)>:"),       # timestamped Open MPI
     re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank"),   # torchrun error summary
+    re.compile(r"^trainguard launch \[[^\]]*\]: rank (?P<rank>\d+) \(pid"),  # its own launcher
     re.compile(r"\bRank (?P<rank>\d+):"),                          # "Rank 3: found NaN …"
     re.compile(r"\bon rank (?P<rank>\d+)\b"),
 )

@@ -165,6 +165,14 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "torch/utils/data/_utils/signal_handling.py ('Unexpected bus error encountered in "
            "worker. This might be caused by insufficient shared memory (shm)'), torchelastic "
            "'Signal 7 (SIGBUS) received by PID'"),
+    _p("launcher_rank_exit",
+       r"trainguard launch \[[^\]]*\]: rank \d+ \(pid (?P<pid>\d+)\) exited with "
+       r"(?:signal \d+|status [1-9]\d*)",
+       "crash", "unknown", weight=0.8,
+       why="trainguard's own launcher saw the rank's process end (trainguard/launcher_loop.py "
+           "'rank %d (pid %d) exited with signal %d' / 'status %d', from waitpid): the same "
+           "observation as its live worker.exited event, read the same way (crash, layer "
+           "unknown: an exit status names no cause)"),
     _p("sigsegv",
        r"Signal 11 \(SIGSEGV\)|exit ?code\s*:\s*-11\b|Caught signal 11\b|Segmentation fault|"
        r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b|<Signals\.SIGSEGV: 11>",
