@@ -59,13 +59,16 @@ class Remediator(ReducerService[RemediatorState]):
         self._controller = controller
         super().__init__(config)
 
+    def _controller_fields(self) -> dict[str, Any]:
+        """The state's view of the node controller: its name and what it can do."""
+        c = self._controller
+        return {"controller": c.name if c else self.rconfig.controller,
+                "restarts_pods": bool(getattr(c, "restarts_pods", False)),
+                "cancels_jobs": bool(getattr(c, "cancels_jobs", False))}
+
     def initial_state(self) -> RemediatorState:
-        name = self._controller.name if self._controller else self.rconfig.controller
-        pods = bool(getattr(self._controller, "restarts_pods", False))
-        cancels = bool(getattr(self._controller, "cancels_jobs", False))
-        return RemediatorState(config=self.rconfig, controller=name, restarts_pods=pods,
-                               cancels_jobs=cancels, serves=self.membership.owns,
-                               replica=self.config.replica)
+        return RemediatorState(config=self.rconfig, serves=self.membership.owns,
+                               replica=self.config.replica, **self._controller_fields())
 
     def step(self, state, inp, now):
         return reducer.step(state, inp, now)
@@ -83,10 +86,7 @@ class Remediator(ReducerService[RemediatorState]):
         assert self.state is not None
         if self._controller is None:
             self._controller = make_controller(self.rconfig.controller, self.state)
-        pods = bool(getattr(self._controller, "restarts_pods", False))
-        cancels = bool(getattr(self._controller, "cancels_jobs", False))
-        self.model = replace(self.model, controller=self._controller.name, restarts_pods=pods,
-                             cancels_jobs=cancels)
+        self.model = replace(self.model, **self._controller_fields())
         await self.feed(Tick(time.time_ns()))  # re-arms the pending decisions of the records
 
     @property

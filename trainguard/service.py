@@ -20,7 +20,8 @@ outcome is still being worked out once handled (its event id in ``unfinished()``
 whose state-store call waits to be tried again) is held unacked, kept from redelivery with
 in-progress acks, and acked once it leaves ``unfinished()``; a replica killed meanwhile gets it
 again when it comes back (``consume.HELD_ACK_WAIT_S`` after the last in-progress ack at most). A
-message delivered again while this process still handles or holds it is not handled twice.
+message of those topics delivered again while this process still handles or holds it is not
+handled twice.
 Several replicas run side by side: each holds a lease in Valkey (``trainguard.membership``) and
 handles the events of the jobs it owns by rendezvous hashing over the live replicas; the others'
 events it acks unhandled. When the members change,
@@ -180,7 +181,7 @@ class Service:
         self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         for subject, handler in self.subscriptions():
             await self._consume(subject, tracing.traced(self.name, handler))
-        if self._subs and self.config.durable and self.partitioned:
+        if self._subs and self.config.durable and self.partitioned and self.holding_topics:
             self._ack_task = asyncio.create_task(self._keep_deliveries())
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
@@ -207,7 +208,9 @@ class Service:
 
             async def on_message(msg: Any) -> None:
                 st = consume.stored_of(msg)
-                key = None if st is None else (st.stream, st.seq)
+                # only a topic whose messages may be held is tracked (the hot heartbeat path
+                # acks at once, as before)
+                key = None if st is None or not holds else (st.stream, st.seq)
                 if key is not None and key in self._deliveries:
                     # delivered again while handled or held here (its ack wait ran out while
                     # the bus was away): the newest delivery is the one acked; nothing twice
@@ -279,8 +282,8 @@ class Service:
 
     async def _keep_deliveries(self) -> None:
         """Every ``ack_check_s``: ack the held messages ``unfinished`` no longer names; keep
-        every message handled or held for a third of ``consume.HELD_ACK_WAIT_S`` or longer from
-        redelivery with an in-progress ack."""
+        every message of ``holding_topics`` handled or held for a third of
+        ``consume.HELD_ACK_WAIT_S`` or longer from redelivery with an in-progress ack."""
         while not self._stop.is_set():
             await asyncio.sleep(self.ack_check_s)
             if not self._deliveries:
