@@ -52,9 +52,11 @@ def one_crash():
 def test_one_crash_by_hand():
     led = ledger(one_crash())
     assert led.world_size == 4 and led.ref_step_s == pytest.approx(1.0)
-    # wall 22.5 s; steps -1 → 15: 16 useful; goodput 16 × 1 / 22.5
-    assert led.wall_s == pytest.approx(22.5) and led.useful_steps == 16
-    assert led.training_goodput == pytest.approx(round(16 / 22.5, 4))
+    # start-up 1 s (step -1 at 0, step 0 done at 1); wall from step 0 at 1.0 to 22.5: 21.5 s;
+    # steps 0 → 15: 15 useful; goodput 15 × 1 / 21.5
+    assert led.startup_s == pytest.approx(1.0) and led.start_ns == T(1.0)
+    assert led.wall_s == pytest.approx(21.5) and led.useful_steps == 15
+    assert led.training_goodput == pytest.approx(round(15 / 21.5, 4))
     (inc,) = led.incidents
     # detection 0.5 s, decision 0.5 s, restart 13.5 - 11.5 - 1 (step 6's own time) = 1.0 s,
     # rollback 4 steps × 1 s; × 4 ranks
@@ -63,8 +65,8 @@ def test_one_crash_by_hand():
     assert inc.gpu_seconds == pytest.approx({"detection": 2.0, "decision": 2.0, "restart": 4.0,
                                              "rollback": 16.0})
     assert inc.restored_step == 5 and inc.resumed_ns == T(13.5)
-    # 90 GPU-s in all = 64 useful + 24 lost + 2 other (the half step in flight at the fault)
-    assert led.gpu_s_total == pytest.approx(90.0) and led.gpu_s_useful == pytest.approx(64.0)
+    # 86 GPU-s in all = 60 useful + 24 lost + 2 other (the half step in flight at the fault)
+    assert led.gpu_s_total == pytest.approx(86.0) and led.gpu_s_useful == pytest.approx(60.0)
     assert led.gpu_s_other == pytest.approx(2.0)
 
 
@@ -96,8 +98,8 @@ def test_escalation_is_one_incident_a_flag_none_and_a_stop_never_resumes():
     assert stop.seconds["detection"] == pytest.approx(0.4)
     # lost detection: (0.5 + 0.4) × 4 GPU-s
     assert led.gpu_s_lost["detection"] == pytest.approx(3.6)
-    # steps -1 → 12 = 13 useful over 26 s
-    assert led.useful_steps == 13 and led.training_goodput == pytest.approx(0.5)
+    # steps 0 → 12 = 12 useful over 1.0 .. 26.0 = 25 s
+    assert led.useful_steps == 12 and led.training_goodput == pytest.approx(0.48)
 
 
 def test_no_heartbeats_no_goodput():
@@ -127,7 +129,8 @@ def test_report_of_the_hand_computed_run(tmp_path):
     assert rep["audit"]["by_type"] == {"decision": 1, "folded": 1}
     md = to_markdown(rep)
     assert "## Recovery 1: crash → restart_workers (generation 1)" in md
-    assert "training goodput **71.1%**" in md
+    assert "training goodput **69.8%**" in md
+    assert "start-up 1.0 s, then 21.5 s training on 4 ranks" in md
     paths = write("j", evs + [v], None, str(tmp_path))
     assert open(paths["png"], "rb").read(4) == b"\x89PNG"
     assert "not read (no REDIS_URL)" in open(paths["md"]).read()

@@ -18,15 +18,19 @@ Figures:
 
 * ``ref_step_s`` — the median seconds per step of the ranks' step advances before the first
   fault (all of them when no fault came), the job's fault-free step time;
-* ``useful_steps`` — the newest step reached minus the step the job started from (re-done steps
+* ``useful_steps`` — the newest step reached minus the first step completed (re-done steps
   count once), ``training_goodput`` = ``useful_steps × ref_step_s / wall_s`` (at most 1), where
-  ``wall_s`` runs from the first to the last heartbeat;
+  ``wall_s`` runs from the first step any rank completed to the last heartbeat: the same window
+  as bench/recovery.py's goodput, which starts at the ranks' first step record;
+* ``startup_s`` — from the first heartbeat to that first completed step (interpreter, imports,
+  rendezvous, the first step itself): reported apart, not counted in ``wall_s`` nor the
+  GPU-seconds below;
 * per incident, seconds ``detection`` (fault → first anomaly), ``decision`` (anomaly →
   decision), ``restart`` (decision → every rank completed its first step again, less that
   step's ``ref_step_s``, which is useful work), ``rollback`` (re-done steps × ``ref_step_s``),
   and the same × the ranks of the job as GPU-seconds;
 * ``gpu_s_other`` — what is neither useful nor an incident's: the step in flight at a fault,
-  checkpoint stalls, start-up (``gpu_s_total − gpu_s_useful − Σ gpu_s_lost``). Decisions with the same
+  checkpoint stalls (``gpu_s_total − gpu_s_useful − Σ gpu_s_lost``). Decisions with the same
   ``fault_ts`` (a watchdog escalation) are one incident: its restart ends at the resume of the
   last of them. A decision of action ``none`` (a flag) is no incident.
 
@@ -79,6 +83,7 @@ class Ledger:
     start_ns: int = 0
     end_ns: int = 0
     wall_s: float = 0.0
+    startup_s: float = 0.0
     world_size: int = 0
     ref_step_s: float | None = None
     first_step: int = -1
@@ -134,12 +139,18 @@ def ledger(events: Iterable[schemas.Event], job: str = "") -> Ledger:
     per = _progress(evs)
     hbs = [e for e in evs if isinstance(e, schemas.RankHeartbeat)]
     if hbs:
-        led.start_ns, led.end_ns = min(e.ts for e in hbs), max(e.ts for e in hbs)
-        led.wall_s = (led.end_ns - led.start_ns) / 1e9
+        first_hb, led.end_ns = min(e.ts for e in hbs), max(e.ts for e in hbs)
         led.world_size = max(len(per), max(e.world_size for e in hbs))
         steps = [s for seq in per.values() for _, s in seq]
         led.first_step, led.last_step = min(steps), max(steps)
-        led.useful_steps = max(0, led.last_step - led.first_step)
+        # the window opens at the first step any rank completed (start-up before it is
+        # ``startup_s``, not training time): the steps after it are the useful ones
+        done = [(t, s) for seq in per.values() for t, s in seq if s > led.first_step]
+        t0, s0 = min(done) if done else (first_hb, led.first_step)
+        led.start_ns = min(t0, led.end_ns)
+        led.startup_s = max(0.0, (led.start_ns - first_hb) / 1e9)
+        led.wall_s = (led.end_ns - led.start_ns) / 1e9
+        led.useful_steps = max(0, led.last_step - s0)
     decisions = sorted((e for e in evs if isinstance(e, schemas.Decision)
                         and e.action != "none"), key=lambda e: e.ts)
     first_fault = min((d.fault_ts or d.ts for d in decisions), default=None)

@@ -131,7 +131,8 @@ def to_markdown(rep: dict[str, Any], picture: str | None = None) -> str:
     """The report as markdown; ``picture``: file name of the timeline image, when drawn."""
     g = rep["goodput"]
     lines = [f"# trainguard report: job `{rep['job']}`", "",
-             f"{rep['events']} events kept; wall {_f(g['wall_s'], '{:.1f}')} s on "
+             f"{rep['events']} events kept; start-up {_f(g.get('startup_s'), '{:.1f}')} s, "
+             f"then {_f(g['wall_s'], '{:.1f}')} s training on "
              f"{g['world_size']} ranks; steps {g['first_step']} → {g['last_step']}; "
              f"fault-free step {_f(g['ref_step_s'], '{:.4f}')} s; training goodput "
              f"**{_f(g['training_goodput'], '{:.1%}')}**.", "",
