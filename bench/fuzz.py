@@ -50,6 +50,7 @@ import os
 import random
 import sys
 import tempfile
+import typing
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -191,8 +192,14 @@ def _valid_dict(cls: type, job: str, node: str, rank: int) -> dict[str, Any]:
            "fault_class": "crash", "layer": "application", "decision_id": "d",
            "idempotency_key": "k", "executor": "x", "action": "restart_workers", "ok": True,
            "cpu_percent": 1.0, "mem_used_bytes": 1, "mem_total_bytes": 2}
-    kw = {k: v for k, v in req.items() if k in cls.model_fields
-          and cls.model_fields[k].is_required()}
+    plain = {str: "x", int: 0, float: 0.0, bool: False, list: [], dict: {}}
+    kw: dict[str, Any] = {}
+    for k, f in cls.model_fields.items():
+        if not f.is_required() or k in ("job", "node", "rank"):
+            continue
+        # a field not in the table (a schema added later): a plain value of its type
+        kw[k] = req[k] if k in req else plain.get(typing.get_origin(f.annotation)
+                                                   or f.annotation, "x")
     return cls(job=job, node=node, rank=rank, **kw).to_dict()
 
 

@@ -258,7 +258,7 @@ class Escalation:
 
 ESCALATIONS: tuple[Escalation, ...] = (
     Escalation("would_loop", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
-               "would loop: {fault_class} with the same signature at step {step} again after "
+               "would loop: {fault_class} with the same signature {where} again after "
                "the restart of generation {last_generation}"),
     Escalation("budget_spent", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
                "retry budget spent ({retries_used} of {retry_budget} used)"),
@@ -383,7 +383,10 @@ def _would_loop(v: Verdict, job: JobRecord, fault_gen: int) -> dict[str, Any] | 
     last_gen = _int(last.get("generation"), -1)
     if last_gen >= fault_gen:  # the same incident, not a repeat after a restart
         return None
-    return {"fault_class": v.fault_class, "step": step if step is not None else "start-up",
+    # no step: the ranks reported none before the fault (start-up, or a plain script whose
+    # steps trainguard does not see), not "step start-up"
+    return {"fault_class": v.fault_class, "step": step,
+            "where": f"at step {step}" if step is not None else "before any step was reported",
             "last_generation": last_gen}
 
 

@@ -160,6 +160,11 @@ class Launcher:
             raise SystemExit(f"trainguard launch: cannot reach NATS at {redact(cfg.nats_url)}")
         self._check_rendezvous()
         generation = self.lease.register()
+        where = ("a spare node" if cfg.spare_node else
+                 f"node rank {cfg.node_rank} of {cfg.nnodes}")
+        print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ({cfg.mode} mode), {where}, "
+              f"{cfg.nproc_per_node} rank(s) here, generation {generation}", file=sys.stderr,
+              flush=True)
         self.pool.start_node_writer()
         self.lease.start_heartbeat(lambda: (self.loop.generation, self.loop.attempt))
         # the pool warms beside the first ranks: a slower start (on 2 cores, 6 processes
@@ -192,6 +197,9 @@ class Launcher:
             self.lease.mark_status("failed")
         if not self.loop.fenced:
             self.lease.end()
+        print(f"trainguard launch [{cfg.node}]: job {cfg.job!r} ended on this node: exit status "
+              f"{status}, generation {self.loop.generation}, {self.loop.restart_count} "
+              f"restart(s) here", file=sys.stderr, flush=True)
         self.bus.close(timeout=2.0)
         if self.rdzv_proc is not None:
             self.rdzv_proc.kill()

@@ -335,6 +335,8 @@ class RunLoop:
                 self.restart_count += 1
             for lr, rank in plan.start:
                 self._spawn(lr, rank, d.generation, decision=d)
+            if plan.why:  # what this node did, which may differ from the decision's words
+                self._say(f"generation {d.generation} on this node: {plan.why}")
             self._to(LaunchState.HEALTHY)
         self.bus.publish(subjects.job(cfg.job, "action"), schemas.ActionResult(
             job=cfg.job, node=cfg.node, decision_id=d.event_id,
