@@ -31,10 +31,14 @@ Figures:
   in-memory windows expired); ``growth`` = after / before − 1 (target ≤ 0.10: what
   keeps growing with the flood), ``growth_from_start`` = after / start − 1;
 * ``accounting`` — per service: ``expected`` (every message the bench saw on the bus on a
-  subject the service subscribes, the services' own follow-up events included), its health
+  subject the service subscribes, the services' own follow-up events included, less
+  ``refused_by_stream``: messages over the ``max_msg_size`` of the stream that keeps their
+  subject, which the stream refuses and no durable consumer is given), its health
   counters ``received`` / ``bad`` (dead-lettered, by kind) / ``handler_errors``, the dead
   letters seen on ``tg.dlq.<service>``; ``lost`` = expected − received (must be 0) and
-  ``dlq_missing`` = Σ bad − dead letters seen (must be 0);
+  ``dlq_missing`` = Σ bad − dead letters seen (must be 0); ``consumed`` (how the durable
+  consumers took them; ``again``: deliveries of a message still handled or held) and
+  ``holding`` (messages held unacked at the end);
 * ``real_fault`` — afterwards a short real 4-rank job (``trainguard.demo.harness``) with one
   SIGKILL, on the same stack: recovered or not, seconds to recovery.
 
@@ -317,14 +321,35 @@ class Monitor:
 
     def __init__(self) -> None:
         self.subjects: dict[str, int] = {}
+        self.refused: dict[str, int] = {}  # over their stream's max_msg_size: never stored
         self.dlq: dict[str, int] = {}
         self.total = 0
+        self.deduplicated = 0
+        self._ids: set[tuple[str, str]] = set()
+
+    def _duplicate(self, msg: Any) -> bool:
+        mid = (msg.headers or {}).get("Nats-Msg-Id")
+        if not mid or stream_max_msg_size(msg.subject) == float("inf"):
+            return False
+        key = (msg.subject, mid)
+        if key in self._ids:
+            return True
+        self._ids.add(key)
+        return False
 
     async def _on(self, msg: Any) -> None:
         self.total += 1
         if msg.subject.startswith("tg.dlq."):
             name = msg.subject[len("tg.dlq."):]
             self.dlq[name] = self.dlq.get(name, 0) + 1
+        elif self._duplicate(msg):
+            # published again under the same Nats-Msg-Id (an outbox sweep, a retried publish):
+            # the stream keeps it once, so a durable consumer gets it once
+            self.deduplicated += 1
+        elif len(msg.data) > stream_max_msg_size(msg.subject):
+            # the stream refuses it (trainguard.bus.STREAM_LIMITS), so no durable consumer is
+            # ever given it: bounded by design, counted apart from what a service must receive
+            self.refused[msg.subject] = self.refused.get(msg.subject, 0) + 1
         else:
             self.subjects[msg.subject] = self.subjects.get(msg.subject, 0) + 1
 
@@ -336,6 +361,21 @@ class Monitor:
     def expected(self, topics: tuple[str, ...]) -> int:
         return sum(n for s, n in self.subjects.items()
                    if any(subject_matches(t, s) for t in topics))
+
+    def refused_of(self, topics: tuple[str, ...]) -> int:
+        return sum(n for s, n in self.refused.items()
+                   if any(subject_matches(t, s) for t in topics))
+
+
+def stream_max_msg_size(subject: str) -> float:
+    """The ``max_msg_size`` (bytes) of the stream that keeps ``subject``; inf when none does
+    (a plain subscription gets any message the server's payload limit lets through)."""
+    from trainguard.bus import STREAM_LIMITS, STREAMS
+
+    for name, subs, _age in STREAMS:
+        if any(subject_matches(p, subject) for p in subs):
+            return STREAM_LIMITS[name].max_msg_size
+    return float("inf")
 
 
 async def _health(nc: Any, name: str, timeout: float = 2.0) -> dict[str, Any] | None:
@@ -423,12 +463,18 @@ async def flood(nats_url: str, names: list[str], messages: Iterator[Message], ra
         dl = mon.dlq.get(n, 0)
         acct[n] = {"expected": exp, **d, "bad_by_kind": (health.get(n) or {}).get(
             "stats", {}).get("bad", {}), "dead_letters_seen": dl,
+            "refused_by_stream": mon.refused_of(topics[n]),
             "lost": exp - d["received"], "dlq_missing": d["bad"] - dl,
-            "answered": health.get(n) is not None}
+            "answered": health.get(n) is not None,
+            # how the durable consumers took them: redeliveries ("again"), messages still
+            # held unacked because their chain is unfinished ("holding")
+            "consumed": (health.get(n) or {}).get("stats", {}).get("consumed", {}),
+            "holding": (health.get(n) or {}).get("stats", {}).get("holding")}
     for s in mon.subs:
         await s.unsubscribe()
     await nc.close()
-    return {"sent": sum(sent.values()), "refused_by_client": refused, "by_family": sent,
+    return {"sent": sum(sent.values()), "refused_by_client": refused,
+            "deduplicated_by_stream": mon.deduplicated, "by_family": sent,
             "by_category": by_cat, "send_s": round(send_s, 1),
             "rate": round(sum(sent.values()) / send_s, 1) if send_s else None,
             "accounting": acct, "health": health}

@@ -59,6 +59,22 @@ def test_relevance_table_rows_and_matching():
     assert "." not in consumer_name("detector", "r1", "tg.job.*.rank.*.hb")
 
 
+def test_in_flight_bounds_keep_a_backlog_within_its_ack_wait():
+    from trainguard.consume import (ACK_WAIT_S, HELD_ACK_WAIT_S, HELD_IN_FLIGHT, IN_FLIGHT,
+                                    max_ack_pending_for)
+
+    assert all(r.reason for r in IN_FLIGHT)
+    # heartbeats: a 10,000-rank burst fits; at ≈ 56 µs a step the last waits < the ack wait
+    assert max_ack_pending_for("tg.job.*.rank.*.hb") >= 10_000
+    assert max_ack_pending_for("tg.job.*.rank.*.hb") * 56e-6 < ACK_WAIT_S / 3
+    # events cost milliseconds: at 5 ms each the last one in flight is handled in time
+    assert max_ack_pending_for("tg.job.*.verdict") * 5e-3 < ACK_WAIT_S
+    assert max_ack_pending_for("tg.node.*.xid") == max_ack_pending_for("tg.job.*.worker")
+    # a held topic's 6 s wait: 10 ms each
+    assert max_ack_pending_for("tg.job.*.verdict", holds=True) == HELD_IN_FLIGHT
+    assert HELD_IN_FLIGHT * 10e-3 < HELD_ACK_WAIT_S
+
+
 # ---- detector: redelivery, node scope, release --------------------------------------------------
 def test_detector_redelivered_event_gives_the_same_anomaly_id():
     ev = exited(100.0, rank=1)

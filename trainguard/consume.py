@@ -85,9 +85,48 @@ ACK_WAIT_S = 30.0
 #: acks every ``HELD_ACK_WAIT_S / 3`` s, so the wait only bounds how soon a message held by a
 #: process that died is delivered to its restarted replica.
 HELD_ACK_WAIT_S = 6.0
-#: Unacked messages the server lets one consumer have in flight (a burst of heartbeats of
-#: 10,000 ranks fits).
+#: Unacked messages the server lets one consumer of a heartbeat or telemetry topic have in
+#: flight: a burst of heartbeats of 10,000 ranks fits, and at the detector's ≈ 56 µs a step
+#: (docs/design.md, "Cost and limit") the last of 50,000 waits ≈ 3 s of its 30 s ack wait.
 MAX_ACK_PENDING = 50_000
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A subject family and how many unacked messages its consumer may have, with why. The ack
+    wait runs from the delivery to this process, not from the handling: a message waiting in the
+    client's queue longer than the ack wait is delivered again and handled twice."""
+
+    pattern: str
+    max_ack_pending: int
+    reason: str
+
+
+#: First matching row wins (``max_ack_pending_for``); a holding topic uses ``HELD_IN_FLIGHT``.
+IN_FLIGHT: tuple[InFlight, ...] = (
+    InFlight("tg.job.*.rank.*.hb", MAX_ACK_PENDING, "heartbeats cost tens of µs each"),
+    InFlight("tg.node.*.heartbeat", MAX_ACK_PENDING, "as rank heartbeats"),
+    InFlight("tg.node.*.telemetry", MAX_ACK_PENDING, "as rank heartbeats"),
+    InFlight(">", 1_000,
+             "events cost the attributor and remediator milliseconds each (a state-store round "
+             "trip): 1,000 in flight at ≤ 5 ms wait ≤ 5 s of the 30 s ack wait. With 50,000, "
+             "bench/fuzz.py's 100,000-message flood had the remediator handle 15,066 "
+             "deliveries twice"),
+)
+#: In flight on a topic whose messages may be held unacked until settled (6 s ack wait): 200 at
+#: ≤ 10 ms each wait ≤ 2 s; held messages count too, so 200 verdicts held while the state
+#: store is away stop further deliveries until it is back (they could not be decided anyway).
+HELD_IN_FLIGHT = 200
+
+
+def max_ack_pending_for(topic: str, holds: bool = False) -> int:
+    """Unacked messages the consumer of ``topic`` may have in flight (``IN_FLIGHT``)."""
+    if holds:
+        return HELD_IN_FLIGHT
+    for row in IN_FLIGHT:
+        if matches(row.pattern, topic) or row.pattern == topic:
+            return row.max_ack_pending
+    return IN_FLIGHT[-1].max_ack_pending
 
 
 def matches(pattern: str, subject: str) -> bool:
@@ -162,7 +201,8 @@ async def stream_of(js: Any, topic: str) -> str | None:
 
 async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
                             on_message: OnMessage, retry_s: float = 10.0,
-                            ack_wait_s: float = ACK_WAIT_S) -> Any | None:
+                            ack_wait_s: float = ACK_WAIT_S,
+                            max_ack_pending: int | None = None) -> Any | None:
     """Bind (creating it when new) the durable push consumer of ``service``/``replica`` on
     ``topic`` and hand each message to ``on_message(msg)``, which must ack it (within
     ``ack_wait_s`` seconds, or keep it with in-progress acks; the ack wait is set when the
@@ -178,17 +218,18 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     if stream is None:
         return None
     name = consumer_name(service, replica, topic)
+    pending = max_ack_pending or max_ack_pending_for(topic)
     cfg = ConsumerConfig(
         durable_name=name, deliver_subject=deliver_subject(service, replica, topic),
         filter_subject=topic, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=ack_wait_s, max_ack_pending=MAX_ACK_PENDING,
+        ack_wait=ack_wait_s, max_ack_pending=pending,
         inactive_threshold=DURABLE_INACTIVE_S)
     deadline = time.monotonic() + retry_s
     while True:
         try:
             return await js.subscribe(topic, durable=name, stream=stream, cb=on_message,
                                       manual_ack=True, config=cfg,
-                                      pending_msgs_limit=MAX_ACK_PENDING * 2)
+                                      pending_msgs_limit=pending * 2)
         except Exception as exc:  # noqa: BLE001 - "already bound": the old process is going
             if "already bound" not in str(exc) or time.monotonic() >= deadline:
                 raise

@@ -249,7 +249,8 @@ class Service:
 
             sub = await consume.durable_subscribe(
                 self.bus.nc, self.name, self.config.replica, topic, on_message,
-                ack_wait_s=consume.HELD_ACK_WAIT_S if holds else consume.ACK_WAIT_S)
+                ack_wait_s=consume.HELD_ACK_WAIT_S if holds else consume.ACK_WAIT_S,
+                max_ack_pending=consume.max_ack_pending_for(topic, holds))
             if sub is not None:
                 self._subs.append(sub)
                 return
