@@ -69,7 +69,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
 class DecodeError(ValueError):
     """A message that is not a valid trainguard event. ``kind`` names the failure class:
     ``malformed`` (not MessagePack / not a map), ``unknown_schema``, ``bad_version``,
-    ``invalid`` (fields of the wrong type or missing)."""
+    ``invalid`` (fields of the wrong type or missing), ``too_large`` (past ``LIMITS``)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -81,10 +81,45 @@ def encode(event: Event) -> bytes:
     return msgpack.packb(event.to_dict(), use_bin_type=True)
 
 
+#: Bounds of one decoded message, enforced while MessagePack is read (``decode``) and, for
+#: depth, before validation (``from_dict``). Past any of them the message is refused as
+#: ``too_large`` (dead-lettered with the reason), so no service keeps a hostile 50,000-item list
+#: or a 200 KB string in its windows. (name, limit, reason)
+LIMITS: tuple[tuple[str, int, str], ...] = (
+    ("max_str_len", 131072, "characters of one string: a log or kernel line is cut at 64 KiB "
+                            "where it is read (agents.kernel_log.MAX_LINE); a hang's evidence "
+                            "lists every rank of a 16,384-rank world in ≈ 100 KB"),
+    ("max_bin_len", 65536, "bytes of one binary value: no event carries raw bytes"),
+    ("max_array_len", 32768, "items of one list: a decision's members of the largest world one "
+                             "1 MiB message can carry (≈ 25,000 ranks)"),
+    ("max_map_len", 16384, "entries of one map: a node's latency to each of its peers"),
+    ("max_depth", 16, "levels of nesting: the deepest event (a decision's members, a verdict's "
+                      "detail) nests 4"),
+)
+_UNPACK_LIMITS = {name: n for name, n, _ in LIMITS if name != "max_depth"}
+MAX_DEPTH = next(n for name, n, _ in LIMITS if name == "max_depth")
+
+
+def _too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return True
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values() if isinstance(v, (dict, list)))
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return False
+
+
 def from_dict(obj: Any) -> Event:
-    """Validate a decoded dict into its event class; raises ``DecodeError``."""
+    """Validate a decoded dict into its event class; raises ``DecodeError`` (``too_large`` past
+    ``LIMITS``' depth)."""
     if not isinstance(obj, dict):
         raise DecodeError("malformed", f"event must be a map, got {type(obj).__name__}")
+    if _too_deep(obj):
+        raise DecodeError("too_large", f"nested deeper than {MAX_DEPTH} levels")
     name = obj.get("schema")
     cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -105,7 +140,11 @@ def from_dict(obj: Any) -> Event:
 def decode(data: bytes) -> Event:
     """Event from MessagePack bytes; raises ``DecodeError`` (never another exception)."""
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False, **_UNPACK_LIMITS)
+    except ValueError as exc:
+        if "exceeds max" in str(exc):  # a container or string past LIMITS
+            raise DecodeError("too_large", f"over the bounds of one event: {exc}") from None
+        raise DecodeError("malformed", f"not MessagePack: {exc}") from None
     except Exception as exc:  # msgpack raises several types for garbage
         raise DecodeError("malformed", f"not MessagePack: {exc}") from None
     return from_dict(obj)
