@@ -54,6 +54,28 @@ def test_child_trace_keeps_trace_id():
                            trace=ev.child_trace()).trace_id == ev.trace_id
 
 
+def _nested(depth: int) -> dict:
+    d: dict = {}
+    for _ in range(depth - 2):  # the event's own map and the detail map are two levels
+        d = {"d": d}
+    return d
+
+
+def test_events_at_the_bounds_decode():
+    """The largest legitimate events fit ``schemas.LIMITS``: a decision re-forming a
+    16,384-rank world, a 64 KiB log line, a verdict's detail 16 levels deep in all."""
+    members = [schemas.Member(rank=r, node=f"n{r // 8}", local_rank=r % 8)
+               for r in range(16384)]
+    d = schemas.Decision(job="j", action="restart_workers", idempotency_key="k",
+                         members=members)
+    assert len(schemas.decode(schemas.encode(d)).members) == 16384
+    assert len(schemas.decode(schemas.encode(schemas.LogLine(job="j", line="x" * 65536))).line) \
+        == 65536
+    v = msgpack.packb({"schema": "verdict", "v": 1, "fault_class": "crash",
+                       "layer": "application", "detail": _nested(16)})
+    assert isinstance(schemas.decode(v), schemas.Verdict)
+
+
 @pytest.mark.parametrize("data,kind", [
     (b"\xc1\xff", "malformed"),
     (msgpack.packb([1, 2, 3]), "malformed"),
@@ -63,6 +85,12 @@ def test_child_trace_keeps_trace_id():
     (msgpack.packb({"schema": "rank.heartbeat", "v": 1, "step": "ten"}), "invalid"),
     (msgpack.packb({"schema": "node.xid", "v": 1}), "invalid"),  # xid missing
     (msgpack.packb({"schema": "decision", "v": 1, "action": "x"}), "invalid"),
+    # past schemas.LIMITS: refused while read, before anything keeps it
+    (msgpack.packb({"schema": "log.line", "v": 1, "line": "x" * 131073}), "too_large"),
+    (msgpack.packb({"schema": "anomaly", "v": 1, "evidence": ["e"] * 32769}), "too_large"),
+    (msgpack.packb({"schema": "node.telemetry", "v": 1,
+                    "net_latency_s": {str(i): 0.1 for i in range(16385)}}), "too_large"),
+    (msgpack.packb({"schema": "verdict", "v": 1, "detail": _nested(17)}), "too_large"),
 ])
 def test_bad_input_rejected(data, kind):
     with pytest.raises(DecodeError) as ei:
