@@ -1,6 +1,7 @@
-"""A real 2-rank job over the TLS-only bus, launched with its own per-job worker user: the
-launcher and its ranks work within that job's subjects and keys, a SIGKILLed rank is restarted
-by the services' decision, and the job finishes."""
+"""A real 2-rank job over the TLS-only bus, launched with its own per-job worker user and the
+rendezvous store's token (as ``trainguard up`` runs): the launcher and its ranks work within
+that job's subjects and keys and reach the store through the launcher's relay, a SIGKILLed rank
+is restarted by the services' decision, and the job finishes."""
 import os
 import signal
 import time
@@ -8,6 +9,7 @@ import time
 import pytest
 
 from test_dropin_e2e import EPOCHS, FAULT_EPOCH, Run, _job, assert_resumed, decisions
+from trainguard.rdzv_gate import TOKEN_ENV
 from trainguard.tls import CA_ENV
 
 pytestmark = pytest.mark.slow
@@ -20,7 +22,7 @@ def tls_stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("tls-stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator"),
                agent_nodes=("node0",), rendezvous=True, log_dir=str(logs),
-               kernel_log_dir=str(logs), tls=True)
+               kernel_log_dir=str(logs), tls=True, rdzv_token=True)
     st.start(timeout=120)
     yield st
     st.stop()
@@ -29,6 +31,11 @@ def tls_stack(tmp_path_factory):
 def test_a_job_with_its_own_user_recovers_over_tls(tls_stack, tmp_path, monkeypatch):
     run = Run(tmp_path, _job("tls"))
     monkeypatch.setenv(CA_ENV, tls_stack.tls_ca)  # what the printed line exports
+    # the rendezvous store admits only the token's holders: the launcher's relay has it, its
+    # ranks (and torch's own store client in them) reach the store through that relay
+    assert tls_stack.rdzv_token and f"{TOKEN_ENV}={tls_stack.rdzv_token}" in \
+        tls_stack.env_exports("worker")
+    monkeypatch.setenv(TOKEN_ENV, tls_stack.rdzv_token)
     nats_url, redis_url = tls_stack.issue_job(run.job)
     assert nats_url.startswith(f"tls://job-{run.job}:")
     try:
@@ -51,5 +58,16 @@ def test_a_job_with_its_own_user_recovers_over_tls(tls_stack, tmp_path, monkeypa
                    if "Violation" in line and f'user:job-{run.job}"' in line]
         assert refused == [], refused
         assert "NOPERM" not in run.tails(20000) and "No permissions" not in run.tails(20000)
+        # no rank was refused by the store's gate; a client without the token is
+        rlog = (tls_stack.log_dir / "rendezvous.log").read_text(errors="replace")
+        assert "refused a connection" not in rlog, rlog[-2000:]
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port = tls_stack.rdzv_endpoint.rsplit(":", 1)
+        with pytest.raises(Exception):
+            dist.TCPStore(host, int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=3)).get("anything")
     finally:
         run.close()

@@ -33,7 +33,7 @@ def exports(data_dir: Path, user: str) -> str:
     env = data_dir / "env" / "worker.env"
     if env.exists():  # the rendezvous endpoint of the running stack, as its worker line says
         for kv in env.read_text().split()[1:]:
-            if kv.startswith("TG_RDZV_ENDPOINT="):
+            if kv.startswith(("TG_RDZV_ENDPOINT=", "TG_RDZV_TOKEN=")):
                 line += f" {kv}"
     if tls.get("nats") or tls.get("valkey"):
         line += f" TG_TLS_CA={data_dir / 'tls' / 'ca.pem'}"

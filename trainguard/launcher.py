@@ -151,6 +151,20 @@ class Launcher:
             [sys.executable, "-m", "trainguard.rendezvous", "--host", host, "--port",
              str(port)], stdout=subprocess.DEVNULL, preexec_fn=pdeathsig_kill)
 
+    def _open_relay(self) -> None:
+        """With ``TG_RDZV_TOKEN`` set, the ranks reach the store through a relay on this node's
+        loopback that opens each connection with the token (``trainguard.rdzv_gate``); they get
+        the relay's endpoint and not the token."""
+        from .rdzv_gate import TOKEN_ENV, relay_for
+
+        if not os.environ.get(TOKEN_ENV):
+            return
+        try:
+            self.pool.rdzv_relay = relay_for(self.cfg.rdzv_endpoint)
+        except OSError as exc:
+            raise SystemExit(f"trainguard launch: cannot open the relay to the rendezvous "
+                             f"store at {self.cfg.rdzv_endpoint}: {exc}") from None
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
@@ -159,6 +173,7 @@ class Launcher:
         if not self.bus.wait_connected(15.0):
             raise SystemExit(f"trainguard launch: cannot reach NATS at {redact(cfg.nats_url)}")
         self._check_rendezvous()
+        self._open_relay()
         generation = self.lease.register()
         where = ("a spare node" if cfg.spare_node else
                  f"node rank {cfg.node_rank} of {cfg.nnodes}")
@@ -225,12 +240,16 @@ def _embedded_stack(cfg: LaunchConfig):
         return None
     from .stack import Stack
 
-    stack = Stack(agent_nodes=(cfg.node,), rendezvous=not cfg.rdzv_endpoint)
+    stack = Stack(agent_nodes=(cfg.node,), rendezvous=not cfg.rdzv_endpoint, rdzv_token=True)
     print(f"trainguard launch: no NATS_URL / REDIS_URL given: starting an embedded stack for "
           f"this job (services' logs in {stack.log_dir}); `trainguard up` runs one to share",
           file=sys.stderr, flush=True)
     stack.start(timeout=120)
     cfg.nats_url, cfg.redis_url = stack.nats_url, stack.redis_url
+    if stack.rdzv_token:  # this launcher's relay opens its connections with it
+        from .rdzv_gate import TOKEN_ENV
+
+        os.environ[TOKEN_ENV] = stack.rdzv_token
     cfg.rdzv_endpoint = cfg.rdzv_endpoint or stack.rdzv_endpoint
     return stack
 

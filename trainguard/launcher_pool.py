@@ -27,6 +27,7 @@ from trainguard.schemas import subjects
 
 from .executor import LocalRank
 from .launcher_loop import RankExited, RefillPool
+from .rdzv_gate import TOKEN_ENV
 
 if TYPE_CHECKING:
     from .checkpoint.writer import NodeWriter
@@ -178,6 +179,8 @@ class ProcessPool:
         self.hosted_ranks: set[int] = set()
         self.node_writer: NodeWriter | None = None
         self.started_at = time.time()  # Unix s: the origin of scheduled faults' at_s
+        #: the local relay the ranks reach the rendezvous store through ("": the store itself)
+        self.rdzv_relay = ""
 
     # ---- environment --------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -187,10 +190,14 @@ class ProcessPool:
         here, not at assignment: a spare's torch sizes its thread pool when it warms up."""
         cfg = self.cfg
         env = dict(os.environ)
-        host, _, port = cfg.rdzv_endpoint.rpartition(":")
+        # with a store token, the ranks reach the store through this launcher's relay
+        # (``rdzv_relay``) and never hold the token themselves
+        env.pop(TOKEN_ENV, None)
+        endpoint = self.rdzv_relay or cfg.rdzv_endpoint
+        host, _, port = endpoint.rpartition(":")
         env.update({
             "TG_JOB": cfg.job, "TG_NODE": cfg.node, "TG_MODE": cfg.mode,
-            "TG_RDZV_ENDPOINT": cfg.rdzv_endpoint, "MASTER_ADDR": host or "127.0.0.1",
+            "TG_RDZV_ENDPOINT": endpoint, "MASTER_ADDR": host or "127.0.0.1",
             "MASTER_PORT": port, "NATS_URL": cfg.nats_url, "REDIS_URL": cfg.redis_url,
             "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "PYTHONUNBUFFERED": "1",
             "TG_WARM_IMPORTS": cfg.warm_imports, "TORCHELASTIC_USE_AGENT_STORE": "True",

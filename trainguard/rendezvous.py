@@ -61,10 +61,17 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def connect_store(endpoint: str, timeout_s: float = 60.0):
-    """A ``TCPStore`` client of the store host at ``endpoint``. Raises RendezvousError."""
+    """A ``TCPStore`` client of the store host at ``endpoint`` (through this process's
+    ``rdzv_gate.Relay`` when ``TG_RDZV_TOKEN`` is set). Raises RendezvousError."""
     import torch.distributed as dist
 
-    host, port = parse_endpoint(endpoint)
+    from .rdzv_gate import relay_for
+
+    try:  # with TG_RDZV_TOKEN (a rank started without trainguard's launcher): via a relay
+        host, port = parse_endpoint(relay_for(endpoint))
+    except OSError as exc:
+        raise RendezvousError(f"cannot open a relay to the rendezvous store at {endpoint}: "
+                              f"{exc}") from None
     try:
         return dist.TCPStore(host, port, is_master=False,
                              timeout=datetime.timedelta(seconds=timeout_s))
@@ -202,13 +209,24 @@ def destroy_groups() -> None:
 
 
 # ---- the store host ---------------------------------------------------------------------------
-def serve(host: str, port: int) -> None:
-    """Host a TCPStore on ``host:port`` until SIGTERM/SIGINT; prints ``ready host:port``."""
+def serve(host: str, port: int, token: str = "") -> None:
+    """Host a TCPStore on ``host:port`` until SIGTERM/SIGINT; prints ``ready host:port``.
+    With ``token``, the store listens on loopback only and ``trainguard.rdzv_gate.Gate`` on
+    ``host:port`` admits only connections that open with it."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
-    print(f"ready {host}:{store.port}", flush=True)
+    gate = None
+    if token:
+        from .rdzv_gate import Gate
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300))
+        gate = Gate(host, port, store.port, token).start()
+        print(f"ready {host}:{gate.port} (token required)", flush=True)
+    else:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300))
+        print(f"ready {host}:{store.port}", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     signal.signal(signal.SIGINT, lambda *a: stop.append(1))
@@ -222,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=29400)
     args = p.parse_args(argv)
-    serve(args.host, args.port)
+    from .rdzv_gate import TOKEN_ENV
+
+    # the token comes from the environment (never a command line, which others can read)
+    serve(args.host, args.port, os.environ.get(TOKEN_ENV, ""))
     return 0
 
 

@@ -45,8 +45,9 @@ from typing import Any, Callable, Sequence
 
 from trainguard.schemas import subjects
 
-from .auth import JOB_USER_PREFIX, ROLES
+from .auth import JOB_USER_PREFIX, ROLES, write_private
 from .embedded import EmbeddedServers, _die_with_parent, free_port
+from .rdzv_gate import TOKEN_ENV as RDZV_TOKEN_ENV
 from .service import health_subject
 from .tls import CA_ENV as TLS_CA_ENV
 
@@ -149,7 +150,11 @@ class Stack:
       the cluster harness gives its bridge's address);
     * ``tls`` — the embedded servers serve TLS (``trainguard.embedded``; ``trainguard up`` by
       default, off here so that the demo and the tests stay as they were), with a certificate
-      for loopback, this host and ``tls_names``; the children get the CA in ``TG_TLS_CA``.
+      for loopback, this host and ``tls_names``; the children get the CA in ``TG_TLS_CA``;
+    * ``rdzv_token`` — the rendezvous store admits only clients with its token
+      (``trainguard.rdzv_gate``; ``trainguard up`` by default, off here as ``tls``): kept in
+      ``<data dir>/rdzv.token`` (0600) across starts, given as ``TG_RDZV_TOKEN`` on the
+      export lines and to the store alone among the children.
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
@@ -160,7 +165,8 @@ class Stack:
                  data_dir: str | os.PathLike | None = None, auth: bool = True,
                  rotate_credentials: bool = False, replicas: int = 1,
                  host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None,
-                 tls: bool = False, tls_names: Sequence[str] = ()):
+                 tls: bool = False, tls_names: Sequence[str] = (),
+                 rdzv_token: bool = False):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -187,6 +193,9 @@ class Stack:
         self.commands: dict[str, list[str]] = {}
         self.roles: dict[str, str | None] = {}  # process name -> auth role (None: no servers)
         self.rdzv_endpoint = ""
+        #: the rendezvous store's token (``trainguard.rdzv_gate``; "" when it is open)
+        self.rdzv_token = ""
+        self._want_rdzv_token = rdzv_token
         self._rdzv_log_offset = 0
         self._started = False
 
@@ -230,8 +239,9 @@ class Stack:
         ``TG_TLS_CA=…`` when the servers serve TLS."""
         nats_url, redis_url = self.urls(role)
         ca = f" {TLS_CA_ENV}={self.tls_ca}" if self.tls_ca else ""
+        tok = f" {RDZV_TOKEN_ENV}={self.rdzv_token}" if self.rdzv_token else ""
         return (f"export NATS_URL={nats_url} REDIS_URL={redis_url} "
-                f"TG_RDZV_ENDPOINT={self.rdzv_endpoint}{ca}")
+                f"TG_RDZV_ENDPOINT={self.rdzv_endpoint}{tok}{ca}")
 
     # ---- children ---------------------------------------------------------------------------------
     def _child_env(self, role: str | None) -> dict[str, str]:
@@ -364,8 +374,29 @@ class Stack:
         log = self.log_dir / "rendezvous.log"
         # logs are appended across runs: only what this store prints counts as its answer
         self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
-        return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
-                                          "--host", self.host, "--port", str(port)], None)
+        if self._want_rdzv_token:
+            self.rdzv_token = self._load_rdzv_token()
+            self.env[RDZV_TOKEN_ENV] = self.rdzv_token
+        try:
+            return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
+                                              "--host", self.host, "--port", str(port)], None)
+        finally:
+            self.env.pop(RDZV_TOKEN_ENV, None)  # the store's alone among the children
+
+    def _load_rdzv_token(self) -> str:
+        """The token kept in the data dir (made on first use; ``rotate_credentials``: anew)."""
+        from .rdzv_gate import new_token
+
+        d = self.data_dir
+        path = Path(d) / "rdzv.token" if d is not None else None
+        if path is not None and path.exists() and not self._servers.rotate:
+            tok = path.read_text().strip()
+            if tok:
+                return tok
+        tok = new_token()
+        if path is not None:
+            write_private(path, tok + "\n")
+        return tok
 
     def _wait_rendezvous(self, proc: subprocess.Popen, deadline: float) -> None:
         log = self.log_dir / "rendezvous.log"

@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", default=subjects.default_node(),
                    help="comma-separated node names: one agent each (default this host)")
     p.add_argument("--no-rendezvous", action="store_true", help="do not host a rendezvous store")
+    p.add_argument("--no-rdzv-token", action="store_true",
+                   help="let any client reach the rendezvous store (default: only those with "
+                        "TG_RDZV_TOKEN, which the export line carries)")
     p.add_argument("--log-dir", default=os.environ.get("TG_LOG_DIR") or None,
                    help="directory for one log per process (default: DATA_DIR/logs, or a new "
                         "temporary one with --ephemeral)")
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
                       rendezvous=not args.no_rendezvous, log_dir=log_dir, data_dir=data_dir,
                       rotate_credentials=args.rotate_credentials, replicas=args.replicas,
-                      tls=not args.no_tls, tls_names=args.tls_san)
+                      tls=not args.no_tls, tls_names=args.tls_san,
+                      rdzv_token=not args.no_rdzv_token)
     except ValueError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 2

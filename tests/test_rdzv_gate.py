@@ -1,0 +1,108 @@
+"""The token in front of the rendezvous store (``trainguard.rdzv_gate``), against a real
+``python -m trainguard.rendezvous`` and real torch ``TCPStore`` clients."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainguard import rendezvous
+from trainguard.rdzv_gate import PREAMBLE, TOKEN_ENV, Gate, Relay, preamble, relay_for
+
+TOKEN = "t0ken-for-tests_0123456789abcdef"
+
+
+@pytest.fixture()
+def gated_store():
+    env = {**os.environ, TOKEN_ENV: TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.rendezvous", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    line = proc.stdout.readline()
+    assert "(token required)" in line, line + proc.stderr.read()
+    yield line.split()[1], proc
+    proc.terminate()
+    proc.wait(10)
+
+
+def _bare_client(endpoint: str):
+    import torch.distributed as dist
+
+    host, port = rendezvous.parse_endpoint(endpoint)
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=3))
+
+
+def test_only_clients_with_the_token_reach_the_store(gated_store, monkeypatch):
+    endpoint, proc = gated_store
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    store = rendezvous.connect_store(endpoint, timeout_s=10)  # through this process's relay
+    store.set("job/g1/rank0", "4242")
+    assert store.get("job/g1/rank0") == b"4242"
+    assert relay_for(endpoint) != endpoint and relay_for(endpoint).startswith("127.0.0.1:")
+    # torch's own client without the preamble: closed before the store sees a byte
+    with pytest.raises(Exception):
+        _bare_client(endpoint).get("job/g1/rank0")
+    # a wrong token, and garbage: closed too
+    host, port = rendezvous.parse_endpoint(endpoint)
+    for first in (preamble("not-the-token"), b"GET / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(first + b"\x00" * 16)
+            s.settimeout(5)
+            assert s.recv(100) == b""  # closed by the gate
+    proc.terminate()
+    _out, err = proc.communicate(timeout=10)
+    assert "refused a connection from 127.0.0.1" in err, err
+
+
+def test_gate_counts_refusals_not_port_probes_and_passes_pipelined_bytes():
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    seen: list[str] = []
+    gate = Gate("127.0.0.1", 0, master.port, TOKEN, on_refused=lambda p, why: seen.append(why))
+    gate.start()
+    try:
+        socket.create_connection(("127.0.0.1", gate.port), timeout=5).close()  # a probe
+        with socket.create_connection(("127.0.0.1", gate.port), timeout=5) as s:
+            s.sendall(PREAMBLE + b"wrong\n")
+            assert s.recv(10) == b""
+        relay = Relay(gate.endpoint, TOKEN).start()
+        try:
+            client = dist.TCPStore("127.0.0.1", relay.port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=10))
+            client.set("k", "v" * 100_000)  # larger than one read: relayed whole
+            assert master.get("k") == b"v" * 100_000
+            assert client.add("n", 3) == 3 and master.add("n", 1) == 4
+        finally:
+            relay.stop()
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen == ["a wrong token"] and gate.refused == 1 and gate.admitted >= 1
+    finally:
+        gate.stop()
+
+
+def test_a_token_must_be_one_word():
+    for bad in ("", "two words", "tab\tin"):
+        with pytest.raises(ValueError):
+            preamble(bad)
+
+
+def test_ranks_get_the_relay_and_never_the_token(monkeypatch):
+    from trainguard.launch_config import LaunchConfig
+    from trainguard.launcher_pool import ProcessPool
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = LaunchConfig(script="train.py", job="j", rdzv_endpoint="10.0.0.5:29400",
+                       nats_url="nats://x:4222", redis_url="redis://x:6379")
+    pool = ProcessPool(cfg, bus=None, post=lambda ev: None)
+    pool.rdzv_relay = "127.0.0.1:40123"
+    env = pool.base_env()
+    assert TOKEN_ENV not in env
+    assert env["TG_RDZV_ENDPOINT"] == "127.0.0.1:40123"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "40123")
