@@ -15,7 +15,7 @@ from trainguard.schemas.vocabulary import signature, stronger
 from . import policy as pol
 from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
                     FOLDED, decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
-                    update, verdict_key, verdict_token, without_pending)
+                    token_replica, update, verdict_key, verdict_token, without_pending)
 
 #: what a verdict's claim holds once its decision is stored (``StateStore.commit_decision``'s
 #: ``settles``): ``decided:<decision id>``
@@ -41,6 +41,13 @@ def on_verdict_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     # the chain's own token: its first try landed (a retried claim whose reply was lost, or the
     # verdict delivered again after a restart of this replica): carry on from there
     if inp.value is not None and inp.value != w.token:
+        other = token_replica(str(inp.value))
+        if other is not None and other != state.replica and not state.alive(other):
+            # claimed by a replica that died mid-chain (its lease ran out) and was not settled:
+            # this replica, which took the job over, takes the claim over (compare-and-set: of
+            # two that try, one wins) and resumes from the claims the dead one left
+            return state, [store("take_claim", verdict_key(w.job, w.verdict.event_id),
+                                 inp.value, w.token, reply=("verdict_claim", seq))]
         why = ("this verdict was already decided" if str(inp.value).startswith(DECIDED)
                else "this verdict was already handled")
         return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)

@@ -120,6 +120,9 @@ class RemediatorState:
     publishing: frozenset = frozenset()
     last_sweep: float = float("-inf")
     serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
+    #: whether the replica of that name holds a live lease (``Membership.members``; alone:
+    #: only this one), read when a verdict's claim names another replica
+    alive: Callable[[str], bool] = field(default=lambda replica: False, repr=False)
     replica: str = "remediator"
     outbox_counts: dict[str, int] = field(default_factory=lambda: {"stored": 0,
                                                                    "republished": 0})
@@ -147,6 +150,15 @@ def verdict_token(replica: str, verdict_id: str) -> str:
     delivers the unacked verdict to again), different between replicas (two replicas that both
     step a verdict while their members change do not both decide it)."""
     return f"remediator@{replica}/{verdict_id}"
+
+
+def token_replica(owner: str) -> str | None:
+    """The replica a verdict claim's owner names (``verdict_token``), or None when the owner
+    is no replica's token (settled: ``decided:…``, ``folded``)."""
+    head, sep, _ = owner.partition("/")
+    if not sep or not head.startswith("remediator@"):
+        return None
+    return head[len("remediator@"):]
 
 
 def decision_id(verdict_id: str) -> str:

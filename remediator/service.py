@@ -68,6 +68,7 @@ class Remediator(ReducerService[RemediatorState]):
 
     def initial_state(self) -> RemediatorState:
         return RemediatorState(config=self.rconfig, serves=self.membership.owns,
+                               alive=lambda r: r in self.membership.members,
                                replica=self.config.replica, **self._controller_fields())
 
     def step(self, state, inp, now):

@@ -190,6 +190,22 @@ async def test_only_the_validator_may_mark_a_checkpoint(secured):
         await st.close()
 
 
+async def test_the_remediator_takes_a_dead_replicas_claim_over_once(secured):
+    """``StateStore.take_claim`` as the remediator role runs it: a compare-and-set in one Lua
+    call, which keeps the key's expiry; the second of two takers gets the first's name."""
+    rem = StateStore(secured.urls("remediator")[1])
+    try:
+        assert await rem.claim("authj:verdict:v1", "remediator@r2/v1", ttl_s=600) is None
+        assert await rem.take_claim("authj:verdict:v1", "remediator@r2/v1",
+                                    "remediator@r1/v1") is None
+        assert await rem.take_claim("authj:verdict:v1", "remediator@r2/v1",
+                                    "remediator@r3/v1") == "remediator@r1/v1"
+        assert await rem.claimed_by("authj:verdict:v1") == "remediator@r1/v1"
+        assert 0 < await rem.r.ttl("tg:idem:authj:verdict:v1") <= 600
+    finally:
+        await rem.close()
+
+
 def test_default_user_is_disabled(secured):
     valkey = secured.servers[1]
     with pytest.raises((AuthenticationError, ResponseError)):

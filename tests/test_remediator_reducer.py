@@ -70,6 +70,12 @@ class Store:
             self.claims[key] = owner
         return prev
 
+    def take_claim(self, key, old, owner):
+        if self.claims.get(key) == old:
+            self.claims[key] = owner
+            return None
+        return self.claims.get(key)
+
     def settle(self, key, outcome):
         self.claims[key] = outcome
 
@@ -423,15 +429,53 @@ def test_a_folded_verdict_stepped_again_by_its_replica_folds_at_its_claim():
     assert fold["reason"] == "this verdict was already handled"
 
 
-def test_another_replicas_claim_of_the_verdict_folds():
+def test_a_live_replicas_claim_of_the_verdict_folds():
     st = Store(j=record())
     v = crash(rank=3)
     st.claims[f"j:verdict:{v.event_id}"] = verdict_token("r2", v.event_id)
     state, eff = run(st, [verdict_in(v)], state=RemediatorState(
-        config=RemediatorConfig(controller="local"), armed=True, replica="r1"))
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1",
+        alive=lambda r: r == "r2"))
     assert published(eff) == [] and "j:g0" not in st.claims
     [fold] = audits(eff, "folded")
     assert fold["reason"] == "this verdict was already handled"
+    assert calls(eff, "take_claim") == []
+
+
+@pytest.mark.parametrize("method", ["job", "bump_generation", "commit_decision"])
+def test_a_replica_that_died_mid_chain_leaves_its_verdict_to_the_one_taking_over(method):
+    """Replica r2 claimed the verdict and died at ``method`` (its lease ran out: not alive);
+    r1, which took the job over and replays its verdicts, takes the claim over and decides it
+    once, reusing the decision id (and so the claims) r2's try left."""
+    st = Store(j=record())
+    v = crash(rank=3)
+    _died(st, v, method, replica="r2")
+    key = f"j:verdict:{v.event_id}"
+    assert st.claims[key] == verdict_token("r2", v.event_id)
+    state, eff = run(st, [verdict_in(v, 10.0)] + ticks(10.5, 14.0), state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1",
+        alive=lambda r: r == "r1"))
+    [d] = published(eff)
+    assert d.event_id == decision_id(v.event_id) and d.ranks == [3]
+    assert st.claims[key] == f"decided:{d.event_id}"
+    assert [c.args[1:] for c in calls(eff, "take_claim")] == [
+        (verdict_token("r2", v.event_id), verdict_token("r1", v.event_id))]
+    assert len(audits(eff, "decision")) == 1 and audits(eff, "folded") == []
+    # a third replica stepping it later folds: the claim is settled
+    _, eff = run(st, [verdict_in(v, 20.0)], state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r3"))
+    assert published(eff) == [] and calls(eff, "take_claim") == []
+
+
+def test_two_replicas_taking_over_the_same_dead_claim_decide_once():
+    st = Store(j=record())
+    v = crash(rank=3)
+    _died(st, v, "job", replica="r2")
+    states = {r: RemediatorState(config=RemediatorConfig(controller="local"), armed=True,
+                                 replica=r, alive=lambda x, r=r: x == r) for r in ("r1", "r3")}
+    out = [run(st, [verdict_in(v, 10.0)] + ticks(10.5, 14.0), state=states[r])[1]
+           for r in ("r1", "r3")]
+    assert sum(len(published(e)) for e in out) == 1
 
 
 # ---- exclusion through the controller --------------------------------------------------------------

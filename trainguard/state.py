@@ -301,6 +301,13 @@ class StateStore:
             return None
         return await self.r.get(_idem_key(key))
 
+    async def take_claim(self, key: str, old: str, owner: str) -> str | None:
+        """Idempotency ``key`` passes from ``old`` to ``owner`` only while ``old`` still holds
+        it (compare-and-set, one Lua call; its expiry is kept). Returns None when it passed,
+        else the owner holding it now (the caller must then not act)."""
+        got = await self.r.eval(_TAKE_CLAIM, 1, _idem_key(key), old, owner)
+        return None if got == 1 else await self.r.get(_idem_key(key))
+
     async def settle(self, key: str, outcome: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> None:
         """Idempotency ``key``, claimed by the caller, is settled: it holds ``outcome`` from now
         on (e.g. ``folded``), so whoever claims it later learns it was handled and how."""
@@ -397,6 +404,11 @@ class StateStore:
 def settle_value(decision_id: str) -> str:
     """What a settled claim holds (``commit_decision``'s ``settles``): ``decided:<id>``."""
     return f"decided:{decision_id}"
+
+
+#: ``StateStore.take_claim``: set KEYS[1] to ARGV[2] only while it holds ARGV[1], keeping its TTL
+_TAKE_CLAIM = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+               "redis.call('set', KEYS[1], ARGV[2], 'KEEPTTL') return 1 else return 0 end")
 
 
 def _idem_key(key: str) -> str:
