@@ -54,7 +54,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.spare", RUNTIME, False), ("trainguard.launch", RUNTIME, False),
     ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
     ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
-    ("trainguard.rendezvous", RUNTIME, False), ("trainguard.checkpoint", RUNTIME, False),
+    ("trainguard.rendezvous", RUNTIME, False), ("trainguard.rdzv_gate", RUNTIME, False),
+    ("trainguard.checkpoint", RUNTIME, False),
     ("trainguard.integrations", RUNTIME, False), ("trainguard.fault_inject", RUNTIME, False),
     ("trainguard.ckpt_request", RUNTIME, False),
     # commands: the CLI and what only it runs
