@@ -115,16 +115,17 @@ DIRECTIVE_FIELDS: dict[str, DirectiveField] = {f.name: f for f in (
 
 @dataclass(frozen=True)
 class SlurmDirective:
-    """A parsed directive; ``None`` fields were not given (the launch's own defaults apply)."""
+    """A parsed directive; ``None`` fields were not given (the launch's own defaults apply:
+    for ``mode``, observe)."""
 
-    mode: str = "observe"
+    mode: str | None = None
     retry_budget: int | None = None
     min_world_size: int | None = None
     spares: int | None = None
     job: str | None = None
 
     def given(self) -> dict[str, Any]:
-        """The fields the comment set (``mode`` always), as a JSON-ready dict."""
+        """The fields the comment set, as a JSON-ready dict."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) is not None}
 
@@ -171,12 +172,12 @@ def parse_directive(comment: str | None) -> SlurmDirective | None:
 
 def directive_or_default(comment: str | None) -> tuple[SlurmDirective | None, str]:
     """``(directive, error)`` that never raises: a valid directive and ``""``; no directive
-    and ``""``; or, for an invalid one, the default directive (observe: the job is watched,
-    nothing is carried out) and the ``DirectiveError`` text."""
+    and ``""``; or, for an invalid one, an observe directive (the job is watched, nothing is
+    carried out) and the ``DirectiveError`` text."""
     try:
         return parse_directive(comment), ""
     except DirectiveError as exc:
-        return SlurmDirective(), str(exc)
+        return SlurmDirective(mode="observe"), str(exc)
 
 
 def default_job_name(slurm_job_id: str | int) -> str:
