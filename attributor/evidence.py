@@ -55,7 +55,9 @@ SOURCES: tuple[tuple[str, str, str], ...] = (
     ("log_pattern", "stream=kernel", "kernel_log"),
     ("log_pattern", "", "log"),            # the program's own log or traceback
     ("hang", "", "heartbeat"),             # silence or no progress of rank heartbeats
+    ("node_lost", "slurm", "scheduler"),   # Slurm set the node DOWN / NOT_RESPONDING
     ("node_lost", "", "heartbeat"),        # silence of the node's agent and launcher
+    ("slurm_drain", "", "scheduler"),      # Slurm drained the node (someone else than us)
     ("launcher_lost", "", "heartbeat"),    # silence of one job's launcher and ranks on a node
     ("straggler", "", "heartbeat"),        # step times in the heartbeats
     ("throughput_drop", "", "heartbeat"),

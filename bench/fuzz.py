@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import json
 import math
 import os
@@ -201,9 +202,15 @@ def _valid_dict(cls: type, job: str, node: str, rank: int) -> dict[str, Any]:
     for k, f in cls.model_fields.items():
         if not f.is_required() or k in ("job", "node", "rank"):
             continue
-        # a field not in the table (a schema added later): a plain value of its type
-        kw[k] = req[k] if k in req else plain.get(typing.get_origin(f.annotation)
-                                                   or f.annotation, "x")
+        # a field not in the table (a schema added later): a plain value of its type (an
+        # enum's first member: slurm.node's and slurm.job's ``change``)
+        ann = f.annotation
+        if k in req:
+            kw[k] = req[k]
+        elif isinstance(ann, type) and issubclass(ann, enum.Enum):
+            kw[k] = next(iter(ann)).value
+        else:
+            kw[k] = plain.get(typing.get_origin(ann) or ann, "x")
     return cls(job=job, node=node, rank=rank, **kw).to_dict()
 
 

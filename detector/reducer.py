@@ -16,7 +16,11 @@ What ``step`` decides, by input:
 * ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
   ``detector.signals``) and the one-off rules run: crash, log line, failed save, a restore
   whose loss check failed (``recovery.verified`` with ``ok`` False), NaN loss, XID, telemetry
-  (GPU counters, and the host and link rules of ``detector.telemetry``). A job
+  (GPU counters, and the host and link rules of ``detector.telemetry``), the Slurm
+  watcher's node and job events (``detector.scheduler``: a node Slurm marks DOWN or not
+  responding is a node loss for the jobs on it — those of the records' members, and those the
+  event names whose record is not read yet; a node already out of a job's members is none of
+  its business; a drain set by trainguard itself is nothing). A job
   first seen is read from the job record at the next tick. Event types the
   detector does not consume produce nothing.
 * ``Tick`` — silence, node lost and launcher lost (a job's launcher and its ranks on a node
@@ -62,6 +66,7 @@ from trainguard.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Publis
                                 Released, Reply, Tick)
 from trainguard.schemas import JobRecord, subjects
 
+from . import scheduler
 from .core import DetectorConfig, Finding
 from .memory import bus_back, forget_job, gc, index
 from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_heartbeat,
@@ -77,7 +82,7 @@ __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "n
 #: The subjects the detector consumes.
 TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
-          "tg.node.*.kernel")
+          "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm")
 
 #: Fault classes a node's kernel log shows for the whole node (a NIC link down, an NFS server
 #: gone, a machine-check, a GPU off the bus): such a finding goes to every job with members on
@@ -209,15 +214,20 @@ def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, 
 
 
 def _emit_node(state: DetectorState, out: list[Effect], node: str, f: Finding, now: float,
-               wall_ns: int, source: schemas.Event | None = None) -> None:
+               wall_ns: int, source: schemas.Event | None = None,
+               unread: tuple[str, ...] = ()) -> None:
     """A node finding: on the node's subject and on every job with members on ``node``
     (culprit ranks: those members; for a GPU finding, the members whose local rank is the GPU's
     index when any is), each with its job's generation. The node's own subject only when this
-    replica serves the node."""
+    replica serves the node. ``unread``: jobs the source says are on the node whose record
+    this replica has not read yet (served by it): they get the finding too, without ranks or
+    generation (the attributor files it under the job's newest)."""
     if state.serves(f"node:{node}"):
         _emit(state, out, None, f, now, wall_ns, source, node_scope=node)
     gpu_index = f.detail.get("gpu_index")
-    for job in sorted(state.node_jobs.get(node, ())):
+    jobs = set(state.node_jobs.get(node, ()))
+    jobs |= {j for j in unread if j not in state.records and state.serves(j)}
+    for job in sorted(jobs):
         jc = state.records.get(job) or JobRecord()
         on_node = [m for m in jc.members if m.get("node") == node]
         if gpu_index is not None and any(m.get("local_rank") == gpu_index for m in on_node):
@@ -226,7 +236,7 @@ def _emit_node(state: DetectorState, out: list[Effect], node: str, f: Finding, n
                                                          if "rank" in m),
                      nodes=list(f.nodes), gpus=list(f.gpus), symptom=f.symptom,
                      severity=f.severity, evidence=list(f.evidence), detail=dict(f.detail),
-                     ts=f.ts, generation=jc.generation)
+                     ts=f.ts, generation=jc.generation if job in state.records else None)
         _emit(state, out, job, jf, now, wall_ns, source)
 
 
@@ -404,6 +414,42 @@ def _on_telemetry(state: DetectorState, inp: Received, now: float) -> list[Effec
     return out
 
 
+def _on_slurm_node(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    """The Slurm watcher's word on a node (``detector.scheduler.ROWS``)."""
+    ev = inp.event
+    node = _node_of(inp)
+    f = scheduler.node_finding(ev, node)
+    if f is None:
+        return []
+    unread = tuple(j for j in ev.jobs if j not in state.records)
+    for j in unread:
+        if state.serves(j):
+            _job(state, j, now)  # read its record at the next tick
+    out: list[Effect] = []
+    _emit_node(state, out, node, f, now, inp.wall_ns, ev, unread)
+    return out
+
+
+def _on_slurm_job(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    """The Slurm watcher's word on a job: the nodes it lost, each a node loss of this job alone
+    (its members on that node; none when the node is out of its members already)."""
+    ev = inp.event
+    job = _job_of(inp)
+    _job(state, job, now)
+    jc = state.records.get(job)
+    out: list[Effect] = []
+    for f in scheduler.job_findings(ev):
+        node = f.nodes[0]
+        if jc is not None:
+            ranks = sorted(int(m["rank"]) for m in jc.members
+                           if m.get("node") == node and "rank" in m)
+            if not ranks:
+                continue  # excluded already (or a spare): no loss of this job
+            f.ranks, f.generation = ranks, jc.generation
+        _emit(state, out, job, f, now, inp.wall_ns, ev)
+    return out
+
+
 #: event type -> handler; any other type is not the detector's and produces nothing
 _HANDLERS = {
     schemas.RankHeartbeat: _on_heartbeat,
@@ -415,6 +461,8 @@ _HANDLERS = {
     schemas.NodeHeartbeat: _on_node_heartbeat,
     schemas.XidEvent: _on_xid,
     schemas.NodeTelemetry: _on_telemetry,
+    schemas.SlurmNodeEvent: _on_slurm_node,
+    schemas.SlurmJobEvent: _on_slurm_job,
 }
 
 

@@ -13,7 +13,8 @@ live in three modules, one concept each:
 * ``detector.progress`` — rank and job windows fed by heartbeats, and the rules over them:
   silence, no progress, members that never started, straggler, throughput drop, NaN loss;
 * ``detector.signals`` — one-off signals: worker exits, log lines, failed saves, XIDs, GPU
-  telemetry, node heartbeats (node lost).
+  telemetry, node heartbeats (node lost);
+* ``detector.scheduler`` — the Slurm watcher's node and job events (its ``ROWS``).
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ The policy is data:
   never acted on, unless its root is one of these kinds: a rank measured slow or a throttled
   GPU, which a spare node may replace (their rows require a spare and a culprit).
 * ``MIGRATIONS`` — warnings that a node is degrading (corrected ECC errors at a rate, host
-  memory trending to exhaustion or nearly exhausted): with a spare node registered they become
+  memory trending to exhaustion or nearly exhausted) or is to be taken away (drained in Slurm
+  by someone else than trainguard): with a spare node registered they become
   a *planned migration* — the node is excluded and the spare takes its ranks (the world size
   kept; the state comes from the surviving ranks, the peer path), before any rank dies; without
   a spare, or without a culprit node, they are flagged like any other warning.
@@ -212,6 +213,10 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration("host_memory_exhausted",
               "host memory nearly exhausted: the OOM killer is next (linux mm/oom_kill.c; "
               "MemAvailable, proc(5))"),
+    Migration("slurm_drain",
+              "an operator or a health check drained the node in Slurm (not trainguard): it "
+              "is to be taken out of service, and whoever drained it may reboot it or set it "
+              "DOWN, which kills its ranks (scontrol(1) State=DRAIN; detector.scheduler)"),
 )
 
 #: Actions without an executor and what is done instead (no row of ``TABLE`` names them).

@@ -44,6 +44,7 @@ from .vocabulary import (
     stronger,
 )
 from .node import GpuSample, NodeHeartbeat, NodeTelemetry, XidEvent
+from .slurm import SlurmJobEvent, SlurmNodeEvent
 from .worker import (
     PHASES,
     LogLine,
@@ -62,6 +63,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Anomaly, Verdict, Decision, ActionResult,
         CheckpointSaved, CheckpointValidated, CheckpointInvalid, CheckpointSaveFailed,
         CheckpointRequest, CheckpointRequestDone,
+        SlurmNodeEvent, SlurmJobEvent,
     )
 }
 
@@ -181,4 +183,5 @@ __all__ = [
     "CheckpointSaved", "CheckpointValidated", "CheckpointInvalid", "CheckpointSaveFailed",
     "CheckpointRequest", "CheckpointRequestDone",
     "JobRecord", "JobSettings", "JobRecordError",
+    "SlurmNodeEvent", "SlurmJobEvent",
 ]

@@ -9,7 +9,11 @@ Three parts, each with its writers:
   and the generation bump (``StateStore.begin_run``, ``add_members``, ``add_spare``,
   ``set_group_attempt``, ``end_run``, ``bump_generation``);
 * **remediation state** — retries used, the last fault and decision, the decision the watchdog
-  waits on: the remediator (``StateStore.commit_decision``, ``clear_pending``).
+  waits on: the remediator (``StateStore.commit_decision``, ``clear_pending``);
+* **scheduler state** — what Slurm says of the job's allocation (its state, nodes, partition,
+  restart count, the comment's directive or why it is invalid): the Slurm watcher
+  (``StateStore.register_slurm_job``; ``trainguard.slurm_watch``), which also sets
+  ``slurm_job_id`` where no launcher set it yet.
 
 The launchers' leases are not in the hash: they are the sorted set ``tg:job:<job>:launchers``
 (member = node, score = lease expiry in Unix ms).
@@ -142,6 +146,24 @@ class JobRecord(JobSettings):
                                                  "the executed recovery decision the watchdog "
                                                  "waits on (Decision dict + deadline_ns, Unix "
                                                  "ns); None = none pending")
+    # ---- scheduler state (the Slurm watcher)
+    slurm_state: str = _f("", STR, "scheduler",
+                          "the Slurm job's job_state as squeue last showed it (RUNNING, "
+                          "PENDING, NODE_FAIL, …); '' = not watched")
+    slurm_nodes: list[str] = _f(None, JSON, "scheduler",
+                                "the nodes of the Slurm job's allocation, sorted (empty while "
+                                "pending)", factory=list)
+    slurm_partition: str = _f("", STR, "scheduler", "the Slurm partition of the job")
+    slurm_restarts: int = _f(0, INT, "scheduler",
+                             "Slurm's restart count of the job (restart_cnt: requeues)",
+                             "requeues")
+    slurm_directive: dict[str, Any] | None = _f(None, JSON, "scheduler",
+                                                "the fields of the job's comment directive "
+                                                "(schemas.slurm.SlurmDirective.given); None = "
+                                                "none read")
+    slurm_directive_error: str = _f("", STR, "scheduler",
+                                    "why the comment's directive is invalid (the job stays "
+                                    "observe); '' = valid or none")
 
     def settings(self) -> JobSettings:
         """The settings part alone."""
@@ -158,7 +180,7 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Jo
 #: part → field names, in declaration order
 PARTS: dict[str, tuple[str, ...]] = {
     p: tuple(n for n, f in FIELDS.items() if f.metadata["part"] == p)
-    for p in ("settings", "run", "remediation")}
+    for p in ("settings", "run", "remediation", "scheduler")}
 
 
 def encode_value(name: str, value: Any) -> str | None:
@@ -213,7 +235,11 @@ def _check_shapes(rec: JobRecord) -> None:
             isinstance(s, str) for s in rec.spare_nodes):
         raise JobRecordError("spare_nodes", json.dumps(rec.spare_nodes), "a list of node "
                              "names", "wrong shape")
-    for name in ("last_fault", "last_decision", "pending_decision"):
+    if not isinstance(rec.slurm_nodes, list) or not all(
+            isinstance(s, str) for s in rec.slurm_nodes):
+        raise JobRecordError("slurm_nodes", json.dumps(rec.slurm_nodes), "a list of node "
+                             "names", "wrong shape")
+    for name in ("last_fault", "last_decision", "pending_decision", "slurm_directive"):
         v = getattr(rec, name)
         if v is not None and not isinstance(v, dict):
             raise JobRecordError(name, json.dumps(v), "a JSON object", "wrong shape")

@@ -1,8 +1,10 @@
 """NATS subjects, hierarchical by job and node so tools can subscribe with wildcards.
 
-``tg.node.<node>.{telemetry,xid,kernel,heartbeat,anomaly}`` (``kernel``: host kernel-log lines such as OOM kills, as ``log.line``) and
-``tg.job.<job>.{rank.<rank>.hb,log,worker,anomaly,verdict,decision,control,ckpt,action,recovery}``
-(``control``: requests to the ranks that are no decision, e.g. ``ckpt.request``).
+``tg.node.<node>.{telemetry,xid,kernel,heartbeat,anomaly,slurm}`` (``kernel``: host kernel-log lines such as OOM kills, as ``log.line``;
+``slurm``: the Slurm watcher's ``slurm.node``) and
+``tg.job.<job>.{rank.<rank>.hb,log,worker,anomaly,verdict,decision,control,ckpt,action,recovery,slurm}``
+(``control``: requests to the ranks that are no decision, e.g. ``ckpt.request``; ``slurm``: the
+Slurm watcher's ``slurm.job``).
 
 Names become one subject token each (``token``). A name of letters, digits, ``_``, ``-`` and
 ``:`` is its own token, as it always was. A dot, which NATS reads as a token separator but which
@@ -58,13 +60,13 @@ def default_node() -> str:
 
 
 def node(node_name: str, kind: str) -> str:
-    """``tg.node.<node>.<kind>`` (kind: telemetry, xid, heartbeat, anomaly)."""
+    """``tg.node.<node>.<kind>`` (kind: telemetry, xid, heartbeat, anomaly, slurm)."""
     return f"{PREFIX}.node.{token(node_name)}.{kind}"
 
 
 def job(job_name: str, kind: str) -> str:
     """``tg.job.<job>.<kind>`` (kind: log, worker, anomaly, verdict, decision, control, ckpt,
-    action, recovery)."""
+    action, recovery, slurm)."""
     return f"{PREFIX}.job.{token(job_name)}.{kind}"
 
 

@@ -45,6 +45,13 @@ MEMBERS = [{"rank": 0, "node": "n0", "local_rank": 0}, {"rank": 1, "node": "n1",
      '{"action": "restart_workers", "id": "d1"}'),
     ("pending_decision", {"event_id": "e1", "deadline_ns": 5}, '{"deadline_ns": 5, '
                                                                 '"event_id": "e1"}'),
+    ("slurm_state", "RUNNING", "RUNNING"),
+    ("slurm_nodes", ["node0", "node1"], '["node0", "node1"]'),
+    ("slurm_partition", "gpu", "gpu"),
+    ("slurm_restarts", 1, "1"),
+    ("slurm_directive", {"mode": "action", "retry_budget": 3},
+     '{"mode": "action", "retry_budget": 3}'),
+    ("slurm_directive_error", "field 'mode': …", "field 'mode': …"),
 ])
 def test_every_field_round_trips_in_its_one_encoding(name, value, text):
     assert encode_value(name, value) == text
@@ -78,7 +85,7 @@ def test_whole_record_round_trip():
                     spare_nodes=["s1"], retries_used=2, last_fault={"step": None},
                     pending_decision={"event_id": "e"})
     put, drop = encode_fields(**rec.to_dict())
-    assert set(drop) == {"last_decision"}  # None: the field is absent
+    assert set(drop) == {"last_decision", "slurm_directive"}  # None: the field is absent
     assert decode_record(put) == rec
     assert rec.settings() == JobSettings(mode="action", world_size=2, retry_budget=3,
                                          hang_timeout_s=9.5)
@@ -98,6 +105,8 @@ def test_empty_and_unknown_values():
     {"members": '[{"node": "n0"}]'},
     {"spare_nodes": '[{"node": "s9"}]'},
     {"last_fault": '"crash"'},
+    {"slurm_nodes": '"node0"'},
+    {"slurm_directive": '["action"]'},
 ])
 def test_a_value_its_codec_cannot_read_raises(raw):
     with pytest.raises(JobRecordError) as exc:

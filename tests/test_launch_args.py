@@ -12,7 +12,7 @@ from trainguard.launch_args import UNSUPPORTED, parse, parse_nnodes, parse_nproc
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for k in ("NATS_URL", "REDIS_URL", "TG_RDZV_ENDPOINT", "TG_JOB", "TG_MODE", "TG_CKPT_DIR",
-              "CUDA_VISIBLE_DEVICES"):
+              "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"):
         monkeypatch.delenv(k, raising=False)
 
 

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.detector", RULES, False), ("trainguard.attributor", RULES, False),
     ("trainguard.remediator", RULES, False), ("trainguard.checkpoint_validator", RULES, False),
     ("trainguard.executor", RULES, False),
+    ("trainguard.slurm_watch", RULES, False),  # the Slurm watcher's snapshot reader and reducer
     ("trainguard.checkpoint.verify", RULES, False),  # the integrity check validator and restore share
     # services (their wiring modules) and the node agent
     ("trainguard.detector.service", SERVICE, True), ("trainguard.attributor.service", SERVICE, True),
@@ -42,6 +43,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.alerts", SERVICE, True),
     ("trainguard.controller_base", SERVICE, True), ("trainguard.slurm_controller", SERVICE, True),
     ("trainguard.k8s", SERVICE, True),  # Kubernetes: controller, drain handshake, API calls
+    ("trainguard.slurm_watch.service", SERVICE, True),
+    ("trainguard.slurm_watch.__main__", COMMAND, False),
     ("trainguard.k8s.__main__", COMMAND, False),
     ("trainguard.detector.__main__", COMMAND, False),
     ("trainguard.attributor.__main__", COMMAND, False),

@@ -423,10 +423,12 @@ def test_a_planned_migration_respects_the_retry_budget():
 
 
 def test_every_migration_row_has_a_source_and_a_detector_kind():
+    from trainguard.detector import scheduler
     from trainguard.detector import telemetry as tel
 
     assert {m.root_kind for m in pol.MIGRATIONS} == {
-        "ecc_corrected_rate", "host_memory_trend", "host_memory_exhausted"}
+        "ecc_corrected_rate", "host_memory_trend", "host_memory_exhausted", "slurm_drain"}
+    kinds = set(tel.RULES) | {r.kind for r in scheduler.ROWS if r.severity == "warning"}
     for m in pol.MIGRATIONS:
-        assert m.source and m.root_kind in tel.RULES
+        assert m.source and m.root_kind in kinds
         assert m.root_kind not in pol.ACTING_WARNINGS

@@ -29,6 +29,10 @@ SAMPLES = {
     "ckpt.save_failed": dict(step=10, error="No space left on device", errno=28),
     "ckpt.request": dict(request_id="drain-1", reason="drain of node a.b", hold_s=60.0),
     "ckpt.request_done": dict(request_id="drain-1", ok=True, step=12, path="/tmp/c"),
+    "slurm.node": dict(change="down", state="down", flags=["NOT_RESPONDING"],
+                       reason="Not responding", jobs=["train-a"], slurm_jobs=["7"]),
+    "slurm.job": dict(change="nodes_lost", slurm_job_id="7", state="RUNNING",
+                      nodes=["node0"], lost_nodes=["node1"], directive={"mode": "action"}),
 }
 
 

@@ -126,7 +126,8 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ) + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
-          "tg.node.*.kernel", "tg.svc.detector.health") + _consumer("detector")[1],
+          "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm", "tg.svc.detector.health")
+         + _consumer("detector")[1],
          "resetkeys ~tg:members:detector %R~tg:* " + _SERVICE_CMDS,
          "turns raw signals into anomalies; reads job records (learned timeouts, members); "
          "holds its replica's lease (`tg:members:detector`); consumes the streams durably.",
@@ -161,6 +162,15 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "the only writer of checkpoint validity (`tg:ckpt:*`); publishes its verdict on "
          "`tg.job.<job>.ckpt`, which ranks also publish `ckpt.saved` on: on the bus that verdict "
          "is information only, the state store is what restore trusts.",
+         responses=True),
+    Role("slurm_watch",
+         ("tg.node.*.slurm", "tg.job.*.slurm", "tg.svc.slurm_watch.health.*", _DLQ),
+         ("tg.svc.slurm_watch.health", "tg.svc.slurm_watch.health.*", "_INBOX.slurm_watch.>"),
+         "resetkeys ~tg:jobs ~tg:job:* %R~tg:* " + _SERVICE_CMDS,
+         "the Slurm watcher: publishes what squeue and sinfo say of the jobs that opted in and "
+         "their nodes (`slurm.job`, `slurm.node`) and writes the scheduler part of their job "
+         "records (`tg:jobs`, `tg:job:<job>`); it consumes nothing, and asks its own health "
+         "subject whether the bus answers (the bus probe).",
          responses=True),
     Role("reader",
          ("tg.svc.*.health",) + _JS_READ,

@@ -52,7 +52,8 @@ class NotStored(ConnectionError):
 STREAMS: tuple[tuple[str, list[str], float], ...] = (
     ("TG_EVENTS", ["tg.job.*.log", "tg.job.*.worker", "tg.job.*.anomaly", "tg.job.*.verdict",
                    "tg.job.*.decision", "tg.job.*.ckpt", "tg.job.*.action", "tg.job.*.recovery",
-                   "tg.node.*.xid", "tg.node.*.kernel", "tg.node.*.anomaly"], 7 * 86400.0),
+                   "tg.node.*.xid", "tg.node.*.kernel", "tg.node.*.anomaly", "tg.node.*.slurm",
+                   "tg.job.*.slurm"], 7 * 86400.0),
     ("TG_TELEMETRY", ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"], 3600.0),
     ("TG_DLQ", ["tg.dlq.>"], 7 * 86400.0),
 )

@@ -1,4 +1,5 @@
-"""``trainguard`` command line: up, launch, demo, diagnose, replay, report, schemas.
+"""``trainguard`` command line: up, launch, demo, diagnose, replay, report, schemas,
+slurm-watch.
 
 Each subcommand lives in its own module and is imported only when used (start-up stays fast).
 """
@@ -18,6 +19,8 @@ COMMANDS = {
                                     "them offline."),
     "report": ("trainguard.report", "Continuity report and timeline of a job (history + audit)."),
     "schemas": ("trainguard.schemas_cli", "Export the event JSON Schemas."),
+    "slurm-watch": ("trainguard.slurm_watch.__main__", "Watch Slurm (squeue/sinfo) for the jobs "
+                                                       "that opted in; publish its signals."),
 }
 
 

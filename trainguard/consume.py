@@ -60,6 +60,8 @@ RELEVANCE: tuple[Relevance, ...] = (
     Relevance("tg.job.*.log", 600.0, "as worker events: a fault's own line"),
     Relevance("tg.node.*.xid", 600.0, "as worker events: a GPU fault"),
     Relevance("tg.node.*.kernel", 600.0, "as worker events: a node fault"),
+    Relevance("tg.node.*.slurm", 600.0, "as worker events: Slurm's word on a node (DOWN, drain)"),
+    Relevance("tg.job.*.slurm", 600.0, "as worker events: Slurm's word on a job (node fail)"),
     Relevance("tg.job.*.anomaly", 600.0,
               "ten times the attributor's incident window (60 s): an older anomaly opens no "
               "incident the remediator would still act on"),

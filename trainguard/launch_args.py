@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 
 from .launch_config import StdSpec
@@ -187,8 +188,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     own = p.add_argument_group("trainguard's flags")
     own.add_argument("--node", default=subjects.default_node(),
                      help="this node's name (default: $TG_NODE or the short host name)")
-    own.add_argument("--job", default=env("TG_JOB") or None)
-    own.add_argument("--mode", choices=("observe", "action"), default=env("TG_MODE", "observe"))
+    own.add_argument("--job", default=None,
+                     help="the job's name (default: the Slurm directive's, else $TG_JOB, else "
+                          "--rdzv-id, else slurm-$SLURM_JOB_ID under Slurm, else 'default')")
+    own.add_argument("--mode", choices=("observe", "action"), default=None,
+                     help="observe (decisions published, none carried out) or action (default: "
+                          "the Slurm directive's, else $TG_MODE, else observe)")
     own.add_argument("--nats-url", default=env("NATS_URL", ""))
     own.add_argument("--redis-url", default=env("REDIS_URL", ""))
     own.add_argument("--ckpt-dir", default=env("TG_CKPT_DIR", ""))
@@ -236,6 +241,61 @@ def load_faults(path: str, job: str) -> tuple[str, str]:
     return dumps([f for f in faults if f.on_rank]), where
 
 
+#: Seconds the launcher waits for ``squeue`` to print its own Slurm job's comment.
+SQUEUE_TIMEOUT_S = 5.0
+#: The launch flags a Slurm directive may set (``schemas.slurm.DIRECTIVE_FIELDS``): directive
+#: field → argparse destination.
+DIRECTIVE_FLAGS = {"mode": "mode", "retry_budget": "retry_budget",
+                   "min_world_size": "min_world_size", "spares": "spares", "job": "job"}
+
+
+def slurm_directive(environ=None, run=subprocess.run):
+    """``(directive, note)`` of this launch's own Slurm job (env ``SLURM_JOB_ID``): its comment
+    read with ``squeue -h -j <id> -o %k`` (``SQUEUE_TIMEOUT_S`` at most) and parsed by
+    ``schemas.slurm.directive_or_default``. ``(None, "")`` outside Slurm or for a comment with
+    no directive; ``(None, why)`` when squeue cannot say; an invalid directive is an observe
+    one and the error. Never raises."""
+    from trainguard.schemas.slurm import directive_or_default
+
+    environ = os.environ if environ is None else environ
+    jid = environ.get("SLURM_JOB_ID", "")
+    if not jid:
+        return None, ""
+    try:
+        p = run([shutil.which("squeue") or "squeue", "-h", "-j", jid, "-o", "%k"],
+                capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"cannot read the comment of Slurm job {jid} ({exc})"
+    if p.returncode != 0:
+        return None, (f"cannot read the comment of Slurm job {jid} (squeue exited "
+                      f"{p.returncode}: {(p.stderr or '').strip()[:200]})")
+    comment = p.stdout.strip()
+    if comment in ("(null)", ""):
+        return None, ""
+    return directive_or_default(comment)
+
+
+def apply_directive(a: argparse.Namespace, directive, note: str = "") -> None:
+    """Fill the flags not given on the command line from the Slurm ``directive``, then from
+    the environment (``TG_MODE``, ``TG_JOB``), then the defaults (observe): a flag wins over
+    the directive, the directive over the environment. ``note`` (an unreadable or invalid
+    directive) is printed; an invalid directive is observe (``slurm_directive``)."""
+    if note:
+        print(f"trainguard launch: {note}" + ("; launching in observe mode unless --mode says "
+                                              "otherwise" if directive is not None else ""),
+              file=sys.stderr)
+    given = directive.given() if directive is not None else {}
+    for field_, dest in DIRECTIVE_FLAGS.items():
+        if getattr(a, dest) is None and field_ in given:
+            setattr(a, dest, given[field_])
+    if a.mode is None:
+        a.mode = os.environ.get("TG_MODE") or "observe"
+    if a.mode not in ("observe", "action"):
+        raise SystemExit(f"trainguard launch: TG_MODE={a.mode!r}: use observe or action")
+    if a.job is None:
+        a.job = os.environ.get("TG_JOB") or None
+
+
 def parse(argv: list[str], description: str = ""):
     """Parse ``trainguard launch`` arguments into a ``trainguard.launcher.LaunchConfig``.
     Bad input exits through argparse's usage error (status 2) with the reason."""
@@ -246,6 +306,7 @@ def parse(argv: list[str], description: str = ""):
     for flag, why in UNSUPPORTED.items():
         if getattr(a, flag[2:].replace("-", "_")) is not None:
             p.error(f"{flag} is not supported: {why}")
+    apply_directive(a, *slurm_directive())
     try:
         nmin, nmax = parse_nnodes(a.nnodes)
         nproc = parse_nproc(a.nproc_per_node)
@@ -256,7 +317,8 @@ def parse(argv: list[str], description: str = ""):
     if a.rdzv_backend not in ("c10d", "static"):
         p.error(f"--rdzv-backend {a.rdzv_backend!r} is not supported: trainguard meets at its "
                 f"own rendezvous store; use c10d or static (both mean that store)")
-    job = a.job or a.rdzv_id or "default"
+    jid = os.environ.get("SLURM_JOB_ID", "")
+    job = a.job or a.rdzv_id or (f"slurm-{jid}" if jid else "default")
     if a.standalone and (nmin, nmax) != (1, 1):
         p.error("--standalone is a single node: drop --nnodes or give --nnodes 1")
     node_rank = a.node_rank

@@ -74,6 +74,8 @@ SERVICE_SPECS: dict[str, ServiceSpec] = {
     "remediator": ServiceSpec("trainguard.remediator", "remediator", partitioned=True),
     "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator", "checkpoint_validator",
                                         partitioned=True),
+    # not in DEFAULT_SERVICES: it needs the Slurm clients (trainguard.cluster starts it with Slurm)
+    "slurm_watch": ServiceSpec("trainguard.slurm_watch", "slurm_watch"),
 }
 
 

@@ -114,6 +114,27 @@ class StateStore:
         await self.register_job(job, **_settings_fields(settings), generation=0,
                                 retries_used=0, status="running")
 
+    async def register_slurm_job(self, job: str, slurm_job_id: str, *, state: str,
+                                 nodes: list[str], partition: str = "", restarts: int = 0,
+                                 directive: dict[str, Any] | None = None,
+                                 directive_error: str = "") -> None:
+        """The Slurm watcher's record of ``job`` (``trainguard.slurm_watch``), in one
+        transaction: the scheduler part (``slurm_state``, ``slurm_nodes``,
+        ``slurm_partition``, ``slurm_restarts``, ``slurm_directive``,
+        ``slurm_directive_error``) overwritten, ``slurm_job_id`` set only where no launcher
+        set it yet (HSETNX: the launchers' settings are theirs), the job in ``tg:jobs``."""
+        put, drop = encode_fields(slurm_state=state, slurm_nodes=sorted(nodes),
+                                  slurm_partition=partition, slurm_restarts=restarts,
+                                  slurm_directive=directive,
+                                  slurm_directive_error=directive_error)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.sadd("tg:jobs", job)
+        pipe.hset(_job_key(job), mapping=put)
+        if drop:
+            pipe.hdel(_job_key(job), *drop)
+        pipe.hsetnx(_job_key(job), "slurm_job_id", encode_value("slurm_job_id", slurm_job_id))
+        await pipe.execute()
+
     async def register_job(self, job: str, **fields: Any) -> None:
         """Write the given record ``fields`` where not yet set (HSETNX), each in its codec; a
         field set to None is skipped. The general path for tests and tools; the launchers use
