@@ -152,14 +152,18 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
 def _on_tick(state: AttributorState, now: float, wall_ns: int
              ) -> tuple[AttributorState, list[Effect]]:
     effects: list[Effect] = []
+    expired = []
     for key, inc in list(state.incidents.items()):
         if not inc.settled and inc.hold_until is not None and now >= inc.hold_until:
             state, more = _attribute(replace(state, incidents={
                 **state.incidents, key: replace(inc, hold_until=None)}), key, wall_ns)
             effects += more
         elif now - inc.started > 2 * state.config.incident_window_s:
-            state = replace(state, incidents={k: v for k, v in state.incidents.items()
-                                              if k != key})
+            expired.append(key)
+    if expired:  # one copy of the table for all of them (a flood expires thousands at once)
+        gone = set(expired)
+        state = replace(state, incidents={k: v for k, v in state.incidents.items()
+                                          if k not in gone})
     return state, effects
 
 
