@@ -144,11 +144,20 @@ def on_escalation_claim(state, seq, w: Work, inp: Reply, now) -> Out:
 # ---- commit: generation, record, audit, publish, watchdog ------------------------------------------
 def commit(state: RemediatorState, seq: int, now: float, wall_ns: int) -> Out:
     """Apply the claimed decision of work ``seq``: job record (action mode), audit, publish."""
-    dec = state.work[seq].decision
+    w = state.work[seq]
+    dec = w.decision
     assert dec is not None and dec.job
     if dec.mode == "action" and dec.action != "none":
+        rec = w.record
+        if rec is not None and rec.generation_by and rec.generation_by == dec.event_id:
+            # this decision's own bump landed in a first try that died before its commit (a
+            # resumed chain): the generation in force is the one it made; no second bump
+            state, w = update(state, seq, expected=rec.generation - 1, tries=0)
+            return on_bump(state, seq, w, Reply(("bump", seq), rec.generation,
+                                                wall_ns=wall_ns), now)
         state, w = update(state, seq, expected=dec.generation - 1, tries=0)
-        return state, [store("bump_generation", dec.job, w.expected, reply=("bump", seq))]
+        return state, [store("bump_generation", dec.job, w.expected, dec.event_id,
+                             reply=("bump", seq))]
     return _finish(state, seq, now, wall_ns)
 
 
@@ -158,7 +167,8 @@ def on_bump(state, seq, w: Work, inp: Reply, now) -> Out:
     got, tries = int(inp.value), w.tries + 1
     if got != w.expected + 1 and tries < 5:
         state, w = update(state, seq, expected=got, tries=tries)
-        return state, [store("bump_generation", w.job, got, reply=("bump", seq))]
+        return state, [store("bump_generation", w.job, got, w.decision.event_id
+                             if w.decision is not None else "", reply=("bump", seq))]
     assert w.decision is not None and w.record is not None
     dec = w.decision.model_copy(update={"generation": got})
     state, w = update(state, seq, decision=dec, tries=tries)

@@ -119,6 +119,10 @@ class JobRecord(JobSettings):
     # ---- run state
     generation: int = _f(0, INT, "run",
                          "process-group generation in force; every recovery moves it by one")
+    generation_by: str = _f("", STR, "run",
+                            "the decision id whose bump made the generation in force ('' = a "
+                            "launch or a bump that named none): a decision resumed after a "
+                            "crash between its bump and its commit finds its bump here")
     status: str = _f("", STR, "run",
                      "running | finished | failed | stopped; '' = never launched")
     runs: int = _f(0, INT, "run",

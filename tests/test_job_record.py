@@ -33,6 +33,7 @@ MEMBERS = [{"rank": 0, "node": "n0", "local_rank": 0}, {"rank": 1, "node": "n1",
     ("node_timeout_s", 3.0, "3.0"),
     ("slurm_job_id", "4242", "4242"),
     ("generation", 7, "7"),
+    ("generation_by", "4f2a9c0e", "4f2a9c0e"),
     ("status", "stopped", "stopped"),
     ("runs", 2, "2"),
     ("members", MEMBERS, '[{"local_rank": 0, "node": "n0", "rank": 0}, '

@@ -99,10 +99,11 @@ class Store:
     def outbox(self, jobs=None):
         return {j: list(v.values()) for j, v in self.outboxes.items() if v}
 
-    def bump_generation(self, job, expected):
+    def bump_generation(self, job, expected, by=""):
         rec = self.records[job]
         if rec.generation == expected:
             rec.generation += 1
+            rec.generation_by = by
         return rec.generation
 
     def commit_decision(self, job, *, retries_used, last_decision, last_fault=None,
@@ -272,9 +273,28 @@ def test_bump_retries_from_the_generation_in_force():
     st.job = stale
     st.records["j"].generation = 3
     _, eff = run(st, [verdict_in(crash())])
-    assert [c.args for c in calls(eff, "bump_generation")] == [("j", 0), ("j", 3)]
     [d] = published(eff)
+    assert [c.args for c in calls(eff, "bump_generation")] == [("j", 0, d.event_id),
+                                                                ("j", 3, d.event_id)]
     assert d.generation == 4 and st.records["j"].generation == 4
+    assert st.records["j"].generation_by == d.event_id
+
+
+def test_a_chain_resumed_after_its_bump_landed_does_not_bump_again():
+    """Killed between the generation bump and the commit (the bump's reply lost with it): the
+    verdict comes again, the record shows the bump made by this decision (``generation_by``),
+    and the chain commits at that generation instead of moving it a second time."""
+    st = Store(j=record())
+    v = crash(rank=3)
+    _died(st, v, "commit_decision")  # claimed, bumped to 1, the commit failed, then killed
+    assert st.records["j"].generation == 1
+    assert st.records["j"].generation_by == decision_id(v.event_id)
+    state, eff = run(st, [verdict_in(v, 10.0)] + ticks(10.5, 14.0), state=RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1"))
+    [d] = published(eff)
+    assert d.generation == 1 and st.records["j"].generation == 1
+    assert calls(eff, "bump_generation") == []
+    assert st.records["j"].last_decision["id"] == d.event_id
 
 
 def ticks(t0, t1, every=0.5):

@@ -128,10 +128,11 @@ class MemoryStore:
     def claimed_by(self, key: str) -> str | None:
         return self.claims.get(key)
 
-    def bump_generation(self, job: str, expected: int) -> int:
+    def bump_generation(self, job: str, expected: int, by: str = "") -> int:
         rec = self._rec(job)
         if rec.generation == int(expected):
             rec.generation += 1
+            rec.generation_by = by
         return rec.generation
 
     def commit_decision(self, job: str, *, retries_used: int, last_decision: dict[str, Any],

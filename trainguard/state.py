@@ -308,10 +308,11 @@ class StateStore:
             pipe.hdel(_job_key(job), *drop)
         await pipe.execute()
 
-    async def bump_generation(self, job: str, expected: int) -> int:
-        """Atomically set generation to ``expected + 1`` if it is still ``expected``; returns
-        the generation now in force (a caller that lost the race learns the winner's)."""
-        return int(await self.r.eval(_BUMP_GENERATION, 1, _job_key(job), expected))
+    async def bump_generation(self, job: str, expected: int, by: str = "") -> int:
+        """Atomically set generation to ``expected + 1`` if it is still ``expected``, recording
+        ``by`` (the decision id) as ``generation_by``; returns the generation now in force (a
+        caller that lost the race learns the winner's)."""
+        return int(await self.r.eval(_BUMP_GENERATION, 1, _job_key(job), expected, by))
 
     # ---- idempotency and audit ------------------------------------------------------------------
     async def claim(self, key: str, owner: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> str | None:
@@ -473,7 +474,7 @@ if live == 0 then
         for _, k in ipairs(cjson.decode(ARGV[5])) do redis.call('HDEL', KEYS[1], k) end
         redis.call('HSET', KEYS[1], 'generation', tostring(gen), 'status', 'running',
                    'retries_used', '0')
-        redis.call('HDEL', KEYS[1], 'members', 'spare_nodes')
+        redis.call('HDEL', KEYS[1], 'members', 'spare_nodes', 'generation_by')
     end
     redis.call('HSET', KEYS[1], 'runs', tostring(runs + 1))
 end
@@ -517,7 +518,7 @@ return 0"""
 _BUMP_GENERATION = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 if cur == tonumber(ARGV[1]) then
-  redis.call('HSET', KEYS[1], 'generation', tostring(cur + 1))
+  redis.call('HSET', KEYS[1], 'generation', tostring(cur + 1), 'generation_by', ARGV[2])
   return cur + 1
 end
 return cur"""
