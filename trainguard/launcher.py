@@ -61,6 +61,12 @@ def _is_local(host: str) -> bool:
         return False
 
 
+#: Seconds a failed observe-mode launch waits at its end for the decision about its failure
+#: before it marks the job failed (an ended job decides nothing); the services decide within
+#: a second of a crash (README: SIGKILL detected 0.05 s, decided 0.05 s later).
+OBSERVE_DECISION_WAIT_S = 3.0
+
+
 class Launcher:
     """One node's launcher. ``run()`` returns the node's exit status: 0 when every local rank
     finished (or this node was excluded), ``EXIT_STOPPED`` when the job was stopped, 1 on an
@@ -207,8 +213,12 @@ class Launcher:
         elif not cfg.spare_node and status == 0:
             self.lease.mark_status("finished")
         elif not cfg.spare_node and status == 1 and cfg.mode == "action":
-            # (observe mode leaves the status: the decision that would have been taken for
-            # this failure is still to be published, and an ended job decides nothing)
+            self.lease.mark_status("failed")
+        elif not cfg.spare_node and status == 1:
+            # observe mode: the decision that would have been taken for this failure is still
+            # to be published, and an ended job decides nothing; so the job is marked failed
+            # once that decision came (or OBSERVE_DECISION_WAIT_S passed), not before
+            self._await_observed_decision(OBSERVE_DECISION_WAIT_S)
             self.lease.mark_status("failed")
         if not self.loop.fenced:
             self.lease.end()
@@ -219,6 +229,20 @@ class Launcher:
         if self.rdzv_proc is not None:
             self.rdzv_proc.kill()
             self.rdzv_proc.wait()
+
+    def _await_observed_decision(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s`` seconds) for a decision not seen before on this job's
+        decision subject; True when one came."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                ev = self.events.get(timeout=left)
+            except queue.Empty:
+                break
+            if isinstance(ev, DecisionReceived) and \
+                    ev.decision.idempotency_key not in self.loop.seen_keys:
+                return True
+        return False
 
     def request_stop(self, status: int = 1) -> None:
         self.events.put(StopRequested(status))
