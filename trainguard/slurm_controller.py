@@ -19,6 +19,19 @@ record, two decisions for one generation) drains, requeues or cancels once; the 
   generation is in force — a new run of the job), then ``scontrol update jobid=<id>
   admincomment="trainguard: <reason>"`` (``Comment`` when that is refused) and ``scancel <id>``.
 
+Readmission (``NodeController.readmit``: the policy and the reputation are the base class's; the
+hooks are here). Slurm 22.05 starts no job on a DRAIN node, not even one in a reservation that
+holds it (tried on the harness: ``srun -w NODE --reservation=R`` waits with "Required node not
+available"), so the canary runs in a window no other job can enter: ``scontrol create
+reservation reservationname=tg-canary-<node> nodes=<node> starttime=now duration=UNLIMITED
+users=<us> flags=maint,ignore_jobs``, then ``state=resume`` (the node is IDLE+MAINT+RESERVED:
+only the reservation's users can start jobs there), then ``srun -w <node> -N1 -n1
+--reservation=tg-canary-<node>`` of the canary program (``trainguard.canary``). Passed: the
+reservation is deleted and the node is in service. Failed: ``state=drain`` with the evidence as
+the reason, then the reservation is deleted. A readmit killed inside the window leaves the node
+reserved (``duration=UNLIMITED``: it never expires into service unchecked); the next readmit
+sees the reservation (``NodeView.CANARY``) and goes on from there.
+
 Commands are argv lists (no shell); each is bounded by ``SlurmConfig.timeout_s``. An external
 failure is a ``ControllerResult`` with ``ok`` False and what to do, never an exception.
 """
@@ -26,11 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from .controller_base import ControllerResult, NodeController
+from .controller_base import LOCAL_CANARY, ControllerResult, NodeController, run_canary_command
+from .reputation import NodeView
 
 __all__ = ["SlurmConfig", "SlurmController", "slurm_drain_command", "slurm_requeue_command",
            "slurm_squeue_command", "slurm_stop_commands", "slurm_reason", "parse_squeue_state",
@@ -61,6 +77,15 @@ class SlurmConfig:
     requeue: str = field(default_factory=lambda: os.environ.get("TG_SLURM_REQUEUE", "auto"))
     slurm_job_id: str = ""
     timeout_s: float = 30.0
+    #: readmission: ``srun`` path; the canary program as run on the node (env
+    #: ``TG_SLURM_CANARY_CMD``, shell words; default this Python's ``-m trainguard.canary
+    #: --json``: the node needs trainguard at the same path); ``canary_timeout_s`` bounds the
+    #: whole ``srun`` (seconds); ``reservation_prefix`` names the canary's reservation.
+    srun: str = field(default_factory=lambda: shutil.which("srun") or "srun")
+    canary_cmd: list[str] = field(default_factory=lambda: shlex.split(
+        os.environ.get("TG_SLURM_CANARY_CMD", "")) or list(LOCAL_CANARY))
+    canary_timeout_s: float = 300.0
+    reservation_prefix: str = "tg-canary-"
 
     def __post_init__(self) -> None:
         if self.requeue not in ("auto", "always", "never"):
@@ -302,3 +327,101 @@ class SlurmController(NodeController):
             return ControllerResult(False, f"{' '.join(cancel)} exited {rc}: {out[:300]}", done)
         said = "" if noted else " (reason not recorded on the job: scontrol update refused)"
         return ControllerResult(True, f"cancelled Slurm job {jid}{said}: {reason}"[:300], done)
+
+    # ---- readmission hooks (the policy and the reputation: NodeController.readmit) -----------
+    def reservation(self, node: str) -> str:
+        """The name of ``node``'s canary reservation."""
+        return f"{self.config.reservation_prefix}{node}"
+
+    async def _reserved(self, node: str) -> bool:
+        rc, out = await self._run([self.config.scontrol, "show", "reservation", "-o",
+                                   self.reservation(node)])
+        return rc == 0 and out.startswith("ReservationName=")
+
+    async def node_view(self, node: str) -> tuple[NodeView, str]:
+        """``scontrol show node``: DRAIN with a ``trainguard:`` reason is ours (busy while
+        jobs still run on it), any other DRAIN or DOWN is not; a node resumed inside its canary
+        reservation is ``CANARY`` (an interrupted readmit). Raises OSError when slurmctld
+        cannot be asked."""
+        rc, out = await self._run([self.config.scontrol, "show", "node", "-o", node])
+        if rc != 0:
+            if "not found" in out or "Invalid node name" in out:
+                return NodeView.UNKNOWN, out[:200]
+            raise OSError(f"scontrol show node {node} exited {rc}: {out[:200]}")
+        n = parse_scontrol(out)
+        state, reason = n.get("State", ""), n.get("Reason", "")
+        flags = state.split("+")
+        words = f"State={state}" + (f" Reason={reason}" if reason else "")
+        if "DRAIN" in flags:
+            if not reason.startswith("trainguard:"):
+                return NodeView.OTHER, words
+            if flags[0] in ("ALLOCATED", "MIXED", "COMPLETING") or "COMPLETING" in flags:
+                return NodeView.OURS_BUSY, words
+            return NodeView.OURS, words
+        if await self._reserved(node):
+            return NodeView.CANARY, f"{words} in reservation {self.reservation(node)}"
+        if flags[0] in ("DOWN", "FAIL", "FUTURE", "UNKNOWN"):
+            return NodeView.OTHER, words
+        return NodeView.IN_SERVICE, words
+
+    async def _mutate(self, cmd: list[str], done: list[Any]) -> None:
+        rc, out = await self._run(cmd)
+        done.append(cmd)
+        if rc != 0:
+            raise OSError(f"{' '.join(cmd)} exited {rc}: {out[:200]}")
+
+    def canary_argv(self, node: str) -> list[str]:
+        """The ``srun`` of the canary on ``node`` inside its reservation."""
+        minutes = max(1, int(self.config.canary_timeout_s // 60) + 1)
+        return [self.config.srun, "-w", node, "-N1", "-n1", f"--reservation={self.reservation(node)}",
+                "--immediate=60", f"--time={minutes}", "--job-name=trainguard-canary",
+                *self.config.canary_cmd]
+
+    async def canary(self, node: str) -> tuple[bool, str]:
+        """Open the canary window (reservation, then resume; each only when not so already)
+        and ``srun`` the canary program on ``node`` (see the module docstring)."""
+        done: list[Any] = []
+        try:
+            if not await self._reserved(node):
+                user = pwd.getpwuid(os.getuid()).pw_name
+                await self._mutate([self.config.scontrol, "create", "reservation",
+                                    f"reservationname={self.reservation(node)}", f"nodes={node}",
+                                    "starttime=now", "duration=UNLIMITED", f"users={user}",
+                                    "flags=maint,ignore_jobs"], done)
+            if "DRAIN" in (await self._show("node", node)).get("State", ""):
+                await self._mutate([self.config.scontrol, "update", f"nodename={node}",
+                                    "state=resume"], done)
+            ok, detail = await run_canary_command(self.canary_argv(node), node,
+                                                  self.config.canary_timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return False, f"Slurm: {exc or 'timed out'}"
+        return ok, f"srun on {node}: {detail}"
+
+    async def return_to_service(self, node: str, why: str) -> ControllerResult:
+        """Resume ``node`` (when still drained) and delete its canary reservation."""
+        done: list[Any] = []
+        try:
+            if "DRAIN" in (await self._show("node", node)).get("State", ""):
+                await self._mutate([self.config.scontrol, "update", f"nodename={node}",
+                                    "state=resume"], done)
+            if await self._reserved(node):
+                await self._mutate([self.config.scontrol, "delete",
+                                    f"reservationname={self.reservation(node)}"], done)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+        return ControllerResult(True, f"resumed {node}", done)
+
+    async def keep_out(self, node: str, why: str) -> ControllerResult:
+        """Drain ``node`` with ``why`` as its reason (a drained node's reason is replaced),
+        then delete its canary reservation, in that order: no moment in service."""
+        done: list[Any] = []
+        try:
+            await self._mutate(slurm_drain_command(node, why, self.config.scontrol), done)
+            if await self._reserved(node):
+                await self._mutate([self.config.scontrol, "delete",
+                                    f"reservationname={self.reservation(node)}"], done)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+        if self.state is not None:
+            await self.state.set_node(node, "excluded", why[:500])
+        return ControllerResult(True, f"{node} drained: {slurm_reason(why)}", done)
