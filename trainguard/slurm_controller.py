@@ -149,6 +149,8 @@ def stop_plan(state: str, in_force: int | None, generation: int | None,
         return "skip", f"Slurm job {job_id} already ended (Slurm no longer knows it)"
     if state in ENDED_STATES:
         return "skip", f"Slurm job {job_id} already ended ({state})"
+    if state == "COMPLETING":  # its processes are ending (a cancel just before, or its end)
+        return "skip", f"Slurm job {job_id} already ending (COMPLETING)"
     return "cancel", f"Slurm job {job_id} is {state}"
 
 
@@ -246,7 +248,7 @@ class SlurmController(NodeController):
             if not self._should_requeue(record):
                 return ControllerResult(True, f"{said}; Slurm job {jid} goes on in place "
                                               f"(requeue={self.config.requeue})", done)
-            ok, detail = await self._requeue(jid, node, done)
+            ok, detail = await self._requeue_once(job, record, jid, node, done)
             return ControllerResult(ok, f"{said}; {detail}", done)
         except (OSError, asyncio.TimeoutError) as exc:
             return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
@@ -258,6 +260,36 @@ class SlurmController(NodeController):
             return False
         return record.status in ("stopped", "failed") or (
             0 < record.world_size < record.min_world_size)
+
+    async def _requeue_once(self, job: str, record: Any, jid: str, node: str,
+                            done: list[Any]) -> tuple[bool, str]:
+        """One requeue per generation of the trainguard job: before requeueing, the claim
+        ``<job>:g<generation>:slurm-requeue:<id>`` records Slurm's ``Restarts`` count of the
+        job; a controller restarted after the requeue finds the claim and a higher count (the
+        requeue happened: Slurm counts it at once, while the job may still be COMPLETING) and
+        does not requeue again — it only sets ``ExcNodeList`` when the first try did not get
+        that far. A claim with the same count: the first try died before requeueing."""
+        if self.state is None:
+            return await self._requeue(jid, node, done)
+        gen = record.generation if record is not None else "?"
+        seen = await self._show("job", jid)
+        restarts = seen.get("Restarts", "")
+        held = await self.state.claim(f"{job}:g{gen}:slurm-requeue:{jid}", f"restarts={restarts}")
+        before = (held or "").partition("=")[2]
+        if not (before.isdigit() and restarts.isdigit() and int(restarts) > int(before)):
+            return await self._requeue(jid, node, done)
+        cmd = slurm_requeue_command(jid, self.config.scontrol)
+        done.append({"skipped": cmd, "why": f"requeued already for generation {gen} (Restarts "
+                                            f"{before} -> {restarts})"})
+        exc = [n for n in seen.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
+        if node in exc:
+            return True, f"Slurm job {jid} already requeued for generation {gen} without {node}"
+        upd = [self.config.scontrol, "update", f"jobid={jid}",
+               f"excnodelist={','.join([*exc, node])}"]
+        rc, out = await self._run(upd)
+        done.append(upd)
+        return True, (f"Slurm job {jid} already requeued for generation {gen}; "
+                      + (f"now without {node}" if rc == 0 else f"excnodelist not set: {out[:200]}"))
 
     async def _requeue(self, jid: str, node: str, done: list[Any]) -> tuple[bool, str]:
         job = await self._show("job", jid)
@@ -308,8 +340,13 @@ class SlurmController(NodeController):
             if plan == "skip":
                 return ControllerResult(True, why, [{"skipped": c, "why": why} for c in cmds])
             comment, cancel = cmds[0], cmds[-1]
-            rc, out = await self._run(comment)
-            done.append(comment)
+            shown = await self._show("job", jid)  # a first try that died after the comment
+            if slurm_reason(reason) in (shown.get("AdminComment"), shown.get("Comment")):
+                rc, out = 0, ""
+                done.append({"skipped": comment, "why": "the reason is on the job already"})
+            else:
+                rc, out = await self._run(comment)
+                done.append(comment)
             noted = rc == 0
             if not noted:  # AdminComment is for Slurm operators: the job's own Comment then
                 user = [*comment[:-1], comment[-1].replace("admincomment=", "comment=", 1)]
