@@ -163,7 +163,7 @@ async def actor(redis_url: str, shims: dict[str, str], phase: str) -> None:
             await asyncio.sleep(0.2)
 
 
-# ---- the driver -----------------------------------------------------------------------------------
+# ---- the driver ---------------------------------------------------------------------------
 class Killer(threading.Thread):
     """Keeps one actor process alive and SIGKILLs it ``kills`` times (see the module
     docstring); ``record`` lists ``(phase, monotonic s)`` of each kill."""

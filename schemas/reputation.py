@@ -5,9 +5,9 @@ only through ``StateStore.add_offence`` and ``StateStore.set_probation``, both a
 The score is stored as its value ``score`` at ``score_ns`` (Unix ns); its value at a later time
 decays with a half-life (``trainguard.reputation.decayed``), so nothing has to rewrite the hash
 for the score to fall. ``evidence`` (the list) keeps the last ``EVIDENCE_KEPT`` offences, newest
-last, each ``{"key", "job", "reason", "weight", "ts_ns"}``; the members of ``tg:rep:<node>:keys`` (a set) are
-the offence keys counted already (one per job generation and node), so an exclusion carried out
-twice counts once.
+last, each ``{"key", "job", "reason", "weight", "ts_ns"}``; the members of the set
+``tg:rep:<node>:keys`` are the offence keys counted already (one per job generation and node),
+so an exclusion carried out twice counts once.
 
 ``status``: ``clean`` (never drained by trainguard, or forgiven), ``drained`` (taken out by
 trainguard; its canary has not passed yet), ``probation`` (returned after a passed canary, until

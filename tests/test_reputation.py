@@ -233,3 +233,30 @@ def test_canary_summary_reads_the_last_json_line():
     assert canary_summary('noise\n{"summary": "compute: off"}\n') == "compute: off"
     assert canary_summary("srun: error: Unable to allocate") == "srun: error: Unable to allocate"
     assert dataclasses.is_dataclass(NodeReputation)
+
+
+async def test_the_node_command_shows_forgives_and_readmits(redis_db, monkeypatch, capsys):
+    """``trainguard node``: a node in service needs no canary (exit 0), ``show`` prints the
+    score now, ``forgive`` removes the reputation; no state store: exit 2, saying why."""
+    import asyncio
+    import json
+
+    from trainguard.node_cli import main
+    from trainguard.state import StateStore
+
+    st = StateStore(redis_db)
+    await st.add_offence("n9", "j:g0", 1.0, 7 * 86400.0, {"job": "j", "reason": "xid 79"})
+    await st.close()
+    monkeypatch.setenv("REDIS_URL", redis_db)
+    run = asyncio.to_thread
+    assert await run(main, ["readmit", "n9", "--controller", "local"]) == 0
+    assert "in service already" in capsys.readouterr().out
+    assert await run(main, ["show", "n9", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["status"] == "drained" and row["score_now"] == pytest.approx(1.0, abs=1e-3)
+    assert await run(main, ["forgive", "n9"]) == 0
+    capsys.readouterr()
+    assert await run(main, ["show"]) == 0 and capsys.readouterr().out == ""
+    monkeypatch.delenv("REDIS_URL")
+    assert await run(main, ["show"]) == 2
+    assert "REDIS_URL is not set" in capsys.readouterr().err

@@ -410,7 +410,8 @@ class SlurmController(NodeController):
     def canary_argv(self, node: str) -> list[str]:
         """The ``srun`` of the canary on ``node`` inside its reservation."""
         minutes = max(1, int(self.config.canary_timeout_s // 60) + 1)
-        return [self.config.srun, "-w", node, "-N1", "-n1", f"--reservation={self.reservation(node)}",
+        return [self.config.srun, "-w", node, "-N1", "-n1",
+                f"--reservation={self.reservation(node)}",
                 "--immediate=60", f"--time={minutes}", "--job-name=trainguard-canary",
                 *self.config.canary_cmd]
 

@@ -19,8 +19,8 @@ never cordons the node for it. ``readmit(node, canary)`` (``NodeController.readm
 reputation and policy as every controller) uncordons a suspect node and removes its label only
 when the policy allows it and ``canary(node)`` passes (default: the node's ``Ready`` condition is
 ``True`` and it has no ``trainguard.io/drain-requested`` annotation); a failing canary or a
-repeat offender keeps it cordoned with the evidence in ``trainguard.io/suspect-reason``. Node names are Kubernetes names as the
-downward API gives them (``spec.nodeName``), dots included.
+repeat offender keeps it cordoned with the evidence in ``trainguard.io/suspect-reason``. Node
+names are Kubernetes names as the downward API gives them (``spec.nodeName``), dots included.
 
 Like every controller it never raises for an API failure: ``ok`` is False, ``detail`` says what
 to do, and ``commands`` lists the requests made, for the audit trail.
