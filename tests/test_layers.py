@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.remediator", RULES, False), ("trainguard.checkpoint_validator", RULES, False),
     ("trainguard.executor", RULES, False),
     ("trainguard.slurm_watch", RULES, False),  # the Slurm watcher's snapshot reader and reducer
+    ("trainguard.reputation", RULES, False),  # node reputation and the readmit policy
     ("trainguard.checkpoint.verify", RULES, False),  # the integrity check validator and restore share
     # services (their wiring modules) and the node agent
     ("trainguard.detector.service", SERVICE, True), ("trainguard.attributor.service", SERVICE, True),
@@ -73,6 +74,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.replay_decide", COMMAND, False), ("trainguard.memstore", COMMAND, False),
     ("trainguard.replay_policy", COMMAND, False),
     ("trainguard.report", COMMAND, False),
+    ("trainguard.canary", COMMAND, False),  # the node health canary program
+    ("trainguard.node_cli", COMMAND, False),  # `trainguard node readmit|probation|show`
     ("trainguard.cluster", COMMAND, False),  # the one-machine cluster harness (netns, Slurm)
 ]
 

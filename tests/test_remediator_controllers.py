@@ -40,6 +40,7 @@ def test_slurm_commands():
     ("COMPLETED", 3, 3, "skip", "already ended (COMPLETED)"),
     ("NODE_FAIL", 3, 3, "skip", "already ended (NODE_FAIL)"),
     ("GONE", 3, 3, "skip", "Slurm no longer knows it"),
+    ("COMPLETING", 3, 3, "skip", "already ending (COMPLETING)"),  # a cancel just landed
 ])
 def test_slurm_stop_plan(state, in_force, generation, plan, says):
     from trainguard.slurm_controller import stop_plan

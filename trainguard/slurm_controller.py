@@ -19,6 +19,19 @@ record, two decisions for one generation) drains, requeues or cancels once; the 
   generation is in force — a new run of the job), then ``scontrol update jobid=<id>
   admincomment="trainguard: <reason>"`` (``Comment`` when that is refused) and ``scancel <id>``.
 
+Readmission (``NodeController.readmit``: the policy and the reputation are the base class's; the
+hooks are here). Slurm 22.05 starts no job on a DRAIN node, not even one in a reservation that
+holds it (tried on the harness: ``srun -w NODE --reservation=R`` waits with "Required node not
+available"), so the canary runs in a window no other job can enter: ``scontrol create
+reservation reservationname=tg-canary-<node> nodes=<node> starttime=now duration=UNLIMITED
+users=<us> flags=maint,ignore_jobs``, then ``state=resume`` (the node is IDLE+MAINT+RESERVED:
+only the reservation's users can start jobs there), then ``srun -w <node> -N1 -n1
+--reservation=tg-canary-<node>`` of the canary program (``trainguard.canary``). Passed: the
+reservation is deleted and the node is in service. Failed: ``state=drain`` with the evidence as
+the reason, then the reservation is deleted. A readmit killed inside the window leaves the node
+reserved (``duration=UNLIMITED``: it never expires into service unchecked); the next readmit
+sees the reservation (``NodeView.CANARY``) and goes on from there.
+
 Commands are argv lists (no shell); each is bounded by ``SlurmConfig.timeout_s``. An external
 failure is a ``ControllerResult`` with ``ok`` False and what to do, never an exception.
 """
@@ -26,11 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from .controller_base import ControllerResult, NodeController
+from .controller_base import LOCAL_CANARY, ControllerResult, NodeController, run_canary_command
+from .reputation import NodeView
 
 __all__ = ["SlurmConfig", "SlurmController", "slurm_drain_command", "slurm_requeue_command",
            "slurm_squeue_command", "slurm_stop_commands", "slurm_reason", "parse_squeue_state",
@@ -61,6 +77,15 @@ class SlurmConfig:
     requeue: str = field(default_factory=lambda: os.environ.get("TG_SLURM_REQUEUE", "auto"))
     slurm_job_id: str = ""
     timeout_s: float = 30.0
+    #: readmission: ``srun`` path; the canary program as run on the node (env
+    #: ``TG_SLURM_CANARY_CMD``, shell words; default this Python's ``-m trainguard.canary
+    #: --json``: the node needs trainguard at the same path); ``canary_timeout_s`` bounds the
+    #: whole ``srun`` (seconds); ``reservation_prefix`` names the canary's reservation.
+    srun: str = field(default_factory=lambda: shutil.which("srun") or "srun")
+    canary_cmd: list[str] = field(default_factory=lambda: shlex.split(
+        os.environ.get("TG_SLURM_CANARY_CMD", "")) or list(LOCAL_CANARY))
+    canary_timeout_s: float = 300.0
+    reservation_prefix: str = "tg-canary-"
 
     def __post_init__(self) -> None:
         if self.requeue not in ("auto", "always", "never"):
@@ -124,6 +149,8 @@ def stop_plan(state: str, in_force: int | None, generation: int | None,
         return "skip", f"Slurm job {job_id} already ended (Slurm no longer knows it)"
     if state in ENDED_STATES:
         return "skip", f"Slurm job {job_id} already ended ({state})"
+    if state == "COMPLETING":  # its processes are ending (a cancel just before, or its end)
+        return "skip", f"Slurm job {job_id} already ending (COMPLETING)"
     return "cancel", f"Slurm job {job_id} is {state}"
 
 
@@ -221,7 +248,7 @@ class SlurmController(NodeController):
             if not self._should_requeue(record):
                 return ControllerResult(True, f"{said}; Slurm job {jid} goes on in place "
                                               f"(requeue={self.config.requeue})", done)
-            ok, detail = await self._requeue(jid, node, done)
+            ok, detail = await self._requeue_once(job, record, jid, node, done)
             return ControllerResult(ok, f"{said}; {detail}", done)
         except (OSError, asyncio.TimeoutError) as exc:
             return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
@@ -233,6 +260,36 @@ class SlurmController(NodeController):
             return False
         return record.status in ("stopped", "failed") or (
             0 < record.world_size < record.min_world_size)
+
+    async def _requeue_once(self, job: str, record: Any, jid: str, node: str,
+                            done: list[Any]) -> tuple[bool, str]:
+        """One requeue per generation of the trainguard job: before requeueing, the claim
+        ``<job>:g<generation>:slurm-requeue:<id>`` records Slurm's ``Restarts`` count of the
+        job; a controller restarted after the requeue finds the claim and a higher count (the
+        requeue happened: Slurm counts it at once, while the job may still be COMPLETING) and
+        does not requeue again — it only sets ``ExcNodeList`` when the first try did not get
+        that far. A claim with the same count: the first try died before requeueing."""
+        if self.state is None:
+            return await self._requeue(jid, node, done)
+        gen = record.generation if record is not None else "?"
+        seen = await self._show("job", jid)
+        restarts = seen.get("Restarts", "")
+        held = await self.state.claim(f"{job}:g{gen}:slurm-requeue:{jid}", f"restarts={restarts}")
+        before = (held or "").partition("=")[2]
+        if not (before.isdigit() and restarts.isdigit() and int(restarts) > int(before)):
+            return await self._requeue(jid, node, done)
+        cmd = slurm_requeue_command(jid, self.config.scontrol)
+        done.append({"skipped": cmd, "why": f"requeued already for generation {gen} (Restarts "
+                                            f"{before} -> {restarts})"})
+        exc = [n for n in seen.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
+        if node in exc:
+            return True, f"Slurm job {jid} already requeued for generation {gen} without {node}"
+        upd = [self.config.scontrol, "update", f"jobid={jid}",
+               f"excnodelist={','.join([*exc, node])}"]
+        rc, out = await self._run(upd)
+        done.append(upd)
+        return True, (f"Slurm job {jid} already requeued for generation {gen}; "
+                      + (f"now without {node}" if rc == 0 else f"excnodelist not set: {out[:200]}"))
 
     async def _requeue(self, jid: str, node: str, done: list[Any]) -> tuple[bool, str]:
         job = await self._show("job", jid)
@@ -283,8 +340,13 @@ class SlurmController(NodeController):
             if plan == "skip":
                 return ControllerResult(True, why, [{"skipped": c, "why": why} for c in cmds])
             comment, cancel = cmds[0], cmds[-1]
-            rc, out = await self._run(comment)
-            done.append(comment)
+            shown = await self._show("job", jid)  # a first try that died after the comment
+            if slurm_reason(reason) in (shown.get("AdminComment"), shown.get("Comment")):
+                rc, out = 0, ""
+                done.append({"skipped": comment, "why": "the reason is on the job already"})
+            else:
+                rc, out = await self._run(comment)
+                done.append(comment)
             noted = rc == 0
             if not noted:  # AdminComment is for Slurm operators: the job's own Comment then
                 user = [*comment[:-1], comment[-1].replace("admincomment=", "comment=", 1)]
@@ -302,3 +364,102 @@ class SlurmController(NodeController):
             return ControllerResult(False, f"{' '.join(cancel)} exited {rc}: {out[:300]}", done)
         said = "" if noted else " (reason not recorded on the job: scontrol update refused)"
         return ControllerResult(True, f"cancelled Slurm job {jid}{said}: {reason}"[:300], done)
+
+    # ---- readmission hooks (the policy and the reputation: NodeController.readmit) -----------
+    def reservation(self, node: str) -> str:
+        """The name of ``node``'s canary reservation."""
+        return f"{self.config.reservation_prefix}{node}"
+
+    async def _reserved(self, node: str) -> bool:
+        rc, out = await self._run([self.config.scontrol, "show", "reservation", "-o",
+                                   self.reservation(node)])
+        return rc == 0 and out.startswith("ReservationName=")
+
+    async def node_view(self, node: str) -> tuple[NodeView, str]:
+        """``scontrol show node``: DRAIN with a ``trainguard:`` reason is ours (busy while
+        jobs still run on it), any other DRAIN or DOWN is not; a node resumed inside its canary
+        reservation is ``CANARY`` (an interrupted readmit). Raises OSError when slurmctld
+        cannot be asked."""
+        rc, out = await self._run([self.config.scontrol, "show", "node", "-o", node])
+        if rc != 0:
+            if "not found" in out or "Invalid node name" in out:
+                return NodeView.UNKNOWN, out[:200]
+            raise OSError(f"scontrol show node {node} exited {rc}: {out[:200]}")
+        n = parse_scontrol(out)
+        state, reason = n.get("State", ""), n.get("Reason", "")
+        flags = state.split("+")
+        words = f"State={state}" + (f" Reason={reason}" if reason else "")
+        if "DRAIN" in flags:
+            if not reason.startswith("trainguard:"):
+                return NodeView.OTHER, words
+            if flags[0] in ("ALLOCATED", "MIXED", "COMPLETING") or "COMPLETING" in flags:
+                return NodeView.OURS_BUSY, words
+            return NodeView.OURS, words
+        if await self._reserved(node):
+            return NodeView.CANARY, f"{words} in reservation {self.reservation(node)}"
+        if flags[0] in ("DOWN", "FAIL", "FUTURE", "UNKNOWN"):
+            return NodeView.OTHER, words
+        return NodeView.IN_SERVICE, words
+
+    async def _mutate(self, cmd: list[str], done: list[Any]) -> None:
+        rc, out = await self._run(cmd)
+        done.append(cmd)
+        if rc != 0:
+            raise OSError(f"{' '.join(cmd)} exited {rc}: {out[:200]}")
+
+    def canary_argv(self, node: str) -> list[str]:
+        """The ``srun`` of the canary on ``node`` inside its reservation."""
+        minutes = max(1, int(self.config.canary_timeout_s // 60) + 1)
+        return [self.config.srun, "-w", node, "-N1", "-n1",
+                f"--reservation={self.reservation(node)}",
+                "--immediate=60", f"--time={minutes}", "--job-name=trainguard-canary",
+                *self.config.canary_cmd]
+
+    async def canary(self, node: str) -> tuple[bool, str]:
+        """Open the canary window (reservation, then resume; each only when not so already)
+        and ``srun`` the canary program on ``node`` (see the module docstring)."""
+        done: list[Any] = []
+        try:
+            if not await self._reserved(node):
+                user = pwd.getpwuid(os.getuid()).pw_name
+                await self._mutate([self.config.scontrol, "create", "reservation",
+                                    f"reservationname={self.reservation(node)}", f"nodes={node}",
+                                    "starttime=now", "duration=UNLIMITED", f"users={user}",
+                                    "flags=maint,ignore_jobs"], done)
+            if "DRAIN" in (await self._show("node", node)).get("State", ""):
+                await self._mutate([self.config.scontrol, "update", f"nodename={node}",
+                                    "state=resume"], done)
+            ok, detail = await run_canary_command(self.canary_argv(node), node,
+                                                  self.config.canary_timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return False, f"Slurm: {exc or 'timed out'}"
+        return ok, f"srun on {node}: {detail}"
+
+    async def return_to_service(self, node: str, why: str) -> ControllerResult:
+        """Resume ``node`` (when still drained) and delete its canary reservation."""
+        done: list[Any] = []
+        try:
+            if "DRAIN" in (await self._show("node", node)).get("State", ""):
+                await self._mutate([self.config.scontrol, "update", f"nodename={node}",
+                                    "state=resume"], done)
+            if await self._reserved(node):
+                await self._mutate([self.config.scontrol, "delete",
+                                    f"reservationname={self.reservation(node)}"], done)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+        return ControllerResult(True, f"resumed {node}", done)
+
+    async def keep_out(self, node: str, why: str) -> ControllerResult:
+        """Drain ``node`` with ``why`` as its reason (a drained node's reason is replaced),
+        then delete its canary reservation, in that order: no moment in service."""
+        done: list[Any] = []
+        try:
+            await self._mutate(slurm_drain_command(node, why, self.config.scontrol), done)
+            if await self._reserved(node):
+                await self._mutate([self.config.scontrol, "delete",
+                                    f"reservationname={self.reservation(node)}"], done)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+        if self.state is not None:
+            await self.state.set_node(node, "excluded", why[:500])
+        return ControllerResult(True, f"{node} drained: {slurm_reason(why)}", done)

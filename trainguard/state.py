@@ -21,6 +21,10 @@ key                             type   content
 ``tg:job:<job>:outbox``         hash   decision id → decision (JSON) stored, not yet seen stored
                                        in JetStream (the remediator's outbox)
 ``tg:members:<service>``        zset   live replicas of a service, score = lease expiry (Unix ms)
+``tg:rep:<node>``               hash   the node's reputation across jobs:
+                                       ``schemas.reputation.NodeReputation``; ``reputation``
+``tg:rep:<node>:evidence``      list   its last offences (JSON), newest last
+``tg:rep:<node>:keys``          set    offence keys counted already (30 days)
 ==============================  =====  ============================================================
 """
 from __future__ import annotations
@@ -43,11 +47,15 @@ from trainguard.schemas.job import (
     encode_value,
 )
 
+from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_reputation
+
 from .auth import redact
 from .errors import ServerUnreachable
 from .tls import ca_file
 
 IDEMPOTENCY_TTL_S = 7 * 86400
+#: how long an offence key is remembered (an exclusion carried out again later counts again)
+OFFENCE_KEY_TTL_S = 30 * 86400
 
 
 class LauncherConflict(RuntimeError):
@@ -365,6 +373,60 @@ class StateStore:
             out[node] = await self.r.hgetall(key)
         return out
 
+    # ---- node reputation: schemas.reputation; the policy is trainguard.reputation's ------------
+    async def reputation(self, node: str) -> NodeReputation:
+        """``node``'s reputation (defaults when it has none). Raises ValueError for a field
+        that cannot be read."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(_rep_key(node))
+        pipe.lrange(_rep_key(node) + ":evidence", 0, -1)
+        raw, ev = await pipe.execute()
+        rep = decode_reputation(node, raw)
+        return dataclasses.replace(rep, evidence=[json.loads(e) for e in ev])
+
+    async def reputations(self) -> list[NodeReputation]:
+        """Every node with a reputation, by name (SCAN)."""
+        names = sorted({k[len("tg:rep:"):] async for k in self.r.scan_iter(match="tg:rep:*",
+                                                                            count=500)
+                        if not k.endswith((":evidence", ":keys"))})
+        return [await self.reputation(n) for n in names]
+
+    async def add_offence(self, node: str, key: str, weight: float, half_life_s: float,
+                          evidence: dict[str, Any], status: str = "drained", detail: str = "",
+                          now_ns: int | None = None) -> tuple[bool, float]:
+        """Count one offence of ``node`` under ``key`` (e.g. ``<job>:g<generation>``): the
+        score decays to ``now_ns`` (Unix ns; default now) with ``half_life_s`` (seconds) and
+        ``weight`` is added; ``evidence`` (JSON-able) joins the last ``EVIDENCE_KEPT``;
+        ``status``/``detail`` are set. Atomic; a ``key`` counted already changes nothing.
+        Returns ``(counted, score now)``."""
+        now = now_ns or time.time_ns()
+        ev = json.dumps({**evidence, "key": key, "weight": weight, "ts_ns": now}, default=str)
+        counted, score = await self.r.eval(
+            _ADD_OFFENCE, 3, _rep_key(node), _rep_key(node) + ":keys",
+            _rep_key(node) + ":evidence", key, repr(float(weight)), str(now),
+            repr(float(half_life_s)), ev, EVIDENCE_KEPT, status, detail[:500],
+            OFFENCE_KEY_TTL_S)
+        return bool(int(counted)), float(score)
+
+    async def set_probation(self, node: str, status: str, detail: str = "",
+                            until_ns: int | None = None,
+                            canary: dict[str, Any] | None = None) -> None:
+        """Set ``node``'s reputation ``status`` (``schemas.reputation.STATUSES``) with
+        ``detail``; ``until_ns``: the end of its probation (Unix ns; None: kept); ``canary``:
+        the last canary's result (None: kept). The score is left as it is."""
+        fields: dict[str, Any] = {"status": status, "detail": detail[:500],
+                                  "updated_ns": time.time_ns()}
+        if until_ns is not None:
+            fields["probation_until_ns"] = int(until_ns)
+        if canary is not None:
+            fields["canary"] = json.dumps(canary, default=str)
+        await self.r.hset(_rep_key(node), mapping=fields)
+
+    async def forget_reputation(self, node: str) -> None:
+        """An operator forgives ``node`` (repaired, replaced): its reputation is removed."""
+        await self.r.delete(_rep_key(node), _rep_key(node) + ":keys",
+                            _rep_key(node) + ":evidence")
+
     # ---- checkpoints --------------------------------------------------------------------------
     async def add_checkpoint(self, job: str, path: str, step: int) -> None:
         """Index a committed checkpoint as ``pending`` (until the validator marks it)."""
@@ -445,6 +507,10 @@ def _outbox_key(job: str) -> str:
     return f"tg:job:{job}:outbox"
 
 
+def _rep_key(node: str) -> str:
+    return f"tg:rep:{node}"
+
+
 def _members_key(service: str) -> str:
     return f"tg:members:{service}"
 
@@ -522,3 +588,28 @@ if cur == tonumber(ARGV[1]) then
   return cur + 1
 end
 return cur"""
+
+# KEYS = reputation hash, offence keys, evidence list; ARGV = key, weight, now (ns, text),
+# half-life (s), evidence (JSON), evidence kept, status, detail, key TTL (s). Unix ns go in and
+# out as text (a Lua number would round them).
+_ADD_OFFENCE = """
+local function decayed()
+  local s = tonumber(redis.call('HGET', KEYS[1], 'score') or '0') or 0
+  local at = redis.call('HGET', KEYS[1], 'score_ns')
+  if not at or at == '' or s == 0 then return s end
+  local dt = (tonumber(ARGV[3]) - tonumber(at)) / 1e9
+  if dt < 0 then dt = 0 end
+  return s * 2 ^ (-dt / tonumber(ARGV[4]))
+end
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
+  return {0, tostring(decayed())}
+end
+local score = decayed() + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'score', tostring(score), 'score_ns', ARGV[3], 'status', ARGV[7],
+           'detail', ARGV[8], 'updated_ns', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'offences', 1)
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[9]))
+redis.call('RPUSH', KEYS[3], ARGV[5])
+redis.call('LTRIM', KEYS[3], -tonumber(ARGV[6]), -1)
+return {1, tostring(score)}"""

@@ -15,10 +15,12 @@ cluster (``TG_NODE_CONTROLLER=kubernetes``, registered in ``trainguard.controlle
 ``restart_pod(node, job, before_ns)`` deletes only the failed pod of a job on a node (one created
 before the fault) and lets the job's controller recreate it; the remediator calls it when a
 job's launcher is lost while its node is healthy (``remediator.policy.POD_RESTARTS``), and
-never cordons the node for it. ``readmit(node, canary)`` uncordons a suspect node and removes its
-label only when ``canary(node)`` passes (default: the node's ``Ready`` condition is ``True`` and it has
-no ``trainguard.io/drain-requested`` annotation). Node names are Kubernetes names as the
-downward API gives them (``spec.nodeName``), dots included.
+never cordons the node for it. ``readmit(node, canary)`` (``NodeController.readmit``: the same
+reputation and policy as every controller) uncordons a suspect node and removes its label only
+when the policy allows it and ``canary(node)`` passes (default: the node's ``Ready`` condition is
+``True`` and it has no ``trainguard.io/drain-requested`` annotation); a failing canary or a
+repeat offender keeps it cordoned with the evidence in ``trainguard.io/suspect-reason``. Node
+names are Kubernetes names as the downward API gives them (``spec.nodeName``), dots included.
 
 Like every controller it never raises for an API failure: ``ok`` is False, ``detail`` says what
 to do, and ``commands`` lists the requests made, for the audit trail.
@@ -26,16 +28,14 @@ to do, and ``commands`` lists the requests made, for the audit trail.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from trainguard.controller_base import ControllerResult, NodeController
+from trainguard.reputation import NodeView
 from trainguard.state import StateStore
 
 from .api import (DRAIN_REQUESTED, JOB_LABEL, OWNER_LABELS, SUSPECT_LABEL, SUSPECT_REASON, Kube,
                   KubeConfig)
-
-Canary = Callable[[str], Awaitable[tuple[bool, str]]]
-
 
 def _req(method: str, path: str, **extra: Any) -> dict[str, Any]:
     return {"method": method, "path": path, **extra}
@@ -151,15 +151,24 @@ class KubernetesNodeController(NodeController):
             return False, f"node {node} is still annotated {DRAIN_REQUESTED}"
         return True, f"node {node} is Ready"
 
-    async def readmit(self, node: str, canary: Canary | None = None) -> ControllerResult:
-        """Uncordon ``node`` and drop its suspect label, only after ``canary(node)`` passes
-        (``(ok, detail)``; default ``ready_canary``). A failing canary leaves it cordoned."""
-        try:
-            ok, detail = await (canary or self.ready_canary)(node)
-        except Exception as exc:  # noqa: BLE001 - a canary that raises has not passed
-            ok, detail = False, f"canary raised {_why(exc)}"
-        if not ok:
-            return ControllerResult(False, f"kept {node} cordoned: {detail}")
+    # ---- readmission hooks (the policy and the reputation: NodeController.readmit) -----------
+    async def node_view(self, node: str) -> tuple[NodeView, str]:
+        """Cordoned with the suspect label: ours; cordoned without it: an operator's; else in
+        service. Raises the API's error when the node cannot be read."""
+        n = await self.kube.node(node)
+        cordoned = bool((n.get("spec") or {}).get("unschedulable"))
+        labels = (n.get("metadata") or {}).get("labels") or {}
+        if cordoned and labels.get(SUSPECT_LABEL) == "true":
+            return NodeView.OURS, f"cordoned, {SUSPECT_LABEL}=true"
+        if cordoned:
+            return NodeView.OTHER, f"cordoned without {SUSPECT_LABEL}"
+        return NodeView.IN_SERVICE, "schedulable"
+
+    async def canary(self, node: str) -> tuple[bool, str]:
+        return await self.ready_canary(node)
+
+    async def return_to_service(self, node: str, why: str) -> ControllerResult:
+        """Remove the suspect label and uncordon."""
         path = f"/api/v1/nodes/{node}"
         cmds = [_req("PATCH", path, labels={SUSPECT_LABEL: None}),
                 _req("PATCH", path, body={"spec": {"unschedulable": False}})]
@@ -168,9 +177,19 @@ class KubernetesNodeController(NodeController):
             await self.kube.cordon(node, False)
         except Exception as exc:  # noqa: BLE001
             return ControllerResult(False, f"uncordon {node}: {_why(exc)}", cmds)
-        if self.state is not None:
-            await self.state.set_node(node, "healthy", f"readmitted: {detail}"[:500])
-        return ControllerResult(True, f"canary passed ({detail}); uncordoned {node}", cmds)
+        return ControllerResult(True, f"uncordoned {node}", cmds)
+
+    async def keep_out(self, node: str, why: str) -> ControllerResult:
+        """Keep ``node`` cordoned and labelled, ``why`` in ``trainguard.io/suspect-reason``."""
+        path = f"/api/v1/nodes/{node}"
+        text = " ".join(why.split())[:250]
+        cmds = [_req("PATCH", path, labels={SUSPECT_LABEL: "true"},
+                     annotations={SUSPECT_REASON: text})]
+        try:
+            await self.kube.label_node(node, {SUSPECT_LABEL: "true"}, {SUSPECT_REASON: text})
+        except Exception as exc:  # noqa: BLE001
+            return ControllerResult(False, f"annotate {node}: {_why(exc)}", cmds)
+        return ControllerResult(True, f"kept {node} cordoned", cmds)
 
 
 def _unix_ns(stamp: Any) -> int | None:
