@@ -48,10 +48,59 @@ def on_verdict_claim(state, seq, w: Work, inp: Reply, now) -> Out:
             # two that try, one wins) and resumes from the claims the dead one left
             return state, [store("take_claim", verdict_key(w.job, w.verdict.event_id),
                                  inp.value, w.token, reply=("verdict_claim", seq))]
-        why = ("this verdict was already decided" if str(inp.value).startswith(DECIDED)
-               else "this verdict was already handled")
-        return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)
+        if str(inp.value).startswith(DECIDED):
+            # decided and committed: a chain killed while its controller steps ran (the
+            # verdict's message is held until they end) resumes those steps from the record
+            return state, [store("job", w.job, reply=("decided_job", seq,
+                                                      str(inp.value)[len(DECIDED):]))]
+        return fold(state, seq, w, None, "this verdict was already handled", inp.wall_ns,
+                    claimed=False)
     return state, [store("job", w.job, reply=("job", seq))]
+
+
+def on_decided_job(state, seq, w: Work, inp: Reply, now) -> Out:
+    """The record of a job whose verdict was decided already (``decided:<id>``): when that
+    decision is still the job's pending one and needs the node controller (an exclusion, a pod
+    restart), its steps run again: each step's claim tells whether it was carried out (settled
+    ``done:<id>``) or only begun by a process that died (held by the decision's own id); the
+    controllers re-read the scheduler first, so a step that landed anyway is "already …".
+    Otherwise the verdict folds, as before."""
+    did = inp.tag[2]
+    rec: JobRecord = inp.value
+    pend = rec.pending_decision or {}
+    why = "this verdict was already decided"
+    if pend.get("event_id") != did:
+        return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)
+    try:
+        dec = Decision.model_validate({k: v for k, v in pend.items() if k != "deadline_ns"})
+    except Exception:  # noqa: BLE001 - a record written by another version: fold
+        return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)
+    steps = _node_steps(state, dec, w.verdict)
+    if steps is None:
+        return fold(state, seq, w, None, why, inp.wall_ns, claimed=False)
+    step, nodes = steps
+    state, w = update(state, seq, record=rec, decision=dec, resumed=True)
+    return _start_node_steps(state, seq, step, nodes, [store("audit", w.job, {
+        "type": "resumed", "decision_id": did, "step": step, "nodes": list(nodes),
+        "reason": "the verdict came again with its decision's controller steps maybe "
+                  "unfinished (the remediator was restarted): each runs unless done",
+        "ts": inp.wall_ns})])
+
+
+def _node_steps(state: RemediatorState, dec: Decision, verdict: Verdict | None
+                ) -> tuple[str, tuple[str, ...]] | None:
+    """What the node controller does for executed decision ``dec``: ``(step, nodes)`` or
+    None (``NODE_STEPS``)."""
+    if not dec.execute:
+        return None
+    if dec.action == "exclude_node_and_requeue" and dec.nodes:
+        return "exclude", tuple(dec.nodes)
+    if dec.action == "stop_job_notify_user" and state.cancels_jobs:
+        return "stop", JOB_TARGET
+    pods, _ = pol.pod_restart(dec, verdict, state.restarts_pods, state.config.policy)
+    if pods:
+        return "restart_pod", tuple(pods)
+    return None
 
 
 def _settles(w: Work) -> str | None:
@@ -251,13 +300,9 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
             dec, now + state.config.decision_timeout_s)})
     elif dec.execute:  # a stop supersedes a pending recovery; a flag (none) does not
         state = without_pending(state, job)
-    if dec.execute and dec.action == "exclude_node_and_requeue" and dec.nodes:
-        return _start_node_steps(state, seq, "exclude", dec.nodes, effects)
-    if dec.execute and dec.action == "stop_job_notify_user" and state.cancels_jobs:
-        return _start_node_steps(state, seq, "stop", JOB_TARGET, effects)
-    pods, _ = pol.pod_restart(dec, w.verdict, state.restarts_pods, state.config.policy)
-    if dec.execute and pods:
-        return _start_node_steps(state, seq, "restart_pod", pods, effects)
+    steps = _node_steps(state, dec, w.verdict)
+    if steps is not None:
+        return _start_node_steps(state, seq, steps[0], steps[1], effects)
     return done(state, seq), effects
 
 
@@ -276,11 +321,20 @@ NODE_STEPS: dict[str, tuple[str | None, str | None]] = {
 JOB_TARGET = ("",)
 
 
+#: what a node step's claim holds once the controller answered (``done:<decision id>``)
+DONE = "done:"
+
+
+def _node_key(w: Work, node: str) -> str:
+    assert w.decision is not None
+    return f"{w.decision.idempotency_key}:{w.node_step}" + (f":{node}" if node else "")
+
+
 def _node_claim(w: Work, seq: int) -> Call:
     assert w.decision is not None
     node = w.nodes[0]
-    key = f"{w.decision.idempotency_key}:{w.node_step}" + (f":{node}" if node else "")
-    return store("claim", key, w.decision.event_id, reply=("node_claim", seq, node))
+    return store("claim", _node_key(w, node), w.decision.event_id,
+                 reply=("node_claim", seq, node))
 
 
 def _start_node_steps(state: RemediatorState, seq: int, step: str, nodes, effects: list[Effect],
@@ -299,11 +353,14 @@ def _next_node(state: RemediatorState, seq: int, effects: list[Effect]) -> Out:
 def on_node_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     """Claimed: ask the controller in the background (``wait=False``: a scheduler's drain can
     take seconds, and the decision is committed and published already, so other jobs'
-    inputs need not wait for it). Held: this node's step was already carried out."""
-    if inp.value is not None:
-        return _next_node(state, seq, [])
+    inputs need not wait for it). Held by this decision's own id in a resumed chain
+    (``Work.resumed``): begun by a process that died before the controller answered, so asked
+    again (every controller re-reads the scheduler first); held otherwise (``done:…``, another
+    decision, this decision in a live chain): already carried out."""
     dec, node = w.decision, inp.tag[2]
     assert dec is not None
+    if inp.value is not None and not (w.resumed and inp.value == dec.event_id):
+        return _next_node(state, seq, [])
     if w.node_step == "exclude":
         args: tuple = (node, w.job, dec.reason)
     elif w.node_step == "stop":  # scoped to its generation: a later one is a new run
@@ -324,8 +381,11 @@ def on_node_step(state, seq, w: Work, inp: Reply, now) -> Out:
     an excluded node's job re-ranks without it anyway, a pod not restarted is the watchdog's."""
     assert w.decision is not None
     action, prefix = NODE_STEPS[w.node_step]
-    return _next_node(state, seq, _controller_result(state, w, inp, action or w.decision.action,
-                                                     prefix))
+    effects = _controller_result(state, w, inp, action or w.decision.action, prefix)
+    # carried out (or failed and audited): a resumed chain does not ask again
+    effects.append(store("settle", _node_key(w, inp.tag[2]), DONE + w.decision.event_id,
+                         wait=False))
+    return _next_node(state, seq, effects)
 
 
 def _controller_result(state: RemediatorState, w: Work, inp: Reply, action: str,

@@ -70,7 +70,9 @@ class Work:
     that finds its own token knows its first try landed and carries on); ``last_call`` — the
     chain's state-store call in flight
     (issued again when it fails); ``retry_at`` — service time it is due again (None: not
-    waiting); ``store_tries`` — its failed tries so far."""
+    waiting); ``store_tries`` — its failed tries so far; ``resumed`` — the chain runs the
+    controller steps of a decision committed by a process that died (the verdict came again
+    after ``decided:``): a step claimed by that decision is asked again."""
 
     job: str
     verdict: Verdict | None = None
@@ -87,6 +89,7 @@ class Work:
     last_call: Any = None
     retry_at: float | None = None
     store_tries: int = 0
+    resumed: bool = False
 
 
 def _zero_counts() -> dict[str, int]:

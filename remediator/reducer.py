@@ -33,7 +33,9 @@ A verdict goes through these stages; each is a ``Call`` whose ``Reply`` tag is `
    before_ns)``), or, once for the job, the scheduler's stop of an executed
    ``stop_job_notify_user`` under a controller that ``cancels_jobs`` (Slurm: ``stop(job,
    reason, generation)``, claim key ``<key>:stop``; observe mode leaves the scheduler alone).
-   ``node_claim`` claims ``<key>:<step>:<node>`` (held: already carried out),
+   ``node_claim`` claims ``<key>:<step>:<node>`` (held by another decision or settled
+   ``done:<id>``: already carried out; held by this decision's id: begun by a process that
+   died, asked again), settled ``done:<id>`` once the controller answered;
    ``node_step`` gets the controller's result (the call runs in the background:
    ``wait=False``) and publishes its ``action.result``; a failure is audited
    (``controller_failed``) and does not escalate here (an excluded node's job re-ranks
@@ -209,7 +211,8 @@ def _on_outbox(state: RemediatorState, inp: Reply) -> Out:
 
 #: Reply tag → the stage it completes (``tag = (stage, seq, …)``).
 _STAGES = {
-    "verdict_claim": d.on_verdict_claim, "job": d.on_job, "flag_owner": d.on_flag_owner,
+    "verdict_claim": d.on_verdict_claim, "job": d.on_job, "decided_job": d.on_decided_job,
+    "flag_owner": d.on_flag_owner,
     "claim": d.on_claim, "escalation_claim": d.on_escalation_claim, "bump": d.on_bump,
     "commit": d.on_commit, "outbox_put": d.on_outbox_put,
     "node_claim": d.on_node_claim, "node_step": d.on_node_step,

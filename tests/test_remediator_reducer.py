@@ -578,11 +578,43 @@ def test_a_lost_launcher_has_its_pod_replaced_once_not_its_node_excluded():
     [ar] = published(eff, ActionResult)
     assert (ar.ok, ar.node, ar.executor, ar.action, ar.decision_id) == (
         True, "n2", "controller:kubernetes", "restart_workers", d.event_id)
-    assert st.claims[f"{d.idempotency_key}:restart_pod:n2"] == d.event_id
+    for c in calls(eff, "settle"):  # calls without a reply: run_offline leaves them to us
+        st(c)
+    assert st.claims[f"{d.idempotency_key}:restart_pod:n2"] == f"done:{d.event_id}"
     assert "j" in state.pending  # the watchdog waits for training to resume
-    # a restarted remediator replays the verdict: the claim holds, no second deletion
+    # a restarted remediator replays the verdict: the step is done, no second deletion
     state, eff = run(st, [verdict_in(v, 2.0)], pods_state())
     assert st.restarted == [("n2", "j", 2900)]
+
+
+def test_an_exclusion_begun_by_a_killed_remediator_is_carried_out_after_its_restart():
+    """Killed after the commit, with the exclusion claimed and the controller not answered
+    yet: the verdict (held until the steps end) comes again, folds at its claim no more, and
+    the resumed chain asks the controller again, once; a third delivery does nothing."""
+    st = Store(j=record(min_world_size=1))
+    gpu = Verdict(job="j", fault_class="gpu_xid", layer="hardware",
+                  culprit={"ranks": [2, 3], "nodes": ["n1"]}, generation=0, first_ts=1000,
+                  detail={"xid": 79})
+    st.controller["n1"] = ConnectionError("the remediator died while the drain ran")
+    state, eff = run(st, [verdict_in(gpu)], RemediatorState(
+        config=RemediatorConfig(controller="local"), armed=True, replica="r1"))
+    [d] = published(eff)
+    assert d.action == "exclude_node_and_requeue" and d.nodes == ["n1"]
+    key = f"{d.idempotency_key}:exclude:n1"
+    assert st.claims[key] == d.event_id  # claimed; its answer and settle died with it
+    st.controller.pop("n1")
+    again = RemediatorState(config=RemediatorConfig(controller="local"), armed=True,
+                            replica="r1")
+    state, eff = run(st, [verdict_in(gpu, 10.0)], again)
+    assert published(eff) == [] and calls(eff, "commit_decision") == []
+    assert st.excluded == ["n1", "n1"]  # the first (died) and the resumed one
+    [res] = audits(eff, "resumed")
+    assert res["decision_id"] == d.event_id and res["nodes"] == ["n1"]
+    for c in calls(eff, "settle"):
+        st(c)
+    assert st.claims[key] == f"done:{d.event_id}"
+    _, eff = run(st, [verdict_in(gpu, 20.0)], again)
+    assert st.excluded == ["n1", "n1"] and audits(eff, "resumed") != []
 
 
 def test_a_lost_launcher_found_after_its_ranks_hang_was_decided_still_gets_its_pod_replaced():
