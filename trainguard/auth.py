@@ -145,7 +145,8 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          + _consumer("remediator")[0] + _DRAIN[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
           "tg.svc.remediator.health") + _consumer("remediator")[1] + _DRAIN[1],
-         "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:members:remediator %R~tg:* "
+         "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:rep:* ~tg:members:remediator "
+         "%R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
          "JetStream ack, from its outbox `tg:job:<job>:outbox`) and control requests to the "
