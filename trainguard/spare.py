@@ -72,6 +72,24 @@ def _working_dir_off_path() -> bool:
     return dropped
 
 
+def _exit_now(status: int) -> None:
+    """Exit with ``status`` after the program's ``atexit`` handlers and a flush, without the
+    interpreter's finalization: a daemon thread still inside torch's C++ code then (the bus
+    flush of the fault report, gloo's) made glibc abort the process ("FATAL: exception not
+    rethrown", exit -6 instead of 1) on a loaded machine."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - a closed stream
+                pass
+        os._exit(status)
+
+
 def main() -> None:
     # the rank's script gets its own directory on the path, as with torchrun
     cwd_dropped = _working_dir_off_path()
@@ -107,7 +125,7 @@ def main() -> None:
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.stderr.flush()
         hooks.finish(exc)
-        sys.exit(1)
+        _exit_now(1)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: their own exit
         hooks.finish(exc)
         raise
