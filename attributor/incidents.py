@@ -61,7 +61,8 @@ Key = tuple[str, int]  # (job, generation)
 class Incident:
     """One (job, generation) incident. ``started``/``hold_until``: service clock, s;
     ``concluded``: the ``decide.conclusion`` of the last verdict published (None: none yet);
-    ``settled``: a verdict with a root-cause fault (severity ``error``) was published."""
+    ``settled``: a verdict with a root-cause fault (severity ``error``) was published;
+    ``dropped``: anomalies past ``MAX_INCIDENT_ANOMALIES``, counted and not kept."""
 
     job: str
     generation: int
@@ -71,6 +72,7 @@ class Incident:
     concluded: tuple | None = None
     settled: bool = False
     verdicts: int = 0
+    dropped: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,11 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
         return state, []  # the same anomaly again: already in its incident
     if inc is None or now - inc.started > ac.incident_window_s:
         inc = Incident(job, gen, now)
-    inc = replace(inc, anomalies=inc.anomalies + (ev,))
+    if len(inc.anomalies) >= MAX_INCIDENT_ANOMALIES and (
+            ev.symptom or is_peer_report(ev) or len(inc.anomalies) >= 2 * MAX_INCIDENT_ANOMALIES):
+        # a flood into one incident: counted, not kept (its earlier anomalies decide it)
+        return _put(state, key, replace(inc, dropped=inc.dropped + 1)), []
+    inc = replace(inc, anomalies=inc.anomalies + (_kept(ev),))
     if ev.symptom or (is_peer_report(ev) and not inc.settled):
         # a flag (a warning, e.g. a straggler) does not settle an incident: symptoms that
         # follow still wait for their root cause
@@ -147,6 +153,25 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
             inc = replace(inc, hold_until=now + ac.symptom_hold_s)
         return _put(state, key, inc), []
     return _attribute(_put(state, key, inc), key, wall_ns)
+
+
+#: Anomalies one incident keeps: every rank of a 2,048-rank job reporting the same fault; past
+#: it further symptoms and peer reports are counted (``Incident.dropped``), root causes kept up
+#: to twice as many. Bounds the memory and the attribution time of a flood into one incident.
+MAX_INCIDENT_ANOMALIES = 2048
+#: Evidence lines of an anomaly an incident keeps, and their length (characters): attribution
+#: reads the first three (``decide``: ``a.evidence[:3]``, the first error line).
+KEPT_EVIDENCE_LINES = 8
+KEPT_EVIDENCE_CHARS = 4096
+
+
+def _kept(ev: schemas.Anomaly) -> schemas.Anomaly:
+    """``ev`` as an incident keeps it: its evidence cut to what attribution reads."""
+    if len(ev.evidence) <= KEPT_EVIDENCE_LINES and all(
+            len(x) <= KEPT_EVIDENCE_CHARS for x in ev.evidence):
+        return ev
+    return ev.model_copy(update={"evidence": [x[:KEPT_EVIDENCE_CHARS] for x in
+                                              ev.evidence[:KEPT_EVIDENCE_LINES]]})
 
 
 def _on_tick(state: AttributorState, now: float, wall_ns: int

@@ -210,3 +210,21 @@ def test_step_leaves_the_state_it_was_given_alone():
     snap = copy.deepcopy(s1)
     s2, eff = run([at(0.1, crash()), tick(1.5), tick(500.0)], state=s1)
     assert s1 == snap and s2.incidents == {} and len(verdicts(eff)) == 1
+
+
+def test_a_flood_into_one_incident_is_counted_not_kept():
+    """Past ``MAX_INCIDENT_ANOMALIES`` a symptom is counted in ``Incident.dropped``, not kept;
+    a root cause still is (up to twice as many); an anomaly's evidence is cut to what
+    attribution reads (``KEPT_EVIDENCE_LINES`` lines of ``KEPT_EVIDENCE_CHARS``)."""
+    cap = incidents.MAX_INCIDENT_ANOMALIES
+    floods = [at(0.001 * i, reset(rank=i % 64, ts=100 + i)) for i in range(cap + 50)]
+    state, _ = run(floods)
+    [inc] = state.incidents.values()
+    assert len(inc.anomalies) == cap and inc.dropped == 50
+    big = crash(rank=7).model_copy(update={"evidence": ["x" * 100_000] * 40})
+    state, eff = run([at(3.0, big)], state=state)
+    [inc] = state.incidents.values()
+    kept = inc.anomalies[-1]
+    assert kept.event_id == big.event_id and len(kept.evidence) == incidents.KEPT_EVIDENCE_LINES
+    assert {len(x) for x in kept.evidence} == {incidents.KEPT_EVIDENCE_CHARS}
+    assert verdicts(eff) == [] or verdicts(eff)[0].culprit.ranks == [7]
