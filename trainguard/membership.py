@@ -10,8 +10,14 @@ leaves only the keys it served move, each to the member that scored second for i
 joins it takes about 1/N of the keys from the others. Every replica computes the same owner
 from the same member list, with no coordination beyond the list.
 
-The pure parts (``score``, ``owner``, ``partition_key``) are what tests and the bench drive; the
-``Membership`` object is the service side (one lease, the member list, a cache of decisions).
+When the streams are partitioned (``trainguard.partitions``: the server stores a job's subjects
+in partition ``partition(job, N)``), what is hashed over the members is the partition
+(``partition:<p>``), not the job: a replica owns whole partitions, so its durable consumers can
+filter on them and it receives only its own jobs' messages. ``job_owner`` is that rule, pure.
+
+The pure parts (``score``, ``owner``, ``job_owner``, ``partition_key``) are what tests and the
+bench drive; the ``Membership`` object is the service side (one lease, the member list, a cache
+of decisions).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from .partitions import partition
 
 log = logging.getLogger("trainguard.membership")
 
@@ -63,6 +71,15 @@ def owner(key: str, members: Iterable[str]) -> str | None:
     return None if best is None else best[1]
 
 
+def job_owner(key: str, members: Iterable[str], partitions: int = 0) -> str | None:
+    """The member that serves partition key ``key`` (a job, or ``node:<node>``) when the job
+    streams have ``partitions`` partitions: the owner of the job's partition
+    (``partition:<p>``); a node key, or any key with 0 partitions, is hashed itself."""
+    if partitions and not key.startswith("node:"):
+        return owner(f"partition:{partition(key, partitions)}", members)
+    return owner(key, members)
+
+
 def partition_key(subject: str) -> str | None:
     """The partition key of a bus subject: the job of ``tg.job.<job>.…``, ``node:<node>`` of
     ``tg.node.<node>.…``; None for anything else (served by every replica)."""
@@ -79,14 +96,37 @@ class Membership:
     """One replica's view of its service's members.
 
     ``members`` is the last list read (this replica alone until the first renewal);
-    ``epoch`` grows each time it changes. ``owns(key)`` is cached per epoch."""
+    ``epoch`` grows each time it changes. ``partitions`` — the job streams' partition count
+    (0: not partitioned, jobs hashed one by one; ``set_partitions``). ``owns(key)`` is cached per
+    epoch."""
 
     def __init__(self, service: str, replica: str, config: MembershipConfig | None = None):
         self.service, self.replica = service, replica
         self.config = config or MembershipConfig()
         self.members: tuple[str, ...] = (replica,)
         self.epoch = 0
+        self.partitions = 0
         self._cache: dict[str, bool] = {}
+        self._owned: frozenset[int] | None = None
+
+    def set_partitions(self, n: int) -> None:
+        """Own by partition of ``n`` (0: by job)."""
+        if n != self.partitions:
+            self.partitions = n
+            self._cache.clear()
+            self._owned = None
+
+    def owned_partitions(self) -> frozenset[int]:
+        """The partitions this replica serves (empty when not partitioned)."""
+        if self._owned is None:
+            self._owned = frozenset(
+                p for p in range(self.partitions)
+                if owner(f"partition:{p}", self.members) == self.replica)
+        return self._owned
+
+    def owns_partition(self, p: int) -> bool:
+        """Whether this replica serves partition ``p``."""
+        return p in self.owned_partitions()
 
     def owns(self, key: str | None) -> bool:
         """Whether this replica serves partition ``key`` (None: everyone does)."""
@@ -96,7 +136,8 @@ class Membership:
         if got is None:
             if len(self._cache) > 200_000:
                 self._cache.clear()
-            got = self._cache[key] = owner(key, self.members) == self.replica
+            got = self._cache[key] = \
+                job_owner(key, self.members, self.partitions) == self.replica
         return got
 
     def update(self, members: Iterable[str]) -> bool:
@@ -110,6 +151,7 @@ class Membership:
         self.members = new
         self.epoch += 1
         self._cache.clear()
+        self._owned = None
         return True
 
     async def renew(self, state) -> bool:
