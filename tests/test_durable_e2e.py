@@ -17,7 +17,8 @@ from trainguard import schemas
 from trainguard.bus import Bus
 from trainguard.consume import replay
 from trainguard.embedded import EmbeddedServers
-from trainguard.membership import owner
+from trainguard.membership import job_owner
+from trainguard.partitions import configured as partition_count
 from trainguard.schemas import Verdict, subjects
 from trainguard.service import health_subject
 from trainguard.state import StateStore
@@ -177,8 +178,10 @@ async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secu
     bus = await Bus(secured.nats_url, "test").connect()
     store = StateStore(secured.redis_url)
     names = ("ra", "rb")
-    # jobs owned by each replica (the same for every service: same member names)
-    jobs = {r: next(f"j2-{i}" for i in range(100) if owner(f"j2-{i}", names) == r)
+    # jobs owned by each replica (the same for every service: same member names; the streams
+    # store jobs in partitions, and a replica owns whole partitions)
+    n = partition_count()
+    jobs = {r: next(f"j2-{i}" for i in range(100) if job_owner(f"j2-{i}", names, n) == r)
             for r in names}
     for job in jobs.values():
         await store.register_job(job, mode="action", generation=0, world_size=4,

@@ -59,7 +59,7 @@ from typing import (Any, Callable, Collection, Generic, Hashable, Iterable, Sequ
 from trainguard import schemas
 from trainguard.schemas import Event
 
-from . import consume
+from . import consume, partitions as parts
 from .membership import partition_key
 from .service import Service, health_subject
 
@@ -270,50 +270,72 @@ class ReducerService(Service, Generic[S]):
     #: few milliseconds of round trips, one per topic reads the others' messages too
     bulk_replay_jobs = 8
 
-    async def members_changed(self, gained: set[str], lost: set[str]) -> None:
-        """Forget the lost jobs (``Released``); rebuild the gained jobs from the streams: the
-        messages of their topics stored within their relevance (``consume.RELEVANCE``), stepped
-        oldest first at the service time they arrived (``now`` minus their age), then
-        ``Gained`` for each. Live messages already stepped by the replay are skipped
-        (``Service.replayed``). Node keys are not replayed (every replica steps node events)."""
+    async def members_changed(self, gained: set[str], lost: set[str],
+                              partitions: frozenset[int] = frozenset()) -> None:
+        """Forget the lost jobs (``Released``); rebuild the gained jobs and stream partitions
+        from the streams: the messages of their topics stored within their relevance
+        (``consume.RELEVANCE``), stepped oldest first at the service time they arrived (``now``
+        minus their age), then ``Gained`` for each job gained or found in a gained partition.
+        Live messages already stepped by the replay are skipped (``Service.replayed``). Node
+        keys are not replayed (every replica steps node events)."""
         jobs = sorted(k for k in gained if not k.startswith("node:"))
         async with self._lock:
             for key in sorted(lost):
                 await self._dispatch(Released(key, time.time_ns()))
-            if jobs:
-                await self._rebuild(jobs)
-            for key in jobs:
+            found: set[str] = set()
+            if jobs or partitions:
+                found = await self._rebuild(jobs, partitions)
+            for key in sorted(set(jobs) | found):
                 await self._dispatch(Gained(key, time.time_ns()))
 
-    async def _rebuild(self, jobs: list[str]) -> None:
+    async def _rebuild(self, jobs: list[str], partitions: frozenset[int] = frozenset()
+                       ) -> set[str]:
+        """Step again what the streams keep of ``jobs`` and of the stream ``partitions``
+        (see ``members_changed``); returns the jobs whose messages it stepped. With
+        partitioned streams one short-lived consumer per topic reads exactly the gained
+        partitions; otherwise one per (job, topic), or one per topic for many jobs."""
         assert self.bus.nc is not None
         now_ns = time.time_ns()
         wanted = set(jobs)
+        n = self.membership.partitions if partitions else 0
         got: list[tuple[int, str, Any, consume.Stored]] = []
         for topic in self.topics:
-            parts = topic.split(".")
-            if len(parts) < 3 or parts[:2] != ["tg", "job"] or parts[2] != "*":
+            tparts = topic.split(".")
+            if len(tparts) < 3 or tparts[:2] != ["tg", "job"] or tparts[2] != "*":
                 continue
             since = now_ns - int(min(consume.max_age_s(topic), 86400.0) * 1e9)
-            subjects_ = ([topic] if len(jobs) > self.bulk_replay_jobs else
-                         [".".join(["tg", "job", job] + parts[3:]) for job in jobs])
-            for subject in subjects_:
+            reads: list[tuple[str, list[str] | None]]
+            if n:
+                reads = [(topic, parts.stored_filters(topic, partitions, n))]
+            elif len(jobs) > self.bulk_replay_jobs:
+                reads = [(topic, None)]
+            else:
+                reads = [(".".join(["tg", "job", job] + tparts[3:]), None) for job in jobs]
+            for subject, filters in reads:
                 try:
-                    for m, st in await consume.replay(self.bus.nc, subject, since):
-                        if partition_key(m.subject) in wanted:
+                    for m, st in await consume.replay(self.bus.nc, subject, since,
+                                                      filters=filters):
+                        key = partition_key(m.subject)
+                        if key in wanted or (n and key is not None and
+                                             parts.partition(key, n) in partitions):
                             got.append((st.stored_ns, m.subject, m.data, st))
                 except Exception as exc:  # noqa: BLE001 - rebuild what can be read
                     log.warning("%s: replay of %s failed: %s", self.name, subject, exc)
         got.sort(key=lambda g: (g[0], g[3].seq))
+        found: set[str] = set()
         for stored_ns, subject, data, st in got:
-            key = (st.stream, partition_key(subject) or "")
+            pkey = partition_key(subject) or ""
+            key = (st.stream, pkey)
             self.replayed[key] = max(self.replayed.get(key, 0), st.seq)
+            found.add(pkey)
             try:
                 ev = schemas.decode(data)
             except schemas.DecodeError:
                 continue
             self.replayed_inputs += 1
             await self._dispatch(Received(subject, ev, stored_ns), self.clock() - st.age_s)
+        self.known.update(found)
+        return found
 
     async def _perform(self, eff: Effect) -> None:
         self.effects_run += 1
