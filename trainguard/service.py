@@ -132,6 +132,8 @@ class Service:
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
         self._durables: list[consume.DurableConsumer] = []
+        #: takeovers so far; when the last began (Unix ns) and how long it took (seconds)
+        self.takeovers: dict[str, Any] = {"count": 0, "last_began_ns": None, "last_s": None}
         #: while a takeover rebuilds: (set when done, whether a partition key is being rebuilt)
         self._gate: tuple[asyncio.Event, Callable[[str | None], bool]] | None = None
         self._member_task: asyncio.Task | None = None
@@ -257,6 +259,7 @@ class Service:
         live messages of what is gained wait meanwhile (``_gate``)."""
         if self._gate is None:
             self._gate = (asyncio.Event(), self._rebuilding(gained, parts))
+        began, t0 = time.time_ns(), time.monotonic()
         try:
             for dc in self._durables:
                 try:
@@ -269,6 +272,8 @@ class Service:
         finally:
             gate, self._gate = self._gate, None
             gate[0].set()
+            self.takeovers = {"count": self.takeovers["count"] + 1, "last_began_ns": began,
+                              "last_s": round(time.monotonic() - t0, 4)}
 
     async def _consume(self, topic: str, handler: Handler) -> None:
         """Subscribe ``handler`` to ``topic``: a durable consumer when a stream keeps it (and
@@ -413,6 +418,7 @@ class Service:
                           "dropped": s.dropped, "handler_errors": s.handler_errors,
                           "bad": dict(s.bad), "consumed": dict(self.consumed),
                           "holding": sum(1 for d in self._deliveries.values() if d.event_id),
+                          "takeovers": dict(self.takeovers),
                           **self.extra_stats()},
                 "metrics_port": self.metrics.port if self.metrics else None, **self.health()}
         await msg.respond(json.dumps(body).encode())
