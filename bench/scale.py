@@ -242,14 +242,16 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
             for s in SERVICES:  # when each survivor began its takeover, and for how long
                 for r in replicas[1:]:
                     try:
-                        t = json.loads(await admin.request(health_subject(s, r), timeout=2.0)
-                                       )["stats"]["takeovers"]
+                        st = json.loads(await admin.request(health_subject(s, r),
+                                                            timeout=2.0))["stats"]
+                        t = {**st["takeovers"], **st.get("last_rebuild", {})}
                     except Exception:  # noqa: BLE001 - not answering: not reported
                         continue
                     if t.get("last_began_ns"):
                         rebuilds[f"{s}/{r}"] = {
                             "began_s": round((t["last_began_ns"] - t_kill) / 1e9, 2),
-                            "took_s": t["last_s"]}
+                            "took_s": t["last_s"],
+                            **{k: t[k] for k in ("read_s", "messages", "step_s") if k in t}}
         return {
             "ranks": args.ranks, "nodes": args.nodes, "replicas": args.replicas,
             "durable": not args.plain,

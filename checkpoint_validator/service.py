@@ -87,7 +87,7 @@ class CheckpointValidator(Service):
         n = self.membership.partitions if partitions else 0
         jobs = sorted(k for k in gained if not k.startswith("node:"))
         try:  # a partitioned stream: one read of the gained partitions
-            reads = ([(topic, P.stored_filters(topic, partitions, n))] if n else
+            reads = ([(topic, [f]) for f in P.stored_filters(topic, partitions, n)] if n else
                      [(subjects.job(job, "ckpt"), None) for job in jobs])
             msgs = [m for subject, filters in reads for m, _st in
                     await consume.replay(self.bus.nc, subject, since, filters=filters)]
