@@ -25,7 +25,9 @@ are registered in action mode. Printed (``--json``: one JSON object):
 * ``bytes_per_rank`` — growth of the detectors' RSS (all replicas) from before the heartbeats
   to after the warm-up, divided by the ranks;
 * ``detector_cpu`` — each detector replica's CPU (cores: CPU seconds over wall seconds) while
-  the probes ran, and ``cpu_us_per_hb``: all detectors' CPU per heartbeat published.
+  the probes ran, and ``cpu_us_per_hb``: all detectors' CPU per heartbeat published;
+  ``nats_server_cpu_cores``: the server's over the same time (the partition filters are its
+  work).
 """
 from __future__ import annotations
 
@@ -184,6 +186,8 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
         await asyncio.sleep(args.warmup)
         rss1 = sum(_rss(procs[("detector", r)].pid) for r in replicas)
         cpu0 = {r: _cpu_s(procs[("detector", r)].pid) for r in replicas}
+        nats_pid = srv._server("nats").proc.pid
+        nats_cpu0 = _cpu_s(nats_pid)
         t_cpu0 = time.monotonic()
 
         names = sorted(jobs)
@@ -218,6 +222,7 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
         await asyncio.sleep(3.0)
         wall = time.monotonic() - t_cpu0
         cpu = {r: (_cpu_s(procs[("detector", r)].pid) - cpu0[r]) / wall for r in replicas}
+        nats_cpu = (_cpu_s(nats_pid) - nats_cpu0) / wall
         hb_ms = [(anomalies[k] - t) / 1e6 for k, t in sent.items() if k in anomalies]
         fd_ms = [(decisions[j] - t) / 1e6 for j, t in fsent.items() if j in decisions]
         # 3. takeover: kill r0 of every service as faults of its jobs arrive
@@ -270,6 +275,7 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
                              "cpu_us_per_hb": round(sum(cpu.values()) * args.hb_interval
                                                     / args.ranks * 1e6, 1)
                              if args.ranks else None},
+            "nats_server_cpu_cores": round(nats_cpu, 3),
         }
     finally:
         for p in pubs:
@@ -316,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("hb_to_anomaly_ms", "fault_to_decision_ms", "takeover_s"):
             print(f"  {k}: {res[k]}")
         print(f"  bytes per tracked rank (detector RSS): {res['bytes_per_rank']}")
-        print(f"  detector CPU: {res['detector_cpu']}")
+        print(f"  detector CPU: {res['detector_cpu']}, nats-server CPU (cores): "
+              f"{res['nats_server_cpu_cores']}")
         print(f"  logs: {logdir}")
     return 0
 

@@ -269,21 +269,32 @@ async def replay(nc: Any, subject: str, since_ns: int, batch: int = 1000,
     or after ``since_ns`` (Unix ns), oldest first, at most ``limit``; each message's
     ``.subject`` is as published. ``filters`` — the stream filter subjects to read (default
     ``partitions.stored_filters(subject)``: every partition, and the unpartitioned form; a
-    takeover passes the partitions it gained). Empty when no stream keeps it. Read through an
-    ephemeral consumer without acks, removed when done."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
+    takeover passes one partition it gained). Empty when no stream keeps it. Each filter is
+    read through its own ephemeral consumer without acks, removed when done (one consumer
+    with several filters was served ~10x slower: 1.3 s for 3,680 heartbeats against 0.15 s)."""
     js = nc.jetstream()
     stream = await stream_of(js, subject)
     if stream is None:
         return []
+    out: list[tuple[Any, Stored]] = []
+    for f in list(filters or parts.stored_filters(subject)):
+        out += await _read(js, stream, f, since_ns, batch, limit - len(out))
+    if len(filters or ()) != 1:
+        out.sort(key=lambda ms: (ms[1].stored_ns, ms[1].seq))
+    return out
+
+
+async def _read(js: Any, stream: str, subject: str, since_ns: int, batch: int,
+                limit: int) -> list[tuple[Any, Stored]]:
+    """``replay`` of one filter ``subject`` of ``stream``."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    if limit <= 0:
+        return []
     start = datetime.fromtimestamp(since_ns / 1e9, tz=timezone.utc)
-    cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
-                         ack_policy=AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True)
-    fs = list(filters or parts.stored_filters(subject))
-    if len(fs) > 1:
-        cfg.filter_subjects = fs
-    psub = await js.pull_subscribe(fs[0], stream=stream, config=cfg)
+    psub = await js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
+        ack_policy=AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
     out: list[tuple[Any, Stored]] = []
     try:
         left = (await psub.consumer_info()).num_pending

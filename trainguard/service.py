@@ -132,6 +132,7 @@ class Service:
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
         self._durables: list[consume.DurableConsumer] = []
+        self._plain_streams = False  # the job streams store subjects as published
         #: takeovers so far; when the last began (Unix ns) and how long it took (seconds)
         self.takeovers: dict[str, Any] = {"count": 0, "last_began_ns": None, "last_s": None}
         #: while a takeover rebuilds: (set when done, whether a partition key is being rebuilt)
@@ -225,6 +226,7 @@ class Service:
         assert self.bus.nc is not None
         js = self.bus.nc.jetstream()
         counts = {await consume.stream_partitions(js, s) for s in PARTITIONED_STREAMS}
+        self._plain_streams = counts == {0}
         if len(counts) != 1:
             log.warning("%s: the job streams' partition counts differ (%s): every replica "
                         "reads every message", self.name, sorted(counts))
@@ -233,9 +235,12 @@ class Service:
 
     def _filters(self, topic: str) -> list[str]:
         """The stream filters of ``topic``'s durable consumer: the partitions this replica
-        owns when the streams are partitioned, else every message in either form."""
+        owns when the streams are partitioned; the topic itself when they are not; every
+        message in either form when their counts disagree."""
         n = self.membership.partitions
-        if not n or not partitions.is_job_pattern(topic):
+        if not partitions.is_job_pattern(topic) or (not n and self._plain_streams):
+            return [topic]
+        if not n:
             return partitions.stored_filters(topic)
         return partitions.stored_filters(topic, self.membership.owned_partitions(), n)
 
