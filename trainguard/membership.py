@@ -11,9 +11,13 @@ joins it takes about 1/N of the keys from the others. Every replica computes the
 from the same member list, with no coordination beyond the list.
 
 When the streams are partitioned (``trainguard.partitions``: the server stores a job's subjects
-in partition ``partition(job, N)``), what is hashed over the members is the partition
-(``partition:<p>``), not the job: a replica owns whole partitions, so its durable consumers can
-filter on them and it receives only its own jobs' messages. ``job_owner`` is that rule, pure.
+in partition ``partition(job, N)``), what is assigned to the members is the partition, not the
+job: a replica owns whole partitions, so its durable consumers can filter on them and it
+receives only its own jobs' messages. Plain rendezvous over 32 keys is uneven (6/9/17 of 32 for
+three members seen), so partitions are assigned with bounded loads (``assign_partitions``):
+each partition in turn goes to the member of highest weight for it that holds fewer than
+⌈N / members⌉; a member leaving moves its own partitions and, at most, one or two of the
+others'. ``job_owner`` is that rule, pure.
 
 The pure parts (``score``, ``owner``, ``job_owner``, ``partition_key``) are what tests and the
 bench drive; the ``Membership`` object is the service side (one lease, the member list, a cache
@@ -21,8 +25,10 @@ of decisions).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -71,12 +77,35 @@ def owner(key: str, members: Iterable[str]) -> str | None:
     return None if best is None else best[1]
 
 
+@functools.lru_cache(maxsize=64)
+def _assign(n: int, members: tuple[str, ...]) -> tuple[str, ...]:
+    cap = math.ceil(n / len(members))
+    load = dict.fromkeys(members, 0)
+    out = []
+    for p in range(n):
+        key = f"partition:{p}"
+        best = min((m for m in members if load[m] < cap), key=lambda m: (-score(m, key), m))
+        load[best] += 1
+        out.append(best)
+    return tuple(out)
+
+
+def assign_partitions(n: int, members: Iterable[str]) -> tuple[str, ...]:
+    """The member serving each of ``n`` partitions (index = partition; empty without
+    members): partitions 0 … n-1 in turn, each to the member with the highest ``score(member,
+    "partition:<p>")`` among those holding fewer than ⌈n / members⌉ so far (rendezvous with
+    bounded loads: every member holds ⌊n/m⌋ or ⌈n/m⌉)."""
+    ms = tuple(sorted(set(members)))
+    return _assign(n, ms) if ms and n > 0 else ()
+
+
 def job_owner(key: str, members: Iterable[str], partitions: int = 0) -> str | None:
     """The member that serves partition key ``key`` (a job, or ``node:<node>``) when the job
     streams have ``partitions`` partitions: the owner of the job's partition
-    (``partition:<p>``); a node key, or any key with 0 partitions, is hashed itself."""
+    (``assign_partitions``); a node key, or any key with 0 partitions, is hashed itself."""
     if partitions and not key.startswith("node:"):
-        return owner(f"partition:{partition(key, partitions)}", members)
+        owners = assign_partitions(partitions, members)
+        return owners[partition(key, partitions)] if owners else None
     return owner(key, members)
 
 
@@ -120,8 +149,8 @@ class Membership:
         """The partitions this replica serves (empty when not partitioned)."""
         if self._owned is None:
             self._owned = frozenset(
-                p for p in range(self.partitions)
-                if owner(f"partition:{p}", self.members) == self.replica)
+                p for p, m in enumerate(assign_partitions(self.partitions, self.members))
+                if m == self.replica)
         return self._owned
 
     def owns_partition(self, p: int) -> bool:
