@@ -360,6 +360,7 @@ async def test_three_replicas_split_the_partitions_and_a_killed_ones_are_served(
     after = {r: set((await _health(bus, "detector", r))["partitions"]["owned"])
              for r in ("rb", "rc")}
     assert after["rb"] | after["rc"] == set(range(n)) and not after["rb"] & after["rc"]
-    assert owned["rb"] <= after["rb"] and owned["rc"] <= after["rc"]  # only ra's moved
+    # ra's moved, and at most two of the others' (bounded loads)
+    assert len(owned["rb"] - after["rb"]) + len(owned["rc"] - after["rc"]) <= 2, (owned, after)
     await store.close()
     await bus.close()
