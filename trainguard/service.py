@@ -133,6 +133,7 @@ class Service:
         self._subs: list[Any] = []
         self._durables: list[consume.DurableConsumer] = []
         self._plain_streams = False  # the job streams store subjects as published
+        self._refilter_due = False
         #: takeovers so far; when the last began (Unix ns) and how long it took (seconds)
         self.takeovers: dict[str, Any] = {"count": 0, "last_began_ns": None, "last_s": None}
         #: while a takeover rebuilds: (set when done, whether a partition key is being rebuilt)
@@ -258,6 +259,19 @@ class Service:
                 partitions.partition(key, n) in parts
         return test
 
+    async def _refilter(self) -> None:
+        """Point each durable consumer at the partitions owned now; one the server did not
+        update is tried again at the next renewal (``_refilter_due``)."""
+        self._refilter_due = False
+        for dc in self._durables:
+            try:
+                if await dc.refilter(self._filters(dc.topic)):
+                    log.info("%s: consumer %s now filters %s", self.name, dc.name,
+                             ",".join(dc.filters))
+            except Exception as exc:  # noqa: BLE001 - tried again at the next renewal
+                self._refilter_due = True
+                log.warning("%s: consumer %s not refiltered: %s", self.name, dc.name, exc)
+
     async def _take_over(self, gained: set[str], lost: set[str],
                          parts: frozenset[int]) -> None:
         """Point the durable consumers at the partitions owned now, then ``members_changed``;
@@ -266,13 +280,7 @@ class Service:
             self._gate = (asyncio.Event(), self._rebuilding(gained, parts))
         began, t0 = time.time_ns(), time.monotonic()
         try:
-            for dc in self._durables:
-                try:
-                    if await dc.refilter(self._filters(dc.topic)):
-                        log.info("%s: consumer %s now filters %s", self.name, dc.name,
-                                 ",".join(dc.filters))
-                except Exception as exc:  # noqa: BLE001 - the next change tries again
-                    log.warning("%s: consumer %s not refiltered: %s", self.name, dc.name, exc)
+            await self._refilter()
             await self.members_changed(gained, lost, parts)
         finally:
             gate, self._gate = self._gate, None
@@ -400,6 +408,8 @@ class Service:
             except Exception as exc:  # noqa: BLE001 - Valkey away: keep the last list
                 log.warning("%s: lease not renewed: %s", self.name, exc)
                 continue
+            if not changed and self._refilter_due:
+                await self._refilter()
             if changed:
                 try:
                     self.known.update(await self.state.jobs())
