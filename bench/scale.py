@@ -1,13 +1,16 @@
 """Scale-out benchmark: N simulated ranks on M nodes over R replicas of each service.
 
     python bench/scale.py [--ranks 400] [--nodes 50] [--replicas 2] [--ranks-per-job 8]
-                          [--publishers 2] [--hb-interval 1.0] [--seconds 8] [--json]
+                          [--publishers 2] [--hb-interval 1.0] [--seconds 8] [--partitions 32]
+                          [--json]
     python bench/scale.py --ranks 10000 --nodes 1250 --replicas 3 --publishers 4
     python bench/scale.py --plain      # the same on plain subscriptions, for comparison
 
 Embedded NATS (with the streams) and Valkey with the roles' users, ``--replicas`` processes
 each of ``python -m trainguard.detector|attributor|remediator --replica r<i>`` sharing the jobs
-by rendezvous hashing (``trainguard.membership``), ``--publishers`` processes sending a rank
+by rendezvous hashing of the streams' partitions (``trainguard.membership``,
+``trainguard.partitions``; ``--partitions 0``: jobs hashed one by one and every replica reads
+every message, the layout before partitions), ``--publishers`` processes sending a rank
 heartbeat for every rank every ``--hb-interval`` seconds and a node heartbeat per node. Jobs
 are registered in action mode. Printed (``--json``: one JSON object):
 
@@ -17,9 +20,14 @@ are registered in action mode. Printed (``--json``: one JSON object):
   (detector → attributor → remediator, each partitioned);
 * ``takeover_s`` — replica ``r0`` of every service SIGKILLed while the faults of jobs it owned
   arrive: seconds from the kill until each such fault's decision (max and p50) — the lease
-  running out, the survivors replaying the jobs' streams, the chain deciding;
+  running out, the survivors replaying the jobs' streams, the chain deciding; ``rebuilds``:
+  for each survivor, when its takeover began (seconds after the kill) and how long it took;
 * ``bytes_per_rank`` — growth of the detectors' RSS (all replicas) from before the heartbeats
-  to after the warm-up, divided by the ranks.
+  to after the warm-up, divided by the ranks;
+* ``detector_cpu`` — each detector replica's CPU (cores: CPU seconds over wall seconds) while
+  the probes ran, and ``cpu_us_per_hb``: all detectors' CPU per heartbeat published;
+  ``nats_server_cpu_cores``: the server's over the same time (the partition filters are its
+  work).
 """
 from __future__ import annotations
 
@@ -42,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 from trainguard import schemas  # noqa: E402
 from trainguard.bus import Bus  # noqa: E402
 from trainguard.embedded import EmbeddedServers  # noqa: E402
-from trainguard.membership import owner  # noqa: E402
+from trainguard.membership import job_owner  # noqa: E402
+from trainguard.partitions import configured as partition_count  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.service import health_subject  # noqa: E402
 from trainguard.state import StateStore  # noqa: E402
@@ -95,6 +104,12 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
@@ -117,7 +132,7 @@ async def _healthy(bus: Bus, service: str, replica: str, members: int, timeout: 
 
 async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) -> dict:
     admin = await Bus(srv.nats_url, "bench").connect()
-    await admin.ensure_streams()
+    await admin.ensure_streams(partitions=args.partitions)
     jobs = layout(args.ranks, args.nodes, args.ranks_per_job)
     store = StateStore(srv.redis_url)
     for job, members in jobs.items():
@@ -170,6 +185,10 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
             pubs.append(p)
         await asyncio.sleep(args.warmup)
         rss1 = sum(_rss(procs[("detector", r)].pid) for r in replicas)
+        cpu0 = {r: _cpu_s(procs[("detector", r)].pid) for r in replicas}
+        nats_pid = srv._server("nats").proc.pid
+        nats_cpu0 = _cpu_s(nats_pid)
+        t_cpu0 = time.monotonic()
 
         names = sorted(jobs)
         half = max(1, len(names) // 4)  # NaN probes need ranks, not whole jobs
@@ -186,8 +205,10 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
             await asyncio.sleep(args.seconds / max(1, len(keys)))
         # 2. fault → decision: a crash of a fresh job per probe, avoiding r0's for step 3
         victim = replicas[0] if len(replicas) > 1 else None
-        others = [j for j in crash_jobs if owner(j, replicas) != victim] if victim else crash_jobs
-        mine = [j for j in crash_jobs if victim and owner(j, replicas) == victim]
+        n_parts = 0 if args.plain else args.partitions
+        others = ([j for j in crash_jobs if job_owner(j, replicas, n_parts) != victim]
+                  if victim else crash_jobs)
+        mine = [j for j in crash_jobs if victim and job_owner(j, replicas, n_parts) == victim]
         fsent: dict[str, int] = {}
         n_faults = max(1, min(len(others), int(args.seconds / 0.2)))
         for job in others[:n_faults]:
@@ -199,10 +220,14 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
                 generation=0, exit_code=1, ts=ts))
             await asyncio.sleep(args.seconds / n_faults)
         await asyncio.sleep(3.0)
+        wall = time.monotonic() - t_cpu0
+        cpu = {r: (_cpu_s(procs[("detector", r)].pid) - cpu0[r]) / wall for r in replicas}
+        nats_cpu = (_cpu_s(nats_pid) - nats_cpu0) / wall
         hb_ms = [(anomalies[k] - t) / 1e6 for k, t in sent.items() if k in anomalies]
         fd_ms = [(decisions[j] - t) / 1e6 for j, t in fsent.items() if j in decisions]
         # 3. takeover: kill r0 of every service as faults of its jobs arrive
         takeover: list[float] = []
+        rebuilds: dict[str, dict] = {}
         lost = 0
         if victim and mine:
             victims = mine[:5]
@@ -219,9 +244,23 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
                 await asyncio.sleep(0.05)
             takeover = [(decisions[j] - t_kill) / 1e9 for j in victims if j in decisions]
             lost = sum(j not in decisions for j in victims)
+            for s in SERVICES:  # when each survivor began its takeover, and for how long
+                for r in replicas[1:]:
+                    try:
+                        st = json.loads(await admin.request(health_subject(s, r),
+                                                            timeout=2.0))["stats"]
+                        t = {**st["takeovers"], **st.get("last_rebuild", {})}
+                    except Exception:  # noqa: BLE001 - not answering: not reported
+                        continue
+                    if t.get("last_began_ns"):
+                        rebuilds[f"{s}/{r}"] = {
+                            "began_s": round((t["last_began_ns"] - t_kill) / 1e9, 2),
+                            "took_s": t["last_s"],
+                            **{k: t[k] for k in ("read_s", "messages", "step_s") if k in t}}
         return {
             "ranks": args.ranks, "nodes": args.nodes, "replicas": args.replicas,
             "durable": not args.plain,
+            "partitions": 0 if args.plain else args.partitions,
             "jobs": len(jobs), "publishers": args.publishers, "hb_interval_s": args.hb_interval,
             "heartbeats_per_s": round(args.ranks / args.hb_interval),
             "hb_to_anomaly_ms": {"p50": _pct(hb_ms, 50), "p99": _pct(hb_ms, 99),
@@ -230,8 +269,13 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
                                      "n": len(fd_ms), "sent": len(fsent)},
             "takeover_s": {"max": round(max(takeover), 2) if takeover else None,
                            "p50": round(statistics.median(takeover), 2) if takeover else None,
-                           "n": len(takeover), "lost": lost},
+                           "n": len(takeover), "lost": lost, "rebuilds": rebuilds},
             "bytes_per_rank": round((rss1 - rss0) / args.ranks) if args.ranks else None,
+            "detector_cpu": {"cores": {r: round(c, 3) for r, c in cpu.items()},
+                             "cpu_us_per_hb": round(sum(cpu.values()) * args.hb_interval
+                                                    / args.ranks * 1e6, 1)
+                             if args.ranks else None},
+            "nats_server_cpu_cores": round(nats_cpu, 3),
         }
     finally:
         for p in pubs:
@@ -256,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                     "10,000 messages/s)")
     ap.add_argument("--seconds", type=float, default=8.0, help="seconds of each probe phase")
     ap.add_argument("--warmup", type=float, default=4.0)
+    ap.add_argument("--partitions", type=int, default=partition_count(),
+                    help="partitions of the job streams (env TG_PARTITIONS, default 32; 0: "
+                         "none, every replica reads every message)")
     ap.add_argument("--plain", action="store_true", help="services on plain subscriptions "
                     "(TG_DURABLE=0), to compare the latency of durable consumption")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -275,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("hb_to_anomaly_ms", "fault_to_decision_ms", "takeover_s"):
             print(f"  {k}: {res[k]}")
         print(f"  bytes per tracked rank (detector RSS): {res['bytes_per_rank']}")
+        print(f"  detector CPU: {res['detector_cpu']}, nats-server CPU (cores): "
+              f"{res['nats_server_cpu_cores']}")
         print(f"  logs: {logdir}")
     return 0
 

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from trainguard import consume, schemas
+from trainguard import partitions as P  # noqa: N812 - the module is 'partitions' here too
 from trainguard.checkpoint.verify import validate_checkpoint
 from trainguard.schemas import subjects
 from trainguard.service import Service, ServiceConfig, main
@@ -76,27 +77,44 @@ class CheckpointValidator(Service):
         threading.Thread(target=__import__, args=("torch",), name="tg-import-torch",
                          daemon=True).start()
 
-    async def members_changed(self, gained: set[str], lost: set[str]) -> None:
-        """Validate what the gained jobs saved while nobody served them."""
+    async def members_changed(self, gained: set[str], lost: set[str],
+                              partitions: frozenset[int] = frozenset()) -> None:
+        """Validate what the gained jobs, and the jobs of the gained stream partitions, saved
+        while nobody served them (what the state store does not say is settled)."""
         assert self.bus.nc is not None and self.state is not None
         topic = f"{subjects.PREFIX}.job.*.ckpt"
-        for job in sorted(k for k in gained if not k.startswith("node:")):
-            since = time.time_ns() - int(consume.max_age_s(topic) * 1e9)
+        since = time.time_ns() - int(consume.max_age_s(topic) * 1e9)
+        n = self.membership.partitions if partitions else 0
+        jobs = sorted(k for k in gained if not k.startswith("node:"))
+        try:  # a partitioned stream: one read of the gained partitions
+            reads = ([(topic, [f]) for f in P.stored_filters(topic, partitions, n)] if n else
+                     [(subjects.job(job, "ckpt"), None) for job in jobs])
+            msgs = [m for subject, filters in reads for m, _st in
+                    await consume.replay(self.bus.nc, subject, since, filters=filters)]
+        except Exception as exc:  # noqa: BLE001 - the next save is validated anyway
+            log.warning("%s: cannot replay the checkpoints of %s: %s", self.name,
+                        ",".join(jobs) or f"partitions {sorted(partitions)}", exc)
+            return
+        known: dict[str, dict[str, str]] = {}
+        for m in msgs:
             try:
-                known = {c["path"]: c["status"] for c in await self.state.checkpoints(job)}
-                msgs = await consume.replay(self.bus.nc, subjects.job(job, "ckpt"), since)
-            except Exception as exc:  # noqa: BLE001 - the next save is validated anyway
-                log.warning("%s: cannot replay the checkpoints of %s: %s", self.name, job, exc)
+                ev = schemas.decode(m.data)
+            except schemas.DecodeError:
                 continue
-            for m, _st in msgs:
+            if not isinstance(ev, schemas.CheckpointSaved):
+                continue
+            job = subjects.parse(m.subject)["name"]
+            if job not in known:
                 try:
-                    ev = schemas.decode(m.data)
-                except schemas.DecodeError:
-                    continue
-                if isinstance(ev, schemas.CheckpointSaved) and known.get(ev.path,
-                                                                         "pending") == "pending":
-                    known[ev.path] = "replayed"
-                    await self.bus.handle(m.subject, m.data, self.on_ckpt)
+                    known[job] = {c["path"]: c["status"]
+                                  for c in await self.state.checkpoints(job)}
+                except Exception as exc:  # noqa: BLE001 - the next save is validated anyway
+                    log.warning("%s: cannot read the checkpoints of %s: %s", self.name, job,
+                                exc)
+                    known[job] = {ev.path: "unknown"}
+            if known[job].get(ev.path, "pending") == "pending":
+                known[job][ev.path] = "replayed"
+                await self.bus.handle(m.subject, m.data, self.on_ckpt)
 
     def health(self) -> dict[str, Any]:
         c = self.counts

@@ -17,7 +17,8 @@ from trainguard import schemas
 from trainguard.bus import Bus
 from trainguard.consume import replay
 from trainguard.embedded import EmbeddedServers
-from trainguard.membership import owner
+from trainguard.membership import job_owner
+from trainguard.partitions import configured as partition_count
 from trainguard.schemas import Verdict, subjects
 from trainguard.service import health_subject
 from trainguard.state import StateStore
@@ -177,8 +178,10 @@ async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secu
     bus = await Bus(secured.nats_url, "test").connect()
     store = StateStore(secured.redis_url)
     names = ("ra", "rb")
-    # jobs owned by each replica (the same for every service: same member names)
-    jobs = {r: next(f"j2-{i}" for i in range(100) if owner(f"j2-{i}", names) == r)
+    # jobs owned by each replica (the same for every service: same member names; the streams
+    # store jobs in partitions, and a replica owns whole partitions)
+    n = partition_count()
+    jobs = {r: next(f"j2-{i}" for i in range(100) if job_owner(f"j2-{i}", names, n) == r)
             for r in names}
     for job in jobs.values():
         await store.register_job(job, mode="action", generation=0, world_size=4,
@@ -286,3 +289,78 @@ async def test_a_verdict_held_through_a_valkey_outage_and_a_sigkill_is_decided_o
         procs.stop()
         await store.close()
         await bus.close()
+
+
+async def _health(bus: Bus, service: str, replica: str) -> dict:
+    return json.loads(await bus.request(health_subject(service, replica), timeout=2.0))
+
+
+async def test_three_replicas_split_the_partitions_and_a_killed_ones_are_served(secured, procs):
+    """The streams store jobs by partition: each replica's consumers receive only the
+    partitions it owns (no foreign message reaches it), one fault gives one anomaly, verdict
+    and decision, and a replica killed as a fault of its partition arrives has its partitions
+    taken over by the two others, which replay it from the stream."""
+    bus = await Bus(secured.nats_url, "test").connect()
+    store = StateStore(secured.redis_url)
+    names = ("ra", "rb", "rc")
+    n = partition_count()
+    jobs = {r: [f"j3-{i}" for i in range(200) if job_owner(f"j3-{i}", names, n) == r][:2]
+            for r in names}
+    for job in (j for js in jobs.values() for j in js):
+        await store.register_job(job, mode="action", generation=0, world_size=4,
+                                 min_world_size=2, retry_budget=5, retries_used=0,
+                                 members=MEMBERS, status="running")
+    services = ("detector", "attributor", "remediator")
+    for s in services:
+        for r in names:
+            procs.start(s, r)
+    for s in services:
+        for r in names:
+            await healthy(bus, s, r, members=3)
+    owned = {r: set((await _health(bus, "detector", r))["partitions"]["owned"]) for r in names}
+    assert sorted(p for o in owned.values() for p in o) == list(range(n)), owned  # a split
+
+    # heartbeats of each replica's second job (they fall silent after: anomalies of their
+    # own): each detector is sent only its own partitions' messages
+    for rnd in range(3):
+        for job in (js[1] for js in jobs.values()):
+            for m in MEMBERS:
+                await bus.publish(subjects.rank_hb(job, m["rank"]), schemas.RankHeartbeat(
+                    job=job, rank=m["rank"], node=m["node"], local_rank=m["local_rank"],
+                    step=rnd, phase="train", step_time_s=0.1, interval_s=0.1))
+    await bus.flush()
+    await asyncio.sleep(1.0)
+    for r in names:
+        body = await _health(bus, "detector", r)
+        assert body["stats"]["consumed"]["foreign"] == 0, body["stats"]
+        assert body["ranks"] == 4, (r, body)  # its job's ranks, no other's
+
+    first = jobs["rb"][0]  # one fault: one anomaly, one verdict, one decision
+    await bus.publish(subjects.job(first, "worker"), crash(first, 1))
+    assert await wait_until(lambda: _count(bus, first, "decision", 1), 15)
+
+    # ra is killed as a fault of its partitions arrives: nobody's consumer filters them until
+    # its lease runs out; then rb and rc take its partitions over and replay the fault
+    second = jobs["ra"][0]
+    for s in services:
+        procs.kill(s, "ra")
+    await bus.publish(subjects.job(second, "worker"), crash(second, 2))
+    await bus.flush()
+    t0 = time.monotonic()
+    assert await wait_until(lambda: _count(bus, second, "decision", 1), 20), procs.log(
+        "remediator", "rb") + procs.log("remediator", "rc")
+    took = time.monotonic() - t0
+    await asyncio.sleep(2.0)
+    for job in (first, second):
+        counts = [len(await stored(bus, job, k)) for k in ("anomaly", "verdict", "decision")]
+        kinds = [a.kind for a in await stored(bus, job, "anomaly")]
+        assert counts == [1, 1, 1], (job, counts, kinds, took)
+    [d] = await stored(bus, second, "decision")
+    assert d.ranks == [2] and d.action == "restart_workers"
+    after = {r: set((await _health(bus, "detector", r))["partitions"]["owned"])
+             for r in ("rb", "rc")}
+    assert after["rb"] | after["rc"] == set(range(n)) and not after["rb"] & after["rc"]
+    # ra's moved, and at most two of the others' (bounded loads)
+    assert len(owned["rb"] - after["rb"]) + len(owned["rc"] - after["rc"]) <= 2, (owned, after)
+    await store.close()
+    await bus.close()

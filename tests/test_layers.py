@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.state", CORE, False), ("trainguard.errors", CORE, False),
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
     ("trainguard.consume", CORE, False), ("trainguard.membership", CORE, False),
+    ("trainguard.partitions", CORE, False),
     ("trainguard.reducer", CORE, False), ("trainguard.embedded", CORE, False),
     ("trainguard.auth", CORE, False), ("trainguard.tls", CORE, False),
     ("trainguard.metrics", CORE, False), ("trainguard.goodput", CORE, False),

@@ -60,11 +60,13 @@ def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What a partitioned service needs to consume the streams durably
     (``trainguard.consume``): publish — find a stream, create or look up its durable push
     consumers and the short-lived replay consumers, pull the replay, ack what it handled;
-    subscribe — its consumers' delivery subjects ``tg.deliver.<service>.>``, the replies to its
+    the streams' info (their partition count, ``consume.stream_partitions``); subscribe — its
+    consumers' delivery subjects ``tg.deliver.<service>.>``, the replies to its
     own requests (its inbox prefix ``_INBOX.<service>``: JetStream API answers and publish
     acks), its per-replica health subject, which it also asks itself to learn whether the bus
     answers (``ReducerService``'s bus probe)."""
-    return (("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.CONSUMER.INFO.*.*",
+    return (("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*",
+             "$JS.API.CONSUMER.INFO.*.*",
              "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
              "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.TG_EVENTS.>",
              "$JS.ACK.TG_TELEMETRY.>", f"tg.svc.{service}.health.*"),

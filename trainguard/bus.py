@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import nats
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (DiscardPolicy, RetentionPolicy, StorageType, StreamConfig,
+                         SubjectTransform)
 
 from trainguard import schemas
 from trainguard.schemas import DecodeError, Event, subjects
 
+from . import partitions as parts
 from .auth import redact
 from .errors import ServerUnreachable
 from .tls import CA_ENV, ca_file, client_context
@@ -57,6 +59,9 @@ STREAMS: tuple[tuple[str, list[str], float], ...] = (
     ("TG_TELEMETRY", ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"], 3600.0),
     ("TG_DLQ", ["tg.dlq.>"], 7 * 86400.0),
 )
+#: The streams that keep job subjects, stored by partition (``trainguard.partitions``): a
+#: replica of a partitioned service consumes only its partitions of them.
+PARTITIONED_STREAMS = ("TG_EVENTS", "TG_TELEMETRY")
 
 MiB = 1024 * 1024
 
@@ -267,15 +272,25 @@ class Bus:
         return ev
 
     async def last_stored(self, subject: str) -> Any | None:
-        """The newest message a JetStream stream keeps on exact ``subject`` (``.subject``,
-        ``.data``), or None: none stored, no stream holds the subject, or no JetStream."""
+        """The newest message a JetStream stream keeps on exact ``subject`` (``.subject`` as
+        published, ``.data``), or None: none stored, no stream holds the subject, or no
+        JetStream. A job subject is looked up in its stored form with any partition first
+        (``tg.p.*.job.…``: the reader needs no partition count), then as published (a stream
+        made without partitions)."""
         assert self.nc is not None, "call connect() first"
         try:
             js = self.nc.jetstream()
             stream = await js.find_stream_name_by_subject(subject)
-            return await js.get_last_msg(stream, subject)
-        except Exception:  # noqa: BLE001 - nothing stored (or no JetStream): nothing to replay
+        except Exception:  # noqa: BLE001 - no stream (or no JetStream): nothing to replay
             return None
+        for form in parts.stored_filters(subject)[::-1]:
+            try:
+                msg = await js.get_last_msg(stream, form)
+            except Exception:  # noqa: BLE001 - nothing stored in this form
+                continue
+            msg.subject = parts.original(msg.subject)
+            return msg
+        return None
 
     async def dead_letter(self, subject: str, data: bytes, exc: DecodeError) -> None:
         """Count, log once per kind, and republish a bad message to ``tg.dlq.<name>``: the
@@ -294,18 +309,28 @@ class Bus:
         msg = await self.nc.request(subject, payload, timeout=timeout)
         return msg.data
 
-    async def ensure_streams(self, limits: dict[str, StreamLimits] | None = None) -> None:
+    async def ensure_streams(self, limits: dict[str, StreamLimits] | None = None,
+                             partitions: int | None = None) -> None:
         """Create (or update) the JetStream streams in ``STREAMS`` with their age limit and the
-        size bounds of ``limits`` (default ``STREAM_LIMITS``); idempotent. Needs the ``admin``
-        role (stream creation is nobody else's)."""
+        size bounds of ``limits`` (default ``STREAM_LIMITS``); those of ``PARTITIONED_STREAMS``
+        store job subjects in ``partitions`` partitions (default ``partitions.configured()``:
+        env ``TG_PARTITIONS``, else 32; 0: as published). Idempotent. Needs the ``admin`` role
+        (stream creation is nobody else's). Raises ValueError for a bad ``TG_PARTITIONS``.
+        Changing the count of a running bus: restart the partitioned services after it (they
+        read it at start)."""
         assert self.nc is not None
         js = self.nc.jetstream()
         limits = limits or STREAM_LIMITS
+        n = parts.configured() if partitions is None else partitions
         for name, subs, max_age in STREAMS:
             lim = limits[name]
+            tr = None
+            if n and name in PARTITIONED_STREAMS:
+                src, dest = parts.transform(n)
+                tr = SubjectTransform(src=src, dest=dest)
             cfg = StreamConfig(name=name, subjects=subs, max_age=max_age,
                                max_bytes=lim.max_bytes, max_msg_size=lim.max_msg_size,
-                               discard=DiscardPolicy.OLD,
+                               discard=DiscardPolicy.OLD, subject_transform=tr,
                                retention=RetentionPolicy.LIMITS, storage=StorageType.FILE)
             try:
                 await js.add_stream(cfg)

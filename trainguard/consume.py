@@ -14,7 +14,13 @@ how a replica rebuilds a job it takes over.
   Of that backlog (stored before the process started), messages older than their family's
   relevance are acked without being handled; live traffic is handled however late.
 * ``replay`` — the stored messages of a subject (wildcards allowed) since a time, oldest first,
-  through a short-lived ordered read: what a replica steps when it takes over a job.
+  through a short-lived ordered read: what a replica steps when it takes over a job or a
+  partition.
+
+A stream of ``bus.PARTITIONED_STREAMS`` stores job subjects by partition
+(``trainguard.partitions``): a durable consumer then filters only the partitions its replica
+owns (``DurableConsumer.refilter`` when that changes), and every message handed on carries its
+subject as published (``partitions.original``).
 
 Subjects no stream keeps stay plain NATS subscriptions (``Service`` falls back by itself).
 Durable consumers a replica never comes back to are removed by the server after
@@ -28,7 +34,9 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
+
+from . import partitions as parts
 
 log = logging.getLogger("trainguard.consume")
 
@@ -201,16 +209,68 @@ async def stream_of(js: Any, topic: str) -> str | None:
         return None
 
 
+async def stream_partitions(js: Any, stream: str) -> int:
+    """The partition count of ``stream``'s subject transform (0: none, or unreadable)."""
+    try:
+        tr = (await js.stream_info(stream)).config.subject_transform
+    except Exception:  # noqa: BLE001 - no such stream, no right to read it: not partitioned
+        return 0
+    return parts.partitions_of(tr.dest if tr is not None else None)
+
+
+def _filter(cfg: Any, filters: Sequence[str]) -> None:
+    """Set ``filters`` on a ``ConsumerConfig``: one as ``filter_subject`` (what a server
+    before 2.10 understands), several as ``filter_subjects``."""
+    if len(filters) == 1:
+        cfg.filter_subject, cfg.filter_subjects = filters[0], None
+    else:
+        cfg.filter_subject, cfg.filter_subjects = None, list(filters)
+
+
+class DurableConsumer:
+    """One durable push consumer of ``service``/``replica`` on ``topic`` (see
+    ``durable_subscribe``): ``stream``, ``name``, the stream filters it has (``filters``) and
+    the subscription bound to it (``sub``)."""
+
+    def __init__(self, js: Any, stream: str, topic: str, cfg: Any, sub: Any):
+        self.js, self.stream, self.topic, self.cfg, self.sub = js, stream, topic, cfg, sub
+
+    @property
+    def name(self) -> str:
+        return self.cfg.durable_name
+
+    @property
+    def filters(self) -> list[str]:
+        return list(self.cfg.filter_subjects or [self.cfg.filter_subject])
+
+    async def refilter(self, filters: Sequence[str]) -> bool:
+        """Change the stream filters to ``filters`` (the partitions the replica owns now);
+        True when they changed. The consumer goes on from where it is: messages of a filter
+        added now that were stored before are not delivered (a takeover replays them). Raises
+        what the server raises (the caller tries again at the next change)."""
+        if list(filters) == self.filters:
+            return False
+        _filter(self.cfg, filters)
+        await self.js.add_consumer(self.stream, config=self.cfg)
+        return True
+
+    async def unsubscribe(self) -> None:
+        await self.sub.unsubscribe()
+
+
 async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
                             on_message: OnMessage, retry_s: float = 10.0,
                             ack_wait_s: float = ACK_WAIT_S,
-                            max_ack_pending: int | None = None) -> Any | None:
-    """Bind (creating it when new) the durable push consumer of ``service``/``replica`` on
-    ``topic`` and hand each message to ``on_message(msg)``, which must ack it (within
-    ``ack_wait_s`` seconds, or keep it with in-progress acks; the ack wait is set when the
-    consumer is created: an existing consumer keeps its own). A new consumer
-    starts with what arrives from now on (a replica taking over a job replays what it needs,
-    ``replay``); an existing one resumes after its last acked message. Returns the subscription,
+                            filters: Sequence[str] | None = None,
+                            max_ack_pending: int | None = None) -> DurableConsumer | None:
+    """Bind (creating it when new, updating its filters and ack wait when it exists) the
+    durable push consumer of ``service``/``replica`` on ``topic`` and hand each message to
+    ``on_message(msg)``, which must ack it (within ``ack_wait_s`` seconds, or keep it with
+    in-progress acks). ``filters`` — the stream filter subjects (default ``[topic]``; a
+    partitioned stream's stored forms, ``partitions.stored_filters``). A new consumer starts
+    with what arrives from now on (a replica taking over a job replays what it needs,
+    ``replay``); an existing one resumes after its last acked message. ``max_ack_pending`` —
+    unacked messages in flight (default ``max_ack_pending_for(topic)``). Returns the consumer,
     or None when no stream keeps ``topic``. A consumer still bound to a previous process of the
     same replica (its connection not yet seen closed) is tried again for ``retry_s`` seconds."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -223,15 +283,23 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     pending = max_ack_pending or max_ack_pending_for(topic)
     cfg = ConsumerConfig(
         durable_name=name, deliver_subject=deliver_subject(service, replica, topic),
-        filter_subject=topic, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s, max_ack_pending=pending,
         inactive_threshold=DURABLE_INACTIVE_S)
+    _filter(cfg, list(filters or [topic]))
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            return await js.subscribe(topic, durable=name, stream=stream, cb=on_message,
-                                      manual_ack=True, config=cfg,
-                                      pending_msgs_limit=pending * 2)
+            try:
+                bound = (await js.consumer_info(stream, name)).push_bound
+            except Exception:  # noqa: BLE001 - not created yet
+                bound = False
+            if bound:
+                raise RuntimeError(f"consumer {name} is already bound to a subscription")
+            await js.add_consumer(stream, config=cfg)  # create, or update an existing one
+            sub = await js.subscribe(topic, durable=name, stream=stream, cb=on_message,
+                                     manual_ack=True, pending_msgs_limit=pending * 2)
+            return DurableConsumer(js, stream, topic, cfg, sub)
         except Exception as exc:  # noqa: BLE001 - "already bound": the old process is going
             if "already bound" not in str(exc) or time.monotonic() >= deadline:
                 raise
@@ -239,15 +307,33 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
 
 
 async def replay(nc: Any, subject: str, since_ns: int, batch: int = 1000,
-                 limit: int = 200_000) -> list[tuple[Any, Stored]]:
-    """The messages streams keep on ``subject`` (wildcards allowed) stored at or after
-    ``since_ns`` (Unix ns), oldest first across streams, at most ``limit``. Empty when no
-    stream keeps it. Read through an ephemeral consumer without acks, removed when done."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
+                 limit: int = 200_000,
+                 filters: Sequence[str] | None = None) -> list[tuple[Any, Stored]]:
+    """The messages the stream keeping ``subject`` (wildcards allowed) holds on it, stored at
+    or after ``since_ns`` (Unix ns), oldest first, at most ``limit``; each message's
+    ``.subject`` is as published. ``filters`` — the stream filter subjects to read (default
+    ``partitions.stored_filters(subject)``: every partition, and the unpartitioned form; a
+    takeover passes one partition it gained). Empty when no stream keeps it. Each filter is
+    read through its own ephemeral consumer without acks, removed when done (one consumer
+    with several filters was served ~10x slower: 1.3 s for 3,680 heartbeats against 0.15 s)."""
     js = nc.jetstream()
     stream = await stream_of(js, subject)
     if stream is None:
+        return []
+    out: list[tuple[Any, Stored]] = []
+    for f in list(filters or parts.stored_filters(subject)):
+        out += await _read(js, stream, f, since_ns, batch, limit - len(out))
+    if len(filters or ()) != 1:
+        out.sort(key=lambda ms: (ms[1].stored_ns, ms[1].seq))
+    return out
+
+
+async def _read(js: Any, stream: str, subject: str, since_ns: int, batch: int,
+                limit: int) -> list[tuple[Any, Stored]]:
+    """``replay`` of one filter ``subject`` of ``stream``."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    if limit <= 0:
         return []
     start = datetime.fromtimestamp(since_ns / 1e9, tz=timezone.utc)
     psub = await js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(
@@ -264,6 +350,7 @@ async def replay(nc: Any, subject: str, since_ns: int, batch: int = 1000,
             for m in msgs:
                 st = stored_of(m)
                 if st is not None:
+                    m.subject = parts.original(m.subject)
                     out.append((m, st))
             left -= len(msgs)
     finally:

@@ -10,17 +10,31 @@ leaves only the keys it served move, each to the member that scored second for i
 joins it takes about 1/N of the keys from the others. Every replica computes the same owner
 from the same member list, with no coordination beyond the list.
 
-The pure parts (``score``, ``owner``, ``partition_key``) are what tests and the bench drive; the
-``Membership`` object is the service side (one lease, the member list, a cache of decisions).
+When the streams are partitioned (``trainguard.partitions``: the server stores a job's subjects
+in partition ``partition(job, N)``), what is assigned to the members is the partition, not the
+job: a replica owns whole partitions, so its durable consumers can filter on them and it
+receives only its own jobs' messages. Plain rendezvous over 32 keys is uneven (6/9/17 of 32 for
+three members seen), so partitions are assigned with bounded loads (``assign_partitions``):
+each partition in turn goes to the member of highest weight for it that holds fewer than
+⌈N / members⌉; a member leaving moves its own partitions and, at most, one or two of the
+others'. ``job_owner`` is that rule, pure.
+
+The pure parts (``score``, ``owner``, ``job_owner``, ``partition_key``) are what tests and the
+bench drive; the ``Membership`` object is the service side (one lease, the member list, a cache
+of decisions).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from .partitions import partition
 
 log = logging.getLogger("trainguard.membership")
 
@@ -63,6 +77,38 @@ def owner(key: str, members: Iterable[str]) -> str | None:
     return None if best is None else best[1]
 
 
+@functools.lru_cache(maxsize=64)
+def _assign(n: int, members: tuple[str, ...]) -> tuple[str, ...]:
+    cap = math.ceil(n / len(members))
+    load = dict.fromkeys(members, 0)
+    out = []
+    for p in range(n):
+        key = f"partition:{p}"
+        best = min((m for m in members if load[m] < cap), key=lambda m: (-score(m, key), m))
+        load[best] += 1
+        out.append(best)
+    return tuple(out)
+
+
+def assign_partitions(n: int, members: Iterable[str]) -> tuple[str, ...]:
+    """The member serving each of ``n`` partitions (index = partition; empty without
+    members): partitions 0 … n-1 in turn, each to the member with the highest ``score(member,
+    "partition:<p>")`` among those holding fewer than ⌈n / members⌉ so far (rendezvous with
+    bounded loads: every member holds ⌊n/m⌋ or ⌈n/m⌉)."""
+    ms = tuple(sorted(set(members)))
+    return _assign(n, ms) if ms and n > 0 else ()
+
+
+def job_owner(key: str, members: Iterable[str], partitions: int = 0) -> str | None:
+    """The member that serves partition key ``key`` (a job, or ``node:<node>``) when the job
+    streams have ``partitions`` partitions: the owner of the job's partition
+    (``assign_partitions``); a node key, or any key with 0 partitions, is hashed itself."""
+    if partitions and not key.startswith("node:"):
+        owners = assign_partitions(partitions, members)
+        return owners[partition(key, partitions)] if owners else None
+    return owner(key, members)
+
+
 def partition_key(subject: str) -> str | None:
     """The partition key of a bus subject: the job of ``tg.job.<job>.…``, ``node:<node>`` of
     ``tg.node.<node>.…``; None for anything else (served by every replica)."""
@@ -79,14 +125,37 @@ class Membership:
     """One replica's view of its service's members.
 
     ``members`` is the last list read (this replica alone until the first renewal);
-    ``epoch`` grows each time it changes. ``owns(key)`` is cached per epoch."""
+    ``epoch`` grows each time it changes. ``partitions`` — the job streams' partition count
+    (0: not partitioned, jobs hashed one by one; ``set_partitions``). ``owns(key)`` is cached per
+    epoch."""
 
     def __init__(self, service: str, replica: str, config: MembershipConfig | None = None):
         self.service, self.replica = service, replica
         self.config = config or MembershipConfig()
         self.members: tuple[str, ...] = (replica,)
         self.epoch = 0
+        self.partitions = 0
         self._cache: dict[str, bool] = {}
+        self._owned: frozenset[int] | None = None
+
+    def set_partitions(self, n: int) -> None:
+        """Own by partition of ``n`` (0: by job)."""
+        if n != self.partitions:
+            self.partitions = n
+            self._cache.clear()
+            self._owned = None
+
+    def owned_partitions(self) -> frozenset[int]:
+        """The partitions this replica serves (empty when not partitioned)."""
+        if self._owned is None:
+            self._owned = frozenset(
+                p for p, m in enumerate(assign_partitions(self.partitions, self.members))
+                if m == self.replica)
+        return self._owned
+
+    def owns_partition(self, p: int) -> bool:
+        """Whether this replica serves partition ``p``."""
+        return p in self.owned_partitions()
 
     def owns(self, key: str | None) -> bool:
         """Whether this replica serves partition ``key`` (None: everyone does)."""
@@ -96,7 +165,8 @@ class Membership:
         if got is None:
             if len(self._cache) > 200_000:
                 self._cache.clear()
-            got = self._cache[key] = owner(key, self.members) == self.replica
+            got = self._cache[key] = \
+                job_owner(key, self.members, self.partitions) == self.replica
         return got
 
     def update(self, members: Iterable[str]) -> bool:
@@ -110,6 +180,7 @@ class Membership:
         self.members = new
         self.epoch += 1
         self._cache.clear()
+        self._owned = None
         return True
 
     async def renew(self, state) -> bool:

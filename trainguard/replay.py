@@ -165,8 +165,9 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
     """Write what the JetStream streams of ``trainguard.bus.STREAMS`` keep on ``subject``
     (wildcards allowed) to ``out``, oldest first: the streams are read side by side in batches
     of ``batch`` and merged by the time the server stored each message (``recv_ns``), so a
-    recording of events and heartbeats interleaves as it happened. Stops after ``count``
-    messages when given. Returns the number written. Raises ConnectionError when NATS cannot be
+    recording of events and heartbeats interleaves as it happened; each with its subject as
+    published (a partitioned stream stores job subjects by partition, ``trainguard.partitions``).
+    Stops after ``count`` messages when given. Returns the number written. Raises ConnectionError when NATS cannot be
     reached; a stream that does not exist or holds nothing of ``subject`` is skipped."""
     import heapq
     from collections import deque
@@ -174,17 +175,20 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     from .bus import STREAMS
+    from .partitions import original, stored_filters
 
     bus = await Bus(nats_url, "trainguard-replay").connect()
     assert bus.nc is not None
     js = bus.nc.jetstream()
     readers = []
     try:
+        filters = stored_filters(subject)  # job subjects: stored by partition, or as published
         for name, _subjects, _age in STREAMS:
             try:
-                psub = await js.pull_subscribe(subject, stream=name, config=ConsumerConfig(
+                psub = await js.pull_subscribe(filters[0], stream=name, config=ConsumerConfig(
                     deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
-                    inactive_threshold=30.0))
+                    inactive_threshold=30.0,
+                    filter_subjects=filters if len(filters) > 1 else None))
                 left = (await psub.consumer_info()).num_pending
             except Exception:  # noqa: BLE001 - no such stream, or nothing of subject in it
                 continue
@@ -211,7 +215,7 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
         while heap and (count is None or written < count):
             ts, i, _seq, m = heapq.heappop(heap)
             if not m.subject.startswith("tg.svc."):
-                out.write(Record(ts, m.subject, m.data, dict(m.headers or {}) or None)
+                out.write(Record(ts, original(m.subject), m.data, dict(m.headers or {}) or None)
                           .to_json() + "\n")
                 written += 1
             await push_next(i)

@@ -23,11 +23,16 @@ again when it comes back (``consume.HELD_ACK_WAIT_S`` after the last in-progress
 message of those topics delivered again while this process still handles or holds it is not
 handled twice.
 Several replicas run side by side: each holds a lease in Valkey (``trainguard.membership``) and
-handles the events of the jobs it owns by rendezvous hashing over the live replicas; the others'
-events it acks unhandled. When the members change,
-``members_changed`` gets the keys this replica gained and lost (``ReducerService`` rebuilds a
-gained job from the stream and forgets a lost one). Topics no stream keeps stay plain NATS
-subscriptions, filtered the same way.
+handles the events of the jobs it owns by rendezvous hashing over the live replicas. Where the
+streams store job subjects by partition (``trainguard.partitions``; the count is read from the
+streams at start), a replica owns whole partitions and its durable consumers filter only
+those: it is not sent the others' messages at all; otherwise it receives every message and acks
+the others' events unhandled. When the members change, the consumers' filters follow the
+partitions owned, and ``members_changed`` gets the keys this replica gained and lost and the
+partitions it gained (``ReducerService`` rebuilds a gained job or partition from the stream and
+forgets a lost one); live messages of what is being rebuilt wait for the rebuild, then those it
+stepped already are skipped. Topics no stream keeps stay plain NATS subscriptions, filtered by
+ownership.
 """
 from __future__ import annotations
 
@@ -43,9 +48,9 @@ from typing import Any, Callable, Collection, Sequence
 
 from trainguard.schemas import subjects
 
-from . import consume, metrics, tracing
+from . import consume, metrics, partitions, tracing
 from .auth import redact
-from .bus import Bus, Handler
+from .bus import PARTITIONED_STREAMS, Bus, Handler
 from .membership import Membership, MembershipConfig, default_replica, partition_key
 from .state import StateStore
 
@@ -126,6 +131,13 @@ class Service:
         self.known: set[str] = set()  # partition keys seen on the bus (owned or not)
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
+        self._durables: list[consume.DurableConsumer] = []
+        self._plain_streams = False  # the job streams store subjects as published
+        self._refilter_due = False
+        #: takeovers so far; when the last began (Unix ns) and how long it took (seconds)
+        self.takeovers: dict[str, Any] = {"count": 0, "last_began_ns": None, "last_s": None}
+        #: while a takeover rebuilds: (set when done, whether a partition key is being rebuilt)
+        self._gate: tuple[asyncio.Event, Callable[[str | None], bool]] | None = None
         self._member_task: asyncio.Task | None = None
         self._started_ns = time.time_ns()
 
@@ -162,9 +174,12 @@ class Service:
             self.known.add(key)
         return self.membership.owns(key)
 
-    async def members_changed(self, gained: set[str], lost: set[str]) -> None:
+    async def members_changed(self, gained: set[str], lost: set[str],
+                              partitions: frozenset[int] = frozenset()) -> None:
         """The members changed: this replica now owns ``gained`` and no longer ``lost``
-        (partition keys it knew of). Called with no input being handled."""
+        (partition keys it knew of), and owns the stream ``partitions`` it did not before
+        (their jobs may include some it never heard of). Called with no input being handled
+        of what it gained."""
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,9 +188,17 @@ class Service:
             self.state = StateStore(self.config.redis_url)
             await self.state.ping()
         joined_others = False
+        if self.partitioned and self.config.durable:
+            self.membership.set_partitions(await self._stream_partitions())
         if self.partitioned and self.state is not None:
             await self.membership.renew(self.state)
             joined_others = len(self.membership.members) > 1
+        if joined_others:  # live messages of what it takes over wait for the rebuild
+            assert self.state is not None
+            self.known.update(await self.state.jobs())
+            self._gate = (asyncio.Event(), self._rebuilding(
+                {k for k in self.known if self.membership.owns(k)},
+                self.membership.owned_partitions()))
         await self.setup()
         tracing.configure_from_env(self.name)
         self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
@@ -191,12 +214,79 @@ class Service:
         await self.bus.flush()
         if self.partitioned and self.state is not None:
             if joined_others:  # take over what the others served of ours: rebuild it
-                self.known.update(await self.state.jobs())
                 mine = {k for k in self.known if self.membership.owns(k)}
-                await self.members_changed(mine, set())
+                await self._take_over(mine, set(), self.membership.owned_partitions())
             self._member_task = asyncio.create_task(self._renew_loop())
         log.info("%s ready (replica %s, nats=%s)", self.name, self.config.replica,
                  redact(self.config.nats_url))
+
+    async def _stream_partitions(self) -> int:
+        """The partition count of the job streams (``bus.PARTITIONED_STREAMS``): 0 when they
+        are not partitioned, cannot be read, or disagree (then jobs are owned one by one and
+        every replica reads every message, as without partitions)."""
+        assert self.bus.nc is not None
+        js = self.bus.nc.jetstream()
+        counts = {await consume.stream_partitions(js, s) for s in PARTITIONED_STREAMS}
+        self._plain_streams = counts == {0}
+        if len(counts) != 1:
+            log.warning("%s: the job streams' partition counts differ (%s): every replica "
+                        "reads every message", self.name, sorted(counts))
+            return 0
+        return counts.pop()
+
+    def _filters(self, topic: str) -> list[str]:
+        """The stream filters of ``topic``'s durable consumer: the partitions this replica
+        owns when the streams are partitioned; the topic itself when they are not; every
+        message in either form when their counts disagree."""
+        n = self.membership.partitions
+        if not partitions.is_job_pattern(topic) or (not n and self._plain_streams):
+            return [topic]
+        if not n:
+            return partitions.stored_filters(topic)
+        return partitions.stored_filters(topic, self.membership.owned_partitions(), n)
+
+    def _rebuilding(self, keys: set[str], parts: frozenset[int]) -> Callable[[str | None], bool]:
+        """Whether a partition key is among ``keys`` or in one of the stream partitions
+        ``parts`` (what a takeover rebuilds)."""
+        n = self.membership.partitions
+
+        def test(key: str | None) -> bool:
+            if key is None:
+                return False
+            if key in keys:
+                return True
+            return bool(n and parts) and not key.startswith("node:") and \
+                partitions.partition(key, n) in parts
+        return test
+
+    async def _refilter(self) -> None:
+        """Point each durable consumer at the partitions owned now; one the server did not
+        update is tried again at the next renewal (``_refilter_due``)."""
+        self._refilter_due = False
+        for dc in self._durables:
+            try:
+                if await dc.refilter(self._filters(dc.topic)):
+                    log.info("%s: consumer %s now filters %s", self.name, dc.name,
+                             ",".join(dc.filters))
+            except Exception as exc:  # noqa: BLE001 - tried again at the next renewal
+                self._refilter_due = True
+                log.warning("%s: consumer %s not refiltered: %s", self.name, dc.name, exc)
+
+    async def _take_over(self, gained: set[str], lost: set[str],
+                         parts: frozenset[int]) -> None:
+        """Point the durable consumers at the partitions owned now, then ``members_changed``;
+        live messages of what is gained wait meanwhile (``_gate``)."""
+        if self._gate is None:
+            self._gate = (asyncio.Event(), self._rebuilding(gained, parts))
+        began, t0 = time.time_ns(), time.monotonic()
+        try:
+            await self._refilter()
+            await self.members_changed(gained, lost, parts)
+        finally:
+            gate, self._gate = self._gate, None
+            gate[0].set()
+            self.takeovers = {"count": self.takeovers["count"] + 1, "last_began_ns": began,
+                              "last_s": round(time.monotonic() - t0, 4)}
 
     async def _consume(self, topic: str, handler: Handler) -> None:
         """Subscribe ``handler`` to ``topic``: a durable consumer when a stream keeps it (and
@@ -207,6 +297,7 @@ class Service:
             holds = topic in self.holding_topics
 
             async def on_message(msg: Any) -> None:
+                subject = partitions.original(msg.subject)
                 st = consume.stored_of(msg)
                 # only a topic whose messages may be held is tracked (the hot heartbeat path
                 # acks at once, as before)
@@ -223,20 +314,24 @@ class Service:
                     self._deliveries[key] = _Delivery(msg, touched=time.monotonic())
                 held = False
                 try:
-                    if not self.accepts(msg.subject):  # first: the cheapest test, most common
+                    if not self.accepts(subject):  # first: the cheapest test
                         self.consumed["foreign"] += 1
                         return
+                    pkey = partition_key(subject)
+                    gate = self._gate
+                    if gate is not None and gate[1](pkey):
+                        await gate[0].wait()  # a takeover is rebuilding it: after that
                     if st is not None and st.stored_ns < self._started_ns and \
                             st.age_s > max_age:
                         # a backlog of before this process ran (a restart): only what is still
                         # relevant; live traffic is handled however late this service runs
                         self.consumed["stale"] += 1
                     elif st is not None and st.seq <= self.replayed.get(
-                            (st.stream, partition_key(msg.subject) or ""), 0):
+                            (st.stream, pkey or ""), 0):
                         self.consumed["replayed_before"] += 1  # stepped in a takeover replay
                     else:
                         self.consumed["durable"] += 1
-                        ev = await self.bus.handle(msg.subject, msg.data, handler)
+                        ev = await self.bus.handle(subject, msg.data, handler)
                         if holds and key is not None and ev is not None and \
                                 ev.event_id in self.unfinished():
                             held = True  # acked by _keep_deliveries once settled
@@ -247,12 +342,14 @@ class Service:
                         d = self._deliveries.pop(key, None) if key is not None else None
                         await self._ack(msg if d is None else d.msg)
 
-            sub = await consume.durable_subscribe(
+            dc = await consume.durable_subscribe(
                 self.bus.nc, self.name, self.config.replica, topic, on_message,
                 ack_wait_s=consume.HELD_ACK_WAIT_S if holds else consume.ACK_WAIT_S,
+                filters=self._filters(topic),
                 max_ack_pending=consume.max_ack_pending_for(topic, holds))
-            if sub is not None:
-                self._subs.append(sub)
+            if dc is not None:
+                self._durables.append(dc)
+                self._subs.append(dc.sub)
                 return
 
         async def plain(subject: str, ev: Any) -> None:
@@ -306,11 +403,14 @@ class Service:
         while not self._stop.is_set():
             await asyncio.sleep(self.membership.config.renew_s)
             before = {k for k in self.known if self.membership.owns(k)}
+            parts_before = self.membership.owned_partitions()
             try:
                 changed = await self.membership.renew(self.state)
             except Exception as exc:  # noqa: BLE001 - Valkey away: keep the last list
                 log.warning("%s: lease not renewed: %s", self.name, exc)
                 continue
+            if not changed and self._refilter_due:
+                await self._refilter()
             if changed:
                 try:
                     self.known.update(await self.state.jobs())
@@ -318,7 +418,8 @@ class Service:
                     pass
                 after = {k for k in self.known if self.membership.owns(k)}
                 try:
-                    await self.members_changed(after - before, before - after)
+                    await self._take_over(after - before, before - after,
+                                          self.membership.owned_partitions() - parts_before)
                 except Exception:  # noqa: BLE001 - a failed takeover is logged, not fatal
                     log.exception("%s: taking over after a change of members failed",
                                   self.name)
@@ -327,10 +428,13 @@ class Service:
         s = self.bus.stats
         body = {"ok": True, "name": self.name, "pid": os.getpid(),
                 "replica": self.config.replica, "members": list(self.membership.members),
+                "partitions": {"count": self.membership.partitions,
+                               "owned": sorted(self.membership.owned_partitions())},
                 "stats": {"received": s.received, "published": s.published,
                           "dropped": s.dropped, "handler_errors": s.handler_errors,
                           "bad": dict(s.bad), "consumed": dict(self.consumed),
                           "holding": sum(1 for d in self._deliveries.values() if d.event_id),
+                          "takeovers": dict(self.takeovers),
                           **self.extra_stats()},
                 "metrics_port": self.metrics.port if self.metrics else None, **self.health()}
         await msg.respond(json.dumps(body).encode())
