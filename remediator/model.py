@@ -99,7 +99,9 @@ class RemediatorState:
     controller's name (``action.result.executor = controller:<name>``); ``restarts_pods`` —
     whether it recreates a job's pod (``NodeController.restarts_pods``: Kubernetes);
     ``cancels_jobs`` — whether its ``stop`` ends the job in the scheduler
-    (``NodeController.cancels_jobs``: Slurm);
+    (``NodeController.cancels_jobs``: Slurm); ``requeues_jobs`` — whether its ``exclude``
+    requeues the job without the node when the world left is below the job's minimum
+    (``NodeController.requeues_jobs``: Slurm unless ``TG_SLURM_REQUEUE=never``);
     ``pending`` — job →
     ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
     decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
@@ -112,6 +114,7 @@ class RemediatorState:
     controller: str = "local"
     restarts_pods: bool = False
     cancels_jobs: bool = False
+    requeues_jobs: bool = False
     pending: dict[str, Pending] = field(default_factory=dict)
     work: dict[int, Work] = field(default_factory=dict)
     seq: int = 0

@@ -12,8 +12,15 @@ record, two decisions for one generation) drains, requeues or cancels once; the 
   ``auto`` (default) requeues only when the job cannot go on in place (its record says it
   stopped or failed, or the world it is left with is below its minimum), ``always`` requeues
   on every exclusion (a job restarted from its checkpoint on a fresh allocation), ``never``.
-  A requeue is ``scontrol requeue <id>`` and then ``scontrol update jobid=<id>
-  excnodelist=<node,…>`` so the next allocation leaves the node out.
+  A requeue (``requeue_commands``) is ``scontrol requeue <id>``; for a node trainguard found
+  unreachable (``UNREACHABLE_FAULTS``) ``scontrol update nodename=<node> state=down
+  reason=…``, so that Slurm ends the job's part there at once instead of holding the job
+  COMPLETING until ``SlurmdTimeout``; ``scontrol update jobid=<id> excnodelist=<node,…>`` so
+  the next allocation leaves the node out; and ``scontrol update jobid=<id> starttime=now``,
+  since Slurm 22.05 makes a requeued batch job eligible only about 2 minutes later
+  (``EligibleTime``). The requeued job's launchers then start a new run of the job
+  (``StateStore.begin_run``: another ``<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>``) that resumes
+  from the newest valid checkpoint.
 * ``stop(job, reason, generation)`` — for a stop decision of ``generation``: ``squeue`` first
   (``stop_plan``: nothing when the job ended or Slurm no longer knows it, nor when a later
   generation is in force — a new run of the job), then ``scontrol update jobid=<id>
@@ -28,6 +35,7 @@ import asyncio
 import os
 import shutil
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from .controller_base import ControllerResult, NodeController
@@ -35,7 +43,7 @@ from .controller_base import ControllerResult, NodeController
 __all__ = ["SlurmConfig", "SlurmController", "slurm_drain_command", "slurm_requeue_command",
            "slurm_squeue_command", "slurm_stop_commands", "slurm_reason", "parse_squeue_state",
            "stop_plan", "parse_scontrol", "SLURM_REASON_MAX", "ENDED_STATES", "REQUEUED_STATES",
-           "SCANCEL_ENDED"]
+           "SCANCEL_ENDED", "UNREACHABLE_FAULTS", "requeue_commands"]
 
 #: Slurm drain reasons are shown by ``sinfo -R``; keep them short and on one line.
 SLURM_REASON_MAX = 120
@@ -46,6 +54,13 @@ ENDED_STATES = ("CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PRE
 SCANCEL_ENDED = ("already completing or completed", "Invalid job id")
 #: Job states that mean a requeue has happened (or is under way).
 REQUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING")
+#: Fault classes (the job record's ``last_fault``, the exclusion's own) of a node whose slurmd
+#: answers no more either: a requeue sets it DOWN. ``node_lost``: the node agent's heartbeats
+#: stopped (a power-off, a partition); slurmctld itself would set it DOWN only after
+#: ``SlurmdTimeout`` (300 s by default), and until then the requeued job stays COMPLETING on
+#: it and cannot start again. A node that still answers (an XID, a straggler) is drained only:
+#: DOWN would kill every other job on it.
+UNREACHABLE_FAULTS = ("node_lost",)
 
 
 @dataclass
@@ -76,6 +91,37 @@ def slurm_drain_command(node: str, reason: str, scontrol: str = "scontrol") -> l
 def slurm_requeue_command(job_id: str, scontrol: str = "scontrol") -> list[str]:
     """argv that requeues Slurm job ``job_id`` (it restarts without the drained node)."""
     return [scontrol, "requeue", str(job_id)]
+
+
+def requeue_commands(job_id: str, node: str, job: dict[str, str], node_state: str,
+                     reason: str, lost: bool, now: datetime | None = None,
+                     scontrol: str = "scontrol") -> list[tuple[list[str], str | None]]:
+    """The commands of a requeue of Slurm job ``job_id`` without ``node`` (module docstring),
+    each with why it is skipped (None: run it), given the job as ``scontrol show job`` gives it
+    (``job``: ``JobState``, ``ExcNodeList``, ``EligibleTime``), ``node_state`` (its ``State``),
+    and whether trainguard found the node unreachable (``lost``). ``now``: local time, as
+    Slurm prints times (default: now). Pure: doing a requeue again skips what is done."""
+    now = now or datetime.now()
+    st = job.get("JobState", "")
+    out: list[tuple[list[str], str | None]] = [
+        (slurm_requeue_command(job_id, scontrol),
+         f"job {job_id} is {st} already" if st in REQUEUED_STATES else None)]
+    if lost:
+        out.append(([scontrol, "update", f"nodename={node}", "state=down",
+                     f"reason={slurm_reason(reason)}"],
+                    f"{node} is DOWN already ({node_state})" if "DOWN" in node_state else None))
+    exc = [n for n in job.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
+    out.append(([scontrol, "update", f"jobid={job_id}",
+                 f"excnodelist={','.join([*exc, node] if node not in exc else exc)}"],
+                f"{node} is excluded already" if node in exc else None))
+    try:
+        eligible = datetime.fromisoformat(job.get("EligibleTime", ""))
+    except ValueError:
+        eligible = None  # Unknown: release it anyway
+    out.append(([scontrol, "update", f"jobid={job_id}", "starttime=now"],
+                f"eligible since {eligible:%H:%M:%S}" if st in REQUEUED_STATES and eligible
+                and eligible <= now else None))
+    return out
 
 
 def slurm_squeue_command(job_id: str, squeue: str = "squeue") -> list[str]:
@@ -152,6 +198,11 @@ class SlurmController(NodeController):
         super().__init__(state)
         self.config = config or SlurmConfig()
 
+    @property
+    def requeues_jobs(self) -> bool:  # type: ignore[override]
+        """Whether an exclusion below the job's minimum world requeues it (not ``never``)."""
+        return self.config.requeue != "never"
+
     def commands(self, node: str, reason: str, job_id: str = "") -> list[list[str]]:
         """The commands of an exclusion that requeues (drain; requeue when ``job_id``)."""
         job_id = job_id or self.config.slurm_job_id
@@ -221,7 +272,9 @@ class SlurmController(NodeController):
             if not self._should_requeue(record):
                 return ControllerResult(True, f"{said}; Slurm job {jid} goes on in place "
                                               f"(requeue={self.config.requeue})", done)
-            ok, detail = await self._requeue(jid, node, done)
+            lost = ((record.last_fault or {}).get("fault_class") in UNREACHABLE_FAULTS
+                    if record is not None else False)
+            ok, detail = await self._requeue(jid, node, reason, lost, done)
             return ControllerResult(ok, f"{said}; {detail}", done)
         except (OSError, asyncio.TimeoutError) as exc:
             return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
@@ -234,27 +287,34 @@ class SlurmController(NodeController):
         return record.status in ("stopped", "failed") or (
             0 < record.world_size < record.min_world_size)
 
-    async def _requeue(self, jid: str, node: str, done: list[Any]) -> tuple[bool, str]:
+    async def _requeue(self, jid: str, node: str, reason: str, lost: bool,
+                       done: list[Any]) -> tuple[bool, str]:
         job = await self._show("job", jid)
         st = job.get("JobState", "")
-        cmd = slurm_requeue_command(jid, self.config.scontrol)
-        if st in REQUEUED_STATES:
-            done.append({"skipped": cmd, "why": f"job {jid} is {st} already"})
-            return True, f"Slurm job {jid} already requeued ({st})"
         if st in ENDED_STATES:
-            done.append({"skipped": cmd, "why": f"job {jid} ended ({st})"})
+            done.append({"skipped": slurm_requeue_command(jid, self.config.scontrol),
+                         "why": f"job {jid} ended ({st})"})
             return False, f"Slurm job {jid} ended ({st}): nothing to requeue; submit it again"
-        rc, out = await self._run(cmd)
-        done.append(cmd)
-        if rc != 0:
-            return False, f"{' '.join(cmd)} exited {rc}: {out[:300]}"
-        exc = [n for n in (job.get("ExcNodeList", "(null)"), node) if n and n != "(null)"]
-        upd = [self.config.scontrol, "update", f"jobid={jid}", f"excnodelist={','.join(exc)}"]
-        rc, out = await self._run(upd)
-        done.append(upd)
-        return True, (f"requeued Slurm job {jid} without {node}" if rc == 0 else
-                      f"requeued Slurm job {jid} ({node} is drained, so it is not chosen; "
-                      f"excnodelist not set: {out[:200]})")
+        node_state = (await self._show("node", node)).get("State", "") if lost else ""
+        plan = requeue_commands(jid, node, job, node_state, reason, lost,
+                                scontrol=self.config.scontrol)
+        said = [f"Slurm job {jid} already requeued ({st})" if plan[0][1] else
+                f"requeued Slurm job {jid} without {node}"]
+        for i, (cmd, skip) in enumerate(plan):
+            if skip:
+                done.append({"skipped": cmd, "why": skip})
+                continue
+            rc, out = await self._run(cmd)
+            done.append(cmd)
+            if rc != 0 and i == 0:
+                return False, f"{' '.join(cmd)} exited {rc}: {out[:300]}"
+            if rc != 0:  # the requeue is done; what did not follow is said
+                said.append(f"{' '.join(cmd[2:])} refused: {out[:150]}")
+            elif "state=down" in cmd:
+                said.append(f"{node} set DOWN (unreachable)")
+            elif "starttime=now" in cmd:
+                said.append("eligible now")
+        return True, "; ".join(said)
 
     async def _squeue_state(self, jid: str) -> str:
         """The job's state as ``squeue`` gives it now (``GONE``: Slurm no longer knows it);
