@@ -12,7 +12,9 @@ from trainguard.schemas import Decision, JobRecord, Verdict
 
 from . import policy as pol
 
-ENDED = ("stopped", "finished", "failed")
+#: job record statuses of a run that is over: its lingering anomalies decide nothing
+#: (``requeued``: the scheduler restarts the job, whose launchers start a new run)
+ENDED = ("stopped", "finished", "failed", "requeued")
 
 
 @dataclass

@@ -116,7 +116,8 @@ class JobRecord(JobSettings):
     generation: int = _f(0, INT, "run",
                          "process-group generation in force; every recovery moves it by one")
     status: str = _f("", STR, "run",
-                     "running | finished | failed | stopped; '' = never launched")
+                     "running | finished | failed | stopped | requeued (by the Slurm "
+                     "controller: the next launch is a new run); '' = never launched")
     runs: int = _f(0, INT, "run",
                    "launches of the job so far (a launch with no live launcher is a new run)",
                    "runs")

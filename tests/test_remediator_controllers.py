@@ -52,18 +52,18 @@ _NOW = __import__("datetime").datetime(2025, 1, 2, 10, 0, 0)
 
 
 @pytest.mark.parametrize("job,node_state,lost,skipped", [
-    # a running job, its node cut off: requeue, DOWN, exclude, release Slurm's 2-minute hold
+    # a running job, its node cut off: DOWN, requeue, exclude, release Slurm's 2-minute hold
     ({"JobState": "RUNNING", "ExcNodeList": "(null)"}, "ALLOCATED+DRAIN", True,
      [None, None, None, None]),
     # a node that still answers (an XID): drained only, never DOWN (other jobs run on it)
     ({"JobState": "RUNNING"}, "", False, [None, None, None]),
     # done before: requeued, DOWN, excluded, eligible since 09:59 → nothing to do
     ({"JobState": "PENDING", "ExcNodeList": "n1", "EligibleTime": "2025-01-02T09:59:00"},
-     "DOWN+DRAIN", True, ["PENDING already", "DOWN already", "excluded already",
+     "DOWN+DRAIN", True, ["DOWN already", "PENDING already", "excluded already",
                           "eligible since 09:59:00"]),
     # requeued by Slurm itself (its NODE_FAIL path), held for 2 minutes: released
     ({"JobState": "PENDING", "ExcNodeList": "n0", "EligibleTime": "2025-01-02T10:02:00"},
-     "IDLE+DRAIN", True, ["PENDING already", None, None, None]),
+     "IDLE+DRAIN", True, [None, "PENDING already", None, None]),
 ])
 def test_slurm_requeue_commands(job, node_state, lost, skipped):
     from trainguard.slurm_controller import requeue_commands
@@ -72,9 +72,9 @@ def test_slurm_requeue_commands(job, node_state, lost, skipped):
     assert [(w is None) if s is None else (s in (w or "")) for (_, w), s in
             zip(plan, skipped)] == [True] * len(skipped) and len(plan) == len(skipped), plan
     argvs = [" ".join(c) for c, _ in plan]
-    assert argvs[0] == "scontrol requeue 42"
-    assert ("scontrol update nodename=n1 state=down reason=trainguard: node_lost: silent 3 s"
-            in argvs) == lost
+    # DOWN first: then the requeue ends the job's part on the node at once
+    down = "scontrol update nodename=n1 state=down reason=trainguard: node_lost: silent 3 s"
+    assert argvs[int(lost)] == "scontrol requeue 42" and (down in argvs) == (argvs[0] == down) == lost
     exc = next(a for a in argvs if "excnodelist=" in a).split("excnodelist=")[1]
     assert "n1" in exc.split(",") and exc.split(",").count("n1") == 1
     assert argvs[-1] == "scontrol update jobid=42 starttime=now"

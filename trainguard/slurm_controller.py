@@ -12,13 +12,15 @@ record, two decisions for one generation) drains, requeues or cancels once; the 
   ``auto`` (default) requeues only when the job cannot go on in place (its record says it
   stopped or failed, or the world it is left with is below its minimum), ``always`` requeues
   on every exclusion (a job restarted from its checkpoint on a fresh allocation), ``never``.
-  A requeue (``requeue_commands``) is ``scontrol requeue <id>``; for a node trainguard found
-  unreachable (``UNREACHABLE_FAULTS``) ``scontrol update nodename=<node> state=down
-  reason=…``, so that Slurm ends the job's part there at once instead of holding the job
-  COMPLETING until ``SlurmdTimeout``; ``scontrol update jobid=<id> excnodelist=<node,…>`` so
-  the next allocation leaves the node out; and ``scontrol update jobid=<id> starttime=now``,
-  since Slurm 22.05 makes a requeued batch job eligible only about 2 minutes later
-  (``EligibleTime``). The requeued job's launchers then start a new run of the job
+  A requeue (``requeue_commands``) is, for a node trainguard found unreachable
+  (``UNREACHABLE_FAULTS``), first ``scontrol update nodename=<node> state=down reason=…``, so
+  that Slurm ends the job's part there at once instead of holding the requeued job COMPLETING
+  until ``SlurmdTimeout``; then ``scontrol requeue <id>``; ``scontrol update jobid=<id>
+  excnodelist=<node,…>`` so the next allocation leaves the node out; and, once the job is
+  PENDING (``SlurmConfig.release_wait_s``), ``scontrol update jobid=<id> starttime=now``:
+  Slurm 22.05 makes a requeued batch job eligible only about 2 minutes later
+  (``EligibleTime``), and sets that when the job has left COMPLETING on every node, so a
+  release before then is undone. The requeued job's launchers then start a new run of the job
   (``StateStore.begin_run``: another ``<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>``) that resumes
   from the newest valid checkpoint.
 * ``stop(job, reason, generation)`` — for a stop decision of ``generation``: ``squeue`` first
@@ -76,6 +78,9 @@ class SlurmConfig:
     requeue: str = field(default_factory=lambda: os.environ.get("TG_SLURM_REQUEUE", "auto"))
     slurm_job_id: str = ""
     timeout_s: float = 30.0
+    #: seconds a requeue waits for the job to be PENDING to release Slurm's hold on it (its
+    #: other nodes end their part within ``KillWait``, 30 s by default)
+    release_wait_s: float = 45.0
 
     def __post_init__(self) -> None:
         if self.requeue not in ("auto", "always", "never"):
@@ -103,13 +108,13 @@ def requeue_commands(job_id: str, node: str, job: dict[str, str], node_state: st
     Slurm prints times (default: now). Pure: doing a requeue again skips what is done."""
     now = now or datetime.now()
     st = job.get("JobState", "")
-    out: list[tuple[list[str], str | None]] = [
-        (slurm_requeue_command(job_id, scontrol),
-         f"job {job_id} is {st} already" if st in REQUEUED_STATES else None)]
+    out: list[tuple[list[str], str | None]] = []
     if lost:
         out.append(([scontrol, "update", f"nodename={node}", "state=down",
                      f"reason={slurm_reason(reason)}"],
                     f"{node} is DOWN already ({node_state})" if "DOWN" in node_state else None))
+    out.append((slurm_requeue_command(job_id, scontrol),
+                f"job {job_id} is {st} already" if st in REQUEUED_STATES else None))
     exc = [n for n in job.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
     out.append(([scontrol, "update", f"jobid={job_id}",
                  f"excnodelist={','.join([*exc, node] if node not in exc else exc)}"],
@@ -274,10 +279,23 @@ class SlurmController(NodeController):
                                               f"(requeue={self.config.requeue})", done)
             lost = ((record.last_fault or {}).get("fault_class") in UNREACHABLE_FAULTS
                     if record is not None else False)
+            # first: the run is over, so what its remains do meanwhile (the survivors' ranks
+            # and launchers ended by Slurm) decides nothing; the requeued launchers' new run
+            # sets it running again (StateStore.begin_run)
+            await self._mark(job, "requeued")
             ok, detail = await self._requeue(jid, node, reason, lost, done)
+            if not ok:
+                await self._mark(job, "running")
             return ControllerResult(ok, f"{said}; {detail}", done)
         except (OSError, asyncio.TimeoutError) as exc:
             return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+
+    async def _mark(self, job: str, status: str) -> None:
+        if self.state is not None:
+            try:
+                await self.state.end_run(job, status)
+            except Exception:  # noqa: BLE001 - bookkeeping: the requeue itself goes on
+                pass
 
     def _should_requeue(self, record: Any) -> bool:
         if self.config.requeue != "auto":
@@ -298,23 +316,44 @@ class SlurmController(NodeController):
         node_state = (await self._show("node", node)).get("State", "") if lost else ""
         plan = requeue_commands(jid, node, job, node_state, reason, lost,
                                 scontrol=self.config.scontrol)
-        said = [f"Slurm job {jid} already requeued ({st})" if plan[0][1] else
+        requeue = slurm_requeue_command(jid, self.config.scontrol)
+        said = [f"Slurm job {jid} already requeued ({st})"
+                if next(w for c, w in plan if c == requeue) else
                 f"requeued Slurm job {jid} without {node}"]
-        for i, (cmd, skip) in enumerate(plan):
+        for cmd, skip in plan:
+            if "starttime=now" in cmd and not skip:
+                said.append(await self._release(jid, cmd, done))
+                continue
             if skip:
                 done.append({"skipped": cmd, "why": skip})
                 continue
             rc, out = await self._run(cmd)
             done.append(cmd)
-            if rc != 0 and i == 0:
+            if rc != 0 and cmd == requeue:
                 return False, f"{' '.join(cmd)} exited {rc}: {out[:300]}"
-            if rc != 0:  # the requeue is done; what did not follow is said
+            if rc != 0:  # said, and the requeue goes on
                 said.append(f"{' '.join(cmd[2:])} refused: {out[:150]}")
             elif "state=down" in cmd:
                 said.append(f"{node} set DOWN (unreachable)")
-            elif "starttime=now" in cmd:
-                said.append("eligible now")
         return True, "; ".join(said)
+
+    async def _release(self, jid: str, cmd: list[str], done: list[Any]) -> str:
+        """Release Slurm's hold on requeued job ``jid`` (``cmd``: ``starttime=now``) once it is
+        PENDING, waiting up to ``release_wait_s`` for it to leave COMPLETING; what it did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.release_wait_s
+        st = ""
+        while True:
+            st = (await self._show("job", jid)).get("JobState", "")
+            if st != "COMPLETING" or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        if st != "PENDING":
+            done.append({"skipped": cmd, "why": f"job {jid} is {st}"})
+            return f"hold not released (job {st})"
+        rc, out = await self._run(cmd)
+        done.append(cmd)
+        return "eligible now" if rc == 0 else f"hold not released: {out[:150]}"
 
     async def _squeue_state(self, jid: str) -> str:
         """The job's state as ``squeue`` gives it now (``GONE``: Slurm no longer knows it);

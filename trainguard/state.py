@@ -183,8 +183,9 @@ class StateStore:
         await self.r.hset(_job_key(job), "group_attempt", f"{int(generation)}:{int(attempt)}")
 
     async def end_run(self, job: str, status: str) -> None:
-        """Record how the run ended on a node (``finished`` | ``failed``), unless a decision
-        already ``stopped`` the job (atomic)."""
+        """Record how the run ended on a node (``finished`` | ``failed``), or for the job
+        (``requeued``: the Slurm controller requeued it), unless a decision already
+        ``stopped`` the job (atomic)."""
         await self.r.eval(_END_RUN, 1, _job_key(job), encode_value("status", status))
 
     async def commit_decision(self, job: str, *, retries_used: int,
