@@ -1,8 +1,9 @@
 """Node faults on a real cluster on one machine (``trainguard.cluster``): seconds from the fault
 to every rank training again, for trainguard and for Slurm alone with ``--requeue``.
 
-    python bench/cluster.py --json cluster.json [--faults power_off,partition,slow_link]
-                            [--systems trainguard,slurm] [--runs N] [--timeout S]
+    python bench/cluster.py --json cluster.json [--faults power_off,partition,slow_link,
+                            slurmd_death,partition_requeue] [--systems trainguard,slurm]
+                            [--runs N] [--timeout S]
 
 The job: ``trainguard/cluster/train.py`` (a small MLP, DDP over gloo, a checkpoint every 5
 steps), 2 nodes × 2 ranks, and a third node: trainguard's spare node (``--spare-node``), or the
@@ -12,7 +13,22 @@ side. The fault hits node1 when its rank 3 completes step 15:
 
 * ``power_off`` — node1's link down and every process in it SIGKILLed;
 * ``partition`` — node1's veth down (healed after 20 s);
-* ``slow_link`` — node1's link limited to 100 kbit/s both ways (tc tbf) for 30 s.
+* ``slow_link`` — node1's link limited to 100 kbit/s both ways (tc tbf) for 30 s;
+* ``slurmd_death`` — node1's slurmd SIGKILLed (in the node's namespace): the node, its network
+  and its training processes are healthy, only Slurm's daemon is gone. Both systems run under
+  Slurm here (trainguard: ``sbatch`` in action mode, 2 nodes and a spare node in the
+  allocation, ``--no-kill``). The figure is ``acted_s``: fault → the system acted on node1
+  (Slurm: node1 DOWN, after ``SlurmdTimeout``; trainguard: its first decision naming node1;
+  null: it did nothing within ``SLURMD_WINDOW_S``); ``moved_work``: training stopped or moved
+  (a new generation after the fault, or a rank silent for more than 5 s); ``culprit_correct``:
+  the system did not move work off the healthy node (Slurm alone: false when it requeued the
+  job, whose ranks on node1 it can no longer kill); ``seconds`` is ``again_s`` when work moved
+  (training again), else ``acted_s``;
+* ``partition_requeue`` — trainguard only: the partition of node1 under ``sbatch`` with no
+  spare node and ``--min-world-size 4``: the requeue path (the Slurm controller drains node1,
+  sets it DOWN, requeues the job without it and releases Slurm's hold; the requeued job resumes
+  from the newest valid checkpoint); ``decision_to_again_s`` beside ``again_s``. Slurm alone's
+  figure for the same fault is its ``partition`` row (it has no other path).
 
 Figures per (system, fault), read from the ranks' per-step records (``steps.jsonl``), the same
 way for both systems: ``again_s`` — fault → the last rank of the newest generation that started
@@ -28,6 +44,12 @@ published, none executed) recovers only by Slurm requeueing the job once slurmd 
 answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm 22.05 makes a requeued
 batch job eligible again only about 2 minutes later (``EligibleTime``, recorded per run), so its
 figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
+
+``--json PATH`` writes a list of rows, one per (system, fault) (``row``): ``system``,
+``fault``, ``seconds`` (the median of the runs' figures: ``again_s``, ``named_s`` or
+``acted_s``, named in ``metric``), ``culprit_correct`` (true when every run's was),
+``steps_rolled_back`` (median), and ``max_s``, ``runs_correct``, ``fault_spec`` and ``runs``
+(every run's record).
 """
 from __future__ import annotations
 
@@ -52,8 +74,21 @@ FAULTS = {
                   "heal_after_s": 20},
     "slow_link": {"kind": "slow_link", "node": "node1", "step": 15, "rank": 3,
                   "rate": "100kbit", "duration_s": 30},
+    # not a fault schedule's kind: carried out here (SlurmCluster.kill_slurmd)
+    "slurmd_death": {"kind": "slurmd_death", "node": "node1", "step": 15, "rank": 3},
+    "partition_requeue": {"kind": "partition", "node": "node1", "step": 15, "rank": 3,
+                          "heal_after_s": 20},
 }
 STEPS = 200
+#: seconds watched after a slurmd death: SlurmdTimeout (10 s) and Slurm's requeue of the job
+SLURMD_WINDOW_S = 40.0
+
+
+def job_args(fault: str) -> list[str]:
+    """The training job's arguments: ``STEPS`` steps (a slurmd death is watched for
+    ``SLURMD_WINDOW_S``: the job must not end on its own meanwhile)."""
+    steps = 100000 if fault == "slurmd_death" else STEPS
+    return ["--steps", str(steps), "--ckpt-every", "5", "--step-sleep", "0.05"]
 
 
 def _rate(recs: list[dict], t0: float, t1: float) -> float | None:
@@ -74,16 +109,115 @@ def rolled_back(recs: list[dict], again: dict | None) -> int | None:
     return common - (again["first_step"] - 1)
 
 
+def _trigger(c: Cluster, job: str, spec: dict, timeout: float = 200.0) -> float | None:
+    """Unix s of the first record of ``spec``'s rank at its step (None: not reached)."""
+    r = c.wait_step(job, spec["step"], rank=spec["rank"], timeout=timeout)
+    return r["t"] if r else None
+
+
+def _gaps(recs: list[dict], t0: float, t1: float) -> float:
+    """The longest time, seconds, in [t0, t1] during which some rank recorded no step."""
+    worst = 0.0
+    for k in {r["rank"] for r in recs}:
+        ts = sorted([t0, *[r["t"] for r in recs if r["rank"] == k and t0 <= r["t"] <= t1], t1])
+        worst = max(worst, max(b - a for a, b in zip(ts, ts[1:])))
+    return round(worst, 2)
+
+
+def _watch_slurmd_death(c: Cluster, job: str, t_f: float, rec=None) -> dict:
+    """What follows node1's slurmd death within ``SLURMD_WINDOW_S``: when Slurm set it DOWN,
+    the first decision naming it (``rec``: trainguard's Recorder), whether work moved."""
+    out: dict = {"fault_unix_s": t_f, "slurm_down_s": None, "acted_s": None}
+    deadline = t_f + SLURMD_WINDOW_S
+    while time.time() < deadline:
+        if out["slurm_down_s"] is None and c.slurm.node_states().get(
+                "node1", "").startswith("down"):
+            out["slurm_down_s"] = round(time.time() - t_f, 2)
+        time.sleep(0.2)
+    recs = c.steps(job)
+    again = training_again(recs, t_f)
+    out["gap_s"] = _gaps([r for r in recs if r["gen"] == max(
+        (x["gen"] for x in recs if x["t"] <= t_f), default=0)], t_f, deadline) if not again \
+        else None
+    out["moved_work"] = bool(again) or (out["gap_s"] or 0) > 5.0
+    if again:
+        out.update(again_s=round(again["t"] - t_f, 3), hosts=again["hosts"],
+                   steps_rolled_back=rolled_back(recs, again))
+    if rec is not None:
+        decs = rec.of(schemas.Decision, int(t_f * 1e9))
+        out["decisions"] = [d.action for d in decs]
+        named = [d for d in decs if "node1" in d.nodes]
+        out["acted_s"] = round(named[0].ts / 1e9 - t_f, 3) if named else None
+    else:
+        out["acted_s"] = out["slurm_down_s"]
+    out["culprit_correct"] = not out["moved_work"]
+    out.setdefault("steps_rolled_back", 0 if not out["moved_work"] else None)
+    return out
+
+
+def run_trainguard_slurm(fault: str, timeout: float) -> dict:
+    """trainguard in action mode under a real Slurm (``Cluster.sbatch``): ``slurmd_death``
+    (2 nodes and a spare node in the allocation) or ``partition_requeue`` (no spare,
+    ``--min-world-size 4``: the requeue path)."""
+    from trainguard.demo.harness import Recorder
+
+    job, spec = f"b-{fault}", FAULTS[fault]
+    with Cluster(ClusterConfig(nodes=3, slurm=True, slurmd_timeout_s=10)) as c:
+        rec = Recorder(c.stack.nats_url, job)
+        try:
+            spares = 1 if fault == "slurmd_death" else 0
+            jid = c.sbatch(job, 2, spares, 2, extra=["--min-world-size", "4"],
+                           ckpt_dir=os.path.join(c.run_dir, f"ckpt-{job}"),
+                           script_args=["--records", c.records_dir(job), *job_args(fault)])
+            if fault == "slurmd_death":
+                if _trigger(c, job, spec) is None:
+                    return {"error": "the job did not reach the fault's step", "slurm_job": jid}
+                out = _watch_slurmd_death(c, job, c.slurm.kill_slurmd(spec["node"]), rec)
+                out["slurm_job"] = jid
+                return out
+            runner = FaultRunner(c, job, parse([spec]), timeout_s=timeout + 200)
+            runner.start()
+            deadline = time.monotonic() + 200
+            while not runner.fired and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not runner.fired:
+                return {"error": "the job did not reach the fault's step", "slurm_job": jid}
+            t_f = runner.fired[0]["ts"]
+            out = {"fault_unix_s": t_f, "slurm_job": jid, "again_s": None}
+            deadline = time.monotonic() + timeout
+            again = None
+            while time.monotonic() < deadline and not again:
+                again = training_again(c.steps(job), t_f)
+                time.sleep(0.1)
+            decs = rec.of(schemas.Decision, int(t_f * 1e9))
+            named = [d for d in decs if d.nodes]
+            out["decisions"] = [d.action for d in decs]
+            out["culprit_correct"] = bool(named) and named[0].nodes == ["node1"]
+            if again:
+                out.update(again_s=round(again["t"] - t_f, 3), world=again["world"],
+                           hosts=again["hosts"],
+                           steps_rolled_back=rolled_back(c.steps(job), again))
+                if named:
+                    out["decision_to_again_s"] = round(again["t"] - named[0].ts / 1e9, 3)
+            st = c.slurm.job_state(jid)
+            out.update(slurm_state=st.get("JobState"), restarts=st.get("Restarts"))
+            runner.cancel()
+            return out
+        finally:
+            rec.close()
+
+
 def run_trainguard(fault: str, timeout: float) -> dict:
     from trainguard.demo.harness import Recorder
 
+    if fault in ("slurmd_death", "partition_requeue"):
+        return run_trainguard_slurm(fault, timeout)
     job = f"b-{fault}"
     with Cluster(ClusterConfig(nodes=3)) as c:
         rec = Recorder(c.stack.nats_url, job)
         try:
             c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=[
-                "--records", c.records_dir(job), "--steps", str(STEPS), "--ckpt-every", "5",
-                "--step-sleep", "0.05"])
+                "--records", c.records_dir(job), *job_args(fault)])
             runner = FaultRunner(c, job, parse([FAULTS[fault]]), timeout_s=timeout + 200)
             runner.start()
             deadline = time.monotonic() + 200
@@ -132,12 +266,13 @@ def run_trainguard(fault: str, timeout: float) -> dict:
 
 
 def run_slurm(fault: str, timeout: float) -> dict:
+    if fault == "partition_requeue":
+        return {"error": "Slurm alone has one path for a partition: see its partition row"}
     job = f"s-{fault}"
     tmp = tempfile.mkdtemp(prefix="tg-bench-slurm-")
     with Cluster(ClusterConfig(nodes=3, slurm=True, slurmd_timeout_s=10)) as c:
         argv = c.launch_argv(job, 2, None, "$(hostname)", 2, mode="observe", script_args=[
-            "--records", c.records_dir(job), "--steps", str(STEPS), "--ckpt-every", "5",
-            "--step-sleep", "0.05"])
+            "--records", c.records_dir(job), *job_args(fault)])
         cmd = " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv)
         script = os.path.join(tmp, "job.sbatch")
         with open(script, "w") as fh:
@@ -150,6 +285,24 @@ def run_slurm(fault: str, timeout: float) -> dict:
         finally:
             for k in env:
                 os.environ.pop(k, None)
+        if fault == "slurmd_death":
+            if _trigger(c, job, FAULTS[fault]) is None:
+                return {"error": "the job did not reach the fault's step", "slurm_job": jid}
+            out = _watch_slurmd_death(c, job, c.slurm.kill_slurmd("node1"))
+            if out["moved_work"] and "again_s" not in out:  # requeued: wait for its restart
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    again = training_again(c.steps(job), out["fault_unix_s"])
+                    if again:
+                        out.update(again_s=round(again["t"] - out["fault_unix_s"], 3),
+                                   hosts=again["hosts"],
+                                   steps_rolled_back=rolled_back(c.steps(job), again))
+                        break
+                    time.sleep(0.2)
+            st = c.slurm.job_state(jid)
+            out.update(slurm_job=jid, slurm_state=st.get("JobState"),
+                       restarts=st.get("Restarts"), eligible=st.get("EligibleTime"))
+            return out
         runner = FaultRunner(c, job, parse([FAULTS[fault]]), timeout_s=timeout + 200)
         runner.start()
         deadline = time.monotonic() + 200
@@ -207,8 +360,7 @@ def main(argv=None) -> int:
     systems = [s for s in a.systems.split(",") if s]
     if set(systems) - {"trainguard", "slurm"}:
         p.error("--systems: trainguard and/or slurm")
-    results: dict = {}
-    t0 = time.monotonic()
+    rows: list[dict] = []
     for system in systems:
         for fault in faults:
             runs = []
@@ -219,37 +371,52 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - one failed trial is reported, not fatal
                     r = {"error": f"{type(exc).__name__}: {exc}"}
                 runs.append(r)
-                key = "named_s" if fault == "slow_link" else "again_s"
-                extra = {k: r[k] for k in ("culprit_correct", "steps_rolled_back",
+                metric, val = seconds_of(fault, r)
+                extra = {k: r[k] for k in ("culprit_correct", "steps_rolled_back", "moved_work",
+                                           "slurm_down_s", "decision_to_again_s",
                                            "steps_per_s_before", "steps_per_s_during",
                                            "decisions", "eligible", "error") if k in r}
-                print(f"{system:<10} {fault:<10} run {i + 1}: {key} = {r.get(key)} {extra}",
+                print(f"{system:<10} {fault:<17} run {i + 1}: {metric} = {val} {extra}",
                       flush=True)
-            key = "named_s" if fault == "slow_link" else "again_s"
-            vals = [r[key] for r in runs if r.get(key) is not None]
-            lost = [r["steps_rolled_back"] for r in runs
-                    if r.get("steps_rolled_back") is not None]
-            results[f"{system}/{fault}"] = {
-                "metric": key, "median_s": statistics.median(vals) if vals else None,
-                "max_s": max(vals) if vals else None, "recovered": f"{len(vals)}/{len(runs)}",
-                "culprit_correct": f"{sum(bool(r.get('culprit_correct')) for r in runs)}"
-                                   f"/{len(runs)}",
-                "steps_rolled_back": statistics.median(lost) if lost else None,
-                "runs": runs}
+            rows.append(row(system, fault, runs))
             if a.json:  # after every (system, fault): an interrupted run keeps what it measured
                 with open(a.json, "w") as fh:
-                    json.dump({"partial": True, "results": results}, fh, indent=2)
-    report = {"wall_s": round(time.monotonic() - t0, 1), "results": results,
-              "faults": {f: FAULTS[f] for f in faults}}
-    print(f"\n{'system/fault':<22} {'metric':<8} {'median s':>9} {'max s':>8} recovered "
-          f"culprit_correct steps_rolled_back")
-    for k, v in results.items():
-        print(f"{k:<22} {v['metric']:<8} {str(v['median_s']):>9} {str(v['max_s']):>8} "
-              f"{v['recovered']:>9} {v['culprit_correct']:>15} {str(v['steps_rolled_back']):>17}")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+                    json.dump(rows, fh, indent=2)
+    print(f"\n{'system':<10} {'fault':<17} {'metric':<8} {'seconds':>8} culprit_correct "
+          f"steps_rolled_back")
+    for r in rows:
+        print(f"{r['system']:<10} {r['fault']:<17} {r['metric']:<8} {str(r['seconds']):>8} "
+              f"{str(r['culprit_correct']):>15} {str(r['steps_rolled_back']):>17}")
     return 0
+
+
+def seconds_of(fault: str, r: dict) -> tuple[str, float | None]:
+    """The figure of one run: ``(metric, seconds)`` (see the module docstring)."""
+    if fault == "slow_link":
+        return "named_s", r.get("named_s")
+    if fault == "slurmd_death":
+        if r.get("moved_work"):
+            return "again_s", r.get("again_s")
+        return "acted_s", r.get("acted_s")
+    return "again_s", r.get("again_s")
+
+
+def row(system: str, fault: str, runs: list[dict]) -> dict:
+    """One row of the JSON list: ``system``, ``fault``, ``seconds`` (the median of the runs'
+    figures; null when none had one), ``culprit_correct`` (every run's), ``steps_rolled_back``
+    (median), and ``metric``, ``runs_correct``, ``max_s``, ``runs`` (each run's record),
+    ``fault_spec``."""
+    figs = [seconds_of(fault, r) for r in runs]
+    vals = [v for _, v in figs if v is not None]
+    lost = [r["steps_rolled_back"] for r in runs if r.get("steps_rolled_back") is not None]
+    metrics = sorted({m for m, _ in figs})
+    return {"system": system, "fault": fault,
+            "seconds": statistics.median(vals) if vals else None,
+            "culprit_correct": bool(runs) and all(r.get("culprit_correct") for r in runs),
+            "steps_rolled_back": statistics.median(lost) if lost else None,
+            "metric": "/".join(metrics), "max_s": max(vals) if vals else None,
+            "runs_correct": f"{sum(bool(r.get('culprit_correct')) for r in runs)}/{len(runs)}",
+            "fault_spec": FAULTS[fault], "runs": runs}
 
 
 if __name__ == "__main__":

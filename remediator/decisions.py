@@ -117,7 +117,8 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
         return fold(state, seq, w, None, f"job is {rec.status}: no further decisions",
                     inp.wall_ns)
     policy = state.config.policy
-    dec = pol.decide(v, rec, policy, restarts_pods=state.restarts_pods)
+    dec = pol.decide(v, rec, policy, restarts_pods=state.restarts_pods,
+                     requeues=state.requeues_jobs)
     if dec is None:
         return count(done(state, seq), "ignored"), [store("audit", w.job, {
             "type": "ignored", "verdict_id": v.event_id, "fault_class": v.fault_class,

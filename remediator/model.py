@@ -12,7 +12,9 @@ from trainguard.schemas import Decision, JobRecord, Verdict
 
 from . import policy as pol
 
-ENDED = ("stopped", "finished", "failed")
+#: job record statuses of a run that is over: its lingering anomalies decide nothing
+#: (``requeued``: the scheduler restarts the job, whose launchers start a new run)
+ENDED = ("stopped", "finished", "failed", "requeued")
 
 
 @dataclass
@@ -102,7 +104,9 @@ class RemediatorState:
     controller's name (``action.result.executor = controller:<name>``); ``restarts_pods`` —
     whether it recreates a job's pod (``NodeController.restarts_pods``: Kubernetes);
     ``cancels_jobs`` — whether its ``stop`` ends the job in the scheduler
-    (``NodeController.cancels_jobs``: Slurm);
+    (``NodeController.cancels_jobs``: Slurm); ``requeues_jobs`` — whether its ``exclude``
+    requeues the job without the node when the world left is below the job's minimum
+    (``NodeController.requeues_jobs``: Slurm unless ``TG_SLURM_REQUEUE=never``);
     ``pending`` — job →
     ``Pending``; ``work`` — chains in flight by sequence number; ``armed`` — the pending
     decisions of the job records were re-armed (first ``Tick``); ``publishing`` — ids of the
@@ -115,6 +119,7 @@ class RemediatorState:
     controller: str = "local"
     restarts_pods: bool = False
     cancels_jobs: bool = False
+    requeues_jobs: bool = False
     pending: dict[str, Pending] = field(default_factory=dict)
     work: dict[int, Work] = field(default_factory=dict)
     seq: int = 0

@@ -409,10 +409,13 @@ CHECKS: dict[str, Callable[[Verdict, JobRecord, int], dict[str, Any] | None]] = 
 
 # ---- decide ------------------------------------------------------------------------------------
 def decide(verdict: Verdict, job_state: JobRecord,
-           policy: Policy = DEFAULT_POLICY, restarts_pods: bool = False) -> Decision | None:
+           policy: Policy = DEFAULT_POLICY, restarts_pods: bool = False,
+           requeues: bool = False) -> Decision | None:
     """The decision for ``verdict`` given ``job_state`` (the job record) and ``policy``;
     ``restarts_pods``: whether the remediator's node controller recreates pods (Kubernetes),
-    which ``pod_restart`` adds to the reason.
+    which ``pod_restart`` adds to the reason; ``requeues``: whether it requeues the job in its
+    scheduler without the excluded nodes (``NodeController.requeues_jobs``: Slurm), see
+    ``plan``.
 
     Returns a ``schemas.Decision`` (not yet published) whose ``generation`` is the generation to
     join (current + 1 for a recovery or a stop, the current one for ``none``) and whose
@@ -426,7 +429,7 @@ def decide(verdict: Verdict, job_state: JobRecord,
     job = with_defaults(job_state, policy)
     fault_gen = fault_generation(verdict, job)
     action, reasons = table_action(verdict, job, policy)
-    dec = plan(verdict, job, action, reasons, fault_gen, policy)
+    dec = plan(verdict, job, action, reasons, fault_gen, policy, requeues=requeues)
     _, why = pod_restart(dec, verdict, restarts_pods, policy)
     return dec.model_copy(update={"reason": f"{dec.reason}; {why}"}) if why else dec
 
@@ -525,9 +528,13 @@ def _spare_left(job: JobRecord, verdict: Verdict) -> bool:
 
 
 def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], fault_gen: int,
-         policy: Policy = DEFAULT_POLICY, key: str | None = None) -> Decision:
+         policy: Policy = DEFAULT_POLICY, key: str | None = None,
+         requeues: bool = False) -> Decision:
     """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
-    world for an exclusion (stop when it would go below ``min_world_size``), generation and key.
+    world for an exclusion (below ``min_world_size``: a stop, or, when the node controller
+    ``requeues`` the job in its scheduler, the exclusion with the world it leaves, which the
+    survivors do not train at: the scheduler restarts the job at full size on an allocation
+    without the nodes, from the newest valid checkpoint), generation and key.
     Used by ``decide`` and by the watchdog (with ``key`` given). ``reasons`` is not changed:
     the decision's reason is a new list of them with what the checks added."""
     reasons = list(reasons)
@@ -584,7 +591,12 @@ def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], faul
             if world < job.min_world_size:
                 reasons.append(f"excluding {', '.join(nodes)} leaves a world of {world} < "
                                f"min_world_size {job.min_world_size}")
-                action, members, world = A.STOP_JOB_NOTIFY_USER, [], job.world_size
+                if requeues and members:
+                    reasons.append("the scheduler requeues the job without "
+                                   f"{', '.join(nodes)}: it restarts at world "
+                                   f"{job.world_size} from the newest valid checkpoint")
+                else:
+                    action, members, world = A.STOP_JOB_NOTIFY_USER, [], job.world_size
 
     recovering = action in RECOVERY_ACTIONS
     culprit = ",".join(map(str, ranks)) + "|" + ",".join(nodes)

@@ -64,7 +64,8 @@ class Remediator(ReducerService[RemediatorState]):
         c = self._controller
         return {"controller": c.name if c else self.rconfig.controller,
                 "restarts_pods": bool(getattr(c, "restarts_pods", False)),
-                "cancels_jobs": bool(getattr(c, "cancels_jobs", False))}
+                "cancels_jobs": bool(getattr(c, "cancels_jobs", False)),
+                "requeues_jobs": bool(getattr(c, "requeues_jobs", False))}
 
     def initial_state(self) -> RemediatorState:
         return RemediatorState(config=self.rconfig, serves=self.membership.owns,

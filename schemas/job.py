@@ -124,10 +124,16 @@ class JobRecord(JobSettings):
                             "launch or a bump that named none): a decision resumed after a "
                             "crash between its bump and its commit finds its bump here")
     status: str = _f("", STR, "run",
-                     "running | finished | failed | stopped; '' = never launched")
+                     "running | finished | failed | stopped | requeued (by the Slurm "
+                     "controller: the next launch is a new run); '' = never launched")
     runs: int = _f(0, INT, "run",
                    "launches of the job so far (a launch with no live launcher is a new run)",
                    "runs")
+    run_id: str = _f("", STR, "run",
+                     "the scheduler's name of the run its launchers belong to (Slurm: "
+                     "'<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>'; '' = none): a launch with "
+                     "another one is a new run, whatever leases the old run's launchers "
+                     "still hold (a requeued job)")
     members: list[dict[str, Any]] = _f(None, JSON, "run",
                                        "the ranks of the job: [{rank, node, local_rank}] "
                                        "sorted by rank", factory=list)

@@ -64,6 +64,21 @@ def test_exclusion_elsewhere_reranks_in_process_ranks_and_restarts_plain_ones():
     assert "restarted with the worker group" in plan.why
 
 
+def test_an_exclusion_below_the_minimum_world_stops_the_ranks_and_waits_for_the_requeue():
+    members = [Member(rank=0, node=NODE, local_rank=0), Member(rank=1, node=NODE, local_rank=1)]
+    d = _d("exclude_node_and_requeue", [2, 3], ["dead"], members).model_copy(
+        update={"world_size": 2})
+    for ranks in (RUN, PLAIN):
+        plan = plan_node(d, NODE, ranks, min_world_size=4)
+        # every rank stopped, none started, and the launch does not end itself
+        assert (sorted(plan.kill), plan.start, plan.rerank, plan.exit_status) == (
+            [0, 1], [], {}, None)
+        assert "requeues" in plan.why
+    # at or above the minimum the survivors go on in place
+    assert plan_node(d, NODE, RUN, min_world_size=2).rerank == {} and \
+        plan_node(d, NODE, RUN, min_world_size=2).kill == []
+
+
 def test_spare_node_starts_its_share_of_the_members():
     members = [Member(rank=0, node="n1", local_rank=0), Member(rank=1, node=NODE, local_rank=0)]
     plan = plan_node(_d("exclude_node_and_requeue", [1], ["dead"], members), NODE, [])

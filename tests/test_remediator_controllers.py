@@ -49,6 +49,44 @@ def test_slurm_stop_plan(state, in_force, generation, plan, says):
     assert got == plan and says in why
 
 
+_NOW = __import__("datetime").datetime(2025, 1, 2, 10, 0, 0)
+
+
+@pytest.mark.parametrize("job,node_state,lost,skipped", [
+    # a running job, its node cut off: DOWN, requeue, exclude, release Slurm's 2-minute hold
+    ({"JobState": "RUNNING", "ExcNodeList": "(null)"}, "ALLOCATED+DRAIN", True,
+     [None, None, None, None]),
+    # a node that still answers (an XID): drained only, never DOWN (other jobs run on it)
+    ({"JobState": "RUNNING"}, "", False, [None, None, None]),
+    # done before: requeued, DOWN, excluded, eligible since 09:59 → nothing to do
+    ({"JobState": "PENDING", "ExcNodeList": "n1", "EligibleTime": "2025-01-02T09:59:00"},
+     "DOWN+DRAIN", True, ["DOWN already", "PENDING already", "excluded already",
+                          "eligible since 09:59:00"]),
+    # requeued by Slurm itself (its NODE_FAIL path), held for 2 minutes: released
+    ({"JobState": "PENDING", "ExcNodeList": "n0", "EligibleTime": "2025-01-02T10:02:00"},
+     "IDLE+DRAIN", True, [None, "PENDING already", None, None]),
+])
+def test_slurm_requeue_commands(job, node_state, lost, skipped):
+    from trainguard.slurm_controller import requeue_commands
+
+    plan = requeue_commands("42", "n1", job, node_state, "node_lost: silent 3 s", lost, _NOW)
+    assert [(w is None) if s is None else (s in (w or "")) for (_, w), s in
+            zip(plan, skipped)] == [True] * len(skipped) and len(plan) == len(skipped), plan
+    argvs = [" ".join(c) for c, _ in plan]
+    # DOWN first: then the requeue ends the job's part on the node at once
+    down = "scontrol update nodename=n1 state=down reason=trainguard: node_lost: silent 3 s"
+    assert argvs[int(lost)] == "scontrol requeue 42" and (down in argvs) == (argvs[0] == down) == lost
+    exc = next(a for a in argvs if "excnodelist=" in a).split("excnodelist=")[1]
+    assert "n1" in exc.split(",") and exc.split(",").count("n1") == 1
+    assert argvs[-1] == "scontrol update jobid=42 starttime=now"
+
+
+def test_slurm_requeues_unless_told_never():
+    assert SlurmController(None, SlurmConfig(requeue="auto")).requeues_jobs
+    assert not SlurmController(None, SlurmConfig(requeue="never")).requeues_jobs
+    assert not LocalController(None).requeues_jobs
+
+
 @pytest.mark.parametrize("rc,out,state", [
     (0, "RUNNING\n", "RUNNING"),
     (0, "", "GONE"),                                  # -t all, past MinJobAge: no line

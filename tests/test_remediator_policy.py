@@ -142,6 +142,23 @@ def test_exclude_below_min_world_size_stops():
     assert "min_world_size 3" in d.reason and d.members == []
 
 
+def test_exclude_below_min_world_size_requeues_where_the_scheduler_can():
+    v = verdict("node_lost", "infrastructure", nodes=["n1"])
+    d = decide(v, job(min_world_size=4), requeues=True)
+    # the exclusion with the world it leaves (below the minimum): the controller requeues on
+    # it, the survivors stop their ranks and wait for the scheduler
+    assert d.action == "exclude_node_and_requeue" and d.execute and d.nodes == ["n1"]
+    assert d.world_size == 2 and {m.node for m in d.members} == {"n2"}
+    assert "requeues the job without n1" in d.reason and "world 4" in d.reason
+    # a spare is still the first choice: no requeue needed
+    d = decide(v, job(min_world_size=4, spare_nodes=["s1"]), requeues=True)
+    assert d.world_size == 4 and "requeues" not in d.reason
+    # nothing left to restart on: a stop
+    lone = [m for m in MEMBERS if m["node"] == "n1"]
+    d = decide(v, job(min_world_size=2, members=lone, world_size=2), requeues=True)
+    assert d.action == "stop_job_notify_user"
+
+
 def test_straggler_replaced_only_with_spare():
     v = verdict("straggler", "hardware", ranks=[3], nodes=["n2"])
     assert decide(v, job()).action == "none"

@@ -280,3 +280,24 @@ def test_a_dead_embedded_server_is_reported():
         (dead,) = stack.dead_servers()
         assert f"embedded nats server at {nats.address} exited" in dead
         assert "admin:" not in dead  # no credentials in messages
+
+
+def test_slurm_example_makes_the_last_nodes_spares(tmp_path):
+    """``TG_SPARE_NODES=1`` on 3 nodes: nodes 0 and 1 get node ranks of a 2-node job, node 2
+    is a spare node (a stand-in ``srun`` runs the per-node command for each node id, a
+    stand-in ``trainguard`` prints its arguments)."""
+    path = os.path.join(ROOT, "deploy", "slurm", "train.sbatch")
+    (tmp_path / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        'for i in 0 1 2; do SLURM_NODEID=$i "$@"; done\n')
+    (tmp_path / "trainguard").write_text('#!/bin/bash\necho "$@"\n')
+    for f in ("srun", "trainguard"):
+        (tmp_path / f).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_NNODES": "3",
+           "SLURM_JOB_ID": "7", "TG_SPARE_NODES": "1", "NPROC_PER_NODE": "2",
+           "NATS_URL": "nats://x:1", "REDIS_URL": "redis://x:2", "TG_RDZV_ENDPOINT": "x:3"}
+    out = subprocess.run(["bash", path, "train.py"], env=env, capture_output=True, text=True,
+                         cwd=tmp_path, check=True).stdout.splitlines()
+    assert [ln.split(" --nnodes")[0] for ln in out] == [
+        "launch --node-rank 0", "launch --node-rank 1", "launch --spare-node --spares 2"], out
+    assert all("--nnodes 2 " in ln and ln.endswith(" train.py") for ln in out), out

@@ -83,3 +83,36 @@ def test_the_narrow_mutators(redis_db):
     assert stopped.pending_decision == {"event_id": "e"}
     assert last.pending_decision is None and last.retry_budget is None
     assert last.hang_timeout_s == 4.5
+
+
+async def _requeued(url: str):
+    st = StateStore(url)
+    try:
+        # a Slurm job on n0 and n1 at generation 2; n1 is cut off: its lease is still live
+        first = [await st.begin_run("r", n, 10.0, run_id="7.0") for n in ("n0", "n1")]
+        await st.update_job("r", generation=2)
+        await st.end_launcher("r", "n0")  # n0's launcher was ended by the requeue
+        # the requeued job (same id, restart 1) on n0 and n2: a new run, not n1's old one
+        second = [await st.begin_run("r", n, 10.0, run_id="7.1") for n in ("n0", "n2")]
+        # a launcher of the old allocation still on n0 when the new run starts there: no wait
+        await st.begin_run("q", "n0", 10.0, run_id="8.0")
+        third = await st.begin_run("q", "n0", 10.0, run_id="8.1")
+        return first, second, await st.job("r"), third
+    finally:
+        await st.close()
+
+
+def test_a_requeued_slurm_job_is_a_new_run_whatever_leases_its_old_run_holds(redis_db):
+    first, second, job, third = _run(_requeued(redis_db))
+    assert first == [(0, False), (0, False)]
+    assert second == [(3, True), (3, False)]  # past generation 2; the second one joins
+    assert job.run_id == "7.1" and job.status == "running"
+    assert third == (1, True)  # no LauncherConflict: the lease was the old run's
+
+
+def test_the_run_id_of_a_launch():
+    from trainguard.launcher_lease import run_id
+
+    assert run_id({}) == ""
+    assert run_id({"SLURM_JOB_ID": "41"}) == "41.0"
+    assert run_id({"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}) == "41.2"

@@ -59,6 +59,10 @@ class NodeController:
     #: Whether ``stop`` ends the job in its scheduler (Slurm: ``scancel``); the remediator
     #: calls ``stop`` for an executed stop decision only then.
     cancels_jobs = False
+    #: Whether ``exclude`` requeues the job in its scheduler without the node when the world it
+    #: leaves is below the job's ``min_world_size`` (Slurm); the policy then excludes instead
+    #: of stopping the job.
+    requeues_jobs = False
 
     def __init__(self, state: Any = None, reputation: ReputationConfig | None = None):
         self.state = state

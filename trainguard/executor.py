@@ -50,11 +50,16 @@ class NodePlan:
         return not (self.kill or self.start or self.rerank) and self.exit_status is None
 
 
-def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank]) -> NodePlan:
+def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank],
+              min_world_size: int = 1) -> NodePlan:
     """The plan of ``node`` for executed decision ``d`` given its ranks.
 
     * ``stop_job_notify_user``: stop, exit ``EXIT_STOPPED``.
     * ``exclude_node_and_requeue`` naming this node: stop, exit 0 (the job goes on elsewhere).
+    * ``exclude_node_and_requeue`` leaving a world below the job's ``min_world_size`` (the
+      policy chose it because the scheduler requeues the job without the node): stop the
+      ranks, and nothing else — the launch waits for its scheduler to end it (Slurm's requeue
+      signals it) rather than end its part of the job first.
     * any other recovery: the ranks this node must run are ``d.members`` on it (or the current
       ones); a named rank (``restart_workers``), a dead one, and every rank that cannot rejoin
       in process are killed and started again; the others keep running under their new rank.
@@ -68,6 +73,10 @@ def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank]) -> NodePla
     if d.action == "exclude_node_and_requeue" and node in d.nodes:
         return NodePlan(kill=[r.local_rank for r in ranks if r.alive], exit_status=0,
                         why=f"node {node} excluded: workers stopped")
+    if d.action == "exclude_node_and_requeue" and 0 < d.world_size < min_world_size:
+        return NodePlan(kill=[r.local_rank for r in ranks if r.alive],
+                        why=f"a world of {d.world_size} < min_world_size {min_world_size}: "
+                            f"workers stopped; the scheduler requeues the job")
     by_local = {r.local_rank: r for r in ranks}
     wanted = ([(m.local_rank, m.rank) for m in d.members if m.node == node] if d.members
               else [(r.local_rank, r.rank) for r in ranks])

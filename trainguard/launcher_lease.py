@@ -30,7 +30,17 @@ from .state import LauncherConflict, StateStore
 if TYPE_CHECKING:
     from .launch_config import LaunchConfig
 
-__all__ = ["JobLease"]
+__all__ = ["JobLease", "run_id"]
+
+
+def run_id(env: dict[str, str] | None = None) -> str:
+    """The scheduler's name of the run this launcher belongs to: under Slurm
+    ``<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>`` (a requeued job keeps its id and counts its
+    restarts; ``SLURM_RESTART_COUNT`` is unset before the first), else "" (runs are told apart by
+    the launchers' leases alone). See ``StateStore.begin_run``."""
+    env = os.environ if env is None else env
+    jid = env.get("SLURM_JOB_ID", "")
+    return f"{jid}.{env.get('SLURM_RESTART_COUNT') or 0}" if jid else ""
 
 
 class JobLease:
@@ -81,7 +91,7 @@ class JobLease:
             while True:
                 try:
                     generation, new_run = await st.begin_run(
-                        cfg.job, cfg.node, self.LEASE_S, settings)
+                        cfg.job, cfg.node, self.LEASE_S, settings, run_id=run_id())
                     break
                 except LauncherConflict as exc:
                     now = time.monotonic()

@@ -318,7 +318,7 @@ class RunLoop:
         # every executed decision moves the whole job to its generation (in-process restarts
         # too): a later exit must be reported in the generation the rank was in
         self.pool.advance_generation(d.generation)
-        plan = plan_node(d, cfg.node, self.pool.ranks())
+        plan = plan_node(d, cfg.node, self.pool.ranks(), cfg.min_world_size)
         if plan.empty:
             return  # nothing for this node
         for lr in plan.kill:

@@ -12,8 +12,17 @@ record, two decisions for one generation) drains, requeues or cancels once; the 
   ``auto`` (default) requeues only when the job cannot go on in place (its record says it
   stopped or failed, or the world it is left with is below its minimum), ``always`` requeues
   on every exclusion (a job restarted from its checkpoint on a fresh allocation), ``never``.
-  A requeue is ``scontrol requeue <id>`` and then ``scontrol update jobid=<id>
-  excnodelist=<node,…>`` so the next allocation leaves the node out.
+  A requeue (``requeue_commands``) is, for a node trainguard found unreachable
+  (``UNREACHABLE_FAULTS``), first ``scontrol update nodename=<node> state=down reason=…``, so
+  that Slurm ends the job's part there at once instead of holding the requeued job COMPLETING
+  until ``SlurmdTimeout``; then ``scontrol requeue <id>``; ``scontrol update jobid=<id>
+  excnodelist=<node,…>`` so the next allocation leaves the node out; and, once the job is
+  PENDING (``SlurmConfig.release_wait_s``), ``scontrol update jobid=<id> starttime=now``:
+  Slurm 22.05 makes a requeued batch job eligible only about 2 minutes later
+  (``EligibleTime``), and sets that when the job has left COMPLETING on every node, so a
+  release before then is undone. The requeued job's launchers then start a new run of the job
+  (``StateStore.begin_run``: another ``<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>``) that resumes
+  from the newest valid checkpoint.
 * ``stop(job, reason, generation)`` — for a stop decision of ``generation``: ``squeue`` first
   (``stop_plan``: nothing when the job ended or Slurm no longer knows it, nor when a later
   generation is in force — a new run of the job), then ``scontrol update jobid=<id>
@@ -43,6 +52,7 @@ import pwd
 import shlex
 import shutil
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from .controller_base import LOCAL_CANARY, ControllerResult, NodeController, run_canary_command
@@ -51,7 +61,7 @@ from .reputation import NodeView
 __all__ = ["SlurmConfig", "SlurmController", "slurm_drain_command", "slurm_requeue_command",
            "slurm_squeue_command", "slurm_stop_commands", "slurm_reason", "parse_squeue_state",
            "stop_plan", "parse_scontrol", "SLURM_REASON_MAX", "ENDED_STATES", "REQUEUED_STATES",
-           "SCANCEL_ENDED"]
+           "SCANCEL_ENDED", "UNREACHABLE_FAULTS", "requeue_commands"]
 
 #: Slurm drain reasons are shown by ``sinfo -R``; keep them short and on one line.
 SLURM_REASON_MAX = 120
@@ -62,6 +72,13 @@ ENDED_STATES = ("CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PRE
 SCANCEL_ENDED = ("already completing or completed", "Invalid job id")
 #: Job states that mean a requeue has happened (or is under way).
 REQUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING")
+#: Fault classes (the job record's ``last_fault``, the exclusion's own) of a node whose slurmd
+#: answers no more either: a requeue sets it DOWN. ``node_lost``: the node agent's heartbeats
+#: stopped (a power-off, a partition); slurmctld itself would set it DOWN only after
+#: ``SlurmdTimeout`` (300 s by default), and until then the requeued job stays COMPLETING on
+#: it and cannot start again. A node that still answers (an XID, a straggler) is drained only:
+#: DOWN would kill every other job on it.
+UNREACHABLE_FAULTS = ("node_lost",)
 
 
 @dataclass
@@ -86,6 +103,9 @@ class SlurmConfig:
         os.environ.get("TG_SLURM_CANARY_CMD", "")) or list(LOCAL_CANARY))
     canary_timeout_s: float = 300.0
     reservation_prefix: str = "tg-canary-"
+    #: seconds a requeue waits for the job to be PENDING to release Slurm's hold on it (its
+    #: other nodes end their part within ``KillWait``, 30 s by default)
+    release_wait_s: float = 45.0
 
     def __post_init__(self) -> None:
         if self.requeue not in ("auto", "always", "never"):
@@ -101,6 +121,37 @@ def slurm_drain_command(node: str, reason: str, scontrol: str = "scontrol") -> l
 def slurm_requeue_command(job_id: str, scontrol: str = "scontrol") -> list[str]:
     """argv that requeues Slurm job ``job_id`` (it restarts without the drained node)."""
     return [scontrol, "requeue", str(job_id)]
+
+
+def requeue_commands(job_id: str, node: str, job: dict[str, str], node_state: str,
+                     reason: str, lost: bool, now: datetime | None = None,
+                     scontrol: str = "scontrol") -> list[tuple[list[str], str | None]]:
+    """The commands of a requeue of Slurm job ``job_id`` without ``node`` (module docstring),
+    each with why it is skipped (None: run it), given the job as ``scontrol show job`` gives it
+    (``job``: ``JobState``, ``ExcNodeList``, ``EligibleTime``), ``node_state`` (its ``State``),
+    and whether trainguard found the node unreachable (``lost``). ``now``: local time, as
+    Slurm prints times (default: now). Pure: doing a requeue again skips what is done."""
+    now = now or datetime.now()
+    st = job.get("JobState", "")
+    out: list[tuple[list[str], str | None]] = []
+    if lost:
+        out.append(([scontrol, "update", f"nodename={node}", "state=down",
+                     f"reason={slurm_reason(reason)}"],
+                    f"{node} is DOWN already ({node_state})" if "DOWN" in node_state else None))
+    out.append((slurm_requeue_command(job_id, scontrol),
+                f"job {job_id} is {st} already" if st in REQUEUED_STATES else None))
+    exc = [n for n in job.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
+    out.append(([scontrol, "update", f"jobid={job_id}",
+                 f"excnodelist={','.join([*exc, node] if node not in exc else exc)}"],
+                f"{node} is excluded already" if node in exc else None))
+    try:
+        eligible = datetime.fromisoformat(job.get("EligibleTime", ""))
+    except ValueError:
+        eligible = None  # Unknown: release it anyway
+    out.append(([scontrol, "update", f"jobid={job_id}", "starttime=now"],
+                f"eligible since {eligible:%H:%M:%S}" if st in REQUEUED_STATES and eligible
+                and eligible <= now else None))
+    return out
 
 
 def slurm_squeue_command(job_id: str, squeue: str = "squeue") -> list[str]:
@@ -179,6 +230,11 @@ class SlurmController(NodeController):
         super().__init__(state)
         self.config = config or SlurmConfig()
 
+    @property
+    def requeues_jobs(self) -> bool:  # type: ignore[override]
+        """Whether an exclusion below the job's minimum world requeues it (not ``never``)."""
+        return self.config.requeue != "never"
+
     def commands(self, node: str, reason: str, job_id: str = "") -> list[list[str]]:
         """The commands of an exclusion that requeues (drain; requeue when ``job_id``)."""
         job_id = job_id or self.config.slurm_job_id
@@ -248,10 +304,26 @@ class SlurmController(NodeController):
             if not self._should_requeue(record):
                 return ControllerResult(True, f"{said}; Slurm job {jid} goes on in place "
                                               f"(requeue={self.config.requeue})", done)
-            ok, detail = await self._requeue_once(job, record, jid, node, done)
+            lost = ((record.last_fault or {}).get("fault_class") in UNREACHABLE_FAULTS
+                    if record is not None else False)
+            # first: the run is over, so what its remains do meanwhile (the survivors' ranks
+            # and launchers ended by Slurm) decides nothing; the requeued launchers' new run
+            # sets it running again (StateStore.begin_run)
+            await self._mark(job, "requeued")
+            ok, detail = await self._requeue_once(job, record, jid, node, reason, lost,
+                                                   done)
+            if not ok:
+                await self._mark(job, "running")
             return ControllerResult(ok, f"{said}; {detail}", done)
         except (OSError, asyncio.TimeoutError) as exc:
             return ControllerResult(False, f"Slurm: {exc or 'timed out'}", done)
+
+    async def _mark(self, job: str, status: str) -> None:
+        if self.state is not None:
+            try:
+                await self.state.end_run(job, status)
+            except Exception:  # noqa: BLE001 - bookkeeping: the requeue itself goes on
+                pass
 
     def _should_requeue(self, record: Any) -> bool:
         if self.config.requeue != "auto":
@@ -261,8 +333,8 @@ class SlurmController(NodeController):
         return record.status in ("stopped", "failed") or (
             0 < record.world_size < record.min_world_size)
 
-    async def _requeue_once(self, job: str, record: Any, jid: str, node: str,
-                            done: list[Any]) -> tuple[bool, str]:
+    async def _requeue_once(self, job: str, record: Any, jid: str, node: str, reason: str,
+                            lost: bool, done: list[Any]) -> tuple[bool, str]:
         """One requeue per generation of the trainguard job: before requeueing, the claim
         ``<job>:g<generation>:slurm-requeue:<id>`` records Slurm's ``Restarts`` count of the
         job; a controller restarted after the requeue finds the claim and a higher count (the
@@ -270,14 +342,14 @@ class SlurmController(NodeController):
         does not requeue again — it only sets ``ExcNodeList`` when the first try did not get
         that far. A claim with the same count: the first try died before requeueing."""
         if self.state is None:
-            return await self._requeue(jid, node, done)
+            return await self._requeue(jid, node, reason, lost, done)
         gen = record.generation if record is not None else "?"
         seen = await self._show("job", jid)
         restarts = seen.get("Restarts", "")
         held = await self.state.claim(f"{job}:g{gen}:slurm-requeue:{jid}", f"restarts={restarts}")
         before = (held or "").partition("=")[2]
         if not (before.isdigit() and restarts.isdigit() and int(restarts) > int(before)):
-            return await self._requeue(jid, node, done)
+            return await self._requeue(jid, node, reason, lost, done)
         cmd = slurm_requeue_command(jid, self.config.scontrol)
         done.append({"skipped": cmd, "why": f"requeued already for generation {gen} (Restarts "
                                             f"{before} -> {restarts})"})
@@ -291,27 +363,55 @@ class SlurmController(NodeController):
         return True, (f"Slurm job {jid} already requeued for generation {gen}; "
                       + (f"now without {node}" if rc == 0 else f"excnodelist not set: {out[:200]}"))
 
-    async def _requeue(self, jid: str, node: str, done: list[Any]) -> tuple[bool, str]:
+    async def _requeue(self, jid: str, node: str, reason: str, lost: bool,
+                       done: list[Any]) -> tuple[bool, str]:
         job = await self._show("job", jid)
         st = job.get("JobState", "")
-        cmd = slurm_requeue_command(jid, self.config.scontrol)
-        if st in REQUEUED_STATES:
-            done.append({"skipped": cmd, "why": f"job {jid} is {st} already"})
-            return True, f"Slurm job {jid} already requeued ({st})"
         if st in ENDED_STATES:
-            done.append({"skipped": cmd, "why": f"job {jid} ended ({st})"})
+            done.append({"skipped": slurm_requeue_command(jid, self.config.scontrol),
+                         "why": f"job {jid} ended ({st})"})
             return False, f"Slurm job {jid} ended ({st}): nothing to requeue; submit it again"
+        node_state = (await self._show("node", node)).get("State", "") if lost else ""
+        plan = requeue_commands(jid, node, job, node_state, reason, lost,
+                                scontrol=self.config.scontrol)
+        requeue = slurm_requeue_command(jid, self.config.scontrol)
+        said = [f"Slurm job {jid} already requeued ({st})"
+                if next(w for c, w in plan if c == requeue) else
+                f"requeued Slurm job {jid} without {node}"]
+        for cmd, skip in plan:
+            if "starttime=now" in cmd and not skip:
+                said.append(await self._release(jid, cmd, done))
+                continue
+            if skip:
+                done.append({"skipped": cmd, "why": skip})
+                continue
+            rc, out = await self._run(cmd)
+            done.append(cmd)
+            if rc != 0 and cmd == requeue:
+                return False, f"{' '.join(cmd)} exited {rc}: {out[:300]}"
+            if rc != 0:  # said, and the requeue goes on
+                said.append(f"{' '.join(cmd[2:])} refused: {out[:150]}")
+            elif "state=down" in cmd:
+                said.append(f"{node} set DOWN (unreachable)")
+        return True, "; ".join(said)
+
+    async def _release(self, jid: str, cmd: list[str], done: list[Any]) -> str:
+        """Release Slurm's hold on requeued job ``jid`` (``cmd``: ``starttime=now``) once it is
+        PENDING, waiting up to ``release_wait_s`` for it to leave COMPLETING; what it did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.release_wait_s
+        st = ""
+        while True:
+            st = (await self._show("job", jid)).get("JobState", "")
+            if st != "COMPLETING" or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        if st != "PENDING":
+            done.append({"skipped": cmd, "why": f"job {jid} is {st}"})
+            return f"hold not released (job {st})"
         rc, out = await self._run(cmd)
         done.append(cmd)
-        if rc != 0:
-            return False, f"{' '.join(cmd)} exited {rc}: {out[:300]}"
-        exc = [n for n in (job.get("ExcNodeList", "(null)"), node) if n and n != "(null)"]
-        upd = [self.config.scontrol, "update", f"jobid={jid}", f"excnodelist={','.join(exc)}"]
-        rc, out = await self._run(upd)
-        done.append(upd)
-        return True, (f"requeued Slurm job {jid} without {node}" if rc == 0 else
-                      f"requeued Slurm job {jid} ({node} is drained, so it is not chosen; "
-                      f"excnodelist not set: {out[:200]})")
+        return "eligible now" if rc == 0 else f"hold not released: {out[:150]}"
 
     async def _squeue_state(self, jid: str) -> str:
         """The job's state as ``squeue`` gives it now (``GONE``: Slurm no longer knows it);

@@ -155,7 +155,8 @@ class StateStore:
         await pipe.execute()
 
     async def begin_run(self, job: str, node: str, lease_s: float,
-                        settings: JobSettings | None = None) -> tuple[int, bool]:
+                        settings: JobSettings | None = None,
+                        run_id: str = "") -> tuple[int, bool]:
         """A launcher of ``node`` joins the job's current run, or starts a new one.
 
         A run is live while any of its launchers holds a lease (renewed by ``renew_launcher``,
@@ -164,7 +165,12 @@ class StateStore:
         rendezvous keys of the old run's generations stay in the store, and ranks meeting under
         them would connect to dead peers — the status becomes ``running``, the retry budget
         starts afresh, the members are registered anew and ``settings`` replace the old run's.
-        Atomic, so the launchers of one new run agree. Returns ``(generation, new_run)``.
+        Atomic, so the launchers of one new run agree. ``run_id`` (the scheduler's name of the
+        run: Slurm's ``<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>``; "" = none) other than the one the
+        record holds also makes this launch a new run, and drops the old run's leases first: a
+        requeued Slurm job starts while a launcher of its old allocation that is cut off still
+        holds its lease (up to ``lease_s``), and must neither join that run nor wait it out on a
+        node it shares with it. Returns ``(generation, new_run)``.
         Raises ``LauncherConflict`` when a launcher of ``node`` already holds a live lease on
         the job (a second launch of a running job on one node would start a second set of the
         same ranks and break the first run).
@@ -173,7 +179,7 @@ class StateStore:
         now_ms = int(time.time() * 1000)
         gen, new_run, left_ms = await self.r.eval(
             _BEGIN_RUN, 2, _job_key(job), f"tg:job:{job}:launchers", node, now_ms,
-            int(lease_s * 1000), json.dumps(put), json.dumps(drop))
+            int(lease_s * 1000), json.dumps(put), json.dumps(drop), run_id)
         if int(new_run) < 0:
             raise LauncherConflict(job, node, int(left_ms) / 1000.0)
         return int(gen), bool(new_run)
@@ -206,8 +212,9 @@ class StateStore:
         await self.r.hset(_job_key(job), "group_attempt", f"{int(generation)}:{int(attempt)}")
 
     async def end_run(self, job: str, status: str) -> None:
-        """Record how the run ended on a node (``finished`` | ``failed``), unless a decision
-        already ``stopped`` the job (atomic)."""
+        """Record how the run ended on a node (``finished`` | ``failed``), or for the job
+        (``requeued``: the Slurm controller requeued it), unless a decision already
+        ``stopped`` the job (atomic)."""
         await self.r.eval(_END_RUN, 1, _job_key(job), encode_value("status", status))
 
     async def commit_decision(self, job: str, *, retries_used: int,
@@ -522,7 +529,11 @@ def _settings_fields(settings: JobSettings) -> dict[str, Any]:
 # KEYS[1] = job hash, KEYS[2] = launcher leases; ARGV = node, now (ms), lease (ms),
 # settings to set (JSON map of encoded values), settings to delete (JSON list)
 _BEGIN_RUN = """
-local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])
+local now, lease, run_id = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
+if run_id ~= '' and (redis.call('HGET', KEYS[1], 'run_id') or '') ~= run_id then
+    redis.call('DEL', KEYS[2])
+    redis.call('HSET', KEYS[1], 'run_id', run_id)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local mine = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if mine then

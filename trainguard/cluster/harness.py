@@ -199,6 +199,33 @@ class Cluster:
         self.launchers.setdefault(job, {}).update(procs)
         return procs
 
+    def sbatch(self, job: str, nnodes: int, spare_nodes: int = 0, nproc_per_node: int = 2,
+               opts: Sequence[str] = (), **kw: Any) -> str:
+        """Submit ``job`` to this cluster's Slurm (``slurm=True``) as ``deploy/slurm/
+        train.sbatch`` runs it: ``sbatch -N <nnodes + spare_nodes> --no-kill --requeue``, one
+        ``trainguard launch`` per node of the allocation through ``srun``, node rank
+        ``$SLURM_NODEID``, the last ``spare_nodes`` nodes spare nodes (``--spare-node``);
+        ``opts`` go to sbatch, ``kw`` to ``launch_argv``. The job's environment is the
+        launcher's (``worker_env``) and ``GLOO_SOCKET_IFNAME=eth0``. Returns the Slurm job id;
+        its output: ``<run_dir>/logs/slurm-<job>-<id>.out``."""
+        import shlex
+
+        def line(spare: bool) -> str:
+            argv = self.launch_argv(job, nnodes, None, "$(hostname)", nproc_per_node,
+                                    spare=spare, **kw)
+            return "exec " + " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv)
+
+        body = (f'if [ "$SLURM_NODEID" -lt {nnodes} ]; then {line(False)}; '
+                f'else {line(True)}; fi')
+        script = os.path.join(self.run_dir, f"{job}.sbatch")
+        with open(script, "w") as fh:
+            fh.write("#!/bin/bash\nsrun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 "
+                     f"bash -c {shlex.quote(body)}\n")
+        out = os.path.join(self.run_dir, "logs", f"slurm-{job}-%j.out")
+        return self.slurm.sbatch(script, "-N", str(nnodes + spare_nodes), "--no-kill",
+                                 "--requeue", "-J", job, "-o", out, *opts,
+                                 env={**self.worker_env(), "GLOO_SOCKET_IFNAME": "eth0"})
+
     def launcher_log(self, job: str, node: str) -> str:
         try:
             with open(os.path.join(self.run_dir, "logs", f"launcher-{job}-{node}.log"),

@@ -334,6 +334,13 @@ class ClusterNet:
         _run("ip", "netns", "del", n.ns, check=False)
         _run("ip", "link", "del", n.veth, check=False)
         self._build(n)
+        # same address, new link: what the others remember of the old one would take their
+        # packets to it until the entry ages out (a srun task launch to a node powered on
+        # again failed that way)
+        _run("ip", "neigh", "flush", "to", n.addr, check=False)
+        for other in self.nodes:
+            if other is not n and other.state != "off":
+                _run("ip", "-n", other.ns, "neigh", "flush", "to", n.addr, check=False)
 
     def partition(self, node: str | Node) -> int:
         """Cut the node off (host end of its veth down). Returns Unix ns of the fault."""

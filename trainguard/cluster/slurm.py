@@ -131,9 +131,12 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
                                            stdin=subprocess.DEVNULL)
         log.close()
 
-    def run(self, *argv: str, check: bool = True, timeout: float = 30.0) -> str:
-        """A Slurm client command's output. Raises RuntimeError on failure when ``check``."""
-        p = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout)
+    def run(self, *argv: str, check: bool = True, timeout: float = 30.0,
+            env: dict[str, str] | None = None) -> str:
+        """A Slurm client command's output (``env``: added to ``self.env``; sbatch exports it
+        to the job). Raises RuntimeError on failure when ``check``."""
+        p = subprocess.run(argv, capture_output=True, text=True, env={**self.env, **(env or {})},
+                           timeout=timeout)
         if check and p.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {p.returncode}: "
                                f"{(p.stderr or p.stdout).strip()[:400]}")
@@ -162,15 +165,25 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
         out = self.run("sinfo", "-R", "-h", "-N", "-o", "%N|%E", check=False)
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
-    def sbatch(self, script: str | None, *opts: str) -> str:
-        """Submit ``script`` (None: ``opts`` hold ``--wrap``); returns the Slurm job id."""
-        out = self.run("sbatch", "--parsable", *opts, *([script] if script else []))
+    def sbatch(self, script: str | None, *opts: str, env: dict[str, str] | None = None) -> str:
+        """Submit ``script`` (None: ``opts`` hold ``--wrap``) with ``env`` added to the job's
+        environment; returns the Slurm job id."""
+        out = self.run("sbatch", "--parsable", *opts, *([script] if script else []), env=env)
         return out.strip().split(";")[0]
 
     def job_state(self, job_id: str) -> dict[str, str]:
         from trainguard.slurm_controller import parse_scontrol
 
         return parse_scontrol(self.run("scontrol", "show", "job", "-o", job_id, check=False))
+
+    def kill_slurmd(self, node: str) -> float:
+        """SIGKILL the slurmd of ``node`` (the node and its jobs run on); returns Unix s."""
+        t = time.time()
+        p = self.slurmd.get(node)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        return t
 
     def stop(self) -> None:
         """Cancel every job, end slurmd and slurmctld (SIGTERM, then SIGKILL). Idempotent."""
