@@ -18,26 +18,12 @@ import pytest
 from trainguard.cluster import net as cnet
 from trainguard.cluster.slurm import slurm_unavailable_reason
 
+from cluster_helpers import slurm  # noqa: F401 - the module's Slurm cluster fixture
+
 pytestmark = [pytest.mark.skipif(cnet.unavailable_reason() is not None,
                                  reason=f"no network namespaces: {cnet.unavailable_reason()}"),
               pytest.mark.skipif(slurm_unavailable_reason() is not None,
                                  reason=str(slurm_unavailable_reason()))]
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    from trainguard.cluster.net import ClusterNet
-    from trainguard.cluster.slurm import SlurmCluster
-
-    net = ClusterNet(2).start()
-    s = None
-    try:
-        s = SlurmCluster(net, str(tmp_path_factory.mktemp("slurm"))).start()
-        yield s
-    finally:
-        if s is not None:
-            s.stop()
-        net.stop()
 
 
 def _state(slurm, node: str) -> str:

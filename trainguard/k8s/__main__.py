@@ -44,19 +44,12 @@ def parse(argv: list[str]) -> tuple[DrainConfig, KubeConfig]:
 
 async def command_canary(cmd: str, node: str, timeout_s: float) -> tuple[bool, str]:
     """Run ``cmd`` in a shell with ``TG_NODE=node``; passes on exit status 0 within
-    ``timeout_s`` seconds. The detail quotes the end of its output."""
-    proc = await asyncio.create_subprocess_shell(
-        cmd, env={**os.environ, "TG_NODE": node}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return False, f"canary {cmd!r} still running after {timeout_s:.0f} s"
-    tail = " ".join(out.decode(errors="replace").split())[-200:]
-    return proc.returncode == 0, f"canary {cmd!r} exited {proc.returncode}" + (
-        f": {tail}" if tail else "")
+    ``timeout_s`` seconds (``controller_base.run_canary_command``, the one canary runner of
+    every controller). The detail quotes the end of its output."""
+    from trainguard.controller_base import run_canary_command
+
+    ok, detail = await run_canary_command(["/bin/sh", "-c", cmd], node, timeout_s)
+    return ok, f"canary {cmd!r}: {detail}"
 
 
 async def readmit(argv: list[str]) -> int:
