@@ -405,7 +405,7 @@ class SlurmController(NodeController):
             st = (await self._show("job", jid)).get("JobState", "")
             if st != "COMPLETING" or loop.time() > deadline:
                 break
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.05)  # the job is held from the moment it leaves COMPLETING
         if st != "PENDING":
             done.append({"skipped": cmd, "why": f"job {jid} is {st}"})
             return f"hold not released (job {st})"
