@@ -109,6 +109,17 @@ def rolled_back(recs: list[dict], again: dict | None) -> int | None:
     return common - (again["first_step"] - 1)
 
 
+def _fire(c: Cluster, job: str, spec: dict, timeout: float) -> tuple[FaultRunner, float | None]:
+    """Start a ``FaultRunner`` of ``spec`` on ``job``; returns it (to cancel) and the Unix s the
+    fault fired at (None: the job did not reach its step within 200 s)."""
+    runner = FaultRunner(c, job, parse([spec]), timeout_s=timeout + 200)
+    runner.start()
+    deadline = time.monotonic() + 200
+    while not runner.fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return runner, (runner.fired[0]["ts"] if runner.fired else None)
+
+
 def _trigger(c: Cluster, job: str, spec: dict, timeout: float = 200.0) -> float | None:
     """Unix s of the first record of ``spec``'s rank at its step (None: not reached)."""
     r = c.wait_step(job, spec["step"], rank=spec["rank"], timeout=timeout)
@@ -175,14 +186,9 @@ def run_trainguard_slurm(fault: str, timeout: float) -> dict:
                 out = _watch_slurmd_death(c, job, c.slurm.kill_slurmd(spec["node"]), rec)
                 out["slurm_job"] = jid
                 return out
-            runner = FaultRunner(c, job, parse([spec]), timeout_s=timeout + 200)
-            runner.start()
-            deadline = time.monotonic() + 200
-            while not runner.fired and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not runner.fired:
+            runner, t_f = _fire(c, job, spec, timeout)
+            if t_f is None:
                 return {"error": "the job did not reach the fault's step", "slurm_job": jid}
-            t_f = runner.fired[0]["ts"]
             out = {"fault_unix_s": t_f, "slurm_job": jid, "again_s": None}
             deadline = time.monotonic() + timeout
             again = None
@@ -218,14 +224,9 @@ def run_trainguard(fault: str, timeout: float) -> dict:
         try:
             c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=[
                 "--records", c.records_dir(job), *job_args(fault)])
-            runner = FaultRunner(c, job, parse([FAULTS[fault]]), timeout_s=timeout + 200)
-            runner.start()
-            deadline = time.monotonic() + 200
-            while not runner.fired and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not runner.fired:
+            runner, t_f = _fire(c, job, FAULTS[fault], timeout)
+            if t_f is None:
                 return {"error": "the job did not reach the fault's step"}
-            t_f = runner.fired[0]["ts"]
             out: dict = {"fault_unix_s": t_f}
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -303,14 +304,9 @@ def run_slurm(fault: str, timeout: float) -> dict:
             out.update(slurm_job=jid, slurm_state=st.get("JobState"),
                        restarts=st.get("Restarts"), eligible=st.get("EligibleTime"))
             return out
-        runner = FaultRunner(c, job, parse([FAULTS[fault]]), timeout_s=timeout + 200)
-        runner.start()
-        deadline = time.monotonic() + 200
-        while not runner.fired and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not runner.fired:
+        runner, t_f = _fire(c, job, FAULTS[fault], timeout)
+        if t_f is None:
             return {"error": "the job did not reach the fault's step", "slurm_job": jid}
-        t_f = runner.fired[0]["ts"]
         out: dict = {"fault_unix_s": t_f, "slurm_job": jid}
         deadline = time.monotonic() + timeout
         key = "named_s" if fault == "slow_link" else "again_s"

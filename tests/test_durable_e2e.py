@@ -174,16 +174,11 @@ async def test_remediator_killed_after_storing_publishes_once_after_restart(secu
     await bus.close()
 
 
-async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secured, procs):
-    bus = await Bus(secured.nats_url, "test").connect()
-    store = StateStore(secured.redis_url)
-    names = ("ra", "rb")
-    # jobs owned by each replica (the same for every service: same member names; the streams
-    # store jobs in partitions, and a replica owns whole partitions)
-    n = partition_count()
-    jobs = {r: next(f"j2-{i}" for i in range(100) if job_owner(f"j2-{i}", names, n) == r)
-            for r in names}
-    for job in jobs.values():
+async def _start_replicas(store, procs, bus, names, jobs) -> tuple[str, ...]:
+    """Register ``jobs`` in action mode and start replicas ``names`` of the detector, the
+    attributor and the remediator, each healthy with every replica a member; returns the
+    services."""
+    for job in jobs:
         await store.register_job(job, mode="action", generation=0, world_size=4,
                                  min_world_size=2, retry_budget=5, retries_used=0,
                                  members=MEMBERS, status="running")
@@ -193,7 +188,20 @@ async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secu
             procs.start(s, r)
     for s in services:
         for r in names:
-            await healthy(bus, s, r, members=2)
+            await healthy(bus, s, r, members=len(names))
+    return services
+
+
+async def test_two_replicas_one_fault_once_and_a_killed_owner_is_taken_over(secured, procs):
+    bus = await Bus(secured.nats_url, "test").connect()
+    store = StateStore(secured.redis_url)
+    names = ("ra", "rb")
+    # jobs owned by each replica (the same for every service: same member names; the streams
+    # store jobs in partitions, and a replica owns whole partitions)
+    n = partition_count()
+    jobs = {r: next(f"j2-{i}" for i in range(100) if job_owner(f"j2-{i}", names, n) == r)
+            for r in names}
+    services = await _start_replicas(store, procs, bus, names, jobs.values())
 
     first = jobs["rb"]  # one fault: one anomaly, one verdict, one decision
     await bus.publish(subjects.job(first, "worker"), crash(first, 1))
@@ -306,17 +314,8 @@ async def test_three_replicas_split_the_partitions_and_a_killed_ones_are_served(
     n = partition_count()
     jobs = {r: [f"j3-{i}" for i in range(200) if job_owner(f"j3-{i}", names, n) == r][:2]
             for r in names}
-    for job in (j for js in jobs.values() for j in js):
-        await store.register_job(job, mode="action", generation=0, world_size=4,
-                                 min_world_size=2, retry_budget=5, retries_used=0,
-                                 members=MEMBERS, status="running")
-    services = ("detector", "attributor", "remediator")
-    for s in services:
-        for r in names:
-            procs.start(s, r)
-    for s in services:
-        for r in names:
-            await healthy(bus, s, r, members=3)
+    services = await _start_replicas(store, procs, bus, names,
+                                     (j for js in jobs.values() for j in js))
     owned = {r: set((await _health(bus, "detector", r))["partitions"]["owned"]) for r in names}
     assert sorted(p for o in owned.values() for p in o) == list(range(n)), owned  # a split
 
