@@ -79,13 +79,19 @@ def _exit_now(status: int) -> None:
     rethrown", exit -6 instead of 1) on a loaded machine."""
     import atexit
 
+    import io
+
     try:
         atexit._run_exitfuncs()
     finally:
-        for f in (sys.stdout, sys.stderr):
+        # what finalization would still have written: the buffers of files the program left
+        # open (its own log or metrics file), then the standard streams
+        for f in [o for o in gc.get_objects() if isinstance(o, io.IOBase)] + [sys.stdout,
+                                                                               sys.stderr]:
             try:
-                f.flush()
-            except Exception:  # noqa: BLE001 - a closed stream
+                if not f.closed and f.writable():
+                    f.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream
                 pass
         os._exit(status)
 
