@@ -115,3 +115,20 @@ def test_services_start_in_a_directory_holding_a_schemas_folder(tmp_path, servic
     p = subprocess.run([sys.executable, "-m", f"trainguard.{service}", "--help"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "usage" in p.stdout, p.stderr[-2000:]
+
+
+def test_a_failing_script_still_gets_the_buffers_of_its_open_files_written(tmp_path):
+    """The failure path leaves without the interpreter's finalization (``spare._exit_now``);
+    what finalization would have flushed (a file the script left open) is on disk anyway."""
+    out = tmp_path / "metrics.txt"
+    script = tmp_path / "train.py"
+    script.write_text(f"f = open({str(out)!r}, 'w')\nf.write('last line\\n')\n"
+                      "raise RuntimeError('boom')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
+                       input=json.dumps({"env": {"RANK": "0"}, "argv": [str(script)],
+                                         "cwd": str(tmp_path)}) + "\n",
+                       capture_output=True, text=True, timeout=110)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert out.read_text() == "last line\n"
