@@ -70,6 +70,9 @@ def layout(ranks: int, nodes: int, per_job: int) -> dict[str, list[dict]]:
     return jobs
 
 
+SLOT_S = 0.02  # s: a publisher's heartbeats are spread over slots of this length
+
+
 def _publisher(url: str, beats: list[tuple[str, int, str, int]], nodes: list[str],
                interval: float, stop_at: float) -> None:
     """One publisher process: a heartbeat per (job, rank, node, local_rank) every
@@ -78,19 +81,28 @@ def _publisher(url: str, beats: list[tuple[str, int, str, int]], nodes: list[str
         bus = await Bus(url, "bench-publisher").connect()
         assert bus.nc is not None
         step = 0
+        # Real ranks are not synchronised: each beats at its own phase of the interval. The
+        # beats are spread over SLOT_S slots of the interval, so no probe waits behind a burst
+        # of every rank's heartbeat at once (which the bench measured before, not the services).
+        work: list[tuple[str, int, str, int] | str] = [*beats, *nodes]
+        slots = max(1, min(len(work), int(interval / SLOT_S)))
+        per_slot = -(-len(work) // slots)
         while time.time() < stop_at:
             t0 = time.monotonic()
             step += 1
-            for job, rank, node, lr in beats:
-                hb = schemas.RankHeartbeat(job=job, rank=rank, node=node, local_rank=lr,
-                                           step=step, collective_seq=step, phase="train",
-                                           step_time_s=interval, interval_s=interval)
-                await bus.nc.publish(subjects.rank_hb(job, rank), schemas.encode(hb))
-            for n in nodes:
-                await bus.nc.publish(subjects.node(n, "heartbeat"),
-                                     schemas.encode(schemas.NodeHeartbeat(node=n, role="agent")))
-            await bus.nc.flush()
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+            for i in range(slots):
+                for item in work[i * per_slot:(i + 1) * per_slot]:
+                    if isinstance(item, tuple):
+                        job, rank, node, lr = item
+                        hb = schemas.RankHeartbeat(job=job, rank=rank, node=node, local_rank=lr,
+                                                   step=step, collective_seq=step, phase="train",
+                                                   step_time_s=interval, interval_s=interval)
+                        await bus.nc.publish(subjects.rank_hb(job, rank), schemas.encode(hb))
+                    else:
+                        await bus.nc.publish(subjects.node(item, "heartbeat"), schemas.encode(
+                            schemas.NodeHeartbeat(node=item, role="agent")))
+                await bus.nc.flush()
+                await asyncio.sleep(max(0.0, t0 + (i + 1) * interval / slots - time.monotonic()))
         await bus.close()
 
     asyncio.run(run())
