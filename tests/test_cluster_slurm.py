@@ -207,7 +207,8 @@ def test_partition_without_a_spare_requeues_and_the_cut_off_node_is_fenced(clust
         assert again["world"] == 4 and victim not in again["hosts"], again
         assert set(again["hosts"]) != old_hosts  # another allocation
         st = c.slurm.job_state(jid)
-        assert st.get("Restarts") == "1" and victim in st.get("ExcNodeList", ""), st
+        assert st.get("Restarts") == "1" and victim in st.get("ExcNodeList", ""), \
+            (st, audit(c, job))
         assert c.slurm.reasons()[victim].startswith("trainguard: "), c.slurm.reasons()
         rec, ckpts = _record(c, job)
         assert rec.run_id == f"{jid}.1" and rec.generation == again["gen"], rec

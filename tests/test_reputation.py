@@ -43,6 +43,8 @@ def test_decay_halves_the_score_every_half_life():
     (NodeView.CANARY, 1, None, "canary", "canary_first", "the canary decides"),
     (NodeView.OURS, 1, Canary(False, "compute: off by 1"), "keep", "canary_failed",
      "canary failed: compute: off by 1"),
+    (NodeView.OURS, 1, Canary(False, "srun: error: Unable to allocate resources", ran=False),
+     "untested", "canary_not_run", "no offence counted: srun: error: Unable"),
     (NodeView.OURS, 2.49, Canary(True, "all passed"), "readmit", "canary_passed",
      "on probation until"),
 ])
@@ -58,7 +60,8 @@ def test_every_rule_row_is_reached():
     reached = {plan(v, rep(s), NOW, CFG, c).row for v, s, c in [
         (NodeView.UNKNOWN, 0, None), (NodeView.IN_SERVICE, 0, None), (NodeView.OTHER, 0, None),
         (NodeView.OURS_BUSY, 0, None), (NodeView.OURS, 9, None), (NodeView.OURS, 0, None),
-        (NodeView.OURS, 0, Canary(False, "x")), (NodeView.OURS, 0, Canary(True, "y"))]}
+        (NodeView.OURS, 0, Canary(False, "x")), (NodeView.OURS, 0, Canary(True, "y")),
+        (NodeView.OURS, 0, Canary(False, "z", ran=False))]}
     assert reached == {r[0] for r in RULES}
 
 
@@ -177,6 +180,66 @@ async def test_readmit_through_the_one_implementation(redis_db):
     r = await st.reputation("n1")
     assert r.evidence[-1]["weight"] == 2.0 and "while on probation" in r.evidence[-1]["why"]
     await st.close()
+
+
+async def test_a_canary_that_could_not_run_keeps_the_node_out_without_an_offence(redis_db):
+    """The scheduler could not start the canary (``CanaryNotRun``): nothing was learnt of the
+    node, so it stays out of service, its score unchanged, the reason saying so."""
+    from trainguard.controller_base import CanaryNotRun
+    from trainguard.controllers import LocalController
+    from trainguard.schemas import JobSettings
+    from trainguard.state import StateStore
+
+    st = StateStore(redis_db)
+    await st.register_settings("tj", JobSettings(mode="action"))
+    ctl = LocalController(st)
+    await ctl.exclude("n1", "tj", "xid 79 on n1")
+    before = await st.reputation("n1")
+
+    async def refused(node):
+        raise CanaryNotRun("srun did not start the canary: exit 1: srun: error: Unable to "
+                           "allocate resources: Requested node configuration is not available")
+
+    res = await ctl.readmit("n1", refused)
+    assert not res.ok and "canary could not run" in res.detail and "Unable to allocate" in \
+        res.detail, res.detail
+    after = await st.reputation("n1")
+    assert (after.offences, after.score) == (before.offences, before.score), after
+    assert after.status == "drained" and after.canary["ok"] is False
+    assert (await st.node("n1"))["status"] == "excluded"
+    await st.close()
+
+
+async def test_one_readmit_of_a_node_at_a_time(redis_db):
+    """Two readmits of one node at once (two operators, a controller and an operator): one
+    runs the canary, the other does nothing and says so; after the first, the lock is free."""
+    import asyncio
+
+    from trainguard.controllers import LocalController
+    from trainguard.schemas import JobSettings
+    from trainguard.state import StateStore
+
+    st = StateStore(redis_db)
+    await st.register_settings("tj", JobSettings(mode="action"))
+    ctl, other = LocalController(st), LocalController(StateStore(redis_db))
+    await ctl.exclude("n1", "tj", "xid 79 on n1")
+    runs: list[str] = []
+
+    async def slow(node):
+        runs.append(node)
+        await asyncio.sleep(0.5)
+        return True, "all passed"
+
+    a, b = await asyncio.gather(ctl.readmit("n1", slow), other.readmit("n1", slow))
+    assert runs == ["n1"], (a, b)
+    assert sorted([a.ok, b.ok]) == [False, True], (a, b)
+    lost = a if not a.ok else b
+    assert "another readmit of n1 is under way" in lost.detail, lost.detail
+    assert await st.r.get("tg:rep:n1:readmit") is None  # released
+    assert [r.node for r in await st.reputations()] == ["n1"]
+    assert (await ctl.readmit("n1", slow)).detail.startswith("in_service")
+    await st.close()
+    await other.state.close()
 
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "agent"))

@@ -110,3 +110,39 @@ async def test_a_drained_node_returns_only_after_its_canary_passes(slurm, redis_
     assert later.ok and "canary passed" in later.detail, later
     assert _state(slurm, "node1") == "idle"
     await st.close()
+
+
+async def test_a_canary_srun_could_not_start_counts_no_offence(slurm, redis_db, monkeypatch):
+    """``srun`` runs, but the canary program never starts on the node (here: not at that path
+    there). That is the launcher's failure, not the node's: the node stays drained, the reason
+    says the canary could not run, its score is what it was; the real canary then returns it."""
+    from trainguard.controller_base import LOCAL_CANARY
+    from trainguard.schemas import JobSettings
+    from trainguard.slurm_controller import SlurmConfig, SlurmController
+    from trainguard.state import StateStore
+
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TG_CANARY_FAIL", raising=False)
+    st = StateStore(redis_db)
+    await st.register_settings("jc", JobSettings(mode="action"))
+    bad = SlurmController(st, SlurmConfig(canary_cmd=["/nonexistent/trainguard-canary"],
+                                          canary_timeout_s=60))
+    assert (await bad.exclude("node0", "jc", "nccl timeout on node0")).ok
+    before = await st.reputation("node0")
+    res = await bad.readmit("node0")
+    assert not res.ok and "canary could not run" in res.detail, res
+    assert "srun did not start the canary" in res.detail, res
+    assert _state(slurm, "node0") == "drained"
+    assert slurm.reasons()["node0"].startswith("trainguard: canary could not run"), \
+        slurm.reasons()
+    assert "No reservations" in _reservations(slurm)
+    after = await st.reputation("node0")
+    assert (after.offences, after.score) == (before.offences, before.score) and \
+        after.status == "drained", after
+    good = SlurmController(st, SlurmConfig(canary_cmd=[*LOCAL_CANARY, "--timeout", "40"],
+                                           canary_timeout_s=120))
+    ok = await good.readmit("node0")
+    assert ok.ok and "canary passed" in ok.detail, ok
+    assert _state(slurm, "node0") == "idle"
+    await st.close()

@@ -22,7 +22,8 @@ makes those checks fail (compute: a corrupted product; allreduce: a wrong contri
 1; nvml: a reported failure) on the nodes named (``TG_NODE``, else ``SLURMD_NODENAME``, else
 the host name), on every node without ``@``.
 
-Output: one line per check; with ``--json`` a last line ``{"ok", "node", "checks":
+Output: first ``canary started on <host> (pid N)`` (``CANARY_STARTED``), then one line per
+check; with ``--json`` a last line ``{"ok", "node", "checks":
 [{"name", "ok", "skipped", "detail"}], "summary", "seconds"}``. Exit status 0 when every check
 passed, 1 when one failed.
 """
@@ -37,7 +38,11 @@ import sys
 import time
 from typing import Any, Callable
 
-__all__ = ["CHECKS", "NVML_RULES", "COMPUTE_RTOL", "nvml_problems", "injected", "main"]
+#: The first line the canary prints, before any check: the program runs on the node (a
+#: scheduler's failure to start it prints no such line: ``controller_base.run_canary_command``).
+CANARY_STARTED = "canary started"
+
+__all__ = ["CANARY_STARTED", "CHECKS", "NVML_RULES", "COMPUTE_RTOL", "nvml_problems", "injected", "main"]
 
 #: largest |result - reference| / max |reference| a float32 matmul of 256 terms may show
 COMPUTE_RTOL = 1e-4
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                        os.environ.get("TG_CANARY_BAD_RANK") == "1")
     if a.procs < 2 or a.size < 8 or a.timeout <= 0:
         p.error("--procs must be >= 2, --size >= 8, --timeout > 0")
+    print(f"{CANARY_STARTED} on {socket.gethostname()} (pid {os.getpid()})", flush=True)
     res = run_checks(a)
     for r in res["checks"]:
         mark = "skip" if r["skipped"] else ("ok" if r["ok"] else "FAIL")

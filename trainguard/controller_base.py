@@ -25,14 +25,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from trainguard.canary import CANARY_STARTED
 from trainguard.reputation import (Canary, NodeView, ReputationConfig, evidence,
                                    offence_weight, plan)
 from trainguard.schemas.reputation import NodeReputation
 
-__all__ = ["ControllerResult", "NodeController", "CanaryFn", "LOCAL_CANARY"]
+__all__ = ["ControllerResult", "NodeController", "CanaryFn", "CanaryNotRun", "LOCAL_CANARY"]
 
-#: A canary: ``await canary(node) -> (passed, one-line detail)``.
+#: A canary: ``await canary(node) -> (passed, one-line detail)``; it raises ``CanaryNotRun``
+#: when the canary program could not be started on the node.
 CanaryFn = Callable[[str], Awaitable[tuple[bool, str]]]
+
+
+class CanaryNotRun(Exception):
+    """The canary program never ran on the node (the scheduler refused or could not be
+    reached): no verdict on the node, so no offence; the node stays out of service."""
 #: The health canary program (``trainguard.canary``) as run on a node.
 LOCAL_CANARY = [sys.executable, "-m", "trainguard.canary", "--json"]
 
@@ -87,14 +94,41 @@ class NodeController:
                                      f"{why} by {job}: {reason}", now)
 
     # ---- readmission: one implementation, scheduler hooks below -------------------------------
+    #: Seconds a readmit holds its node's lock (``StateStore.readmit_lock``) at most: a readmit
+    #: killed inside its canary frees the node for the next one after this.
+    readmit_lock_s = 900.0
+
     async def readmit(self, node: str, canary: CanaryFn | None = None,
                       now_ns: int | None = None) -> ControllerResult:
         """Return ``node`` to service only when the policy says so (``trainguard.reputation``):
         a node trainguard took out, with no job left on it, whose score is below the threshold
         and whose canary (``canary``, default ``self.canary``) passes; it is then on
         probation. A failing canary is an offence and keeps the node out, the reason in the
-        scheduler; a repeat offender is kept out without a canary. ``ok`` is True when the node
-        is in service at the end. Never raises for a scheduler failure."""
+        scheduler; a canary that could not run (``CanaryNotRun``) keeps it out with no
+        offence; a repeat offender is kept out without a canary. One readmit of a node at a
+        time: a second one, while the first holds the node's lock, does nothing and says so.
+        ``ok`` is True when the node is in service at the end. Never raises for a scheduler
+        failure."""
+        if self.state is None:
+            return await self._readmit(node, canary, now_ns)
+        lock = self.state.readmit_lock(node, self.readmit_lock_s)
+        try:
+            got = await lock.acquire()
+        except Exception as exc:  # noqa: BLE001 - no state store: no readmit
+            return ControllerResult(False, f"{self.name}: cannot lock node {node}: {exc}")
+        if not got:
+            return ControllerResult(False, f"another readmit of {node} is under way (lock "
+                                           f"{lock.name}): nothing done")
+        try:
+            return await self._readmit(node, canary, now_ns)
+        finally:
+            try:
+                await lock.release()
+            except Exception:  # noqa: BLE001 - expired (held past readmit_lock_s): nothing held
+                pass
+
+    async def _readmit(self, node: str, canary: CanaryFn | None,
+                       now_ns: int | None) -> ControllerResult:
         now = now_ns or time.time_ns()
         cfg = self.reputation
         rep = await self.state.reputation(node) if self.state is not None else NodeReputation(node)
@@ -110,11 +144,14 @@ class NodeController:
             await self._set_rep(node, "held", p.reason)
             return ControllerResult(False, f"kept {node} out ({p.row}): {p.reason}"
                                            + ("" if res.ok else f"; {res.detail}"), res.commands)
+        ran = True
         try:
             ok, detail = await (canary or self.canary)(node)
+        except CanaryNotRun as exc:
+            ok, detail, ran = False, str(exc), False
         except Exception as exc:  # noqa: BLE001 - a canary that raises has not passed
             ok, detail = False, f"canary raised {type(exc).__name__}: {exc}"
-        result = Canary(bool(ok), " ".join(str(detail).split())[:400])
+        result = Canary(bool(ok), " ".join(str(detail).split())[:400], ran)
         p = plan(view, rep, now, cfg, result, sched)
         shown = {"ok": result.ok, "detail": result.detail, "ts_ns": now}
         if p.action == "readmit":
@@ -128,7 +165,9 @@ class NodeController:
             p = plan(view, rep, now, cfg, Canary(False, f"{result.detail}; but {res.detail}"),
                      sched)
         score = ""
-        if self.state is not None:
+        if p.action == "untested":
+            await self._set_rep(node, "drained", p.reason, canary=shown)
+        elif self.state is not None:
             _, s = await self.state.add_offence(
                 node, f"canary:{now}", cfg.canary_failure_weight, cfg.half_life_s,
                 evidence("canary", p.reason), "drained", p.reason, now)
@@ -186,11 +225,14 @@ class NodeController:
 
 
 async def run_canary_command(argv: list[str], node: str, timeout_s: float,
-                             env: dict[str, str] | None = None) -> tuple[bool, str]:
+                             env: dict[str, str] | None = None,
+                             launched: bool = False) -> tuple[bool, str]:
     """Run a canary ``argv`` (no shell; env ``TG_NODE`` = ``node``) within ``timeout_s``
     seconds: passed on exit status 0. The detail is the failed checks of the last JSON line
     the canary program printed (``trainguard.canary --json``), else the end of its output.
-    Raises OSError when ``argv[0]`` cannot be started."""
+    ``launched``: ``argv`` starts the canary through a scheduler (``srun``); a failure whose
+    output lacks the canary's ``CANARY_STARTED`` line is the scheduler's, not the node's, and
+    raises ``CanaryNotRun``. Raises OSError when ``argv[0]`` cannot be started."""
     proc = await asyncio.create_subprocess_exec(
         *argv, env={**(env or os.environ), "TG_NODE": node}, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
@@ -201,7 +243,10 @@ async def run_canary_command(argv: list[str], node: str, timeout_s: float,
         await proc.wait()
         return False, f"canary on {node} still running after {timeout_s:.0f} s: killed"
     text = out.decode(errors="replace")
-    return proc.returncode == 0, f"exit {proc.returncode}: " + canary_summary(text)
+    detail = f"exit {proc.returncode}: " + canary_summary(text)
+    if launched and proc.returncode != 0 and CANARY_STARTED not in text:
+        raise CanaryNotRun(f"{os.path.basename(argv[0])} did not start the canary: {detail}")
+    return proc.returncode == 0, detail
 
 
 def canary_summary(text: str) -> str:

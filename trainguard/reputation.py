@@ -92,10 +92,13 @@ class NodeView(str, Enum):
 
 @dataclass(frozen=True)
 class Canary:
-    """A canary's outcome: ``ok``, ``detail`` (one line: what failed, or what passed)."""
+    """A canary's outcome: ``ok``, ``detail`` (one line: what failed, or what passed), and
+    ``ran``: False when the canary program never ran on the node (the scheduler could not start
+    it: ``srun`` refused, the scheduler out of reach), which says nothing of the node."""
 
     ok: bool
     detail: str
+    ran: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class Plan:
     """What to do: ``action`` — ``none`` (already in service), ``leave`` (not trainguard's
     node to return), ``wait`` (jobs still on it), ``hold`` (repeat offender: keep out),
     ``canary`` (run it, then plan again with its result), ``keep`` (canary failed: keep out),
+    ``untested`` (the canary could not run: keep out, no offence),
     ``readmit`` (return it, on probation); ``reason``; ``row`` (the rule's name); ``ok``:
     whether the node is where it should be for an operator's ``readmit`` (exit status)."""
 
@@ -177,6 +181,9 @@ RULES: list[tuple[str, Callable[[_Ctx], bool], str, Callable[[_Ctx], str]]] = [
                f"({c.rep.offences} offences; last {_last(c.rep)})"),
     ("canary_first", lambda c: c.canary is None, "canary",
      lambda c: f"score {c.score:.2f} < {c.cfg.threshold:g}: the canary decides"),
+    ("canary_not_run", lambda c: c.canary is not None and not c.canary.ran, "untested",
+     lambda c: f"canary could not run, nothing learnt of the node, no offence counted: "
+               f"{c.canary.detail if c.canary else ''}"),
     ("canary_failed", lambda c: c.canary is not None and not c.canary.ok, "keep",
      lambda c: f"canary failed: {c.canary.detail if c.canary else ''}"),
     ("canary_passed", lambda c: True, "readmit",

@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .controller_base import LOCAL_CANARY, ControllerResult, NodeController, run_canary_command
+from .controller_base import (LOCAL_CANARY, CanaryNotRun, ControllerResult, NodeController,
+                              run_canary_command)
 from .reputation import NodeView
 
 __all__ = ["SlurmConfig", "SlurmController", "slurm_drain_command", "slurm_requeue_command",
@@ -382,6 +383,9 @@ class SlurmController(NodeController):
             if "starttime=now" in cmd and not skip:
                 said.append(await self._release(jid, cmd, done))
                 continue
+            if any(c.startswith("excnodelist=") for c in cmd) and not skip:
+                said.append(await self._exclude_job(jid, node, cmd, done))
+                continue
             if skip:
                 done.append({"skipped": cmd, "why": skip})
                 continue
@@ -394,6 +398,34 @@ class SlurmController(NodeController):
             elif "state=down" in cmd:
                 said.append(f"{node} set DOWN (unreachable)")
         return True, "; ".join(said)
+
+    async def _exclude_job(self, jid: str, node: str, cmd: list[str], done: list[Any]) -> str:
+        """Set requeued job ``jid``'s ``ExcNodeList`` (``cmd``) so that it holds ``node``, and
+        read it back; what it did. Slurm 22.05 takes the update only from a pending job
+        (``ESLURM_JOB_NOT_PENDING``): a job already COMPLETING when it was requeued (its node
+        set DOWN first) stays non-pending until every node has finished it (seen on the
+        harness: the job requeued with ``ExcNodeList=(null)``). So it waits, up to
+        ``release_wait_s``, for the job to leave COMPLETING, then updates, and tries again
+        until ``scontrol show job`` lists the node. The job is held (``EligibleTime``) until
+        ``_release``, after this, so no allocation starts without the exclusion."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.release_wait_s
+        out, tries = "", 0
+        job = await self._show("job", jid)
+        while job.get("JobState", "") == "COMPLETING" and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            job = await self._show("job", jid)
+        while True:
+            tries += 1
+            rc, out = await self._run(cmd)
+            done.append(cmd)
+            job = await self._show("job", jid)
+            if rc == 0 and node in job.get("ExcNodeList", "(null)").split(","):
+                return f"excluding {node}" + (f" (taken at try {tries})" if tries > 1 else "")
+            if job.get("JobState", "") in ENDED_STATES or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        return f"{' '.join(cmd[2:])} refused after {tries} tries: {out[:150]}"
 
     async def _release(self, jid: str, cmd: list[str], done: list[Any]) -> str:
         """Release Slurm's hold on requeued job ``jid`` (``cmd``: ``starttime=now``) once it is
@@ -530,9 +562,9 @@ class SlurmController(NodeController):
                 await self._mutate([self.config.scontrol, "update", f"nodename={node}",
                                     "state=resume"], done)
             ok, detail = await run_canary_command(self.canary_argv(node), node,
-                                                  self.config.canary_timeout_s)
+                                                  self.config.canary_timeout_s, launched=True)
         except (OSError, asyncio.TimeoutError) as exc:
-            return False, f"Slurm: {exc or 'timed out'}"
+            raise CanaryNotRun(f"Slurm: {exc or 'timed out'}") from exc
         return ok, f"srun on {node}: {detail}"
 
     async def return_to_service(self, node: str, why: str) -> ControllerResult:

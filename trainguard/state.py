@@ -25,6 +25,7 @@ key                             type   content
                                        ``schemas.reputation.NodeReputation``; ``reputation``
 ``tg:rep:<node>:evidence``      list   its last offences (JSON), newest last
 ``tg:rep:<node>:keys``          set    offence keys counted already (30 days)
+``tg:rep:<node>:readmit``       string the lock of a readmit under way (its token; expires)
 ==============================  =====  ============================================================
 """
 from __future__ import annotations
@@ -395,8 +396,15 @@ class StateStore:
         """Every node with a reputation, by name (SCAN)."""
         names = sorted({k[len("tg:rep:"):] async for k in self.r.scan_iter(match="tg:rep:*",
                                                                             count=500)
-                        if not k.endswith((":evidence", ":keys"))})
+                        if not k.endswith((":evidence", ":keys", ":readmit"))})
         return [await self.reputation(n) for n in names]
+
+    def readmit_lock(self, node: str, ttl_s: float) -> Any:
+        """The lock that lets one readmit of ``node`` run at a time: redis-py's ``Lock`` on
+        ``tg:rep:<node>:readmit`` (SET NX PX with a random token; released by a compare-and-
+        delete script), non-blocking, expiring after ``ttl_s`` seconds. ``await
+        lock.acquire()`` is False while another readmit holds it."""
+        return self.r.lock(_rep_key(node) + ":readmit", timeout=ttl_s, blocking=False)
 
     async def add_offence(self, node: str, key: str, weight: float, half_life_s: float,
                           evidence: dict[str, Any], status: str = "drained", detail: str = "",
