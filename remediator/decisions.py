@@ -401,7 +401,10 @@ def _controller_result(state: RemediatorState, w: Work, inp: Reply, action: str,
         ok, detail = False, inp.error
     else:
         ok, detail = bool(inp.value.ok), str(inp.value.detail)
-    effects: list[Effect] = []
+    effects: list[Effect] = [Log(logging.INFO if ok else logging.WARNING,
+                                 f"{w.job}: {action} on {node or '-'} by controller:"
+                                 f"{state.controller}: {'ok' if ok else 'FAILED'}: "
+                                 f"{step + ' ' if step else ''}{detail}"[:1000])]
     if not ok:
         effects.append(store("audit", w.job, {
             "type": "controller_failed", "decision_id": dec.event_id, "node": node,
