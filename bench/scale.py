@@ -81,26 +81,32 @@ def _publisher(url: str, beats: list[tuple[str, int, str, int]], nodes: list[str
         bus = await Bus(url, "bench-publisher").connect()
         assert bus.nc is not None
         step = 0
+        def rank_beat(job: str, rank: int, node: str, lr: int):
+            """(subject, bytes) of this rank's heartbeat at a step."""
+            def make(step: int) -> tuple[str, bytes]:
+                return subjects.rank_hb(job, rank), schemas.encode(schemas.RankHeartbeat(
+                    job=job, rank=rank, node=node, local_rank=lr, step=step,
+                    collective_seq=step, phase="train", step_time_s=interval,
+                    interval_s=interval))
+            return make
+
+        def node_beat(node: str):
+            msg = subjects.node(node, "heartbeat"), schemas.encode(
+                schemas.NodeHeartbeat(node=node, role="agent"))
+            return lambda step: msg
+
         # Real ranks are not synchronised: each beats at its own phase of the interval. The
         # beats are spread over SLOT_S slots of the interval, so no probe waits behind a burst
         # of every rank's heartbeat at once (which the bench measured before, not the services).
-        work: list[tuple[str, int, str, int] | str] = [*beats, *nodes]
+        work = [*(rank_beat(*b) for b in beats), *(node_beat(n) for n in nodes)]
         slots = max(1, min(len(work), int(interval / SLOT_S)))
         per_slot = -(-len(work) // slots)
         while time.time() < stop_at:
             t0 = time.monotonic()
             step += 1
             for i in range(slots):
-                for item in work[i * per_slot:(i + 1) * per_slot]:
-                    if isinstance(item, tuple):
-                        job, rank, node, lr = item
-                        hb = schemas.RankHeartbeat(job=job, rank=rank, node=node, local_rank=lr,
-                                                   step=step, collective_seq=step, phase="train",
-                                                   step_time_s=interval, interval_s=interval)
-                        await bus.nc.publish(subjects.rank_hb(job, rank), schemas.encode(hb))
-                    else:
-                        await bus.nc.publish(subjects.node(item, "heartbeat"), schemas.encode(
-                            schemas.NodeHeartbeat(node=item, role="agent")))
+                for make in work[i * per_slot:(i + 1) * per_slot]:
+                    await bus.nc.publish(*make(step))
                 await bus.nc.flush()
                 await asyncio.sleep(max(0.0, t0 + (i + 1) * interval / slots - time.monotonic()))
         await bus.close()
