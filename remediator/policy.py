@@ -532,8 +532,8 @@ def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], faul
          requeues: bool = False) -> Decision:
     """Turn an action into a full decision: escalation checks, culprit ranks/nodes, the new
     world for an exclusion (below ``min_world_size``: a stop, or, when the node controller
-    ``requeues`` the job in its scheduler, the exclusion with the world it leaves, which the
-    survivors do not train at: the scheduler restarts the job at full size on an allocation
+    ``requeues`` the job in its scheduler, the exclusion with the world it leaves — none when
+    the job ran on the excluded nodes alone — which the survivors do not train at: the scheduler restarts the job at full size on an allocation
     without the nodes, from the newest valid checkpoint), generation and key.
     Used by ``decide`` and by the watchdog (with ``key`` given). ``reasons`` is not changed:
     the decision's reason is a new list of them with what the checks added."""
@@ -591,10 +591,12 @@ def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], faul
             if world < job.min_world_size:
                 reasons.append(f"excluding {', '.join(nodes)} leaves a world of {world} < "
                                f"min_world_size {job.min_world_size}")
-                if requeues and members:
+                if requeues:
                     reasons.append("the scheduler requeues the job without "
                                    f"{', '.join(nodes)}: it restarts at world "
-                                   f"{job.world_size} from the newest valid checkpoint")
+                                   f"{job.world_size} from the newest valid checkpoint"
+                                   + ("" if members else " on another allocation (no node of "
+                                                         "the job is left)"))
                 else:
                     action, members, world = A.STOP_JOB_NOTIFY_USER, [], job.world_size
 

@@ -90,7 +90,9 @@ class Decision(Event):
     * ``execute`` — True only in action mode; executors act only when it is True;
     * ``generation`` — the process-group generation ranks must join to carry this out;
     * ``ranks``/``nodes`` — what to restart or exclude; ``members`` — the new world (empty when
-      the world is unchanged); ``world_size`` — size of the new world;
+      the world is unchanged); ``world_size`` — size of the new world (an
+      ``exclude_node_and_requeue`` with no members and world 0: no node of the job is left,
+      its scheduler requeues it elsewhere);
     * ``idempotency_key`` — executors act at most once per key;
     * ``reason`` — why, in words, for the audit trail;
     * ``fault_ts``/``detected_ts`` — Unix ns of the fault and of its first anomaly (timeline).

@@ -140,6 +140,11 @@ class JobRecord(JobSettings):
     spare_nodes: list[str] = _f(None, JSON, "run",
                                 "nodes registered as spares not yet in the world, sorted",
                                 factory=list)
+    generation_ends: dict[str, str] | None = _f(
+        None, JSON, "run", "when each past generation ended: generation → Unix ns (text) at "
+        "which the decision that moved past it was committed, or a new run began; a checkpoint "
+        "a generation wrote after its end is a fenced run's remnant, never resumed from "
+        "(``checkpoint.restorer.choose_checkpoint``); the last 64 generations")
     group_attempt: str = _f("", STR, "run",
                             "'<generation>:<n>': the newest local restart of a node's group "
                             "in observe mode (others follow it); '' = none")

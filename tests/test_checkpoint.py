@@ -199,6 +199,21 @@ def test_retention_keeps_k_valid(root):
     assert steps == [3, 4], steps
 
 
+def test_retention_deletes_nothing_while_the_state_store_does_not_answer(root):
+    """A job with a state store that does not answer (a rank cut off from the control plane,
+    perhaps excluded and training on until its lease runs out): every checkpoint stays, for
+    the live run to resume from; without a state store at all the writers' verdicts decide."""
+    m, o = _model()
+    c = Checkpointer(m, o, config=CheckpointConfig(root=root, keep=2, state_timeout_s=0.2),
+                     job="t-keep-cut", rank=0, world_size=1, redis_url="redis://127.0.0.1:1/0")
+    for s in range(4):
+        _train(m, o, 1, start=s)
+        c.save(s)
+        c.wait(30)
+    c.finalize()
+    assert sorted(e.step for e in fmt.list_checkpoints(root)) == [0, 1, 2, 3]
+
+
 def test_retention_counts_nan_checkpoints_as_invalid(root):
     """No state store: the writers' NaN count is the verdict. Steps 3 and 4 hold NaN, so the
     newest two valid ones (1, 2) stay, with everything newer; 0 goes."""

@@ -98,6 +98,46 @@ def _flip(path: str, offset: int) -> None:
         fh.write(bytes([b[0] ^ 0x01]))
 
 
+def test_restorer_passes_over_what_a_generation_wrote_after_it_ended(tmp_path, redis_db):
+    """A cut-off node trains on alone until its lease runs out: its checkpoints of generation
+    0 written after the exclusion (which ended generation 0) are passed over, valid as they
+    are; the end comes from the job record (``bump_generation``, a real Valkey)."""
+    from trainguard.checkpoint.index import fetch_generation_ends
+    from trainguard.state import StateStore
+
+    root = os.path.abspath(str(tmp_path / "ckpt"))
+    m, o = _model()
+    c = Checkpointer(m, o, config=CheckpointConfig(root=root, restore_from_shm=False),
+                     job="seam-fence", rank=0, world_size=1)
+    try:
+        assert c.save(5, loss=0.75) and c.wait(30)
+
+        async def _end():
+            st = StateStore(redis_db)
+            try:
+                assert await st.bump_generation("seam-fence", 0, "d1") == 1
+                assert await st.bump_generation("seam-fence", 0, "d2") == 1  # lost the race
+                return await st.generation_ends("seam-fence")
+            finally:
+                await st.close()
+        ends = asyncio.run(_end())
+        assert list(ends) == [0] and abs(ends[0] - time.time_ns()) < 5 * 10**9, ends
+        assert fetch_generation_ends(redis_db, "seam-fence", 5.0) == ends
+        time.sleep(0.01)
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        assert c.save(10, loss=0.5) and c.wait(30)  # generation 0 still: the fenced remnant
+    finally:
+        c.finalize()
+    late = fmt.checkpoint_name(10, 0)
+    ch = choose_checkpoint(root, lambda: None, ended=lambda: ends)
+    assert ch.step == 5 and ch.reasons[0].startswith(f"{late}: written by generation 0 "), ch
+    assert "after that generation ended" in ch.reasons[0]
+    assert choose_checkpoint(root, lambda: None, ended=lambda: None).step == 10  # no store
+    assert choose_checkpoint(root, lambda: None).step == 10
+    assert fetch_generation_ends("redis://127.0.0.1:1/0", "seam-fence", 0.5) is None
+
+
 def test_restorer_chooses_the_newest_valid_over_a_corrupt_newer_one(tmp_path):
     root = str(tmp_path / "ckpt")
     m, o = _model()

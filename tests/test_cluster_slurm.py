@@ -250,3 +250,58 @@ def test_partition_without_a_spare_requeues_and_the_cut_off_node_is_fenced(clust
         _cancel(c, job, jid)
         if victim:
             c.net.heal(victim)
+
+
+def test_a_job_on_one_node_cut_off_is_requeued_on_another(cluster):
+    """A job whose every rank is on one node (1 node × 2 ranks, no spare): excluding the node
+    leaves no world in the allocation, so the decision is the requeue (world 0) and the job
+    restarts on another node from the newest valid checkpoint, not a stop."""
+    from trainguard.cluster import training_again
+
+    c, job = cluster, "s-lone"
+    for n in c.net.names:  # what the tests before left drained or down
+        if c.net.node(n).state == "partitioned":
+            c.net.heal(n)
+        _give_back(c, n)
+    c.slurm.wait_state(c.net.names, ("idle",), 60)
+    jid = c.sbatch(job, 1, 0, 2, ckpt_dir=os.path.join(c.run_dir, f"ckpt-{job}"),
+                   extra=["--min-world-size", "2"], script_args=[
+                       "--records", c.records_dir(job), "--steps", "400", "--ckpt-every",
+                       str(CKPT_EVERY), "--step-sleep", "0.05"])
+    victim = None
+    try:
+        r = c.wait_step(job, 10, rank=1, timeout=150)
+        assert r is not None, c.slurm.job_state(jid)
+        victim = r["host"]
+        fault_s = c.net.partition(victim) / 1e9
+        again = wait_for(lambda: training_again(c.steps(job), fault_s), 60)
+        assert again, (c.steps(job)[-5:], c.slurm.job_state(jid), audit(c, job))
+        excl = _exclusion(c, job)
+        assert excl and excl["nodes"] == [victim] and excl["world_size"] == 0, audit(c, job)
+        assert "no node of the job is left" in excl["reason"], excl["reason"]
+        print(f"one-node job, {victim} cut off: training again "
+              f"{again['t'] - excl['ts'] / 1e9:.2f} s after the decision on {again['hosts']}")
+        assert again["world"] == 2 and victim not in again["hosts"], again
+        st = c.slurm.job_state(jid)
+        assert st.get("Restarts") == "1" and victim in st.get("ExcNodeList", ""), st
+        assert not [d for d in audit(c, job) if d.get("action") == "stop_job_notify_user"]
+        # alone on its node, the cut-off run trained on (and saved) until its lease ran out;
+        # the new run resumed from the newest checkpoint saved before generation 0 ended (the
+        # exclusion), nothing the fenced run wrote later, and nothing had been deleted
+        from trainguard.checkpoint import format as fmt
+
+        rec, _ = _record(c, job)
+        end = int(rec.generation_ends["0"])
+        root = os.path.join(c.run_dir, f"ckpt-{job}", job)
+        made = {e.step: int(fmt.read_manifest(e.path)["created_ns"])
+                for e in fmt.list_checkpoints(root) if e.committed and e.generation == 0}
+        before = [s for s, ns in made.items() if ns <= end]
+        assert min(made) == CKPT_EVERY and before, made  # retention deleted nothing
+        assert again["first_step"] - 1 == max(before), (again, made, end)
+        late = sorted(s for s, ns in made.items() if ns > end)
+        print(f"resumed from step {max(before)}; passed over, saved after the exclusion by the "
+              f"cut-off run: {late}")
+    finally:
+        _cancel(c, job, jid)
+        if victim:
+            c.net.heal(victim)

@@ -43,7 +43,11 @@ PLAIN = [LocalRank(0, 0, True, False), LocalRank(1, 1, True, False)]    # unmodi
     (_d("restart_workers", [3]), [RUN[0], LocalRank(1, 1, True, False)], [1], [(1, 1)], {}, None),
     # stop and exclusion
     (_d("stop_job_notify_user"), RUN, [0, 1], [], {}, EXIT_STOPPED),
-    (_d("exclude_node_and_requeue", [0, 1], [NODE]), PLAIN, [0, 1], [], {}, 0),
+    (_d("exclude_node_and_requeue", [0, 1], [NODE]).model_copy(update={"world_size": 2}),
+     PLAIN, [0, 1], [], {}, 0),
+    # the job's only node excluded (world 0, the scheduler requeues it): stopped, no exit —
+    # ending the launch would end the job before its requeue
+    (_d("exclude_node_and_requeue", [0, 1], [NODE]), PLAIN, [0, 1], [], {}, None),
     (_d("none"), PLAIN, [], [], {}, None),
 ])
 def test_plan_table(decision, ranks, kill, start, rerank, status):

@@ -40,6 +40,7 @@ MEMBERS = [{"rank": 0, "node": "n0", "local_rank": 0}, {"rank": 1, "node": "n1",
                          '{"local_rank": 0, "node": "n1", "rank": 1}]'),
     ("spare_nodes", ["s1", "s2"], '["s1", "s2"]'),
     ("group_attempt", "3:2", "3:2"),
+    ("generation_ends", {"6": "1796296051930000000"}, '{"6": "1796296051930000000"}'),
     ("run_id", "17.1", "17.1"),
     ("retries_used", 1, "1"),
     ("last_fault", {"fault_class": "crash", "step": 12}, '{"fault_class": "crash", "step": 12}'),
@@ -87,7 +88,7 @@ def test_whole_record_round_trip():
                     spare_nodes=["s1"], retries_used=2, last_fault={"step": None},
                     pending_decision={"event_id": "e"})
     put, drop = encode_fields(**rec.to_dict())
-    assert set(drop) == {"last_decision", "slurm_directive"}  # None: the field is absent
+    assert set(drop) == {"last_decision", "slurm_directive", "generation_ends"}  # None: absent
     assert decode_record(put) == rec
     assert rec.settings() == JobSettings(mode="action", world_size=2, retry_budget=3,
                                          hang_timeout_s=9.5)

@@ -153,9 +153,14 @@ def test_exclude_below_min_world_size_requeues_where_the_scheduler_can():
     # a spare is still the first choice: no requeue needed
     d = decide(v, job(min_world_size=4, spare_nodes=["s1"]), requeues=True)
     assert d.world_size == 4 and "requeues" not in d.reason
-    # nothing left to restart on: a stop
+    # a job on the excluded node alone: no world is left in the allocation, the scheduler
+    # requeues it elsewhere (world 0, no members); without a requeueing scheduler, a stop
     lone = [m for m in MEMBERS if m["node"] == "n1"]
     d = decide(v, job(min_world_size=2, members=lone, world_size=2), requeues=True)
+    assert d.action == "exclude_node_and_requeue" and d.execute, d
+    assert (d.world_size, d.members, d.nodes) == (0, [], ["n1"])
+    assert "on another allocation (no node of the job is left)" in d.reason
+    d = decide(v, job(min_world_size=2, members=lone, world_size=2))
     assert d.action == "stop_job_notify_user"
 
 

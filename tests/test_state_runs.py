@@ -51,6 +51,8 @@ def test_a_launch_after_the_last_launcher_left_is_a_new_run(redis_db):
     assert job.retries_used == 0 and job.mode == "action"
     assert job.hang_timeout_s == 0.0  # the new run's settings replace the old run's
     assert job.members == []  # the new run's launchers register their ranks again
+    # the old run's generation ended when the new run began (the fence of its checkpoints)
+    assert list(job.generation_ends) == ["4"] and job.generation_ends["4"].isdigit(), job
     assert k_again == (1, True)
     assert conflict is not None and (conflict.job, conflict.node) == ("k", "n0")
     assert 0 < conflict.remaining_s <= 0.5 and "live launcher on node 'n0'" in str(conflict)

@@ -55,7 +55,10 @@ def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank],
     """The plan of ``node`` for executed decision ``d`` given its ranks.
 
     * ``stop_job_notify_user``: stop, exit ``EXIT_STOPPED``.
-    * ``exclude_node_and_requeue`` naming this node: stop, exit 0 (the job goes on elsewhere).
+    * ``exclude_node_and_requeue`` naming this node: stop, exit 0 (the job goes on elsewhere);
+      when it leaves no node at all (world 0: the job ran on this node alone and the scheduler
+      requeues it), stop the ranks and wait, as below: exiting would end the job's only step,
+      and with it the job, before its requeue.
     * ``exclude_node_and_requeue`` leaving a world below the job's ``min_world_size`` (the
       policy chose it because the scheduler requeues the job without the node): stop the
       ranks, and nothing else — the launch waits for its scheduler to end it (Slurm's requeue
@@ -70,6 +73,11 @@ def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank],
     if d.action == "stop_job_notify_user":
         return NodePlan(kill=[r.local_rank for r in ranks if r.alive],
                         exit_status=EXIT_STOPPED, why="workers stopped")
+    if d.action == "exclude_node_and_requeue" and node in d.nodes and not d.members \
+            and d.world_size == 0:
+        return NodePlan(kill=[r.local_rank for r in ranks if r.alive],
+                        why=f"node {node} excluded, and no node of the job is left: workers "
+                            f"stopped; the scheduler requeues the job elsewhere")
     if d.action == "exclude_node_and_requeue" and node in d.nodes:
         return NodePlan(kill=[r.local_rank for r in ranks if r.alive], exit_status=0,
                         why=f"node {node} excluded: workers stopped")

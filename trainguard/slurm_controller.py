@@ -302,7 +302,7 @@ class SlurmController(NodeController):
                 return ControllerResult(True, f"{said}; no Slurm job id in the job record of "
                                               f"{job!r} (launched outside Slurm): nothing to "
                                               f"requeue", done)
-            if not self._should_requeue(record):
+            if not self._should_requeue(record, node):
                 return ControllerResult(True, f"{said}; Slurm job {jid} goes on in place "
                                               f"(requeue={self.config.requeue})", done)
             lost = ((record.last_fault or {}).get("fault_class") in UNREACHABLE_FAULTS
@@ -326,12 +326,16 @@ class SlurmController(NodeController):
             except Exception:  # noqa: BLE001 - bookkeeping: the requeue itself goes on
                 pass
 
-    def _should_requeue(self, record: Any) -> bool:
+    def _should_requeue(self, record: Any, node: str = "") -> bool:
+        """``auto``: the job cannot go on in place — its record says it stopped or failed,
+        the world it is left with is below its minimum, or every member ran on ``node`` (a
+        job on one node: the decision left it no world, so the record keeps the old one)."""
         if self.config.requeue != "auto":
             return self.config.requeue == "always"
         if record is None:
             return False
-        return record.status in ("stopped", "failed") or (
+        alone = bool(record.members) and {m.get("node") for m in record.members} == {node}
+        return record.status in ("stopped", "failed") or alone or (
             0 < record.world_size < record.min_world_size)
 
     async def _requeue_once(self, job: str, record: Any, jid: str, node: str, reason: str,
@@ -389,8 +393,20 @@ class SlurmController(NodeController):
             if skip:
                 done.append({"skipped": cmd, "why": skip})
                 continue
+            if cmd == requeue and lost:
+                # a job with no node left but the one just set DOWN fails NODE_FAIL there, and
+                # Slurm requeues a --requeue job itself (seen on the harness: a one-node job)
+                now_st = (await self._show("job", jid)).get("JobState", "")
+                if now_st in REQUEUED_STATES:
+                    done.append({"skipped": cmd, "why": f"Slurm requeued job {jid} itself when "
+                                                        f"{node} went DOWN ({now_st})"})
+                    said[0] = f"Slurm requeued job {jid} itself ({node} DOWN)"
+                    continue
             rc, out = await self._run(cmd)
             done.append(cmd)
+            if rc != 0 and cmd == requeue and "pending execution" in out:
+                said[0] = f"Slurm requeued job {jid} itself ({out[:100]})"
+                continue  # the same, seen a moment later: the exclusion and release go on
             if rc != 0 and cmd == requeue:
                 return False, f"{' '.join(cmd)} exited {rc}: {out[:300]}"
             if rc != 0:  # said, and the requeue goes on

@@ -171,7 +171,8 @@ class StateStore:
         record holds also makes this launch a new run, and drops the old run's leases first: a
         requeued Slurm job starts while a launcher of its old allocation that is cut off still
         holds its lease (up to ``lease_s``), and must neither join that run nor wait it out on a
-        node it shares with it. Returns ``(generation, new_run)``.
+        node it shares with it. A new run records the end of the old run's generation
+        (``JobRecord.generation_ends``). Returns ``(generation, new_run)``.
         Raises ``LauncherConflict`` when a launcher of ``node`` already holds a live lease on
         the job (a second launch of a running job on one node would start a second set of the
         same ranks and break the first run).
@@ -180,7 +181,7 @@ class StateStore:
         now_ms = int(time.time() * 1000)
         gen, new_run, left_ms = await self.r.eval(
             _BEGIN_RUN, 2, _job_key(job), f"tg:job:{job}:launchers", node, now_ms,
-            int(lease_s * 1000), json.dumps(put), json.dumps(drop), run_id)
+            int(lease_s * 1000), json.dumps(put), json.dumps(drop), run_id, str(time.time_ns()))
         if int(new_run) < 0:
             raise LauncherConflict(job, node, int(left_ms) / 1000.0)
         return int(gen), bool(new_run)
@@ -326,9 +327,11 @@ class StateStore:
 
     async def bump_generation(self, job: str, expected: int, by: str = "") -> int:
         """Atomically set generation to ``expected + 1`` if it is still ``expected``, recording
-        ``by`` (the decision id) as ``generation_by``; returns the generation now in force (a
+        ``by`` (the decision id) as ``generation_by`` and now (Unix ns) as the end of
+        ``expected`` (``JobRecord.generation_ends``); returns the generation now in force (a
         caller that lost the race learns the winner's)."""
-        return int(await self.r.eval(_BUMP_GENERATION, 1, _job_key(job), expected, by))
+        return int(await self.r.eval(_BUMP_GENERATION, 1, _job_key(job), expected, by,
+                                     str(time.time_ns())))
 
     # ---- idempotency and audit ------------------------------------------------------------------
     async def claim(self, key: str, owner: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> str | None:
@@ -460,6 +463,15 @@ class StateStore:
             "reasons": json.dumps(reasons or []), "updated_ns": time.time_ns()})
         await pipe.execute()
 
+    async def generation_ends(self, job: str) -> dict[int, int]:
+        """``JobRecord.generation_ends`` of ``job``: generation → Unix ns it ended ({} for
+        none, or an unreadable field)."""
+        raw = await self.r.hget(_job_key(job), "generation_ends")
+        try:
+            return {int(g): int(ns) for g, ns in json.loads(raw or "{}").items()}
+        except (ValueError, TypeError, AttributeError):
+            return {}
+
     async def checkpoints(self, job: str) -> list[dict[str, Any]]:
         """All indexed checkpoints of ``job``, newest step first:
         ``[{"path", "step", "status", "reasons"}]``."""
@@ -536,7 +548,21 @@ def _settings_fields(settings: JobSettings) -> dict[str, Any]:
 
 # KEYS[1] = job hash, KEYS[2] = launcher leases; ARGV = node, now (ms), lease (ms),
 # settings to set (JSON map of encoded values), settings to delete (JSON list)
-_BEGIN_RUN = """
+# Records ``generation_ends[<gen>] = <now ns>`` (ARGV[n], text) for the generation moved past,
+# keeping the last 64: the fence of checkpoints a generation wrote after its end.
+_GENERATION_ENDED = """
+local function ended(g, now)
+  local ends = cjson.decode(redis.call('HGET', KEYS[1], 'generation_ends') or '{}')
+  if ends[tostring(g)] == nil then ends[tostring(g)] = now end
+  local keep = {}
+  for k, v in pairs(ends) do
+    if tonumber(k) > g - 64 then keep[k] = v end
+  end
+  redis.call('HSET', KEYS[1], 'generation_ends', cjson.encode(keep))
+end
+"""
+
+_BEGIN_RUN = _GENERATION_ENDED + """
 local now, lease, run_id = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
 if run_id ~= '' and (redis.call('HGET', KEYS[1], 'run_id') or '') ~= run_id then
     redis.call('DEL', KEYS[2])
@@ -553,6 +579,7 @@ local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 local new_run = 0
 if live == 0 then
     if runs > 0 then
+        ended(gen, ARGV[7])
         gen = gen + 1
         new_run = 1
         for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
@@ -600,10 +627,11 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'stopped' then
 end
 return 0"""
 
-_BUMP_GENERATION = """
+_BUMP_GENERATION = _GENERATION_ENDED + """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 if cur == tonumber(ARGV[1]) then
   redis.call('HSET', KEYS[1], 'generation', tostring(cur + 1), 'generation_by', ARGV[2])
+  ended(cur, ARGV[3])
   return cur + 1
 end
 return cur"""

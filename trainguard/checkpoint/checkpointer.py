@@ -14,10 +14,11 @@ Save path (every rank calls ``save`` collectively)::
 
 Restore (collective): first from healthy peers (``live``: when a complete replica of the state
 survived the fault, the ranks agree on the newest step they hold and the holders send it to the
-others; no step is lost), else the newest valid checkpoint. Rank 0 picks the newest checkpoint that is valid — marked valid by the
-validator (sizes and checksums re-checked), or, when pending or the state store is unreachable,
-verified here with the validator's own function — and broadcasts it; every rank loads it with
-DCP (any world size: resharding) or, when the world is unchanged and this node's staged copy is
+others; no step is lost), else the newest valid checkpoint. Rank 0 picks the newest checkpoint
+that is valid — marked valid by the validator (sizes and checksums re-checked), or, when
+pending or the state store is unreachable, verified here with the validator's own function —
+and not written after its generation ended, and broadcasts it; every rank loads it with DCP
+(any world size: resharding) or, when the world is unchanged and this node's staged copy is
 byte-identical to it, from shared memory.
 
 The parts: ``plan`` (the ``SavePlan``: where every item goes), ``session`` (one save in flight),
@@ -45,7 +46,7 @@ import torch
 
 from . import collectives, statedict
 from .config import CheckpointConfig
-from .index import doomed, fetch_index
+from .index import doomed, fetch_generation_ends, fetch_index
 from .live import LiveState, peer_restore
 from .plan import SavePlan, make_plan, new_plan_id, signature, trim_heap
 from .replicas import Certificate, certify, manifest_fields, state_digest
@@ -118,10 +119,6 @@ class Checkpointer:
 
     # ---- helpers -----------------------------------------------------------------------------
     @property
-    def distributed(self) -> bool:
-        return collectives.distributed(self.world_size)
-
-    @property
     def identity(self) -> RankIdentity:
         """This rank now (the attributes may change between saves)."""
         return RankIdentity(self.job, self.rank, self.world_size, self.generation)
@@ -132,6 +129,9 @@ class Checkpointer:
     def _index(self) -> dict[str, dict] | None:
         """``{path: {"status", "reasons"}}`` from the state store, None when unreachable."""
         return fetch_index(self.redis_url, self.job, self.config.state_timeout_s)
+
+    def _ended(self) -> dict[int, int] | None:  # index.fetch_generation_ends
+        return fetch_generation_ends(self.redis_url, self.job, self.config.state_timeout_s)
 
     def _staging_path(self) -> str:
         return staging_path(self.config.shm_dir, self.job, self.rank)
@@ -310,9 +310,9 @@ class Checkpointer:
             log.warning("checkpoint retention failed", exc_info=True)
 
     def _retention(self) -> None:
-        """Delete what retention dooms (``index.doomed``), by the writer, off the training
-        process."""
-        paths = doomed(self.root, self.config.keep, self._index, self._verdicts)
+        """Delete what retention dooms (``index.doomed``), by the writer, off the process."""
+        paths = doomed(self.root, self.config.keep, self._index, self._verdicts,
+                       store=bool(self.redis_url))
         if paths:
             self.resources.writer.send({"op": "prune", "paths": paths})
             for p in paths:
@@ -374,7 +374,7 @@ class Checkpointer:
         r: RestoreResult = Restorer(
             self.model, self.optimizer, config=self.config, root=self.root, job=self.job,
             rank=self.rank, world_size=self.world_size, group=self.group,
-            index=self._index).restore()
+            index=self._index, ended=self._ended).restore()
         self.restored_step, self.restored_loss = r.step, r.loss
         self.restore_source, self.restore_reason, self.restored_path = r.source, r.reason, \
             r.path

@@ -46,20 +46,34 @@ class Choice:
 
 
 def choose_checkpoint(root: str, index: Callable[[], dict | None],
-                      reverify_valid: bool = True) -> Choice:
+                      reverify_valid: bool = True,
+                      ended: Callable[[], dict[int, int] | None] | None = None) -> Choice:
     """The newest valid checkpoint under ``root``; reads files, no collectives.
 
     ``index``: returns the validator's verdicts (``index.fetch_index``) or None; called only
     when ``root`` holds checkpoints. One marked invalid is passed over; one marked valid is
     re-checked quickly (sizes and checksums) unless ``reverify_valid`` is False; one pending
-    or unknown gets the validator's full check (``verify.validate_checkpoint``)."""
+    or unknown gets the validator's full check (``verify.validate_checkpoint``).
+
+    ``ended``: returns when each past generation ended (``index.fetch_generation_ends``:
+    generation → Unix ns) or None. A checkpoint of generation g whose manifest was written
+    (``created_ns``) after g ended is passed over whatever its verdict: the ranks of an
+    excluded or cut-off node go on until their lease runs out (``LEASE_S``), and a job on one
+    node trains on alone meanwhile; what it saved then is the work of a run trainguard had
+    fenced (issue 11: nothing of it is resumed from). Clocks: ``created_ns`` is the writer's,
+    the end the remediator's or the new run's launcher's; a skew moves the fence by as much."""
     reasons: list[str] = []
     entries = fmt.list_checkpoints(root)
     idx = index() if entries else None
+    ends = (ended() if ended is not None and entries else None) or {}
     for e in entries:
         name = os.path.basename(e.path)
         if not e.committed:
             reasons.append(f"{name}: not committed (no manifest)")
+            continue
+        late = _after_its_generation(e, ends)
+        if late:
+            reasons.append(f"{name}: {late}")
             continue
         st = idx.get(e.path) if idx is not None else None
         if st is not None and st.get("status") == "invalid":
@@ -82,6 +96,22 @@ def choose_checkpoint(root: str, index: Callable[[], dict | None],
         return Choice(e.path, tuple(reasons), manifest["step"], manifest.get("loss"),
                       manifest["world_size"])
     return Choice(None, tuple(reasons))
+
+
+def _after_its_generation(e: fmt.Entry, ends: dict[int, int]) -> str:
+    """Why checkpoint ``e`` was written after its generation ended, or ""."""
+    end = ends.get(e.generation)
+    if end is None:
+        return ""
+    try:
+        created = int(fmt.read_manifest(e.path).get("created_ns") or 0)
+    except (OSError, ValueError, TypeError):
+        return ""  # unreadable: the checks below say so
+    if created <= end:
+        return ""
+    return (f"written by generation {e.generation} {(created - end) / 1e9:.2f} s after that "
+            f"generation ended (a fenced run's remnant: an excluded or cut-off node that went "
+            f"on until its lease ran out)")
 
 
 @dataclass(frozen=True)
@@ -110,11 +140,12 @@ class Restorer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  config: CheckpointConfig, job: str, rank: int, world_size: int, group: Any,
-                 index: Callable[[], dict | None], root: str | None = None):
+                 index: Callable[[], dict | None], root: str | None = None,
+                 ended: Callable[[], dict[int, int] | None] | None = None):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.job, self.rank, self.world_size, self.group = job, rank, world_size, group
         self.root = os.path.abspath(config.root if root is None else root)
-        self.index = index
+        self.index, self.ended = index, ended
         self._staged: tuple | None = None  # (meta, mapping, manifest) of a verified copy
 
     def restore(self) -> RestoreResult:
@@ -123,7 +154,8 @@ class Restorer:
         keys differ from the saved ones."""
         choice = None
         if self.rank == 0:
-            choice = choose_checkpoint(self.root, self.index, self.config.reverify_valid)
+            choice = choose_checkpoint(self.root, self.index, self.config.reverify_valid,
+                                       self.ended)
         choice = collectives.broadcast(choice, self.group, self.world_size)
         reason = "; ".join(choice.reasons)
         if choice.reasons:
