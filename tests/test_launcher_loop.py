@@ -279,8 +279,17 @@ def test_stop_decision_stopping_then_exit_3():
 
 def test_excluded_node_stops_with_0_and_the_others_re_rank():
     loop = _loop(mode="action")
-    loop.handle(_decision("exclude_node_and_requeue", 1, ranks=[0, 1], nodes=["n0"]))
+    d = _decision("exclude_node_and_requeue", 1, ranks=[0, 1], nodes=["n0"],
+                  members=[Member(rank=0, node="n1", local_rank=0)])
+    d.decision.world_size = 1
+    loop.handle(d)
     assert (loop.state, loop.exit_status) == (S.STOPPED, 0)
+    # the job's only node excluded (world 0: its scheduler requeues it): the ranks stop, and
+    # the launch waits for the scheduler instead of ending the job's only step itself
+    alone = _loop(mode="action")
+    alone.handle(_decision("exclude_node_and_requeue", 1, ranks=[0, 1], nodes=["n0"]))
+    assert alone.exit_status is None and "kill" in " ".join(map(str, alone.pool.calls)), \
+        alone.pool.calls
     members = [Member(rank=0, node="n1", local_rank=0), Member(rank=1, node="n0", local_rank=0),
                Member(rank=2, node="n0", local_rank=1)]
     other = _loop(mode="action", in_process=True, node_rank=1)

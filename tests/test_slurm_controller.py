@@ -136,7 +136,7 @@ async def test_a_stop_decision_cancels_the_slurm_job_with_its_reason(slurm, serv
                {"rank": 1, "node": "node1", "local_rank": 0}]
     for job, mode in (("ta", "action"), ("to", "observe")):
         await st.register_job(job, mode=mode, generation=0, world_size=2, min_world_size=2,
-                              retry_budget=5, members=members, status="running",
+                              retry_budget=0, members=members, status="running",
                               slurm_job_id=jids[job])
     svc = Remediator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_db),
                      RemediatorConfig(controller="slurm"), controller=SlurmController(st))
@@ -156,7 +156,7 @@ async def test_a_stop_decision_cancels_the_slurm_job_with_its_reason(slurm, serv
                 await bus.subscribe(subjects.job(job, kind),
                                     lambda s, e, kind=kind: got[kind].append(e))
         await bus.flush()
-        for job in jids:  # an XID on both nodes: no node left to go on with → stop
+        for job in jids:  # an XID on both nodes, the retry budget spent: a stop
             await bus.publish(subjects.job(job, "verdict"), Verdict(
                 job=job, fault_class="gpu_xid", layer="hardware",
                 culprit={"nodes": ["node0", "node1"]}, generation=0))

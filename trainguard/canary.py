@@ -38,9 +38,7 @@ import sys
 import time
 from typing import Any, Callable
 
-#: The first line the canary prints, before any check: the program runs on the node (a
-#: scheduler's failure to start it prints no such line: ``controller_base.run_canary_command``).
-CANARY_STARTED = "canary started"
+from trainguard.controller_base import CANARY_STARTED
 
 __all__ = ["CANARY_STARTED", "CHECKS", "NVML_RULES", "COMPUTE_RTOL", "nvml_problems", "injected", "main"]
 

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from trainguard.canary import CANARY_STARTED
 from trainguard.reputation import (Canary, NodeView, ReputationConfig, evidence,
                                    offence_weight, plan)
 from trainguard.schemas.reputation import NodeReputation
@@ -35,6 +34,11 @@ __all__ = ["ControllerResult", "NodeController", "CanaryFn", "CanaryNotRun", "LO
 #: A canary: ``await canary(node) -> (passed, one-line detail)``; it raises ``CanaryNotRun``
 #: when the canary program could not be started on the node.
 CanaryFn = Callable[[str], Awaitable[tuple[bool, str]]]
+
+
+#: The first line the canary program (``trainguard.canary``) prints, before any check: it runs
+#: on the node. A scheduler's failure to start it prints no such line (``run_canary_command``).
+CANARY_STARTED = "canary started"
 
 
 class CanaryNotRun(Exception):

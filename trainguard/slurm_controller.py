@@ -302,7 +302,7 @@ class SlurmController(NodeController):
                 return ControllerResult(True, f"{said}; no Slurm job id in the job record of "
                                               f"{job!r} (launched outside Slurm): nothing to "
                                               f"requeue", done)
-            if not self._should_requeue(record, node):
+            if not self._should_requeue(record, await self._excluded(record, node)):
                 return ControllerResult(True, f"{said}; Slurm job {jid} goes on in place "
                                               f"(requeue={self.config.requeue})", done)
             lost = ((record.last_fault or {}).get("fault_class") in UNREACHABLE_FAULTS
@@ -326,17 +326,30 @@ class SlurmController(NodeController):
             except Exception:  # noqa: BLE001 - bookkeeping: the requeue itself goes on
                 pass
 
-    def _should_requeue(self, record: Any, node: str = "") -> bool:
+    def _should_requeue(self, record: Any, out: set[str] | frozenset[str] = frozenset()
+                        ) -> bool:
         """``auto``: the job cannot go on in place — its record says it stopped or failed,
-        the world it is left with is below its minimum, or every member ran on ``node`` (a
-        job on one node: the decision left it no world, so the record keeps the old one)."""
+        the world it is left with is below its minimum, or every member's node is ``out``
+        (excluded: a decision that leaves no world keeps the record's members as they were)."""
         if self.config.requeue != "auto":
             return self.config.requeue == "always"
         if record is None:
             return False
-        alone = bool(record.members) and {m.get("node") for m in record.members} == {node}
-        return record.status in ("stopped", "failed") or alone or (
+        nodes = {m.get("node") for m in record.members or []}
+        return record.status in ("stopped", "failed") or bool(nodes and nodes <= set(out)) or (
             0 < record.world_size < record.min_world_size)
+
+    async def _excluded(self, record: Any, node: str) -> set[str]:
+        """``node`` and the job's member nodes trainguard holds excluded (``tg:node:<n>``)."""
+        out = {node}
+        for n in {m.get("node") for m in (record.members or [])} - out if record else ():
+            try:
+                if self.state is not None and (await self.state.node(n)).get(
+                        "status") == "excluded":
+                    out.add(n)
+            except Exception:  # noqa: BLE001 - unknown: in service
+                pass
+        return out
 
     async def _requeue_once(self, job: str, record: Any, jid: str, node: str, reason: str,
                             lost: bool, done: list[Any]) -> tuple[bool, str]:
