@@ -315,6 +315,19 @@ def test_another_nodes_group_restart_is_followed_once():
     assert spare.attempt == 0  # a node with no ranks has nothing to restart
 
 
+@pytest.mark.parametrize("status,fenced,slurm,ending", [
+    (0, False, False, True), (3, False, False, True), (1, False, False, True),
+    (143, False, False, False),  # SIGTERM from outside (a pod deleted): its ranks are lost
+    (143, False, True, True),    # SIGTERM from Slurm (scancel, a requeue): the step ends
+    (130, False, True, False),   # Ctrl-C
+    (0, True, False, False),     # fenced: the job may have moved on without it
+    (143, True, True, False), (None, False, True, False)])
+def test_which_ends_say_ending_in_the_last_heartbeat(status, fenced, slurm, ending):
+    from trainguard.launcher import ends_on_purpose
+
+    assert ends_on_purpose(status, fenced, slurm) is ending
+
+
 @pytest.mark.parametrize("status", [143, 130])
 def test_stop_request_stopping_then_its_status(status):
     loop = _loop()

@@ -46,6 +46,22 @@ from .launcher_pool import ProcessPool, pdeathsig_kill
 __all__ = ["LaunchConfig", "Launcher", "LaunchState", "StdSpec", "main", "parse_args"]
 
 
+def ends_on_purpose(status: int | None, fenced: bool, under_slurm: bool) -> bool:
+    """Whether a launch ending with exit ``status`` ends on purpose, so that its last heartbeat
+    says ``ending`` and its silence is no lost launcher (``detector.signals``). Not when fenced
+    (its lease lost: the job may have moved on without it), nor when stopped from outside
+    (SIGTERM 143, SIGINT 130: a pod deleted, a container killed — the job's ranks there are
+    lost) — except under Slurm (``under_slurm``: ``SLURM_JOB_ID`` set), where a SIGTERM is
+    Slurm ending the job's step on purpose (``scancel``, a requeue, a time limit, preemption:
+    slurmstepd delivers it, so the node is alive) and the job's record or the Slurm watcher says
+    what became of the job."""
+    if fenced or status is None:
+        return False
+    if status == 143:
+        return under_slurm
+    return status != 130
+
+
 def _is_local(host: str) -> bool:
     """True when ``host`` names this machine (loopback, its host name, or one of its
     addresses)."""
@@ -202,10 +218,8 @@ class Launcher:
 
     def shutdown(self) -> None:
         cfg = self.cfg
-        # a launch stopped from outside (SIGTERM 143, SIGINT 130: a pod deleted, a job
-        # cancelled) or fenced off did not end on purpose: its silence may still be a loss
-        self.lease.stop_heartbeat(ending=not self.loop.fenced and self.loop.exit_status
-                                  not in (None, 130, 143))
+        self.lease.stop_heartbeat(ending=ends_on_purpose(
+            self.loop.exit_status, self.loop.fenced, bool(os.environ.get("SLURM_JOB_ID"))))
         self.pool.shutdown()
         status = self.loop.exit_status
         if self.loop.fenced:
