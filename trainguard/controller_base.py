@@ -44,6 +44,8 @@ CANARY_STARTED = "canary started"
 class CanaryNotRun(Exception):
     """The canary program never ran on the node (the scheduler refused or could not be
     reached): no verdict on the node, so no offence; the node stays out of service."""
+
+
 #: The health canary program (``trainguard.canary``) as run on a node.
 LOCAL_CANARY = [sys.executable, "-m", "trainguard.canary", "--json"]
 

@@ -342,12 +342,13 @@ class SlurmController(NodeController):
     async def _excluded(self, record: Any, node: str) -> set[str]:
         """``node`` and the job's member nodes trainguard holds excluded (``tg:node:<n>``)."""
         out = {node}
-        for n in {m.get("node") for m in (record.members or [])} - out if record else ():
+        if record is None or self.state is None:
+            return out
+        for n in {m.get("node") for m in record.members or []} - out:
             try:
-                if self.state is not None and (await self.state.node(n)).get(
-                        "status") == "excluded":
+                if (await self.state.node(n)).get("status") == "excluded":
                     out.add(n)
-            except Exception:  # noqa: BLE001 - unknown: in service
+            except Exception:  # noqa: BLE001 - unreadable: counted in service
                 pass
         return out
 
@@ -440,10 +441,7 @@ class SlurmController(NodeController):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.release_wait_s
         out, tries = "", 0
-        job = await self._show("job", jid)
-        while job.get("JobState", "") == "COMPLETING" and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-            job = await self._show("job", jid)
+        await self._completed(jid, deadline)
         while True:
             tries += 1
             rc, out = await self._run(cmd)
@@ -456,17 +454,22 @@ class SlurmController(NodeController):
             await asyncio.sleep(0.1)
         return f"{' '.join(cmd[2:])} refused after {tries} tries: {out[:150]}"
 
-    async def _release(self, jid: str, cmd: list[str], done: list[Any]) -> str:
-        """Release Slurm's hold on requeued job ``jid`` (``cmd``: ``starttime=now``) once it is
-        PENDING, waiting up to ``release_wait_s`` for it to leave COMPLETING; what it did."""
+    async def _completed(self, jid: str, deadline: float) -> str:
+        """Job ``jid``'s state once it is no longer COMPLETING, or at ``deadline`` (event-loop
+        time), polled every 50 ms (a requeued job is held from the moment it leaves
+        COMPLETING)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.release_wait_s
-        st = ""
         while True:
             st = (await self._show("job", jid)).get("JobState", "")
             if st != "COMPLETING" or loop.time() > deadline:
-                break
-            await asyncio.sleep(0.05)  # the job is held from the moment it leaves COMPLETING
+                return st
+            await asyncio.sleep(0.05)
+
+    async def _release(self, jid: str, cmd: list[str], done: list[Any]) -> str:
+        """Release Slurm's hold on requeued job ``jid`` (``cmd``: ``starttime=now``) once it is
+        PENDING, waiting up to ``release_wait_s`` for it to leave COMPLETING; what it did."""
+        st = await self._completed(jid, asyncio.get_running_loop().time()
+                                   + self.config.release_wait_s)
         if st != "PENDING":
             done.append({"skipped": cmd, "why": f"job {jid} is {st}"})
             return f"hold not released (job {st})"

@@ -467,9 +467,10 @@ class StateStore:
         """``JobRecord.generation_ends`` of ``job``: generation → Unix ns it ended ({} for
         none, or an unreadable field)."""
         raw = await self.r.hget(_job_key(job), "generation_ends")
-        try:
-            return {int(g): int(ns) for g, ns in json.loads(raw or "{}").items()}
-        except (ValueError, TypeError, AttributeError):
+        try:  # the record's own codec for the field
+            ends = decode_record({"generation_ends": raw} if raw else {}).generation_ends
+            return {int(g): int(ns) for g, ns in (ends or {}).items()}
+        except (ValueError, TypeError, AttributeError):  # JobRecordError is a ValueError
             return {}
 
     async def checkpoints(self, job: str) -> list[dict[str, Any]]:
