@@ -13,6 +13,7 @@ import nats
 import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from trainguard import schemas, tls
 from trainguard.auth import ROLES, job_role, job_user
@@ -221,6 +222,98 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
     shared = StateStore(tls_stack.urls("worker")[1])
     assert await shared.begin_run("job-b", "n1", lease_s=5.0) == (0, False)
     await shared.close()
+
+
+async def test_a_job_worker_reads_only_its_own_job(tls_stack):
+    """Reads, narrowed as the writes: a job's worker gets its own job's last stored decision
+    (a direct get naming the subject) but not another job's; the replies to another client's
+    requests (its inbox) and another job's keys in Valkey are refused."""
+    ca = tls_stack.tls_ca
+    admin = await Bus(tls_stack.nats_url, "admin-test", tls_ca=ca).connect()
+    for job in ("job-a", "job-b"):
+        d = schemas.Decision(job=job, action="restart_workers", ranks=[1], generation=3,
+                             execute=True, idempotency_key=f"d-{job}")
+        await admin.publish(schemas.subjects.job(job, "decision"), d)
+    await admin.flush()
+    nats_a, redis_a = tls_stack.urls("job-job-a")
+    bus_a = await Bus(nats_a, "rank-a", tls_ca=ca).connect()
+    assert bus_a.inbox == "_INBOX.job-job-a"
+    got = await bus_a.last_stored("tg.job.job-a.decision")
+    assert got is not None and schemas.decode(got.data).idempotency_key == "d-job-a"
+    assert await bus_a.last_stored("tg.job.job-b.decision") is None  # refused: no answer
+    # the shared worker role reads any job's decision, nothing else of the stream
+    bus_w = await Bus(tls_stack.urls("worker")[0], "rank-w", tls_ca=ca).connect()
+    got = await bus_w.last_stored("tg.job.job-b.decision")
+    assert got is not None and schemas.decode(got.data).idempotency_key == "d-job-b"
+    await bus_w.close()
+    errors = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+    nc = await nats.connect(nats_a, error_cb=on_error, allow_reconnect=False,
+                            tls=tls.client_context(ca))
+    for sub in ("_INBOX.>", "_INBOX.worker.>", "_INBOX.job-job-b.>", "_INBOX.job-job-a%2Ex.>"):
+        await nc.subscribe(sub)
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    await nc.close()
+    assert sum("permissions violation" in e.lower() for e in errors) == 4, errors
+    await bus_a.close()
+    await admin.close()
+
+    admin_st = StateStore(tls_stack.urls("admin")[1])
+    await admin_st.register_job("job-b", mode="action")
+    await admin_st.mark_checkpoint("job-b", "/ckpt/b", 5, valid=True)
+    await admin_st.mark_checkpoint("job-a", "/ckpt/a", 7, valid=True)
+    await admin_st.close()
+    st_a = StateStore(redis_a)
+    assert [c["path"] for c in await st_a.checkpoints("job-a")] == ["/ckpt/a"]
+    for read in (lambda: st_a.job("job-b"), lambda: st_a.checkpoints("job-b"),
+                 lambda: st_a.r.hgetall("tg:node:n1"), lambda: st_a.r.keys("*")):
+        with pytest.raises(NoPermissionError):
+            await read()
+    await st_a.close()
+
+
+def test_credentials_revoke_closes_the_jobs_connections(tmp_path):
+    """`trainguard credentials revoke` on a running stack: the job's open bus and state store
+    connections are closed by the servers, a new one with the same password is refused, the
+    env file is gone; another job's user is untouched; a second revoke is a no-op."""
+    data = tmp_path / "state"
+    with EmbeddedServers(data_dir=data, tls=False) as srv:
+        nats_r, redis_r = srv.issue_job("rj")
+        keep = dict(zip(("NATS_URL", "REDIS_URL"), srv.issue_job("other")))
+
+        async def scenario():
+            closed = asyncio.Event()
+
+            async def on_closed():
+                closed.set()
+
+            async def quiet(exc):
+                pass
+            nc = await nats.connect(nats_r, closed_cb=on_closed, error_cb=quiet,
+                                    max_reconnect_attempts=2, reconnect_time_wait=0.1)
+            rc = redis.asyncio.Redis.from_url(redis_r)
+            await rc.ping()
+            r = await asyncio.to_thread(_cli, "credentials", "revoke", "--job", "rj",
+                                        "--data-dir", str(data))
+            assert r.returncode == 0 and "revoked, now" in r.stderr, r.stderr
+            await asyncio.wait_for(closed.wait(), 5.0)  # the server dropped it, no re-entry
+            with pytest.raises(RedisConnectionError, match="closed by server"):
+                await rc.ping()  # Valkey closed the open connection
+            with pytest.raises(AuthenticationError):  # and refuses the reconnect
+                await rc.ping()
+            await rc.aclose()
+            assert await _connects({"NATS_URL": nats_r, "REDIS_URL": redis_r}) == (False, False)
+            assert await _connects(keep) == (True, True)
+        asyncio.run(scenario())
+        assert not (data / "env" / "job-rj.env").exists()
+        assert "rj" not in json.loads((data / "credentials.json").read_text())["jobs"]
+        r = _cli("credentials", "revoke", "--job", "rj", "--data-dir", str(data))
+        assert r.returncode == 0 and "nothing to revoke" in r.stderr, r.stderr
+    assert _cli("credentials", "revoke", "--job", "rj", "--data-dir",
+                str(tmp_path / "none")).returncode == 2
 
 
 def _cli(*args):

@@ -26,8 +26,11 @@ start, so URLs stay valid across a stop/start. Deleting the file (or ``trainguar
 (``job_role``): the ``worker`` row with every ``tg.job.*`` subject narrowed to that job's
 (``tg.job.<NAME>.…``; the node heartbeat and health subjects stay as the worker's) and, in
 Valkey, writes to that job's keys only (``tg:jobs``, ``tg:job:<NAME>``,
-``tg:job:<NAME>:launchers``). Its password is kept in ``credentials.json`` under ``jobs``; a
-rotation renews it too. The shared ``worker`` role stays for launches without one.
+``tg:job:<NAME>:launchers``) and reads only that job's record, run and checkpoints; its replies
+come to its own inbox prefix (``inbox_of``) and it reads only its job's stored decision. Its
+password is kept in ``credentials.json`` under ``jobs``; a rotation renews it too,
+``Credentials.remove_job`` (``trainguard credentials revoke``) takes it away. The shared
+``worker`` role stays for launches without one.
 """
 from __future__ import annotations
 
@@ -51,9 +54,30 @@ _READ_CMDS = "-@all +@read +@connection -@dangerous +client|setinfo +client|setn
 #: history``: ephemeral pull consumers; ``Bus.last_stored``: one stored message). Creating,
 #: changing or deleting streams and deleting consumers are left to ``admin``.
 _JS_READ = ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
-            "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.MSG.GET.*", "$JS.API.CONSUMER.CREATE.>",
+            "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.MSG.GET.*", "$JS.API.DIRECT.GET.>",
+            "$JS.API.CONSUMER.CREATE.>",
             "$JS.API.CONSUMER.INFO.*.*", "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.>")
-_INBOX = "_INBOX.>"  # replies to this client's own requests (nats-py's default inbox prefix)
+
+
+def inbox_of(user: str) -> str:
+    """The inbox prefix of NATS user ``user`` (``trainguard.bus.Bus`` uses it by default):
+    ``_INBOX.<user>`` with each ``.`` written ``%2E`` (one subject token, so one user's prefix is
+    never a prefix of another's: ``job-a.b`` → ``_INBOX.job-a%2Eb``)."""
+    return "_INBOX." + user.replace(".", "%2E")
+
+
+def _inbox(user: str) -> str:
+    """What ``user`` subscribes to for the replies to its own requests: its prefix only."""
+    return inbox_of(user) + ".>"
+
+
+#: A worker reads one kind of stored message: its job's last decision (``Bus.last_stored``, a
+#: rank that starts late), with a direct get whose API subject names the subject read, stored
+#: partitioned (``tg.p.<p>.job.…``) or as published; and the stream's configuration (its
+#: partition transform, ``allow_direct``).
+_DECISION_GET = ("$JS.API.STREAM.INFO.TG_EVENTS",
+                 "$JS.API.DIRECT.GET.TG_EVENTS.tg.p.*.job.*.decision",
+                 "$JS.API.DIRECT.GET.TG_EVENTS.tg.job.*.decision")
 
 
 def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -114,16 +138,19 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("worker",
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.job.*.action", "tg.node.*.heartbeat", "tg.svc.*.health",
-          "$JS.API.STREAM.NAMES", "$JS.API.STREAM.MSG.GET.TG_EVENTS", _DLQ),
-         ("tg.job.*.decision", "tg.job.*.control", _INBOX),
-         "resetkeys ~tg:jobs ~tg:job:* %R~tg:* " + _SERVICE_CMDS,
+          "$JS.API.STREAM.NAMES") + _DECISION_GET + (_DLQ,),
+         ("tg.job.*.decision", "tg.job.*.control", _inbox("worker")),
+         "resetkeys ~tg:jobs ~tg:job:* %R~tg:ckpt:* " + _SERVICE_CMDS,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
          "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
          "saved/failed, recovery, action results, the launcher's node heartbeat; they listen to "
-         "their job's decisions and control requests (a checkpoint request before a node drain), and a late rank reads the last stored decision from TG_EVENTS "
-         "(`Bus.last_stored`). In Valkey a launcher registers the job and its run (`tg:jobs`, "
-         "`tg:job:<job>` and its lease set); checkpoint validity and everything else is "
-         "read-only. Never a decision, an anomaly or a verdict."),
+         "their job's decisions and control requests (a checkpoint request before a node drain), "
+         "and a late rank reads the last stored decision from TG_EVENTS (`Bus.last_stored`: "
+         "decisions only); replies come to its own inbox prefix only. In Valkey a launcher "
+         "registers the job and its run (`tg:jobs`, `tg:job:<job>` and its lease set); "
+         "checkpoint validity (`tg:ckpt:*`, what restore trusts) is read-only; node status, "
+         "reputation, fault history, idempotency keys and service leases it cannot read. Never "
+         "a decision, an anomaly or a verdict."),
     Role("detector",
          ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ) + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
@@ -177,7 +204,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          responses=True),
     Role("reader",
          ("tg.svc.*.health",) + _JS_READ,
-         ("tg.job.>", "tg.node.>", "tg.dlq.>", _INBOX),
+         ("tg.job.>", "tg.node.>", "tg.dlq.>", _inbox("reader")),
          "resetkeys %R~tg:* " + _READ_CMDS,
          "the console, `trainguard replay record/history`, dashboards: watch every event and "
          "read the stored history and the state store; publish nothing an event consumer acts "
@@ -204,10 +231,11 @@ def job_user(job: str) -> str:
 
 def job_role(job: str) -> Role:
     """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
-    ``tg.job.<token>.``, the rest (the node heartbeat, health requests, the one JetStream read,
-    dead letters, its inbox) stays; in Valkey it may write ``tg:jobs`` (the job names),
-    ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read the rest. Raises ``ValueError`` as
-    ``job_user``."""
+    ``tg.job.<token>.`` (the stored form ``tg.p.*.job.*.`` of the decision get likewise), the
+    inbox becomes the user's own (``inbox_of``), the rest (the node heartbeat, health requests,
+    the stream's configuration, dead letters) stays; in Valkey it may write ``tg:jobs`` (the job
+    names), ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read that job's keys and
+    checkpoints only. Raises ``ValueError`` as ``job_user``."""
     from trainguard.schemas import subjects
 
     user = job_user(job)
@@ -215,12 +243,18 @@ def job_role(job: str) -> Role:
     worker = ROLES["worker"]
 
     def narrow(subs: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(s.replace("tg.job.*.", f"tg.job.{tok}.", 1) for s in subs)
+        # ``tg.job.*.`` as published, ``.job.*.`` in a stored (partitioned) form, the inbox
+        return tuple(_inbox(user) if s == _inbox("worker") else
+                     s.replace("tg.job.*.", f"tg.job.{tok}.", 1).replace(".job.*.",
+                                                                         f".job.{tok}.", 1)
+                     for s in subs)
     return Role(user, narrow(worker.publish), narrow(worker.subscribe),
-                f"resetkeys ~tg:jobs ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:* "
-                + _SERVICE_CMDS,
+                f"resetkeys ~tg:jobs ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:job:{job}:* "
+                f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _SERVICE_CMDS,
                 f"the launchers and ranks of job {job!r} only: the worker's rights on that job's "
-                f"subjects and keys, none on another job's.")
+                f"subjects and keys, none on another job's: it reads that job's record, run, "
+                f"checkpoints and stored decision, and the replies to its own requests, no "
+                f"other job's.")
 
 
 def nats_permissions(role: Role) -> dict:
@@ -286,6 +320,15 @@ class Credentials:
             if self.path is not None:
                 self.save()
         return user
+
+    def remove_job(self, job: str) -> bool:
+        """Take ``job``'s workers' user away (saved when the credentials have a file); returns
+        whether it had one."""
+        if self.jobs.pop(job, None) is None:
+            return False
+        if self.path is not None:
+            self.save()
+        return True
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike, rotate: bool = False) -> "Credentials":

@@ -18,6 +18,7 @@ import ssl
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
 
 import nats
 from nats.js.api import (DiscardPolicy, RetentionPolicy, StorageType, StreamConfig,
@@ -27,7 +28,7 @@ from trainguard import schemas
 from trainguard.schemas import DecodeError, Event, subjects
 
 from . import partitions as parts
-from .auth import redact
+from .auth import inbox_of, redact
 from .errors import ServerUnreachable
 from .tls import CA_ENV, ca_file, client_context
 
@@ -111,6 +112,18 @@ class BusStats:
     bad: collections.Counter = field(default_factory=collections.Counter)
 
 
+def user_inbox(url: str) -> str:
+    """The inbox prefix of the user in NATS URL ``url`` (``auth.inbox_of``: ``_INBOX.<user>``),
+    or ``_INBOX`` for a URL without a user. ``trainguard.auth`` lets each role and per-job user
+    subscribe to its own prefix only, so no client reads the replies to another's requests (a
+    JetStream answer carries stored events)."""
+    try:
+        user = urlsplit(url.split(",", 1)[0]).username
+    except ValueError:
+        user = None
+    return inbox_of(user) if user else "_INBOX"
+
+
 class Bus:
     """Asyncio NATS client for trainguard events.
 
@@ -122,11 +135,13 @@ class Bus:
     store (``trainguard.tls.client_context``).
     """
 
-    def __init__(self, url: str, name: str, inbox: str = "_INBOX", tls_ca: str | None = None):
+    def __init__(self, url: str, name: str, inbox: str | None = None, tls_ca: str | None = None):
         self.url = url
         self.tls_ca = tls_ca
         self.name = name
-        self.inbox = inbox  # replies to this client's requests come under ``<inbox>.>``
+        # replies to this client's requests come under ``<inbox>.>``: by default the user's own
+        # prefix (``user_inbox``), the one its role may subscribe to
+        self.inbox = inbox or user_inbox(url)
         self.nc: nats.NATS | None = None
         self.stats = BusStats()
         self._logged: set[str] = set()
@@ -274,18 +289,29 @@ class Bus:
     async def last_stored(self, subject: str) -> Any | None:
         """The newest message a JetStream stream keeps on exact ``subject`` (``.subject`` as
         published, ``.data``), or None: none stored, no stream holds the subject, or no
-        JetStream. A job subject is looked up in its stored form with any partition first
-        (``tg.p.*.job.…``: the reader needs no partition count), then as published (a stream
-        made without partitions)."""
+        JetStream.
+
+        A job subject of a partitioned stream is looked up in its stored form
+        (``tg.p.<partition>.job.…``, the partition computed from the stream's transform,
+        ``partitions.partition``), then as published (a stream made without partitions). A
+        stream with ``allow_direct`` (``ensure_streams`` sets it) is read with a direct get whose
+        API subject names the subject read (``$JS.API.DIRECT.GET.<stream>.<subject>``), so that
+        ``trainguard.auth`` can let a job's workers read their own job's stored messages only;
+        another stream with ``$JS.API.STREAM.MSG.GET.<stream>`` (the subject in the body)."""
         assert self.nc is not None, "call connect() first"
         try:
             js = self.nc.jetstream()
             stream = await js.find_stream_name_by_subject(subject)
+            cfg = (await js.stream_info(stream)).config
         except Exception:  # noqa: BLE001 - no stream (or no JetStream): nothing to replay
             return None
-        for form in parts.stored_filters(subject)[::-1]:
+        n = parts.partitions_of(cfg.subject_transform.dest if cfg.subject_transform else None)
+        forms = [subject]
+        if n and parts.is_job_pattern(subject):
+            forms.insert(0, parts.stored(subject, parts.partition(subject.split(".")[2], n)))
+        for form in forms:
             try:
-                msg = await js.get_last_msg(stream, form)
+                msg = await js.get_msg(stream, subject=form, direct=bool(cfg.allow_direct))
             except Exception:  # noqa: BLE001 - nothing stored in this form
                 continue
             msg.subject = parts.original(msg.subject)
@@ -331,6 +357,7 @@ class Bus:
             cfg = StreamConfig(name=name, subjects=subs, max_age=max_age,
                                max_bytes=lim.max_bytes, max_msg_size=lim.max_msg_size,
                                discard=DiscardPolicy.OLD, subject_transform=tr,
+                               allow_direct=True,  # Bus.last_stored: a get per subject
                                retention=RetentionPolicy.LIMITS, storage=StorageType.FILE)
             try:
                 await js.add_stream(cfg)

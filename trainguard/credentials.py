@@ -8,6 +8,11 @@ that data directory, added to NATS (config reload) and Valkey (``ACL SETUSER``) 
 stopped stack gets it at its next start. Prints the job's ``export NATS_URL=… REDIS_URL=…``
 line (plus ``TG_TLS_CA``) on stdout and writes it to ``DATA_DIR/env/job-<NAME>.env`` (0600).
 ``--rotate``: a new password for that job (its launchers then need the new line).
+
+``trainguard credentials revoke --job NAME`` takes the user away: removed from the credentials
+file and its env file, from NATS by a configuration reload and from Valkey by ``ACL DELUSER``;
+both servers close its open connections at once, so the job's launchers and ranks lose the bus
+and the state store (training goes on stepping; they stop at the end of their lease).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import sys
 from pathlib import Path
 
 from .auth import job_user, write_private
-from .embedded import ServerStartError, default_data_dir, issue_job
+from .embedded import ServerStartError, default_data_dir, issue_job, revoke_job
 
 
 def exports(data_dir: Path, user: str) -> str:
@@ -50,8 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     iss.add_argument("--data-dir", default=None,
                      help=f"the stack's data directory (default {default_data_dir()})")
     iss.add_argument("--rotate", action="store_true", help="a new password for this job")
+    rev = sub.add_parser("revoke", help="take a job's own user away (its connections close)")
+    rev.add_argument("--job", required=True, help="job name (as `trainguard launch --job`)")
+    rev.add_argument("--data-dir", default=None,
+                     help=f"the stack's data directory (default {default_data_dir()})")
     args = p.parse_args(argv)
     data_dir = Path(args.data_dir or default_data_dir()).expanduser()
+    if args.cmd == "revoke":
+        return _revoke(data_dir, args.job)
     try:
         creds, live = issue_job(data_dir, args.job, args.rotate)
     except (FileNotFoundError, ValueError) as exc:
@@ -68,6 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trainguard credentials: {user} may publish and write only job {args.job!r}'s "
           f"subjects and keys, from {when}; also in {data_dir / 'env' / (user + '.env')}",
           file=sys.stderr)
+    return 0
+
+
+def _revoke(data_dir: Path, job: str) -> int:
+    try:
+        had, live = revoke_job(data_dir, job)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"trainguard credentials: {exc}", file=sys.stderr)
+        return 2
+    except ServerStartError as exc:
+        print(f"trainguard credentials: {exc}", file=sys.stderr)
+        return 1
+    user = job_user(job)
+    if not had:
+        print(f"trainguard credentials: {user} had no credentials here (nothing to revoke)",
+              file=sys.stderr)
+        return 0
+    when = ("now: its open connections were closed" if live else
+            "at the next `trainguard up` (none runs on this data directory)")
+    print(f"trainguard credentials: {user} revoked, {when}", file=sys.stderr)
     return 0
 
 

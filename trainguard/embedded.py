@@ -20,7 +20,8 @@ with the same certificate.
 Per-job workers (``issue_job``, ``trainguard credentials issue``): a new user is added to the
 credentials file, to NATS by rewriting its users and a config reload (SIGHUP to the pid in
 ``nats/nats.pid``), and to Valkey by ``ACL SETUSER`` + ``ACL SAVE`` as ``admin``, without a
-restart; a stopped stack gets it at its next start.
+restart; a stopped stack gets it at its next start. ``revoke_job`` (``trainguard credentials
+revoke``) takes it away the same way (``ACL DELUSER``); both servers close its connections.
 
 Data directory layout (``data_dir``; None: a temporary one, removed by ``stop``)::
 
@@ -353,6 +354,17 @@ class EmbeddedServers:
             s.creds = self.creds
         return self.urls(job_user(job))
 
+    def revoke_job(self, job: str) -> bool:
+        """Take ``job``'s workers' own user away on the running servers (``revoke_job``);
+        returns whether it had one. Raises ``RuntimeError`` before ``start``."""
+        if self.dir is None or self.creds is None:
+            raise RuntimeError("start the servers (with auth) before revoking job credentials")
+        had, _ = revoke_job(self.dir, job)
+        self.creds = Credentials.load_or_create(self.dir / "credentials.json")
+        for s in self.servers:
+            s.creds = self.creds
+        return had
+
     def urls(self, role: str) -> tuple[str, str]:
         """``(nats_url, redis_url)`` for ``role`` (a name of ``trainguard.auth.ROLES``, or a
         per-job user ``job-<job>``)."""
@@ -464,9 +476,10 @@ def reload_nats(nats_dir: Path, creds: Credentials, timeout: float = 10.0) -> bo
 
 def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
     """Create or replace Valkey ACL user ``user`` (a per-job one) on the stack of ``data_dir``
-    as ``admin`` (``ACL SETUSER`` then ``ACL SAVE`` into its ACL file). Returns False when no
-    Valkey answers at the address of ``ports.json`` (the next start reads the credentials
-    file)."""
+    as ``admin`` (``ACL SETUSER`` then ``ACL SAVE`` into its ACL file); a user ``creds`` no
+    longer has is deleted (``ACL DELUSER``: Valkey closes that user's connections at once).
+    Returns False when no Valkey answers at the address of ``ports.json`` (the next start reads
+    the credentials file)."""
     import redis
     from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -486,13 +499,37 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
     except (RedisConnectionError, OSError):
         return False
     try:
-        role = job_role(user[len("job-"):])
-        r.execute_command("ACL", "SETUSER", user, "reset",
-                          *valkey_user_rules(creds.password(user), role).split())
+        try:
+            rules = valkey_user_rules(creds.password(user), job_role(user[len("job-"):]))
+        except KeyError:  # revoked
+            r.execute_command("ACL", "DELUSER", user)
+        else:
+            r.execute_command("ACL", "SETUSER", user, "reset", *rules.split())
         r.execute_command("ACL", "SAVE")
     finally:
         r.close()
     return True
+
+
+def revoke_job(data_dir: str | os.PathLike, job: str) -> tuple[bool, bool]:
+    """Take ``job``'s workers' own user away on the stack whose state is ``data_dir``: removed
+    from its credentials file and, when the stack runs, from NATS (``reload_nats``: the server
+    closes the user's connections as it reloads) and Valkey (``ACL DELUSER``, which closes its
+    connections); the user's ``env/job-<job>.env`` is deleted. A new connection with the old
+    password is refused at once. Returns ``(had_user, live)``. Raises ``FileNotFoundError`` when
+    ``data_dir`` holds no stack's credentials, ``ValueError`` for a job name that cannot be one,
+    ``ServerStartError`` when NATS refused the reload."""
+    d = Path(data_dir)
+    path = d / "credentials.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: no stack keeps its state there")
+    user = job_user(job)
+    creds = Credentials.load_or_create(path)
+    had = creds.remove_job(job)
+    live = reload_nats(d / "nats", creds)
+    live = update_valkey_user(d, creds, user) or live
+    (d / "env" / f"{user}.env").unlink(missing_ok=True)
+    return had, live
 
 
 def _valkey_tls_kwargs(data_dir: Path) -> dict:

@@ -226,6 +226,11 @@ class Stack:
         (``trainguard.auth.job_role``); returns their ``(nats_url, redis_url)``."""
         return self._servers.issue_job(job, rotate)
 
+    def revoke_job(self, job: str) -> bool:
+        """Take ``job``'s workers' own user away on the running servers (its connections are
+        closed); returns whether it had one."""
+        return self._servers.revoke_job(job)
+
     @property
     def tls_ca(self) -> str | None:
         """The CA file clients need (``TG_TLS_CA``) when the embedded NATS serves TLS."""
