@@ -299,19 +299,24 @@ class Bus:
         ``trainguard.auth`` can let a job's workers read their own job's stored messages only;
         another stream with ``$JS.API.STREAM.MSG.GET.<stream>`` (the subject in the body)."""
         assert self.nc is not None, "call connect() first"
+        js = self.nc.jetstream(timeout=2.0)  # a refused request is never answered: wait less
         try:
-            js = self.nc.jetstream()
             stream = await js.find_stream_name_by_subject(subject)
-            cfg = (await js.stream_info(stream)).config
         except Exception:  # noqa: BLE001 - no stream (or no JetStream): nothing to replay
             return None
-        n = parts.partitions_of(cfg.subject_transform.dest if cfg.subject_transform else None)
-        forms = [subject]
-        if n and parts.is_job_pattern(subject):
-            forms.insert(0, parts.stored(subject, parts.partition(subject.split(".")[2], n)))
+        try:
+            cfg = (await js.stream_info(stream)).config
+        except Exception:  # noqa: BLE001 - a stack of an earlier release: no stream info for
+            # this role, a plain get of any partition (``tg.p.*.job.…``) then as published
+            direct, forms = False, parts.stored_filters(subject)[::-1]
+        else:
+            n = parts.partitions_of(cfg.subject_transform.dest if cfg.subject_transform else None)
+            direct, forms = bool(cfg.allow_direct), [subject]
+            if n and parts.is_job_pattern(subject):
+                forms.insert(0, parts.stored(subject, parts.partition(subject.split(".")[2], n)))
         for form in forms:
             try:
-                msg = await js.get_msg(stream, subject=form, direct=bool(cfg.allow_direct))
+                msg = await js.get_msg(stream, subject=form, direct=direct)
             except Exception:  # noqa: BLE001 - nothing stored in this form
                 continue
             msg.subject = parts.original(msg.subject)

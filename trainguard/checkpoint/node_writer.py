@@ -139,6 +139,10 @@ def listen(path: str, until_stdin_closes: bool = False) -> None:
             except ProcessLookupError:
                 pass
         _remove_staged(staging_log)
+        try:
+            os.unlink(path)  # no socket left for a rank to find after the daemon
+        except OSError:
+            pass
         os._exit(0)
 
     signal.signal(signal.SIGTERM, _term)

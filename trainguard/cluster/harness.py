@@ -191,10 +191,12 @@ class Cluster:
         procs = {}
         for i, node in enumerate([*nodes, *spare_nodes]):
             spare = i >= len(nodes)
+            tmp = os.path.join(self.run_dir, "tmp", node)  # the node's own /tmp (see sbatch)
+            os.makedirs(tmp, exist_ok=True)
             argv = self.launch_argv(job, len(nodes), None if spare else i, node,
                                     nproc_per_node, spare=spare, **kw)
             with self._log(f"launcher-{job}-{node}") as log:
-                procs[node] = self.net.popen(node, argv, env=env, stdout=log,
+                procs[node] = self.net.popen(node, argv, env={**env, "TMPDIR": tmp}, stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.launchers.setdefault(job, {}).update(procs)
         return procs
@@ -206,7 +208,9 @@ class Cluster:
         ``trainguard launch`` per node of the allocation through ``srun``, node rank
         ``$SLURM_NODEID``, the last ``spare_nodes`` nodes spare nodes (``--spare-node``);
         ``opts`` go to sbatch, ``kw`` to ``launch_argv``. The job's environment is the
-        launcher's (``worker_env``) and ``GLOO_SOCKET_IFNAME=eth0``. Returns the Slurm job id;
+        launcher's (``worker_env``), ``GLOO_SOCKET_IFNAME=eth0`` and ``TMPDIR`` the node's own
+        ``<run_dir>/tmp/<host name>`` (default log dirs and sockets stay in the run directory,
+        never in this machine's /tmp). Returns the Slurm job id;
         its output: ``<run_dir>/logs/slurm-<job>-<id>.out``."""
         import shlex
 
@@ -215,7 +219,11 @@ class Cluster:
                                     spare=spare, **kw)
             return "exec " + " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv)
 
-        body = (f'if [ "$SLURM_NODEID" -lt {nnodes} ]; then {line(False)}; '
+        # each node's temporary files (the launcher's default log dir, the node writer's
+        # socket) in the run directory, as a machine's own /tmp: nothing is left in ours
+        tmp = shlex.quote(os.path.join(self.run_dir, "tmp"))
+        body = (f'export TMPDIR={tmp}/$(hostname); mkdir -p "$TMPDIR"; '
+                f'if [ "$SLURM_NODEID" -lt {nnodes} ]; then {line(False)}; '
                 f'else {line(True)}; fi')
         script = os.path.join(self.run_dir, f"{job}.sbatch")
         with open(script, "w") as fh:
