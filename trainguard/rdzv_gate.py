@@ -18,8 +18,10 @@ of it and a relay beside each client, so that neither torch nor the training scr
 
 Both run an asyncio loop in a daemon thread, with ``TCP_NODELAY`` on every socket (a store
 request is a few small writes; Nagle would add tens of ms to each). The token is given by
-``trainguard up`` (``TG_RDZV_TOKEN`` on its export line, kept in the data dir); without one the
-store is open, as before (``python -m trainguard.rendezvous`` by hand, a private stack).
+``trainguard up`` (``TG_RDZV_TOKEN`` on its export line, kept in the data dir), or, for docker
+compose and Kubernetes, by ``python -m trainguard.auth compose-env`` (``.env``, the Secret
+``trainguard-credentials``); without one the store is open, as before (``python -m
+trainguard.rendezvous`` by hand, a private stack).
 """
 from __future__ import annotations
 

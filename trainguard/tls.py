@@ -39,6 +39,12 @@ CA_ENV = "TG_TLS_CA"
 SERVER_VALID_DAYS = 397
 CA_VALID_DAYS = 3650
 RENEW_BEFORE_S = 30 * 86400
+#: The names the servers of docker compose and of the Kubernetes manifests answer to: the compose
+#: services, the Services of namespace ``trainguard``, and loopback (a port published to the host
+#: or forwarded by ``kubectl port-forward``). ``python -m trainguard.auth server-config`` and
+#: ``tls-secret`` certify these plus each ``--tls-san NAME``.
+SERVICE_NAMES = ("127.0.0.1", "localhost", "nats", "valkey", "nats.trainguard.svc",
+                 "valkey.trainguard.svc")
 
 
 def ca_file(explicit: str | os.PathLike | None = None) -> str | None:
@@ -187,6 +193,25 @@ def ensure(directory: str | os.PathLike, names: Iterable[str], rotate: bool = Fa
     write_private(files.key, _pem_key(key))
     write_private(files.cert, _pem_cert(cert) + _pem_cert(ca_cert))
     return files
+
+
+def share_with_servers(files: TLSFiles, key_group: int | None = None) -> None:
+    """Let server processes of another user read what ``ensure`` wrote (its directory 0700, the
+    server certificate 0600): the certificates become 0644 (public), the server key stays 0600
+    and this user's, or with ``key_group`` (a group id) becomes 0640 of that group, and the
+    directory 0755 (0750 of ``key_group``); ``ca.key`` stays 0600 and this user's, so only root
+    and the writer can sign. Raises ``PermissionError`` when this user may not give a file
+    ``key_group`` (not root, nor a member)."""
+    d = files.cert.parent
+    for pem in (files.ca, files.cert):
+        os.chmod(pem, 0o644)
+    if key_group is None:
+        os.chmod(files.key, 0o600)
+        os.chmod(d, 0o755)
+        return
+    for path, mode in ((files.key, 0o640), (d, 0o750)):
+        os.chown(path, -1, key_group)
+        os.chmod(path, mode)
 
 
 def _san_strings(names: Iterable[str]) -> list[str]:
