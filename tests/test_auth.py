@@ -22,6 +22,8 @@ from trainguard.bus import (DLQ_PREFIX_BYTES, STREAM_LIMITS, STREAMS, Bus, Strea
 from trainguard.embedded import EmbeddedServers
 from trainguard.state import StateStore
 
+from test_tls import assert_worker_reaches_reader
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -489,22 +491,8 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
                 await asyncio.sleep(0.05)
         url = f"tls://worker:{env['TG_WORKER_PASSWORD']}@127.0.0.1:{port}"
         monkeypatch.setenv(tls.CA_ENV, str(ca_dir / "ca.pem"))  # as compose sets it
-        reader = await Bus(f"tls://reader:{env['TG_READER_PASSWORD']}@127.0.0.1:{port}",
-                           "tls-reader").connect(retry=False)
-        seen = []
-        await reader.subscribe("tg.job.ctls.worker", lambda s, e: seen.append(e))
-        await reader.flush()
-        worker = await Bus(url, "tls-worker").connect(retry=False)
-        await worker.publish("tg.job.ctls.worker",
-                             schemas.WorkerStarted(job="ctls", rank=0, node="n", pid=1))
-        await worker.flush()
-        for _ in range(100):
-            if seen:
-                break
-            await asyncio.sleep(0.02)
-        assert [e.rank for e in seen] == [0]
-        await worker.close()
-        await reader.close()
+        await assert_worker_reaches_reader(
+            url, f"tls://reader:{env['TG_READER_PASSWORD']}@127.0.0.1:{port}", "ctls")
         with pytest.raises(Exception, match="(?i)authorization"):
             await nats.connect(url.replace("worker:", "worker:x", 1), allow_reconnect=False,
                                connect_timeout=2, tls=tls.client_context())

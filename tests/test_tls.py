@@ -94,13 +94,19 @@ async def test_a_client_with_the_ca_connects_and_one_without_it_cannot(tls_stack
         await Bus(url, "wrong-ca", tls_ca=str(other.ca)).connect(timeout=2.0)
     # the CA in the environment is all a launcher, a rank or a service needs
     monkeypatch.setenv(tls.CA_ENV, tls_stack.tls_ca)
-    reader = await Bus(tls_stack.urls("reader")[0], "tls-reader").connect()
+    await assert_worker_reaches_reader(url, tls_stack.urls("reader")[0], "tlsj")
+
+
+async def assert_worker_reaches_reader(worker_url: str, reader_url: str, job: str) -> None:
+    """A ``worker.started`` the worker role publishes on ``tg.job.<job>.worker`` reaches a
+    reader subscribed to it (both over the URLs given, the CA from ``TG_TLS_CA``)."""
+    reader = await Bus(reader_url, "tls-reader").connect(retry=False)
     seen = []
-    await reader.subscribe("tg.job.tlsj.worker", lambda s, e: seen.append(e))
+    subject = f"tg.job.{job}.worker"
+    await reader.subscribe(subject, lambda s, e: seen.append(e))
     await reader.flush()
-    worker = await Bus(url, "tls-worker").connect()
-    await worker.publish("tg.job.tlsj.worker",
-                         schemas.WorkerStarted(job="tlsj", rank=0, node="n", pid=1))
+    worker = await Bus(worker_url, "tls-worker").connect(retry=False)
+    await worker.publish(subject, schemas.WorkerStarted(job=job, rank=0, node="n", pid=1))
     await worker.flush()
     for _ in range(100):
         if seen:

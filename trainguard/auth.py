@@ -369,6 +369,16 @@ class Credentials:
         return f"{'rediss' if tls else 'redis'}://{role}:{self.password(role)}@{host}:{port}/{db}"
 
 
+#: Environment variable carrying the rendezvous store's token (``trainguard.rdzv_gate``).
+RDZV_TOKEN_ENV = "TG_RDZV_TOKEN"
+
+
+def rdzv_token() -> str:
+    """A new rendezvous store token (``trainguard.rdzv_gate``): 32 URL-safe characters,
+    192 bits from ``secrets``."""
+    return secrets.token_urlsafe(24)
+
+
 def redact(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for messages and logs)."""
     try:
@@ -447,12 +457,10 @@ def _env_name(role: str) -> str:
 def compose_env() -> list[str]:
     """Fresh ``.env`` lines for docker compose (and the Kubernetes Secret
     ``trainguard-credentials``): ``TG_<ROLE>_PASSWORD=…`` per role, then
-    ``TG_RDZV_TOKEN=…``, the rendezvous store's token (``rdzv_gate.new_token``, as ``trainguard
+    ``TG_RDZV_TOKEN=…``, the rendezvous store's token (``rdzv_token``, as ``trainguard
     up`` makes it)."""
-    from .rdzv_gate import TOKEN_ENV, new_token
-
     return ([f"{_env_name(role)}={pw}" for role, pw in Credentials.generate().passwords.items()]
-            + [f"{TOKEN_ENV}={new_token()}"])
+            + [f"{RDZV_TOKEN_ENV}={rdzv_token()}"])
 
 
 def _server_tls(args, out: Path):

@@ -63,14 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(args.data_dir or default_data_dir()).expanduser()
     if args.cmd == "revoke":
         return _revoke(data_dir, args.job)
-    try:
-        creds, live = issue_job(data_dir, args.job, args.rotate)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"trainguard credentials: {exc}", file=sys.stderr)
-        return 2
-    except ServerStartError as exc:
-        print(f"trainguard credentials: {exc}", file=sys.stderr)
-        return 1
+    got = _change(issue_job, data_dir, args.job, args.rotate)
+    if isinstance(got, int):
+        return got
+    _, live = got
     user = job_user(args.job)
     line = exports(data_dir, user)
     write_private(data_dir / "env" / f"{user}.env", line + "\n")
@@ -82,15 +78,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _revoke(data_dir: Path, job: str) -> int:
+def _change(change, *args):
+    """``change(*args)`` (``issue_job`` or ``revoke_job``), or the exit status of its error,
+    said on stderr: 2 for a bad name or a data directory without a stack, 1 when a running
+    server refused the change."""
     try:
-        had, live = revoke_job(data_dir, job)
+        return change(*args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"trainguard credentials: {exc}", file=sys.stderr)
         return 2
     except ServerStartError as exc:
         print(f"trainguard credentials: {exc}", file=sys.stderr)
         return 1
+
+
+def _revoke(data_dir: Path, job: str) -> int:
+    got = _change(revoke_job, data_dir, job)
+    if isinstance(got, int):
+        return got
+    had, live = got
     user = job_user(job)
     if not had:
         print(f"trainguard credentials: {user} had no credentials here (nothing to revoke)",

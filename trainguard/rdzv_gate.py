@@ -33,13 +33,14 @@ import socket
 import threading
 from typing import Callable
 
+from .auth import RDZV_TOKEN_ENV as TOKEN_ENV  # the variable carrying the store's token
+from .auth import rdzv_token as new_token  # a new token: 32 URL-safe characters (192 bits)
+
 __all__ = ["TOKEN_ENV", "PREAMBLE", "PREAMBLE_MAX", "PREAMBLE_TIMEOUT_S", "Gate", "Relay",
            "new_token", "preamble", "relay_for"]
 
 log = logging.getLogger("trainguard.rdzv_gate")
 
-#: Environment variable carrying the rendezvous store's token.
-TOKEN_ENV = "TG_RDZV_TOKEN"
 #: The first bytes of every connection through the gate, then the token and a newline.
 PREAMBLE = b"TGRDZV1 "
 #: Longest preamble line the gate reads (bytes): a token is 32 URL-safe characters.
@@ -47,13 +48,6 @@ PREAMBLE_MAX = 256
 #: Seconds a new connection has to send its preamble.
 PREAMBLE_TIMEOUT_S = 5.0
 _CHUNK = 65536
-
-
-def new_token() -> str:
-    """A new token: 32 URL-safe characters (192 bits)."""
-    import secrets
-
-    return secrets.token_urlsafe(24)
 
 
 def preamble(token: str) -> bytes:
