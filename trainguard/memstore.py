@@ -9,7 +9,9 @@ snapshot of a job's record (``--job-record`` of ``trainguard replay decide``), `
 the facts an event carries (a ``worker.started`` or heartbeat names a member: rank, node, local
 rank; its ``world_size``) into the record, as ``StateStore.add_members`` would, and the end of
 a run (every rank of a node exited 0: ``finished``, as its launcher's ``end_run``).
-No method does I/O or reads a clock: a time (``ts_ns``) is the caller's.
+No method does I/O or reads a clock: a time (``ts_ns``) is the caller's. So a bump keeps no
+``generation_ends`` (the live store stamps it with its own clock): that field only steers which
+checkpoint a new run restores from, which no replayed decision depends on.
 """
 from __future__ import annotations
 
