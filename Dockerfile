@@ -3,6 +3,9 @@
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# the services' small objects from the C heap, whose freed pages they return to the OS
+# (trainguard.service.release_freed_memory; README, Security: the fuzz bench's RSS)
+ENV PYTHONMALLOC=malloc
 
 # The CPU build of torch is installed first so that pip does not pull a CUDA build; for GPU
 # nodes build with e.g. --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126

@@ -27,7 +27,8 @@ clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
 * Each published verdict is written to the cross-job history: ``Call("state", "record_fault",
   …)`` per culprit node and per XID anomaly, without a reply (a failed write is logged by the
   reducer base; the verdict stands).
-* A ``Tick`` drops incidents older than twice the window.
+* A ``Tick`` drops incidents older than twice the window; a job keeps at most
+  ``MAX_JOB_INCIDENTS`` at once (a new generation past it drops the job's oldest).
 * An anomaly already in its incident (same ``event_id``: redelivered after a restart, replayed
   in a takeover, published again by a restarted detector) changes nothing.
 * A verdict's ``event_id`` is derived from (job, generation, conclusion), so the same
@@ -141,6 +142,7 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
         return state, []  # the same anomaly again: already in its incident
     if inc is None or now - inc.started > ac.incident_window_s:
         inc = Incident(job, gen, now)
+        state = _room_for(state, key)
     if len(inc.anomalies) >= MAX_INCIDENT_ANOMALIES and (
             ev.symptom or is_peer_report(ev) or len(inc.anomalies) >= 2 * MAX_INCIDENT_ANOMALIES):
         # a flood into one incident: counted, not kept (its earlier anomalies decide it)
@@ -163,6 +165,28 @@ MAX_INCIDENT_ANOMALIES = 2048
 #: reads the first three (``decide``: ``a.evidence[:3]``, the first error line).
 KEPT_EVIDENCE_LINES = 8
 KEPT_EVIDENCE_CHARS = 4096
+
+
+#: Incidents (generations) one job keeps at once: the default retry budget
+#: (``remediator.policy.Policy.default_retry_budget``, 10 recoveries, each a new generation)
+#: and its first generation fit, with room to spare. A new generation past it drops the job's
+#: oldest incident (its verdict, if any, was published): a late anomaly of that generation opens
+#: it again, and a verdict reached again has the same ``event_id`` (derived from job,
+#: generation and conclusion), which the stream and the remediator's claims keep once. Bounds
+#: what a flood of distinct generations into one job keeps within the 2 × window expiry.
+MAX_JOB_INCIDENTS = 16
+
+
+def _room_for(state: AttributorState, key: Key) -> AttributorState:
+    """``state`` with room for incident ``key`` of its job: past ``MAX_JOB_INCIDENTS`` the
+    job's oldest started other incidents are dropped (and their history reads forgotten)."""
+    mine = [(inc.started, k) for k, inc in state.incidents.items()
+            if k[0] == key[0] and k != key]
+    if len(mine) < MAX_JOB_INCIDENTS:
+        return state
+    gone = {k for _, k in sorted(mine)[:len(mine) - MAX_JOB_INCIDENTS + 1]}
+    return replace(state, incidents={k: v for k, v in state.incidents.items() if k not in gone},
+                   reading={s: r for s, r in state.reading.items() if r.key not in gone})
 
 
 def _kept(ev: schemas.Anomaly) -> schemas.Anomaly:

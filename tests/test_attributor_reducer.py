@@ -228,3 +228,18 @@ def test_a_flood_into_one_incident_is_counted_not_kept():
     assert kept.event_id == big.event_id and len(kept.evidence) == incidents.KEPT_EVIDENCE_LINES
     assert {len(x) for x in kept.evidence} == {incidents.KEPT_EVIDENCE_CHARS}
     assert verdicts(eff) == [] or verdicts(eff)[0].culprit.ranks == [7]
+
+
+def test_a_flood_of_generations_into_one_job_keeps_its_newest_incidents():
+    """Past ``MAX_JOB_INCIDENTS`` incidents of one job a new generation drops the job's oldest
+    (hostile anomalies with a fresh generation each opened one incident per message); other
+    jobs' incidents stay, and the newest generation is still attributed."""
+    cap = incidents.MAX_JOB_INCIDENTS
+    other = at(0.0, crash(gen=0).model_copy(update={"job": "k"}))
+    flood = [at(0.01 * (g + 1), crash(rank=g % 4, ts=100 + g, gen=g)) for g in range(cap + 40)]
+    state, eff = run([other, *flood])
+    mine = sorted(g for j, g in state.incidents if j == "j")
+    assert mine == list(range(40, cap + 40))
+    assert ("k", 0) in state.incidents
+    assert state.reading == {}
+    assert verdicts(eff)[-1].generation == cap + 39

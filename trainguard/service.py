@@ -63,6 +63,33 @@ def health_subject(name: str, replica: str | None = None) -> str:
     return f"tg.svc.{subjects.token(name)}.health" + (f".{replica}" if replica else "")
 
 
+_malloc_trim: Any = None  # glibc's malloc_trim once looked up; False where there is none
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap memory freed since the last call back to the OS: glibc's
+    ``malloc_trim(0)``, which returns the free top of each heap and, since glibc 2.8, the free
+    pages inside it (``madvise``). Without it glibc keeps what a burst of hostile messages freed:
+    on the fuzz bench (``bench/fuzz.py``, 30,000 messages) a trim at the end gave back 6 MiB of
+    the attributor's 16 MiB of growth, with 2 MB of objects still live. With small objects from
+    the C heap too (``PYTHONMALLOC=malloc``, as ``trainguard.stack`` and the Dockerfile start the
+    services) it returns nearly all of it. False where the C library has no ``malloc_trim``
+    (musl, macOS); a call costs well under 1 ms on a heap of tens of MiB."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
 @dataclass
 class ServiceConfig:
     """Connection settings shared by all services.
@@ -111,6 +138,8 @@ class Service:
     holding_topics: Sequence[str] = ()
     #: seconds between two looks at the held messages (acks of the settled ones)
     ack_check_s = 0.2
+    #: seconds between two returns of freed heap memory to the OS (``release_freed_memory``)
+    memory_trim_s = 5.0
 
     def __init__(self, config: ServiceConfig | None = None):
         self.config = config or ServiceConfig()
@@ -442,12 +471,16 @@ class Service:
     async def run(self) -> None:
         """Start, tick until ``stop()``, then close connections."""
         await self.start()
+        trimmed = time.monotonic()
         try:
             while not self._stop.is_set():
                 try:
                     await self.tick()
                 except Exception:  # noqa: BLE001 - a tick error never kills the service
                     log.exception("%s tick failed", self.name)
+                if time.monotonic() - trimmed >= self.memory_trim_s:
+                    release_freed_memory()
+                    trimmed = time.monotonic()
                 try:
                     await asyncio.wait_for(self._stop.wait(), self.config.tick_s)
                 except asyncio.TimeoutError:

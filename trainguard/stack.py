@@ -253,6 +253,11 @@ class Stack:
     # ---- children ---------------------------------------------------------------------------------
     def _child_env(self, role: str | None) -> dict[str, str]:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # small objects from the C heap, not pymalloc's 1 MiB arenas: a flood of hostile
+        # messages left a service's arenas pinned by a few live objects each (+12 arenas for
+        # +2 MB of live objects, bench/fuzz.py), which no trim returns; the C heap's free pages
+        # go back to the OS (``service.release_freed_memory``). Same in the Dockerfile.
+        env.setdefault("PYTHONMALLOC", "malloc")
         env.pop("NATS_URL", None)
         env.pop("REDIS_URL", None)
         if role is not None:
