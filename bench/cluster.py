@@ -3,7 +3,7 @@ to every rank training again, for trainguard and for Slurm alone with ``--requeu
 
     python bench/cluster.py --json cluster.json [--faults power_off,partition,slow_link,
                             slurmd_death,partition_requeue] [--systems trainguard,slurm]
-                            [--runs N] [--timeout S]
+                            [--runs N] [--timeout S] [--nproc-per-node N]
 
 The job: ``trainguard/cluster/train.py`` (a small MLP, DDP over gloo, a checkpoint every 5
 steps), 2 nodes × 2 ranks, and a third node: trainguard's spare node (``--spare-node``), or the
@@ -166,18 +166,19 @@ def _watch_slurmd_death(c: Cluster, job: str, t_f: float, rec=None) -> dict:
     return out
 
 
-def run_trainguard_slurm(fault: str, timeout: float) -> dict:
+def run_trainguard_slurm(fault: str, timeout: float, nproc: int = 2) -> dict:
     """trainguard in action mode under a real Slurm (``Cluster.sbatch``): ``slurmd_death``
     (2 nodes and a spare node in the allocation) or ``partition_requeue`` (no spare,
-    ``--min-world-size 4``: the requeue path)."""
+    ``--min-world-size`` 2 × ``nproc``: the requeue path). ``nproc`` ranks per node; the fault
+    fires at node1's last rank's step."""
     from trainguard.demo.harness import Recorder
 
-    job, spec = f"b-{fault}", FAULTS[fault]
+    job, spec = f"b-{fault}", {**FAULTS[fault], "rank": 2 * nproc - 1}
     with Cluster(ClusterConfig(nodes=3, slurm=True, slurmd_timeout_s=10)) as c:
         rec = Recorder(c.stack.nats_url, job)
         try:
             spares = 1 if fault == "slurmd_death" else 0
-            jid = c.sbatch(job, 2, spares, 2, extra=["--min-world-size", "4"],
+            jid = c.sbatch(job, 2, spares, nproc, extra=["--min-world-size", str(2 * nproc)],
                            ckpt_dir=os.path.join(c.run_dir, f"ckpt-{job}"),
                            script_args=["--records", c.records_dir(job), *job_args(fault)])
             if fault == "slurmd_death":
@@ -213,11 +214,11 @@ def run_trainguard_slurm(fault: str, timeout: float) -> dict:
             rec.close()
 
 
-def run_trainguard(fault: str, timeout: float) -> dict:
+def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
     from trainguard.demo.harness import Recorder
 
     if fault in ("slurmd_death", "partition_requeue"):
-        return run_trainguard_slurm(fault, timeout)
+        return run_trainguard_slurm(fault, timeout, nproc)
     job = f"b-{fault}"
     with Cluster(ClusterConfig(nodes=3)) as c:
         rec = Recorder(c.stack.nats_url, job)
@@ -346,6 +347,10 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a trainguard recovery may take before it counts as none")
+    p.add_argument("--nproc-per-node", type=int, default=2,
+                   help="ranks per node of the jobs under sbatch (slurmd_death, "
+                        "partition_requeue): 1 gives each node's ranks a core of their own "
+                        "on a 2-core machine, as nodes have")
     p.add_argument("--slurm-timeout", type=float, default=330.0,
                    help="the same for Slurm alone (it holds a requeued job ≈ 2 min)")
     a = p.parse_args(argv)
@@ -361,9 +366,9 @@ def main(argv=None) -> int:
         for fault in faults:
             runs = []
             for i in range(a.runs):
-                fn = run_trainguard if system == "trainguard" else run_slurm
                 try:
-                    r = fn(fault, a.timeout if system == "trainguard" else a.slurm_timeout)
+                    r = (run_trainguard(fault, a.timeout, a.nproc_per_node)
+                         if system == "trainguard" else run_slurm(fault, a.slurm_timeout))
                 except Exception as exc:  # noqa: BLE001 - one failed trial is reported, not fatal
                     r = {"error": f"{type(exc).__name__}: {exc}"}
                 runs.append(r)
