@@ -143,7 +143,7 @@ def _give_back(c, node):
 
 def test_power_off_with_a_spare_node_under_sbatch(cluster):
     from trainguard.cluster import training_again
-    from trainguard.slurm_controller import slurm_drain_command
+    from trainguard.slurm_commands import slurm_drain_command
 
     c, job = cluster, "s-spare"
     jid = _submit(c, job, spares=1)

@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.remediator", RULES, False), ("trainguard.checkpoint_validator", RULES, False),
     ("trainguard.executor", RULES, False),
     ("trainguard.slurm_watch", RULES, False),  # the Slurm watcher's snapshot reader and reducer
+    ("trainguard.slurm_commands", RULES, False),  # the Slurm controller's pure commands
     ("trainguard.reputation", RULES, False),  # node reputation and the readmit policy
     ("trainguard.checkpoint.verify", RULES, False),  # the integrity check validator and restore share
     # services (their wiring modules) and the node agent

@@ -172,7 +172,7 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
         return out.strip().split(";")[0]
 
     def job_state(self, job_id: str) -> dict[str, str]:
-        from trainguard.slurm_controller import parse_scontrol
+        from trainguard.slurm_commands import parse_scontrol
 
         return parse_scontrol(self.run("scontrol", "show", "job", "-o", job_id, check=False))
 
