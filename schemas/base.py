@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .subjects import MAX_TOKEN_CHARS, token
+from .subjects import MAX_TOKEN_CHARS, job_name
 
 SCHEMA_VERSION = 1
 
@@ -58,12 +58,13 @@ class Event(BaseModel):
     @field_validator("job")
     @classmethod
     def _job_token(cls, v: str | None) -> str | None:
-        """A job name can be a subject token (``subjects.token``: letters, digits, ``_-:`` and
-        single dots, at most ``MAX_TOKEN_CHARS``); one that cannot (a space, ``*``, 200 KB) is
-        refused at decode, before a service keys state by it or publishes on a subject made of
-        it. The name itself is kept (its dots are encoded only in subjects)."""
+        """A job name can be a subject token without ``:`` (``subjects.job_name``: letters,
+        digits, ``_-`` and single dots, at most ``MAX_TOKEN_CHARS``); one that cannot (a space,
+        ``*``, a ``:``, 200 KB) is refused at decode, before a service keys state by it or
+        publishes on a subject made of it. The name itself is kept (its dots are encoded only in
+        subjects)."""
         if v:
-            token(v)
+            job_name(v)
         return v
 
     @field_validator("node")

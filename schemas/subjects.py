@@ -47,6 +47,19 @@ def token(name: str | int) -> str:
     return s.replace(".", DOT)
 
 
+def job_name(name: str) -> str:
+    """``name`` when it can name a job: a subject token (``token``) without ``:``, which
+    separates the parts of a job's state-store keys (``tg:job:<job>``, ``tg:job:<job>:launchers``,
+    ``tg:ckpt:<job>:<path>``): a job ``a:launchers`` would read and write job ``a``'s lease set,
+    and a per-job user's key rules for ``a`` would cover job ``a:b``. Raises ValueError saying
+    why."""
+    token(name)
+    if ":" in name:
+        raise ValueError(f"{name!r} cannot name a job: ':' separates the parts of its state-store "
+                         f"keys (tg:job:<job>:<part>); use '-' or '_' instead")
+    return name
+
+
 def untoken(tok: str) -> str:
     """The name a token stands for (``token``'s inverse): ``%2E`` back to ``.``."""
     return tok.replace(DOT, ".")

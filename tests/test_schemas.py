@@ -117,3 +117,22 @@ def test_subject_tokens_are_checked():
         schemas.subjects.job("bad*job", "log")
     assert schemas.subjects.parse("tg.job.demo.rank.3.hb") == {
         "scope": "job", "name": "demo", "kind": "hb", "rank": "3"}
+
+
+def test_a_job_name_cannot_hold_a_colon():
+    """':' separates the parts of a job's state-store keys: job ``a:launchers`` would be job a's
+    lease set, and job a's per-job key rules would cover job ``a:b``; such a name is refused at
+    decode and by ``trainguard launch``, a node name may still hold one."""
+    with pytest.raises(ValueError, match="':' separates"):
+        schemas.subjects.job_name("a:launchers")
+    assert schemas.subjects.job_name("train.7_b-2") == "train.7_b-2"
+    bad = schemas.encode(schemas.LogLine(job="ok", rank=0, node="n:1", line="x")).replace(
+        b"\xa2ok", b"\xa3a:b")
+    with pytest.raises(schemas.DecodeError):
+        schemas.decode(bad)
+    assert schemas.decode(schemas.encode(schemas.LogLine(job="ok", node="n:1", line="x"))).node \
+        == "n:1"
+    from trainguard.launch_args import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--job", "a:b", "--nnodes", "1", "train.py"])

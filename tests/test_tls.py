@@ -459,3 +459,28 @@ def test_up_no_tls_prints_plaintext_urls_and_no_ca(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+async def test_wrong_credentials_are_said_at_once(tls_stack):
+    """A password the server refuses is no unreachable server: ``Bus.connect`` gives up at the
+    first refusal (no retry until its deadline), ``ThreadedBus.wait_connected`` (what the
+    launcher waits on) returns False at once, and the error says to check the credentials."""
+    from trainguard.bus import ThreadedBus
+
+    url = tls_stack.urls("worker")[0]
+    user, _, rest = url.partition("@")
+    wrong = user.rsplit(":", 1)[0] + ":not-the-password@" + rest
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(ServerUnreachable, match="refused these credentials") as err:
+        await Bus(wrong, "wrong-pw", tls_ca=tls_stack.tls_ca).connect(timeout=30.0)
+    assert err.value.refused and loop.time() - t0 < 15.0  # not retried for the 30 s
+    os.environ[tls.CA_ENV] = tls_stack.tls_ca
+    try:
+        tb = ThreadedBus(wrong, "wrong-pw-threaded").start()
+        t0 = loop.time()
+        assert await asyncio.to_thread(tb.wait_connected, 30.0) is False
+        assert loop.time() - t0 < 15.0 and tb.error is not None and tb.error.refused
+        assert "trainguard up" in str(tb.error) and "password" in str(tb.error)
+    finally:
+        os.environ.pop(tls.CA_ENV, None)

@@ -227,10 +227,7 @@ def job_user(job: str) -> str:
     name ends at the first ``:``)."""
     from trainguard.schemas import subjects
 
-    subjects.token(job)
-    if ":" in job:
-        raise ValueError(f"job {job!r}: per-job credentials need a name without ':' (it would "
-                         f"end the user name in a URL)")
+    subjects.job_name(job)  # no ':' either, which would also end the user name in a URL
     return JOB_USER_PREFIX + job
 
 

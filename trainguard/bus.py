@@ -16,6 +16,7 @@ import collections
 import logging
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -33,6 +34,19 @@ from .errors import ServerUnreachable
 from .tls import CA_ENV, ca_file, client_context
 
 log = logging.getLogger("trainguard.bus")
+
+
+class _QuietTLSClose(logging.Filter):
+    """Drops asyncio's ``returning true from eof_received() has no effect when using ssl``:
+    nats-py's protocol asks to keep a half-closed connection open, which asyncio cannot do over
+    TLS and says on every TLS connection that closes (a client revoked and reconnecting said it
+    10 times a second); nothing is wrong and nothing else is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_QuietTLSClose())
 
 Handler = Callable[..., Awaitable[None] | None]  # (subject, event, *extra)
 
@@ -149,9 +163,13 @@ class Bus:
 
     async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
         last: list[str] = []  # the client's own last error: why the attempts timed out
+        refusal: list[str] = []  # the server refused the credentials (then a reset follows)
 
         async def _err(e: Exception) -> None:
             last[:] = [str(e) or type(e).__name__]
+            if any(r.lower() in last[0].lower() for r in ServerUnreachable.REFUSALS):
+                refusal[:] = last
+                refused.set()
             self._log_once(f"conn:{type(e).__name__}", "bus %s: %s", redact(self.url), e)
 
         loop = asyncio.get_running_loop()
@@ -162,20 +180,32 @@ class Bus:
             raise ServerUnreachable("NATS", redact(self.url), f"the CA file "
                                     f"{ca_file(self.tls_ca)} ({CA_ENV}) is unusable: {exc}",
                                     "NATS_URL") from None
+        refused = asyncio.Event()
         while True:
+            # nats-py retries its first connection too (as later reconnects, without end): a
+            # refusal of the credentials is not worth another try, so it ends the attempt
+            attempt = asyncio.ensure_future(nats.connect(
+                self.url, name=self.name, connect_timeout=min(timeout, 2.0),
+                max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
+                error_cb=_err, pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
+                **({"tls": tls} if tls is not None else {})))
+            stop = asyncio.ensure_future(refused.wait())
             try:
-                self.nc = await asyncio.wait_for(nats.connect(
-                    self.url, name=self.name, connect_timeout=min(timeout, 2.0),
-                    max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
-                    error_cb=_err, pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
-                    **({"tls": tls} if tls is not None else {}),
-                ), max(0.1, deadline - loop.time()))
+                await asyncio.wait({attempt, stop}, timeout=max(0.1, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not attempt.done():
+                    attempt.cancel()
+                    await asyncio.gather(attempt, return_exceptions=True)
+                    raise asyncio.TimeoutError()
+                self.nc = attempt.result()
                 break
             except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-                if not retry or loop.time() >= deadline:
-                    why = last[0] if last else str(exc) or type(exc).__name__
+                if not retry or refusal or loop.time() >= deadline:
+                    why = (refusal or last or [str(exc) or type(exc).__name__])[0]
                     raise ServerUnreachable("NATS", redact(self.url), why, "NATS_URL") from None
                 await asyncio.sleep(0.2)
+            finally:
+                stop.cancel()
         return self
 
     @property
@@ -402,6 +432,8 @@ class ThreadedBus:
         self._pending = 0
         self._lock = threading.Lock()
         self._connected = threading.Event()
+        #: why the last connection attempt failed (None: none failed)
+        self.error: ServerUnreachable | None = None
         self._subs: list[tuple[str, Handler, str, bool]] = []
 
     @property
@@ -423,6 +455,7 @@ class ThreadedBus:
                 await self.bus.connect(timeout=2.0)
                 break
             except ConnectionError as exc:
+                self.error = exc if isinstance(exc, ServerUnreachable) else None
                 self.bus._log_once("threaded-connect", "%s", exc)
                 await asyncio.sleep(0.5)
         for subject, handler, queue, last in self._subs:
@@ -430,7 +463,13 @@ class ThreadedBus:
         self._connected.set()
 
     def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
+        """Wait up to ``timeout`` s for the connection; False at once when the server refused
+        the credentials (``error.refused``: no retry will connect), or at the timeout."""
+        deadline = time.monotonic() + timeout
+        while not self._connected.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or (self.error is not None and self.error.refused):
+                return False
+        return True
 
     def publish(self, subject: str, event: Event) -> None:
         """Queue ``event`` for publishing; never blocks. Dropped (and counted) when

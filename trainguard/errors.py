@@ -9,9 +9,21 @@ class ServerUnreachable(ConnectionError):
     A caller for whom that advice is wrong (``trainguard up`` itself) words its own from the
     attributes."""
 
+    #: what a server says when it refuses a client's user or password (NATS, Valkey/Redis)
+    REFUSALS = ("Authorization Violation", "invalid username-password", "WRONGPASS",
+                "Authentication Timeout")
+
     def __init__(self, what: str, url: str, reason: str, env: str):
         self.what, self.url, self.reason, self.env = what, url, reason, env
-        if "CERTIFICATE_VERIFY_FAILED" in reason or "TLS Required" in reason:
+        #: the server answered and refused the credentials: trying again will not help
+        self.refused = any(r.lower() in reason.lower() for r in self.REFUSALS)
+        if self.refused:
+            hint = ("the server refused these credentials: check the user and password in the "
+                    "URL (the export line or env/<role>.env that `trainguard up` or `trainguard "
+                    "credentials issue` printed; a revoked or rotated user needs the new one)")
+        elif "is unusable" in reason and "CA file" in reason:
+            hint = "point TG_TLS_CA at the CA file `trainguard up` printed (<data dir>/tls/ca.pem)"
+        elif "CERTIFICATE_VERIFY_FAILED" in reason or "TLS Required" in reason:
             hint = ("the server speaks TLS with a certificate this client does not trust: set "
                     "TG_TLS_CA to the CA file `trainguard up` printed (<data dir>/tls/ca.pem)")
         else:

@@ -381,9 +381,10 @@ def parse(argv: list[str], description: str = ""):
 
 def _check(p: argparse.ArgumentParser, c) -> None:
     """Refuse settings that cannot describe a job (argparse's usage error, exit status 2)."""
-    for name, val in (("--job", c.job), ("--node", c.node)):
+    for name, val, check in (("--job", c.job, subjects.job_name),
+                             ("--node", c.node, subjects.token)):
         try:
-            subjects.token(val)
+            check(val)
         except ValueError as exc:
             p.error(f"{name}: {exc}")
     if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("TG_NODE") \

@@ -193,7 +193,8 @@ class Launcher:
         self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision)
         self.bus.start()
         if not self.bus.wait_connected(15.0):
-            raise SystemExit(f"trainguard launch: cannot reach NATS at {redact(cfg.nats_url)}")
+            raise SystemExit(f"trainguard launch: {self.bus.error}" if self.bus.error else
+                             f"trainguard launch: cannot reach NATS at {redact(cfg.nats_url)}")
         self._check_rendezvous()
         self._open_relay()
         generation = self.lease.register()
