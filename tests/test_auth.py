@@ -469,6 +469,16 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
     assert modes == {"tls": 0o750, "ca.pem": 0o644, "server.pem": 0o644, "server.key": 0o640,
                      "ca.key": 0o600}
     assert (d / "server.key").stat().st_gid == d.stat().st_gid == gid
+    # the passwords in clear stay the server's; the ACL (hashes) is Valkey's to read
+    assert stat.S_IMODE((secrets_dir / "nats.conf").stat().st_mode) == 0o600
+    assert stat.S_IMODE((secrets_dir / "users.acl").stat().st_mode) == 0o644
+    # a relative DIR: the config still names its files wherever the server starts
+    r = subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config", "rel"],
+                       env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rel = json.loads((tmp_path / "rel" / "nats.conf").read_text())["tls"]
+    assert rel["cert_file"] == str(tmp_path / "rel" / "tls" / "server.pem"), rel
     assert (ca_dir / "ca.pem").read_bytes() == (d / "ca.pem").read_bytes()
     assert sorted(os.listdir(ca_dir)) == ["ca.pem"]  # what the clients mount: no key
     assert set(tls.SERVICE_NAMES) | {"ctl.example"} <= set(tls.names_of(d / "server.pem"))

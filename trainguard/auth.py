@@ -469,7 +469,7 @@ def _server_tls(args, out: Path):
     from . import tls
 
     if args.tls_from:
-        src = Path(args.tls_from)
+        src = Path(args.tls_from).absolute()
         files = tls.TLSFiles(src / "ca.pem", src / "server.pem", src / "server.key")
         missing = [str(p) for p in (files.cert, files.key) if not p.exists()]
         if missing:
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
               f"trainguard.auth compose-env > .env` beside docker-compose.yml", file=sys.stderr)
         return 2
     creds = Credentials({r: os.environ[_env_name(r)] for r in ROLES})
-    out = Path(args.dir)
+    out = Path(args.dir).absolute()  # nats.conf names its TLS files: from anywhere
     out.mkdir(parents=True, exist_ok=True)
     files = None
     if not args.no_tls:
@@ -556,7 +556,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  tls=pair)),
                        ("users.acl", valkey_acl(creds))):
         write_private(out / name, text)
-        os.chmod(out / name, 0o644)  # inside the compose volume: read by the servers' own users
+    # users.acl holds SHA-256 hashes only and Valkey reads it as its own user (uid 999 in the
+    # valkey image); nats.conf holds every role's password in clear and stays 0600 (NATS runs
+    # as root in its image, as this one-shot does)
+    os.chmod(out / "users.acl", 0o644)
     print(f"trainguard.auth: wrote {out}/nats.conf and {out}/users.acl"
           + (f", TLS from {files.cert.parent}" if files else " (no TLS)"), file=sys.stderr)
     return 0

@@ -355,7 +355,8 @@ class RunLoop:
         if self.state.terminal:
             return
         self._say(f"fenced: this launcher's lease was not renewed for {ev.silent_s:.1f} s (the "
-                  f"state store is out of reach), so the job may have moved this node's ranks "
-                  f"elsewhere: stopping every rank here (exit status {EXIT_FAILED})")
+                  f"state store is out of reach or refuses this launcher's credentials, e.g. "
+                  f"revoked), so the job may have moved this node's ranks elsewhere: stopping "
+                  f"every rank here (exit status {EXIT_FAILED})")
         self.fenced = True
         self._end(LaunchState.FAILED, EXIT_FAILED)
