@@ -65,6 +65,7 @@ from trainguard import schemas
 from trainguard.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Publish, Received,
                                 Released, Reply, Tick)
 from trainguard.schemas import JobRecord, subjects
+from trainguard.schemas.job import ENDED_STATUSES
 
 from . import scheduler
 from .core import DetectorConfig, Finding
@@ -501,8 +502,8 @@ def _launcher_lost(state: DetectorState, out: list[Effect], ns: NodeState, job: 
     (its record read): culprits are the record's members on the node (none: the node is out of
     the job, nothing is lost), live ranks those the detector has not seen exit or finish."""
     jc, js = state.records.get(job), state.jobs.get(job)
-    if jc is None or js is None or ns.lost:
-        return
+    if jc is None or js is None or ns.lost or jc.status in ENDED_STATUSES:
+        return  # a run that is over (revoked, stopped, finished): its launcher's silence is no loss
     ranks = sorted(int(m["rank"]) for m in jc.members if m.get("node") == ns.name and "rank" in m)
     live = [rs.last_hb for rs in js.ranks.values()
             if rs.node == ns.name and not rs.exited and rs.phase != "done" and rs.last_hb > 0.0

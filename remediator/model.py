@@ -9,12 +9,13 @@ from typing import Any, Callable
 
 from trainguard.reducer import Effect, store
 from trainguard.schemas import Decision, JobRecord, Verdict
+from trainguard.schemas.job import ENDED_STATUSES
 
 from . import policy as pol
 
 #: job record statuses of a run that is over: its lingering anomalies decide nothing
 #: (``requeued``: the scheduler restarts the job, whose launchers start a new run)
-ENDED = ("stopped", "finished", "failed", "requeued")
+ENDED = ENDED_STATUSES  # a run that is over decides nothing (schemas.job)
 
 
 @dataclass

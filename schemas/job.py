@@ -112,6 +112,12 @@ class JobSettings:
                            "and cancels for")
 
 
+#: Statuses of a run that is over (``JobRecord.status``): its remains' silence, exits and late
+#: anomalies decide nothing (the remediator) and count against no node (the detector's lost
+#: launcher).
+ENDED_STATUSES = ("stopped", "finished", "failed", "requeued")
+
+
 @dataclass
 class JobRecord(JobSettings):
     """The whole job record: the settings, the run state and the remediation state."""

@@ -187,13 +187,19 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
     assert not published(eff, "node_lost")
 
 
-@pytest.mark.parametrize("ending, lost", [(False, 1), (True, 0)])
-def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, lost):
+@pytest.mark.parametrize("ending, status, lost", [
+    (False, "running", 1), (True, "running", 0),
+    # a run that is over without a last beat: its user revoked (``revoke_job`` marks it
+    # stopped; the launcher fences itself unheard), or ended by the Slurm requeue
+    (False, "stopped", 0), (False, "requeued", 0), (False, "finished", 0)])
+def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, lost):
     """A job stopped by a decision: its launcher kills its ranks and ends, with a last beat
     marked ``ending``; its silence after that must not become an infrastructure fault of the
-    node (which cross-job history would hold against it)."""
+    node (which cross-job history would hold against it). Nor the silence of a launcher whose
+    run the job record says is over."""
     node = "vm"
-    recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": node, "local_rank": 0}])}
+    recs = {"a": JobRecord(runs=1, status=status,
+                           members=[{"rank": 0, "node": node, "local_rank": 0}])}
 
     def node_hb(t, role, job=None, end=False):
         return t, Received(subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(

@@ -302,6 +302,9 @@ def test_credentials_revoke_closes_the_jobs_connections(tmp_path):
                                     max_reconnect_attempts=2, reconnect_time_wait=0.1)
             rc = redis.asyncio.Redis.from_url(redis_r)
             await rc.ping()
+            st = StateStore(redis_r)
+            assert await st.begin_run("rj", "n1", lease_s=30.0) == (0, False)
+            await st.close()
             r = await asyncio.to_thread(_cli, "credentials", "revoke", "--job", "rj",
                                         "--data-dir", str(data))
             assert r.returncode == 0 and "revoked, now" in r.stderr, r.stderr
@@ -313,6 +316,10 @@ def test_credentials_revoke_closes_the_jobs_connections(tmp_path):
             await rc.aclose()
             assert await _connects({"NATS_URL": nats_r, "REDIS_URL": redis_r}) == (False, False)
             assert await _connects(keep) == (True, True)
+            # the run under the revoked user is over: its launchers' silence decides nothing
+            admin = StateStore(srv.urls("admin")[1])
+            assert (await admin.job("rj")).status == "stopped"
+            await admin.close()
         asyncio.run(scenario())
         assert not (data / "env" / "job-rj.env").exists()
         assert "rj" not in json.loads((data / "credentials.json").read_text())["jobs"]
