@@ -22,7 +22,8 @@
    * a culprit node with hardware, system-software or infrastructure faults in
      ``node_repeat_jobs`` (2) or more different jobs within the window is a node fault:
      ``detail["repeat_offender"]`` names it (and an unknown or application layer becomes
-     hardware);
+     hardware; ``detail["evidence_layer"]`` keeps the layer the evidence gave, which is what
+     the history records of this verdict, so a conclusion drawn from history never feeds it);
    * the same failure signature on ``app_repeat_nodes`` (2) or more different nodes of one job
      (earlier incidents or this one) is an application fault: layer ``application``,
      ``detail["systematic"]`` names the nodes and ``detail["systematic_error"]`` quotes the
@@ -233,6 +234,10 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
             if len(jobs) >= cfg.node_repeat_jobs:
                 facts["repeat_offender"] = [n]
                 if layer in (Layer.UNKNOWN, Layer.APPLICATION):
+                    # what the evidence alone said: the history records that, not this
+                    # conclusion drawn from the history itself (else one node fault and a
+                    # user's SIGKILL in another job would make every later crash there one)
+                    facts["evidence_layer"] = str(layer)
                     layer = Layer.HARDWARE.value
                 notes.append(f"node {n} had faults in {len(jobs)} different jobs "
                              f"({', '.join(sorted(jobs)[:5])}): a node fault")

@@ -319,12 +319,14 @@ def _verdict(inc: Incident, spec: VerdictSpec, root: schemas.Anomaly, wall_ns: i
 
 
 def _record(inc: Incident, spec: VerdictSpec, wall_ns: int) -> list[Call]:
-    """``record_fault`` writes of a published verdict: per culprit node (its signature) and
+    """``record_fault`` writes of a published verdict: per culprit node (its signature, and the
+    layer its evidence gave: ``detail["evidence_layer"]`` when the history made it hardware) and
     per XID anomaly (``xid|<n>``, with GPU and pid); ``ts_ns`` is the input's Unix ns (the
     store's clock when 0)."""
     ts: dict[str, Any] = {"ts_ns": wall_ns} if wall_ns else {}
     calls = [store("record_fault", n, inc.job, spec.signature,
-                   {"fault_class": spec.fault_class, "layer": spec.layer,
+                   {"fault_class": spec.fault_class,
+                    "layer": spec.detail.get("evidence_layer", spec.layer),
                     "generation": inc.generation}, **ts) for n in spec.nodes]
     for a in inc.anomalies:
         xid = a.detail.get("xid")

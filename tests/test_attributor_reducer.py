@@ -145,6 +145,12 @@ def test_cross_job_history_makes_a_repeat_offender_and_a_new_fact_republishes():
     _, eff = run([at(0.0, crash(node="n1"))], h)
     [v] = verdicts(eff)
     assert v.detail["repeat_offender"] == ["n1"] and v.layer == "hardware"
+    # the history keeps what the evidence said of this crash (unknown), not the conclusion the
+    # history drew: one node fault and a SIGKILL in another job never make a third crash there
+    # a node fault by themselves
+    [rec] = [e for e in eff if isinstance(e, Call) and e.method == "record_fault"
+             and e.args[0] == "n1"]
+    assert v.detail["evidence_layer"] == "unknown" and rec.args[3]["layer"] == "unknown", rec
     # older than the window: not counted
     old = History(nodes={"n1": [{"job": "other", "layer": "hardware", "ts": WALL - 2 * DAY_NS}]})
     _, eff = run([at(0.0, crash(node="n1"))], old)
