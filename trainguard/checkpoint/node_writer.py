@@ -57,10 +57,16 @@ class NodeWriter:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.checkpoint.writer", "--listen", self.socket_path,
-             "--nice", str(self.nice), "--until-stdin-closes"], env=env, stdin=subprocess.PIPE,
-            start_new_session=True)
+        # its own session (a scheduler's kill of the launcher's process group leaves the saves
+        # in flight to finish), and none of the launcher's output streams: a scheduler waits for
+        # every holder of a job step's stdout/stderr (slurmstepd: up to 60 s, "Abandoning IO",
+        # seen holding a requeued job COMPLETING for 66 s); its messages go to <socket>.log
+        with open(self.socket_path + ".log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainguard.checkpoint.writer", "--listen",
+                 self.socket_path, "--nice", str(self.nice), "--until-stdin-closes"], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -100,6 +106,7 @@ class NodeWriter:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
+        _remove_if_empty(self.socket_path + ".log")
 
 
 def _preload() -> None:
@@ -196,7 +203,16 @@ def listen(path: str, until_stdin_closes: bool = False) -> None:
     # its owner (the launcher) is gone or done and every save is finished: nothing will
     # restore from the staged copies now (a new launch restores from disk); free them
     _remove_staged(staging_log)
+    _remove_if_empty(path + ".log")  # what it said, kept only when it said something
     os._exit(0)
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _remove_staged(staging_log: str) -> None:
