@@ -167,7 +167,7 @@ class Bus:
 
         async def _err(e: Exception) -> None:
             last[:] = [str(e) or type(e).__name__]
-            if any(r.lower() in last[0].lower() for r in ServerUnreachable.REFUSALS):
+            if ServerUnreachable.is_refusal(last[0]):
                 refusal[:] = last
                 refused.set()
             self._log_once(f"conn:{type(e).__name__}", "bus %s: %s", redact(self.url), e)

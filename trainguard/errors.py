@@ -13,10 +13,15 @@ class ServerUnreachable(ConnectionError):
     REFUSALS = ("Authorization Violation", "invalid username-password", "WRONGPASS",
                 "Authentication Timeout")
 
+    @classmethod
+    def is_refusal(cls, text: str) -> bool:
+        """Whether a client's error ``text`` is a server refusing its credentials."""
+        return any(r.lower() in text.lower() for r in cls.REFUSALS)
+
     def __init__(self, what: str, url: str, reason: str, env: str):
         self.what, self.url, self.reason, self.env = what, url, reason, env
         #: the server answered and refused the credentials: trying again will not help
-        self.refused = any(r.lower() in reason.lower() for r in self.REFUSALS)
+        self.refused = self.is_refusal(reason)
         if self.refused:
             hint = ("the server refused these credentials: check the user and password in the "
                     "URL (the export line or env/<role>.env that `trainguard up` or `trainguard "
