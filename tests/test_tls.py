@@ -223,6 +223,13 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
         with pytest.raises(NoPermissionError):
             await write()
     assert (await st_a.job("job-a")).members  # it reads what it wrote
+    # tg:jobs, the one key every job's launchers share: a job may add its name, not take away
+    # or wipe another's, nor list them
+    assert await st_a.r.sadd("tg:jobs", "job-a") == 0  # begin_run put it there already
+    for write in (lambda: st_a.r.srem("tg:jobs", "job-b"), lambda: st_a.r.delete("tg:jobs"),
+                  lambda: st_a.r.smembers("tg:jobs"), lambda: st_a.jobs()):
+        with pytest.raises(NoPermissionError):
+            await write()
     await st_a.close()
     # the shared worker role still works for any job
     shared = StateStore(tls_stack.urls("worker")[1])

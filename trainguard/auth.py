@@ -54,6 +54,11 @@ from urllib.parse import urlsplit, urlunsplit
 _SERVICE_CMDS = "-@all +@read +@write +@scripting +@transaction +@connection -@dangerous " \
                 "+client|setinfo +client|setname"
 _READ_CMDS = "-@all +@read +@connection -@dangerous +client|setinfo +client|setname"
+#: What a worker may do to ``tg:jobs`` (the set of job names every launcher adds its job to): add
+#: a name, nothing else — not remove another job's, delete the set or list it (only services
+#: read it). A Valkey ACL selector (Valkey / Redis ≥ 7.0): its key pattern and commands are
+#: checked apart from the user's own, so SREM or DEL of the key answers NOPERM.
+_JOBS_ADD = "(~tg:jobs +sadd)"
 
 #: JetStream API subjects a reader of the stored history needs (``trainguard replay
 #: history``: ephemeral pull consumers; ``Bus.last_stored``: one stored message). Creating,
@@ -145,14 +150,15 @@ ROLES: dict[str, Role] = {r.name: r for r in (
           "tg.job.*.recovery", "tg.job.*.action", "tg.node.*.heartbeat", "tg.svc.*.health",
           "$JS.API.STREAM.NAMES") + _DECISION_GET + (_DLQ,),
          ("tg.job.*.decision", "tg.job.*.control", _inbox("worker")),
-         "resetkeys ~tg:jobs ~tg:job:* %R~tg:ckpt:* " + _SERVICE_CMDS,
+         "resetkeys ~tg:job:* %R~tg:ckpt:* " + _SERVICE_CMDS + " " + _JOBS_ADD,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
          "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
          "saved/failed, recovery, action results, the launcher's node heartbeat; they listen to "
          "their job's decisions and control requests (a checkpoint request before a node drain), "
          "and a late rank reads the last stored decision from TG_EVENTS (`Bus.last_stored`: "
          "decisions only); replies come to its own inbox prefix only. In Valkey a launcher "
-         "registers the job and its run (`tg:jobs`, `tg:job:<job>` and its lease set); "
+         "registers the job and its run (`tg:job:<job>` and its lease set) and adds its name to "
+         "`tg:jobs` (SADD only: it cannot remove or read another job's name); "
          "checkpoint validity (`tg:ckpt:*`, what restore trusts) is read-only; node status, "
          "reputation, fault history, idempotency keys and service leases it cannot read. Never "
          "a decision, an anomaly or a verdict."),
@@ -235,9 +241,9 @@ def job_role(job: str) -> Role:
     """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
     ``tg.job.<token>.`` (the stored form ``tg.p.*.job.*.`` of the decision get likewise), the
     inbox becomes the user's own (``inbox_of``), the rest (the node heartbeat, health requests,
-    the stream's configuration, dead letters) stays; in Valkey it may write ``tg:jobs`` (the job
-    names), ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read that job's keys and
-    checkpoints only. Raises ``ValueError`` as ``job_user``."""
+    the stream's configuration, dead letters) stays; in Valkey it may add to ``tg:jobs`` (the
+    job names; ``_JOBS_ADD``), write ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read
+    that job's keys and checkpoints only. Raises ``ValueError`` as ``job_user``."""
     from trainguard.schemas import subjects
 
     user = job_user(job)
@@ -251,8 +257,8 @@ def job_role(job: str) -> Role:
                                                                          f".job.{tok}.", 1)
                      for s in subs)
     return Role(user, narrow(worker.publish), narrow(worker.subscribe),
-                f"resetkeys ~tg:jobs ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:job:{job}:* "
-                f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _SERVICE_CMDS,
+                f"resetkeys ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:job:{job}:* "
+                f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _SERVICE_CMDS + " " + _JOBS_ADD,
                 f"the launchers and ranks of job {job!r} only: the worker's rights on that job's "
                 f"subjects and keys, none on another job's: it reads that job's record, run, "
                 f"checkpoints and stored decision, and the replies to its own requests, no "
