@@ -1,10 +1,16 @@
 """Events from the worker side: the shim inside each rank and the launcher on each node."""
 from __future__ import annotations
 
+from pydantic import field_validator
+
 from .base import Event
 
 #: Phases a rank reports; each has its own hang allowance in the detector.
 PHASES = ("startup", "train", "checkpoint", "recovery", "compile", "eval", "done")
+#: Characters of a phase name a heartbeat keeps: the detector holds each rank's last phase, and a
+#: hostile 200 KB one (seen in bench/fuzz.py) would be held that long; ``Context.phase`` refuses a
+#: longer name at the source.
+MAX_PHASE_CHARS = 64
 
 
 class RankHeartbeat(Event):
@@ -44,6 +50,13 @@ class RankHeartbeat(Event):
     collectives_completed: int | None = None
     compute_s: float | None = None
     interval_s: float = 0.1
+
+    @field_validator("phase")
+    @classmethod
+    def _phase_length(cls, v: str) -> str:
+        """A phase name is cut to ``MAX_PHASE_CHARS``: one label the detector keeps per rank
+        (a heartbeat with a long one still counts as a beat)."""
+        return v[:MAX_PHASE_CHARS]
 
 
 class WorkerStarted(Event):

@@ -136,3 +136,28 @@ def test_a_job_name_cannot_hold_a_colon():
 
     with pytest.raises(SystemExit):
         parse(["--job", "a:b", "--nnodes", "1", "train.py"])
+
+
+def test_a_heartbeats_phase_is_cut_to_its_bound_and_still_beats():
+    """A phase name is a label the detector keeps per rank: a hostile 100 KB one is cut to
+    ``MAX_PHASE_CHARS`` (the heartbeat still counts), and ``Context.phase`` refuses a longer
+    name where the user sets it."""
+    from trainguard.schemas.worker import MAX_PHASE_CHARS
+    from trainguard.worker import Context
+
+    raw = msgpack.packb({"schema": "rank.heartbeat", "v": 1, "job": "j", "rank": 1, "step": 7,
+                         "phase": "p" * 100_000})
+    hb = schemas.decode(raw)
+    assert hb.step == 7 and hb.phase == "p" * MAX_PHASE_CHARS
+    assert schemas.decode(schemas.encode(schemas.RankHeartbeat(job="j", phase="eval"))).phase \
+        == "eval"
+
+    class _Rt:
+        class p:
+            phase = "train"
+    ctx = Context.__new__(Context)
+    ctx._rt = _Rt()
+    ctx.phase("warmup_" + "x" * (MAX_PHASE_CHARS - 7))
+    with pytest.raises(ValueError, match="at most 64"):
+        ctx.phase("x" * (MAX_PHASE_CHARS + 1))
+    assert _Rt.p.phase.startswith("warmup_")

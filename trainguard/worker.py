@@ -345,7 +345,12 @@ class Context:
 
     def phase(self, name: str) -> None:
         """Tell the detector what the rank is doing (``schemas.PHASES``): e.g. ``"checkpoint"``
-        or ``"compile"`` get longer hang allowances."""
+        or ``"compile"`` get longer hang allowances. Raises ``ValueError`` for a name longer
+        than ``schemas.worker.MAX_PHASE_CHARS`` (64) characters."""
+        from trainguard.schemas.worker import MAX_PHASE_CHARS
+
+        if len(name) > MAX_PHASE_CHARS:
+            raise ValueError(f"phase name of {len(name)} characters: at most {MAX_PHASE_CHARS}")
         self._rt.p.phase = name
 
     def checkpointer(self, model, optimizer=None, data=None, **config: Any):
