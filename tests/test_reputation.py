@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -317,9 +318,32 @@ async def test_the_node_command_shows_forgives_and_readmits(redis_db, monkeypatc
     assert await run(main, ["show", "n9", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["status"] == "drained" and row["score_now"] == pytest.approx(1.0, abs=1e-3)
+    assert row["fault_history"]["records"] == [] and not row["fault_history"]["repeat_offender"]
     assert await run(main, ["forgive", "n9"]) == 0
     capsys.readouterr()
     assert await run(main, ["show"]) == 0 and capsys.readouterr().out == ""
+    # the cross-job history the attributor counts: a node fault in two jobs makes a repeat
+    # offender, an application fault or an unexplained crash there counts against no node
+    st = StateStore(redis_db)
+    now = time.time_ns()
+    await st.record_fault("n7", "ja", "gpu_xid:79", {"layer": "hardware"}, now - 2_000_000_000)
+    await st.record_fault("n7", "jb", "crash:-9", {"layer": "unknown"}, now - 1_000_000_000)
+    await st.record_fault("n8", "ja", "app:exc", {"layer": "application"}, now)
+    await st.record_fault("n7", "old", "gpu_xid:79", {"layer": "hardware"}, now - 2 * 86400 * 10**9)
+    await st.close()
+    assert await run(main, ["show"]) == 0
+    out = capsys.readouterr().out
+    assert "n7: 2 fault(s) in the last 24 h; the node's own in 1 job(s) (ja): not a repeat" in out
+    assert "job jb: unknown (crash:-9)" in out and "job old" not in out  # past the window
+    assert "n8: 1 fault(s)" in out and "(none)" in out
+    st = StateStore(redis_db)
+    await st.record_fault("n7", "jc", "node_lost", {"layer": "infrastructure"}, now)
+    await st.close()
+    assert await run(main, ["show", "n7", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    h = row["fault_history"]
+    assert row["offences"] == 0 and h["fault_jobs"] == ["ja", "jc"] and h["repeat_offender"]
+    assert [r["job"] for r in h["records"]] == ["ja", "jb", "jc"]
     monkeypatch.delenv("REDIS_URL")
     assert await run(main, ["show"]) == 2
     assert "REDIS_URL is not set" in capsys.readouterr().err

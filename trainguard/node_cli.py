@@ -8,7 +8,12 @@ an operator or the ``SlurmUser``; Kubernetes: the remediator's service account).
 * ``trainguard node probation [--every S] [--once]`` — the same for every node whose
   reputation says ``drained`` or ``held`` (a held node's score may have decayed below the
   threshold), every ``S`` seconds (default 600).
-* ``trainguard node show [NODE…] [--json]`` — reputations: score now, status, evidence.
+* ``trainguard node show [NODE…] [--json]`` — reputations (score now, status, evidence) and
+  the cross-job fault history the attributor counts (``attributor.decide``, rule 5): the
+  node's faults of the last ``history_window_s`` (24 h), the jobs whose faults were the node's
+  (hardware, system software, infrastructure) and whether that makes it a repeat offender
+  (``node_repeat_jobs`` jobs or more: a later crash there is attributed to the node). Every
+  node with either, when no node is named.
 * ``trainguard node forgive NODE`` — an operator repaired it: its reputation is removed (it is
   not returned: ``readmit`` does that, after its canary).
 
@@ -72,6 +77,64 @@ async def _readmit_all(ctl: Any, nodes: list[str], as_json: bool) -> int:
     return worst
 
 
+async def fault_history(state: StateStore, node: str, now_ns: int) -> dict[str, Any]:
+    """``node``'s cross-job fault history as the attributor weighs it: ``records`` (the last
+    ``history_window_s``, oldest first: ``job``, ``layer``, ``signature``, ``ts`` Unix ns…),
+    ``fault_jobs`` (the jobs whose fault there was the node's), ``repeat_offender``
+    (``node_repeat_jobs`` of them or more) and ``window_s``."""
+    from .attributor.decide import AttributorConfig, history_from_records
+
+    cfg = AttributorConfig()
+    since = now_ns - int(cfg.history_window_s * 1e9)
+    records = await state.node_history(node, since)
+    jobs = sorted(history_from_records("", {node: records}, [], since_ns=since)
+                  .node_jobs.get(node, set()))
+    return {"records": records, "fault_jobs": jobs, "window_s": cfg.history_window_s,
+            "repeat_offender": len(jobs) >= cfg.node_repeat_jobs}
+
+
+def _history_lines(node: str, h: dict[str, Any], shown: int = 5) -> list[str]:
+    recs = h["records"]
+    if not recs:
+        return []
+    hours = h["window_s"] / 3600
+    verdict = (f"a repeat offender: a later crash there is the node's" if h["repeat_offender"]
+               else "not a repeat offender")
+    out = [f"{node}: {len(recs)} fault(s) in the last {hours:g} h; the node's own in "
+           f"{len(h['fault_jobs'])} job(s) ({', '.join(h['fault_jobs']) or 'none'}): {verdict}"]
+    for r in recs[-shown:]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(r.get("ts", 0)) / 1e9))
+        out.append(f"  {when}  job {r.get('job')}: {r.get('layer', '?')} "
+                   f"({r.get('signature') or r.get('fault_class') or '?'})")
+    if len(recs) > shown:
+        out.append(f"  … {len(recs) - shown} earlier (--json shows every one)")
+    return out
+
+
+async def _show(state: StateStore, nodes: list[str], as_json: bool) -> int:
+    """``trainguard node show``: one block (text) or one JSON object per node: its reputation
+    (null when it has none) and ``fault_history``."""
+    cfg, now = ReputationConfig.from_env(), time.time_ns()
+    reps = {r.node: r for r in ([await state.reputation(n) for n in nodes] if nodes
+                                else await state.reputations())}
+    names = list(nodes) if nodes else sorted(set(reps) | set(await state.history_nodes()))
+    for n in names:
+        r, h = reps.get(n), await fault_history(state, n, now)
+        if as_json:
+            row = ({**r.to_dict(), "score_now": round(score_now(r, now, cfg), 3)} if r
+                   else {"node": n, "reputation": None})
+            print(json.dumps({**row, "fault_history": h}, default=str), flush=True)
+            continue
+        if r is not None:
+            print(f"{r.node}: {r.status}, score {score_now(r, now, cfg):.2f} "
+                  f"(threshold {cfg.threshold:g}), {r.offences} offence(s); {r.detail}")
+        for line in _history_lines(n, h):
+            print(line)
+        if r is not None and not h["records"] and nodes:
+            print(f"{n}: no fault in the last {h['window_s'] / 3600:g} h")
+    return 0
+
+
 async def _run(a: argparse.Namespace) -> int:
     url = os.environ.get("REDIS_URL", "")
     if not url:
@@ -83,15 +146,7 @@ async def _run(a: argparse.Namespace) -> int:
     try:
         await state.ping()
         if a.cmd == "show":
-            cfg, now = ReputationConfig.from_env(), time.time_ns()
-            reps = ([await state.reputation(n) for n in a.nodes] if a.nodes
-                    else await state.reputations())
-            for r in reps:
-                row = {**r.to_dict(), "score_now": round(score_now(r, now, cfg), 3)}
-                print(json.dumps(row, default=str) if a.json else
-                      f"{r.node}: {r.status}, score {row['score_now']:.2f} "
-                      f"(threshold {cfg.threshold:g}), {r.offences} offence(s); {r.detail}")
-            return 0
+            return await _show(state, a.nodes, a.json)
         if a.cmd == "forgive":
             for n in a.nodes:
                 await state.forget_reputation(n)

@@ -507,6 +507,11 @@ class StateStore:
         rows = await self.r.zrangebyscore(f"tg:hist:node:{node}", since_ns, "+inf")
         return [json.loads(r) for r in rows]
 
+    async def history_nodes(self) -> list[str]:
+        """Every node with a cross-job fault history (``tg:hist:node:<node>``), by name (SCAN)."""
+        return sorted({k[len("tg:hist:node:"):] async for k in
+                       self.r.scan_iter(match="tg:hist:node:*", count=500)})
+
     async def signature_history(self, signature: str, since_ns: int = 0) -> list[tuple[str, str]]:
         """``[(job, node)]`` that saw ``signature`` since ``since_ns``."""
         rows = await self.r.zrangebyscore(f"tg:hist:sig:{signature}", since_ns, "+inf")
