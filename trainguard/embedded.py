@@ -505,13 +505,9 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
             # fence themselves once their lease runs out): its silence then decides nothing and
             # counts against no node (``schemas.job.ENDED_STATUSES``)
             r.execute_command("ACL", "DELUSER", user)
-            from trainguard.schemas.job import encode_value
+            from .state import mark_stopped
 
-            from .state import _END_RUN, _job_key
-
-            job = user[len("job-"):]
-            if r.exists(_job_key(job)):
-                r.eval(_END_RUN, 1, _job_key(job), encode_value("status", "stopped"))
+            mark_stopped(r, user[len("job-"):])
         else:
             r.execute_command("ACL", "SETUSER", user, "reset", *rules.split())
         r.execute_command("ACL", "SAVE")

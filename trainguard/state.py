@@ -518,6 +518,16 @@ class StateStore:
         return [tuple(r.split("|", 1)) for r in rows]  # type: ignore[misc]
 
 
+def mark_stopped(r: Any, job: str) -> bool:
+    """Mark ``job``'s record ``stopped`` through ``r``, a *synchronous* redis client (tools that
+    run no event loop: ``trainguard credentials revoke``), the way ``StateStore.end_run`` ends a
+    run; a job with no record is left alone. True when it had one."""
+    if not r.exists(_job_key(job)):
+        return False
+    r.eval(_END_RUN, 1, _job_key(job), encode_value("status", "stopped"))
+    return True
+
+
 def settle_value(decision_id: str) -> str:
     """What a settled claim holds (``commit_decision``'s ``settles``): ``decided:<id>``."""
     return f"decided:{decision_id}"
