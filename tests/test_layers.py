@@ -21,7 +21,8 @@ CORE, RULES, RUNTIME, SERVICE, COMMAND = 1, 2, 3, 3, 4
 LAYERS: list[tuple[str, int, bool]] = [
     # core: events, bus, state, the service bases, the checkpoint format
     ("trainguard.schemas", CORE, False), ("trainguard.bus", CORE, False),
-    ("trainguard.state", CORE, False), ("trainguard.errors", CORE, False),
+    ("trainguard.state", CORE, False), ("trainguard.state_scripts", CORE, False),
+    ("trainguard.errors", CORE, False),
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
     ("trainguard.consume", CORE, False), ("trainguard.membership", CORE, False),
     ("trainguard.partitions", CORE, False),

@@ -52,6 +52,9 @@ from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_
 
 from .auth import redact
 from .errors import ServerUnreachable
+from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
+                            END_RUN, TAKE_CLAIM, idem_key, job_key, members_key, outbox_key,
+                            rep_key, settings_fields)
 from .tls import ca_file
 
 IDEMPOTENCY_TTL_S = 7 * 86400
@@ -111,7 +114,7 @@ class StateStore:
     async def job(self, job: str) -> JobRecord:
         """The job's record; every field at its default when the job is unknown. Raises
         ``JobRecordError`` for a value its field's codec cannot read."""
-        return decode_record(await self.r.hgetall(_job_key(job)))
+        return decode_record(await self.r.hgetall(job_key(job)))
 
     async def jobs(self) -> list[str]:
         return sorted(await self.r.smembers("tg:jobs"))
@@ -120,7 +123,7 @@ class StateStore:
         """A launcher's first registration of ``job``: the launch ``settings``, generation 0,
         no retries used, status ``running``. Fields already set are kept (HSETNX): the
         launchers of one run race, and a new run's settings are ``begin_run``'s."""
-        await self.register_job(job, **_settings_fields(settings), generation=0,
+        await self.register_job(job, **settings_fields(settings), generation=0,
                                 retries_used=0, status="running")
 
     async def register_slurm_job(self, job: str, slurm_job_id: str, *, state: str,
@@ -138,10 +141,10 @@ class StateStore:
                                   slurm_directive_error=directive_error)
         pipe = self.r.pipeline(transaction=True)
         pipe.sadd("tg:jobs", job)
-        pipe.hset(_job_key(job), mapping=put)
+        pipe.hset(job_key(job), mapping=put)
         if drop:
-            pipe.hdel(_job_key(job), *drop)
-        pipe.hsetnx(_job_key(job), "slurm_job_id", encode_value("slurm_job_id", slurm_job_id))
+            pipe.hdel(job_key(job), *drop)
+        pipe.hsetnx(job_key(job), "slurm_job_id", encode_value("slurm_job_id", slurm_job_id))
         await pipe.execute()
 
     async def register_job(self, job: str, **fields: Any) -> None:
@@ -152,7 +155,7 @@ class StateStore:
         pipe = self.r.pipeline()
         pipe.sadd("tg:jobs", job)
         for k, v in put.items():
-            pipe.hsetnx(_job_key(job), k, v)
+            pipe.hsetnx(job_key(job), k, v)
         await pipe.execute()
 
     async def begin_run(self, job: str, node: str, lease_s: float,
@@ -177,10 +180,10 @@ class StateStore:
         the job (a second launch of a running job on one node would start a second set of the
         same ranks and break the first run).
         """
-        put, drop = encode_fields(**(_settings_fields(settings) if settings else {}))
+        put, drop = encode_fields(**(settings_fields(settings) if settings else {}))
         now_ms = int(time.time() * 1000)
         gen, new_run, left_ms = await self.r.eval(
-            _BEGIN_RUN, 2, _job_key(job), f"tg:job:{job}:launchers", node, now_ms,
+            BEGIN_RUN, 2, job_key(job), f"tg:job:{job}:launchers", node, now_ms,
             int(lease_s * 1000), json.dumps(put), json.dumps(drop), run_id, str(time.time_ns()))
         if int(new_run) < 0:
             raise LauncherConflict(job, node, int(left_ms) / 1000.0)
@@ -200,24 +203,24 @@ class StateStore:
         list atomically (several launchers register at once); a rank given again replaces its
         entry. Returns the merged list sorted by rank."""
         await self.r.sadd("tg:jobs", job)
-        return json.loads(await self.r.eval(_ADD_MEMBERS, 1, _job_key(job), json.dumps(members)))
+        return json.loads(await self.r.eval(ADD_MEMBERS, 1, job_key(job), json.dumps(members)))
 
     async def add_spare(self, job: str, node: str) -> list[str]:
         """Register ``node`` as a spare of ``job`` (atomic: spares register at once). Returns
         the spare nodes, sorted."""
         await self.r.sadd("tg:jobs", job)
-        return json.loads(await self.r.eval(_ADD_SPARE, 1, _job_key(job), node))
+        return json.loads(await self.r.eval(ADD_SPARE, 1, job_key(job), node))
 
     async def set_group_attempt(self, job: str, generation: int, attempt: int) -> None:
         """Observe mode: this node restarted its group for the ``attempt``-th time in
         ``generation`` (``group_attempt = "<generation>:<attempt>"``)."""
-        await self.r.hset(_job_key(job), "group_attempt", f"{int(generation)}:{int(attempt)}")
+        await self.r.hset(job_key(job), "group_attempt", f"{int(generation)}:{int(attempt)}")
 
     async def end_run(self, job: str, status: str) -> None:
         """Record how the run ended on a node (``finished`` | ``failed``), or for the job
         (``requeued``: the Slurm controller requeued it), unless a decision already
         ``stopped`` the job (atomic)."""
-        await self.r.eval(_END_RUN, 1, _job_key(job), encode_value("status", status))
+        await self.r.eval(END_RUN, 1, job_key(job), encode_value("status", status))
 
     async def commit_decision(self, job: str, *, retries_used: int,
                               last_decision: dict[str, Any],
@@ -244,16 +247,16 @@ class StateStore:
         fields.update({k: v for k, v in optional.items() if v is not None})
         put, _ = encode_fields(**fields)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(_job_key(job), mapping=put)
+        pipe.hset(job_key(job), mapping=put)
         if pending_decision is None:
-            pipe.hdel(_job_key(job), "pending_decision")
+            pipe.hdel(job_key(job), "pending_decision")
         else:
-            pipe.hset(_job_key(job), "pending_decision",
+            pipe.hset(job_key(job), "pending_decision",
                       encode_value("pending_decision", pending_decision))
         if outbox is not None:
-            pipe.hset(_outbox_key(job), str(outbox["event_id"]), json.dumps(outbox))
+            pipe.hset(outbox_key(job), str(outbox["event_id"]), json.dumps(outbox))
             if settles is not None:
-                pipe.set(_idem_key(settles), settle_value(str(outbox["event_id"])),
+                pipe.set(idem_key(settles), settle_value(str(outbox["event_id"])),
                          ex=IDEMPOTENCY_TTL_S)
         await pipe.execute()
 
@@ -264,15 +267,15 @@ class StateStore:
         ``outbox_done``; the observe-mode path, where no record is committed. ``settles``: as
         ``commit_decision``'s, in the same transaction."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(_outbox_key(job), str(decision["event_id"]), json.dumps(decision))
+        pipe.hset(outbox_key(job), str(decision["event_id"]), json.dumps(decision))
         if settles is not None:
-            pipe.set(_idem_key(settles), settle_value(str(decision["event_id"])),
+            pipe.set(idem_key(settles), settle_value(str(decision["event_id"])),
                      ex=IDEMPOTENCY_TTL_S)
         await pipe.execute()
 
     async def outbox_done(self, job: str, decision_id: str) -> None:
         """The decision ``decision_id`` is stored in JetStream: drop it from the outbox."""
-        await self.r.hdel(_outbox_key(job), decision_id)
+        await self.r.hdel(outbox_key(job), decision_id)
 
     async def outbox(self, jobs: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         """job → the decisions waiting in its outbox (``to_dict()`` form, oldest ``ts``
@@ -280,7 +283,7 @@ class StateStore:
         names = await self.jobs() if jobs is None else list(jobs)
         pipe = self.r.pipeline(transaction=False)
         for j in names:
-            pipe.hvals(_outbox_key(j))
+            pipe.hvals(outbox_key(j))
         rows = await pipe.execute() if names else []
         out: dict[str, list[dict[str, Any]]] = {}
         for j, vals in zip(names, rows):
@@ -293,7 +296,7 @@ class StateStore:
         """Hold (or renew) ``replica``'s lease among ``service``'s replicas for ``lease_s``
         seconds, drop expired leases, and return the live replicas, sorted (one round trip)."""
         now_ms = int(time.time() * 1000)
-        key = _members_key(service)
+        key = members_key(service)
         pipe = self.r.pipeline(transaction=True)
         pipe.zremrangebyscore(key, "-inf", now_ms)
         pipe.zadd(key, {replica: now_ms + int(lease_s * 1000)})
@@ -303,15 +306,15 @@ class StateStore:
     async def members(self, service: str) -> list[str]:
         """The replicas of ``service`` whose lease has not run out, sorted."""
         now_ms = int(time.time() * 1000)
-        return sorted(await self.r.zrangebyscore(_members_key(service), now_ms, "+inf"))
+        return sorted(await self.r.zrangebyscore(members_key(service), now_ms, "+inf"))
 
     async def leave_member(self, service: str, replica: str) -> None:
         """``replica`` stops serving: its jobs move at once, not when its lease runs out."""
-        await self.r.zrem(_members_key(service), replica)
+        await self.r.zrem(members_key(service), replica)
 
     async def clear_pending(self, job: str) -> None:
         """No decision of ``job`` is pending for the watchdog any more."""
-        await self.r.hdel(_job_key(job), "pending_decision")
+        await self.r.hdel(job_key(job), "pending_decision")
 
     async def update_job(self, job: str, **fields: Any) -> None:
         """Overwrite the given record ``fields`` (each in its codec; None deletes the field), in
@@ -320,9 +323,9 @@ class StateStore:
         put, drop = encode_fields(**fields)
         pipe = self.r.pipeline(transaction=True)
         if put:
-            pipe.hset(_job_key(job), mapping=put)
+            pipe.hset(job_key(job), mapping=put)
         if drop:
-            pipe.hdel(_job_key(job), *drop)
+            pipe.hdel(job_key(job), *drop)
         await pipe.execute()
 
     async def bump_generation(self, job: str, expected: int, by: str = "") -> int:
@@ -330,33 +333,33 @@ class StateStore:
         ``by`` (the decision id) as ``generation_by`` and now (Unix ns) as the end of
         ``expected`` (``JobRecord.generation_ends``); returns the generation now in force (a
         caller that lost the race learns the winner's)."""
-        return int(await self.r.eval(_BUMP_GENERATION, 1, _job_key(job), expected, by,
+        return int(await self.r.eval(BUMP_GENERATION, 1, job_key(job), expected, by,
                                      str(time.time_ns())))
 
     # ---- idempotency and audit ------------------------------------------------------------------
     async def claim(self, key: str, owner: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> str | None:
         """Claim idempotency ``key`` for ``owner``. Returns None when this call claimed it, else
         the owner that claimed it first (the caller must then not act)."""
-        ok = await self.r.set(_idem_key(key), owner, nx=True, ex=ttl_s)
+        ok = await self.r.set(idem_key(key), owner, nx=True, ex=ttl_s)
         if ok:
             return None
-        return await self.r.get(_idem_key(key))
+        return await self.r.get(idem_key(key))
 
     async def take_claim(self, key: str, old: str, owner: str) -> str | None:
         """Idempotency ``key`` passes from ``old`` to ``owner`` only while ``old`` still holds
         it (compare-and-set, one Lua call; its expiry is kept). Returns None when it passed,
         else the owner holding it now (the caller must then not act)."""
-        got = await self.r.eval(_TAKE_CLAIM, 1, _idem_key(key), old, owner)
-        return None if got == 1 else await self.r.get(_idem_key(key))
+        got = await self.r.eval(TAKE_CLAIM, 1, idem_key(key), old, owner)
+        return None if got == 1 else await self.r.get(idem_key(key))
 
     async def settle(self, key: str, outcome: str, ttl_s: int = IDEMPOTENCY_TTL_S) -> None:
         """Idempotency ``key``, claimed by the caller, is settled: it holds ``outcome`` from now
         on (e.g. ``folded``), so whoever claims it later learns it was handled and how."""
-        await self.r.set(_idem_key(key), outcome, ex=ttl_s)
+        await self.r.set(idem_key(key), outcome, ex=ttl_s)
 
     async def claimed_by(self, key: str) -> str | None:
         """The owner holding idempotency ``key``, or None when nobody claimed it (read only)."""
-        return await self.r.get(_idem_key(key))
+        return await self.r.get(idem_key(key))
 
     async def audit(self, job: str, record: dict[str, Any], maxlen: int = 10000) -> str:
         """Append a record to the job's audit stream; returns the stream entry id."""
@@ -389,8 +392,8 @@ class StateStore:
         """``node``'s reputation (defaults when it has none). Raises ValueError for a field
         that cannot be read."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(_rep_key(node))
-        pipe.lrange(_rep_key(node) + ":evidence", 0, -1)
+        pipe.hgetall(rep_key(node))
+        pipe.lrange(rep_key(node) + ":evidence", 0, -1)
         raw, ev = await pipe.execute()
         rep = decode_reputation(node, raw)
         return dataclasses.replace(rep, evidence=[json.loads(e) for e in ev])
@@ -407,7 +410,7 @@ class StateStore:
         ``tg:rep:<node>:readmit`` (SET NX PX with a random token; released by a compare-and-
         delete script), non-blocking, expiring after ``ttl_s`` seconds. ``await
         lock.acquire()`` is False while another readmit holds it."""
-        return self.r.lock(_rep_key(node) + ":readmit", timeout=ttl_s, blocking=False)
+        return self.r.lock(rep_key(node) + ":readmit", timeout=ttl_s, blocking=False)
 
     async def add_offence(self, node: str, key: str, weight: float, half_life_s: float,
                           evidence: dict[str, Any], status: str = "drained", detail: str = "",
@@ -420,8 +423,8 @@ class StateStore:
         now = now_ns or time.time_ns()
         ev = json.dumps({**evidence, "key": key, "weight": weight, "ts_ns": now}, default=str)
         counted, score = await self.r.eval(
-            _ADD_OFFENCE, 3, _rep_key(node), _rep_key(node) + ":keys",
-            _rep_key(node) + ":evidence", key, repr(float(weight)), str(now),
+            ADD_OFFENCE, 3, rep_key(node), rep_key(node) + ":keys",
+            rep_key(node) + ":evidence", key, repr(float(weight)), str(now),
             repr(float(half_life_s)), ev, EVIDENCE_KEPT, status, detail[:500],
             OFFENCE_KEY_TTL_S)
         return bool(int(counted)), float(score)
@@ -438,12 +441,12 @@ class StateStore:
             fields["probation_until_ns"] = int(until_ns)
         if canary is not None:
             fields["canary"] = json.dumps(canary, default=str)
-        await self.r.hset(_rep_key(node), mapping=fields)
+        await self.r.hset(rep_key(node), mapping=fields)
 
     async def forget_reputation(self, node: str) -> None:
         """An operator forgives ``node`` (repaired, replaced): its reputation is removed."""
-        await self.r.delete(_rep_key(node), _rep_key(node) + ":keys",
-                            _rep_key(node) + ":evidence")
+        await self.r.delete(rep_key(node), rep_key(node) + ":keys",
+                            rep_key(node) + ":evidence")
 
     # ---- checkpoints --------------------------------------------------------------------------
     async def add_checkpoint(self, job: str, path: str, step: int) -> None:
@@ -466,7 +469,7 @@ class StateStore:
     async def generation_ends(self, job: str) -> dict[int, int]:
         """``JobRecord.generation_ends`` of ``job``: generation → Unix ns it ended ({} for
         none, or an unreadable field)."""
-        raw = await self.r.hget(_job_key(job), "generation_ends")
+        raw = await self.r.hget(job_key(job), "generation_ends")
         try:  # the record's own codec for the field
             ends = decode_record({"generation_ends": raw} if raw else {}).generation_ends
             return {int(g): int(ns) for g, ns in (ends or {}).items()}
@@ -522,157 +525,12 @@ def mark_stopped(r: Any, job: str) -> bool:
     """Mark ``job``'s record ``stopped`` through ``r``, a *synchronous* redis client (tools that
     run no event loop: ``trainguard credentials revoke``), the way ``StateStore.end_run`` ends a
     run; a job with no record is left alone. True when it had one."""
-    if not r.exists(_job_key(job)):
+    if not r.exists(job_key(job)):
         return False
-    r.eval(_END_RUN, 1, _job_key(job), encode_value("status", "stopped"))
+    r.eval(END_RUN, 1, job_key(job), encode_value("status", "stopped"))
     return True
 
 
 def settle_value(decision_id: str) -> str:
     """What a settled claim holds (``commit_decision``'s ``settles``): ``decided:<id>``."""
     return f"decided:{decision_id}"
-
-
-#: ``StateStore.take_claim``: set KEYS[1] to ARGV[2] only while it holds ARGV[1], keeping its TTL
-_TAKE_CLAIM = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
-               "redis.call('set', KEYS[1], ARGV[2], 'KEEPTTL') return 1 else return 0 end")
-
-
-def _idem_key(key: str) -> str:
-    return f"tg:idem:{key}"
-
-
-def _job_key(job: str) -> str:
-    return f"tg:job:{job}"
-
-
-def _outbox_key(job: str) -> str:
-    return f"tg:job:{job}:outbox"
-
-
-def _rep_key(node: str) -> str:
-    return f"tg:rep:{node}"
-
-
-def _members_key(service: str) -> str:
-    return f"tg:members:{service}"
-
-
-def _settings_fields(settings: JobSettings) -> dict[str, Any]:
-    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(JobSettings)}
-
-
-# KEYS[1] = job hash, KEYS[2] = launcher leases; ARGV = node, now (ms), lease (ms),
-# settings to set (JSON map of encoded values), settings to delete (JSON list)
-# Records ``generation_ends[<gen>] = <now ns>`` (ARGV[n], text) for the generation moved past,
-# keeping the last 64: the fence of checkpoints a generation wrote after its end.
-_GENERATION_ENDED = """
-local function ended(g, now)
-  local ends = cjson.decode(redis.call('HGET', KEYS[1], 'generation_ends') or '{}')
-  if ends[tostring(g)] == nil then ends[tostring(g)] = now end
-  local keep = {}
-  for k, v in pairs(ends) do
-    if tonumber(k) > g - 64 then keep[k] = v end
-  end
-  redis.call('HSET', KEYS[1], 'generation_ends', cjson.encode(keep))
-end
-"""
-
-_BEGIN_RUN = _GENERATION_ENDED + """
-local now, lease, run_id = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
-if run_id ~= '' and (redis.call('HGET', KEYS[1], 'run_id') or '') ~= run_id then
-    redis.call('DEL', KEYS[2])
-    redis.call('HSET', KEYS[1], 'run_id', run_id)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local mine = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if mine then
-    return {-1, -1, tonumber(mine) - now}
-end
-local live = redis.call('ZCARD', KEYS[2])
-local runs = tonumber(redis.call('HGET', KEYS[1], 'runs') or '0')
-local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
-local new_run = 0
-if live == 0 then
-    if runs > 0 then
-        ended(gen, ARGV[7])
-        gen = gen + 1
-        new_run = 1
-        for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
-        for _, k in ipairs(cjson.decode(ARGV[5])) do redis.call('HDEL', KEYS[1], k) end
-        redis.call('HSET', KEYS[1], 'generation', tostring(gen), 'status', 'running',
-                   'retries_used', '0')
-        redis.call('HDEL', KEYS[1], 'members', 'spare_nodes', 'generation_by')
-    end
-    redis.call('HSET', KEYS[1], 'runs', tostring(runs + 1))
-end
-redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
-return {gen, new_run, 0}"""
-
-_ADD_MEMBERS = """
-local cur = redis.call('HGET', KEYS[1], 'members')
-local list = (cur and cur ~= '') and cjson.decode(cur) or {}
-local byrank = {}
-for _, m in ipairs(list) do byrank[tostring(m.rank)] = m end
-for _, m in ipairs(cjson.decode(ARGV[1])) do byrank[tostring(m.rank)] = m end
-local out = {}
-for _, m in pairs(byrank) do table.insert(out, m) end
-table.sort(out, function(a, b) return a.rank < b.rank end)
-local enc = '[]'
-if #out > 0 then enc = cjson.encode(out) end
-redis.call('HSET', KEYS[1], 'members', enc)
-return enc"""
-
-_ADD_SPARE = """
-local cur = redis.call('HGET', KEYS[1], 'spare_nodes')
-local list = (cur and cur ~= '') and cjson.decode(cur) or {}
-local seen = {}
-local out = {}
-for _, n in ipairs(list) do
-    if not seen[n] then seen[n] = true; table.insert(out, n) end
-end
-if not seen[ARGV[1]] then table.insert(out, ARGV[1]) end
-table.sort(out)
-local enc = cjson.encode(out)
-redis.call('HSET', KEYS[1], 'spare_nodes', enc)
-return enc"""
-
-_END_RUN = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'stopped' then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1])
-end
-return 0"""
-
-_BUMP_GENERATION = _GENERATION_ENDED + """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
-if cur == tonumber(ARGV[1]) then
-  redis.call('HSET', KEYS[1], 'generation', tostring(cur + 1), 'generation_by', ARGV[2])
-  ended(cur, ARGV[3])
-  return cur + 1
-end
-return cur"""
-
-# KEYS = reputation hash, offence keys, evidence list; ARGV = key, weight, now (ns, text),
-# half-life (s), evidence (JSON), evidence kept, status, detail, key TTL (s). Unix ns go in and
-# out as text (a Lua number would round them).
-_ADD_OFFENCE = """
-local function decayed()
-  local s = tonumber(redis.call('HGET', KEYS[1], 'score') or '0') or 0
-  local at = redis.call('HGET', KEYS[1], 'score_ns')
-  if not at or at == '' or s == 0 then return s end
-  local dt = (tonumber(ARGV[3]) - tonumber(at)) / 1e9
-  if dt < 0 then dt = 0 end
-  return s * 2 ^ (-dt / tonumber(ARGV[4]))
-end
-if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
-  return {0, tostring(decayed())}
-end
-local score = decayed() + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'score', tostring(score), 'score_ns', ARGV[3], 'status', ARGV[7],
-           'detail', ARGV[8], 'updated_ns', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'offences', 1)
-redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('EXPIRE', KEYS[2], tonumber(ARGV[9]))
-redis.call('RPUSH', KEYS[3], ARGV[5])
-redis.call('LTRIM', KEYS[3], -tonumber(ARGV[6]), -1)
-return {1, tostring(score)}"""
