@@ -98,7 +98,7 @@ def _history_lines(node: str, h: dict[str, Any], shown: int = 5) -> list[str]:
     if not recs:
         return []
     hours = h["window_s"] / 3600
-    verdict = (f"a repeat offender: a later crash there is the node's" if h["repeat_offender"]
+    verdict = ("a repeat offender: a later crash there is the node's" if h["repeat_offender"]
                else "not a repeat offender")
     out = [f"{node}: {len(recs)} fault(s) in the last {hours:g} h; the node's own in "
            f"{len(h['fault_jobs'])} job(s) ({', '.join(h['fault_jobs']) or 'none'}): {verdict}"]
