@@ -154,3 +154,46 @@ def test_no_python_with_log_files_tee_and_rank_filter(tmp_path):
         assert log.read_text() == f"hello from {rank} of 2\n"
     shown = [ln for ln in p.stdout.splitlines() if "hello from" in ln]
     assert len(shown) == 1 and shown[0].endswith("rank 0] hello from 0 of 2"), p.stdout
+
+
+def test_a_missing_script_is_said_before_anything_starts(tmp_path, capsys):
+    """No stack, no lock, no process: the path is checked first (exit 2)."""
+    from trainguard.launcher import main
+
+    assert main(["--standalone", "--nproc-per-node", "1", str(tmp_path / "nope.py")]) == 2
+    assert "nope.py: no such file" in capsys.readouterr().err
+
+
+def test_two_embedded_launches_of_one_job_on_a_host_cannot_both_run(tmp_path, monkeypatch):
+    """Each embedded stack has a state store of its own, whose launcher lease cannot see the
+    other launch: a host lock (fcntl) refuses the second run of the job, and is free again
+    when its holder ends, even SIGKILLed."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from trainguard.launcher import standalone_lock
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    try:
+        first = standalone_lock("job.a", "n0")
+        with pytest.raises(SystemExit, match=r"job 'job.a' is already running on this host .*pid"):
+            standalone_lock("job.a", "n0")
+        other = standalone_lock("job.b", "n0")  # another job, another lock
+        first.close()
+        standalone_lock("job.a", "n0").close()  # free once its holder let go
+        other.close()
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time; from trainguard.launcher import "
+             "standalone_lock; fh = standalone_lock('job.a', 'n0'); print('held', flush=True); "
+             "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env={**os.environ})
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=f"pid {holder.pid}"):
+            standalone_lock("job.a", "n0")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        standalone_lock("job.a", "n0").close()  # the kernel released it
+    finally:
+        tempfile.tempdir = None

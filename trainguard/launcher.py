@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import TextIO
 
 from trainguard import schemas
 from trainguard.schemas import subjects
@@ -293,8 +294,55 @@ def _embedded_stack(cfg: LaunchConfig):
     return stack
 
 
+def _script_missing(cfg: LaunchConfig) -> str | None:
+    """Why the job's program cannot run here (a script path that is not a file), or None; a
+    module (``-m``) is left to its import."""
+    if cfg.module or os.path.isfile(cfg.script):
+        return None
+    return f"trainguard launch: {cfg.script}: no such file (the training script to run)"
+
+
+def standalone_lock(job: str, node: str) -> TextIO:
+    """Hold the lock of job ``job`` on this host for an embedded stack (``--standalone``, or no
+    NATS_URL/REDIS_URL): each such launch has a state store of its own, so the store's launcher
+    lease (``StateStore.begin_run``) cannot see a second launch of the same job, and two runs
+    of one job would train side by side into the same checkpoint directory. An ``fcntl``
+    lock on ``$TMPDIR/trainguard-<uid>/<job>@<node>.lock``, released by the kernel when the
+    process ends however it ends. Returns the open lock file (keep it open); raises
+    ``SystemExit`` (a message) when another process holds it."""
+    import fcntl
+    import tempfile
+
+    from .schemas import subjects
+
+    d = os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    path = os.path.join(d, f"{subjects.token(job)}@{subjects.token(node)}.lock")
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise SystemExit(f"trainguard launch: job {job!r} is already running on this host with "
+                         f"an embedded stack ({holder}; lock {path}): stop it first, or give "
+                         f"this launch another --job") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()}")
+    fh.flush()
+    return fh
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_args(argv)
+    if (why := _script_missing(cfg)) is not None:
+        print(why, file=sys.stderr)
+        return 2
+    lock = None
+    if not (cfg.nats_url or cfg.redis_url or cfg.nnodes != 1):  # an embedded stack: below
+        lock = standalone_lock(cfg.job, cfg.node)
     stack = _embedded_stack(cfg)
     try:
         launcher = Launcher(cfg)
@@ -304,3 +352,5 @@ def main(argv: list[str]) -> int:
     finally:
         if stack is not None:
             stack.stop()
+        if lock is not None:
+            lock.close()
