@@ -388,10 +388,11 @@ def _would_loop(v: Verdict, job: JobRecord, fault_gen: int) -> dict[str, Any] | 
     last_gen = _int(last.get("generation"), -1)
     if last_gen >= fault_gen:  # the same incident, not a repeat after a restart
         return None
-    # no step: the ranks reported none before the fault (start-up, or a plain script whose
-    # steps trainguard does not see), not "step start-up"
+    # no step: no report named one (start-up, a plain script whose steps trainguard does not
+    # see, a traceback only the launcher relayed): said as unknown, not as "before any step"
     return {"fault_class": v.fault_class, "step": step,
-            "where": f"at step {step}" if step is not None else "before any step was reported",
+            "where": f"at step {step}" if step is not None else
+            "at an unknown step (no report of either fault named one)",
             "last_generation": last_gen}
 
 

@@ -179,3 +179,21 @@ def test_an_observed_oom_kill_is_not_read_again():
                   layer="application", weight=0.9)
     v = decide([oom, _sigkill_guess(0, 101), _sigterm(1, 120)])
     assert (v.fault_class, v.layer) == ("oom_host", "application")
+
+
+def test_one_exception_reported_twice_keeps_the_ranks_step():
+    """The launcher relays a rank's traceback as it is printed (no step) before the rank's own
+    report (with its step) arrives: the verdict carries the rank's step either way, which the
+    remediator's loop check compares (a user's trial: an HF job failing again at step 250 after
+    reporting steps 205-245 was said to have failed 'before any step was reported')."""
+    relayed = anomaly("log_pattern", "app_exception", 100, [1], ["n1"], pattern="python_exception",
+                      layer="application", weight=0.6, step=None)
+    own = anomaly("log_pattern", "app_exception", 101, [1], ["n1"], pattern="exception",
+                  layer="application", weight=0.6, step=249)
+    other_rank = anomaly("log_pattern", "app_exception", 101, [0], ["n1"], pattern="exception",
+                         layer="application", weight=0.6, step=7)
+    assert decide([relayed, own]).detail["step"] == 249
+    assert decide([own, relayed]).detail["step"] == 249
+    # another rank's step is not this rank's
+    assert "step" not in decide([relayed, other_rank]).detail
+    assert "step" not in decide([relayed]).detail

@@ -106,7 +106,7 @@ def test_same_exception_before_the_first_step_again_is_a_loop():
     last = {"fault_class": "app_exception", "step": None, "signature": signature(v),
             "generation": 0}
     d = decide(v, job(last_fault=last))
-    assert d.action == "stop_job_notify_user" and "before any step was reported again" in d.reason
+    assert d.action == "stop_job_notify_user" and "at an unknown step (no report of either fault named one) again" in d.reason
     assert decide(v, job(last_fault={**last, "step": 12})).action == "restart_in_process"
     c = verdict("crash", "unknown", ranks=[1], evidence=["rank 1 exited with signal 9"])
     assert decide(c, job(last_fault={**last, "fault_class": "crash",
