@@ -288,6 +288,29 @@ async def test_a_job_worker_reads_only_its_own_job(tls_stack):
     await st_a.close()
 
 
+async def test_a_report_with_a_workers_credentials_says_whose_it_needs(tls_stack, monkeypatch,
+                                                                       tmp_path, capsys):
+    """``trainguard report`` with the line ``trainguard up`` prints (the worker's URLs, which may
+    not read the stored history) said "no stored events"; it says whose credentials read it."""
+    from trainguard import report
+
+    monkeypatch.setenv(tls.CA_ENV, tls_stack.tls_ca)
+    admin = await Bus(tls_stack.nats_url, "admin-test", tls_ca=tls_stack.tls_ca).connect()
+    await admin.publish(schemas.subjects.job("rpt", "worker"),
+                        schemas.WorkerStarted(job="rpt", rank=0, node="n1", pid=1))
+    await admin.flush()
+    await admin.close()
+    worker, reader = tls_stack.urls("worker")[0], tls_stack.urls("reader")[0]
+    rc = await asyncio.to_thread(report.main, ["rpt", "--nats-url", worker, "--out",
+                                                str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "may not read the stored events" in err and "reader" in err, err
+    assert "no stored events" not in err
+    rc = await asyncio.to_thread(report.main, ["rpt", "--nats-url", reader, "--out",
+                                                str(tmp_path)])
+    assert rc == 0 and (tmp_path / "rpt-report.md").exists(), capsys.readouterr()
+
+
 def test_credentials_revoke_closes_the_jobs_connections(tmp_path):
     """`trainguard credentials revoke` on a running stack: the job's open bus and state store
     connections are closed by the servers, a new one with the same password is refused, the

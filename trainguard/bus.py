@@ -160,6 +160,9 @@ class Bus:
         self.stats = BusStats()
         self._logged: set[str] = set()
         self._streams: dict[str, tuple[str | None, float]] = {}
+        #: the server's "Permissions Violation" errors this client got, oldest first (at most
+        #: 20): the subjects its user may not publish or subscribe to (tools say so)
+        self.permission_errors: list[str] = []
 
     async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
         last: list[str] = []  # the client's own last error: why the attempts timed out
@@ -167,6 +170,8 @@ class Bus:
 
         async def _err(e: Exception) -> None:
             last[:] = [str(e) or type(e).__name__]
+            if "permissions violation" in last[0].lower() and len(self.permission_errors) < 20:
+                self.permission_errors.append(last[0])
             if ServerUnreachable.is_refusal(last[0]):
                 refusal[:] = last
                 refused.set()

@@ -40,6 +40,7 @@ import msgpack
 
 from trainguard import schemas
 
+from .auth import redact
 from .bus import Bus
 
 
@@ -167,8 +168,10 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
     of ``batch`` and merged by the time the server stored each message (``recv_ns``), so a
     recording of events and heartbeats interleaves as it happened; each with its subject as
     published (a partitioned stream stores job subjects by partition, ``trainguard.partitions``).
-    Stops after ``count`` messages when given. Returns the number written. Raises ConnectionError when NATS cannot be
-    reached; a stream that does not exist or holds nothing of ``subject`` is skipped."""
+    Stops after ``count`` messages when given. Returns the number written. Raises
+    ConnectionError when NATS cannot be reached, PermissionError when the server refuses this
+    user the stored history (a worker's credentials: the reader role's may read it); a stream
+    that does not exist or holds nothing of ``subject`` is skipped."""
     import heapq
     from collections import deque
 
@@ -191,6 +194,12 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
                     filter_subjects=filters if len(filters) > 1 else None))
                 left = (await psub.consumer_info()).num_pending
             except Exception:  # noqa: BLE001 - no such stream, or nothing of subject in it
+                if bus.permission_errors:  # refused: this user may not read the history
+                    raise PermissionError(
+                        f"the NATS user of {redact(nats_url)} may not read the stored events "
+                        f"({bus.permission_errors[0]}): use the reader role's URLs (source "
+                        f"env/reader.env of the stack's data directory, or pass --nats-url)"
+                    ) from None
                 continue
             if left:
                 readers.append([psub, left])

@@ -216,7 +216,8 @@ def plot_timeline(rep: dict[str, Any], events: list[schemas.Event], path: str) -
     ax.set_xlabel("seconds")
     ax.set_ylabel("step")
     ax.set_title(f"{job}: steps per rank, recoveries shaded")
-    ax.legend(fontsize=7, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # no rank stepped: nothing to name
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
