@@ -21,6 +21,7 @@ import os, sys, time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 import trainguard.hooks as hooks
 assert hooks.active() and hooks.restart_count() == 2
+hooks.restored(41)                                    # a framework restored its checkpoint
 from torch.distributed import rendezvous              # the env:// handler init_process_group uses
 store, _, _ = next(rendezvous("env://", rank=0, world_size=1))
 store.set("probe", "1")
@@ -105,6 +106,7 @@ def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
     assert 3 not in steps
     resumed = [e for e in got if isinstance(e, schemas.TrainingResumed)]
     assert len(resumed) == 1 and resumed[0].resumed_step == 0
+    assert resumed[0].restored_step == 41  # as the framework said (else -1: unknown)
     assert resumed[0].restore_source == "script" and resumed[0].decision_id == "d1"
     faults = [e for e in got if isinstance(e, schemas.LogLine) and e.stream == "exception"]
     assert len(faults) == 1 and "ValueError: boom in the plain script" in faults[0].line

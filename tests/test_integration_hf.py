@@ -38,6 +38,8 @@ def rec(monkeypatch):
     monkeypatch.setattr(hooks, "active", lambda: True)
     monkeypatch.setattr(hooks, "report", r.report)
     monkeypatch.setattr(hooks, "phase", lambda name: r.phases.append(name))
+    r.restored = []
+    monkeypatch.setattr(hooks, "restored", r.restored.append)
     return r
 
 
@@ -155,6 +157,7 @@ def test_trainer_resumes_from_the_helpers_choice(rec, out):
     t = _trainer(out, 8, cb)
     t.train(resume_from_checkpoint=resume_from_checkpoint(str(out)))
     assert cb.resumed_step == 4
+    assert rec.restored == [3]  # the checkpoint of 4 completed steps: 0-3
     assert rec.steps == [4, 5, 6, 7]
     assert t.state.global_step == 8
     assert checkpoint_complete(str(out / "checkpoint-6"))[0]  # written again, whole this time

@@ -32,6 +32,8 @@ def rec(monkeypatch):
     monkeypatch.setattr(hooks, "active", lambda: True)
     monkeypatch.setattr(hooks, "report", lambda step=None, loss=None: r.reports.append((step, loss)))
     monkeypatch.setattr(hooks, "phase", lambda name: r.phases.append(name))
+    r.restored = []
+    monkeypatch.setattr(hooks, "restored", r.restored.append)
     return r
 
 
@@ -129,6 +131,7 @@ def test_fit_saves_verified_checkpoints_and_resumes_from_last(rec, tmp_path):
     model2 = Tiny()
     t2.fit(model2, _data(), ckpt_path="last")
     assert cb.resumed_step == 6
+    assert rec.restored == [-1, 5]  # fresh, then the checkpoint of 6 completed steps (0-5)
     assert io2.loaded_path == str(d / "last.ckpt")
     assert len(model2.losses) == 2 and t2.global_step == 8
     assert "recovery" in rec.phases

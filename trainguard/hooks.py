@@ -79,6 +79,16 @@ def expect_framework_steps() -> None:
         rt.framework_steps = True
 
 
+def restored(step: int) -> None:
+    """A framework restored its own checkpoint of completed step ``step`` (0-based: the
+    Trainer's ``global_step - 1``): ``recovery.resumed`` of this start names it as
+    ``restored_step`` (else -1: the script restored something trainguard does not see). A
+    negative ``step`` (a fresh start) is ignored. No-op when not ``active()``."""
+    rt = _RT
+    if rt is not None and step >= 0:
+        rt.restored_step = int(step)
+
+
 def phase(name: str) -> None:
     """Tell the detector what the rank does now (``schemas.PHASES``: startup, train, compile,
     checkpoint, recovery, eval, done); slow phases get longer hang allowances. No-op when
@@ -356,6 +366,7 @@ class _PlainRuntime(_Runtime):
         self.hook_handle: Any = None
         self.framework_steps = False
         self.resume_pending = restart_count() > 0  # the first step after a group restart
+        self.restored_step = -1  # what a framework said it restored (``restored``)
         self.opt_steps = 0
 
     def start(self, decisions: bool = False) -> None:
@@ -387,7 +398,8 @@ class _PlainRuntime(_Runtime):
         cfg, e = self.cfg, os.environ
         self.publish(subjects.job(cfg.job, "recovery"), schemas.TrainingResumed(
             **self._ids(), generation=cfg.generation, world_size=cfg.world_size,
-            restored_step=-1, resumed_step=step, fault_ts=int(e.get("TG_FAULT_TS", 0) or 0),
+            restored_step=self.restored_step, resumed_step=step,
+            fault_ts=int(e.get("TG_FAULT_TS", 0) or 0),
             restore_source="script", decision_id=e.get("TG_DECISION_ID", "")))
 
     def close(self, final: bool) -> None:

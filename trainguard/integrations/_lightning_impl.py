@@ -51,6 +51,7 @@ class CallbackMixin:
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.resumed_step = int(trainer.global_step)
         self._last_step = self.resumed_step
+        hooks.restored(self.resumed_step - 1)  # resumed from a checkpoint of that many steps
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -61,6 +61,7 @@ class TrainguardCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.resumed_step = int(state.global_step)
+        hooks.restored(self.resumed_step - 1)  # resumed from a checkpoint of that many steps
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not hooks.active():
