@@ -86,7 +86,8 @@ def test_launch_reads_the_schedule_and_refuses_a_bad_one(tmp_path, capsys):
     good = tmp_path / "f.yaml"
     good.write_text("- {kind: exception, rank: 1, step: 5}\n- {kind: power_off, node: 1, "
                     "step: 5}\n")
-    cfg = parse_args(["--faults", str(good), "--job", "fj", str(script)])
+    cfg = parse_args(["--faults", str(good), "--job", "fj", "--nproc-per-node", "2",
+                      str(script)])
     assert json.loads(cfg.faults) == {"faults": [{"id": 1, "kind": "exception", "rank": 1,
                                                   "step": 5}]}
     assert cfg.faults_dir == str(good) + ".fired" + os.sep + "fj"

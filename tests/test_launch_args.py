@@ -197,3 +197,18 @@ def test_two_embedded_launches_of_one_job_on_a_host_cannot_both_run(tmp_path, mo
         standalone_lock("job.a", "n0").close()  # the kernel released it
     finally:
         tempfile.tempdir = None
+
+
+def test_a_scheduled_fault_on_a_rank_the_job_lacks_is_refused(tmp_path, capsys):
+    """A rank fault for rank 5 of a 2-rank job would never fire (a user's trial: accepted
+    silently): argparse's error names the entry and the job's ranks."""
+    sched = tmp_path / "s.yaml"
+    sched.write_text("faults:\n  - {kind: sigkill, rank: 1, step: 3}\n"
+                     "  - {kind: exception, rank: 5, step: 9}\n")
+    with pytest.raises(SystemExit) as ei:
+        parse(["--standalone", "--nproc-per-node", "2", "--faults", str(sched), "t.py"])
+    assert ei.value.code == 2
+    assert "rank 5 is not a rank of this job (ranks 0-1)" in capsys.readouterr().err
+    ok = parse(["--nnodes", "1:3", "--node-rank", "0", "--nproc-per-node", "2", "--faults",
+                str(sched), "t.py"])
+    assert '"rank": 5' in ok.faults  # 3 nodes of 2: rank 5 exists

@@ -222,15 +222,20 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def load_faults(path: str, job: str) -> tuple[str, str]:
+def load_faults(path: str, job: str, world_size: int | None = None) -> tuple[str, str]:
     """``--faults PATH`` → ``(rank faults as JSON, marker directory)`` for the ranks'
     environment (``TG_FAULTS``, ``TG_FAULTS_DIR``: ``$TG_FAULTS_DIR`` or
     ``<PATH>.fired/<job>``, beside the schedule, so that ranks moved to another node sharing
     that file system do not fire a fault twice). Node faults are left to the cluster harness
-    (said once). Raises ``FaultScheduleError``."""
-    from .fault_schedule import dumps, load
+    (said once). A rank fault naming a rank past ``world_size`` (the largest world of the job)
+    would never fire: refused. Raises ``FaultScheduleError``."""
+    from .fault_schedule import FaultScheduleError, dumps, load
 
     faults = load(path)
+    for f in faults:
+        if f.on_rank and world_size is not None and f.rank is not None and f.rank >= world_size:
+            raise FaultScheduleError(f"{path} fault {f.id}", f"rank {f.rank} is not a rank of "
+                                     f"this job (ranks 0-{world_size - 1}): it would never fire")
     node = [f for f in faults if not f.on_rank]
     if node:
         print(f"trainguard launch: --faults {path}: {len(node)} node fault(s) "
@@ -360,7 +365,7 @@ def parse(argv: list[str], description: str = ""):
         from .fault_schedule import FaultScheduleError
 
         try:
-            faults, faults_dir = load_faults(a.faults, job)
+            faults, faults_dir = load_faults(a.faults, job, nmax * nproc)
         except FaultScheduleError as exc:
             p.error(f"--faults: {exc}")
     cfg = LaunchConfig(
