@@ -132,3 +132,38 @@ def test_a_failing_script_still_gets_the_buffers_of_its_open_files_written(tmp_p
                        capture_output=True, text=True, timeout=110)
     assert p.returncode == 1, p.stderr[-2000:]
     assert out.read_text() == "last line\n"
+
+
+def test_a_waiting_spare_ignores_ctrl_c_and_the_rank_it_becomes_does_not(tmp_path):
+    """A Ctrl-C reaches the launcher's whole process group: a spare not yet assigned stays
+    quiet (each printed a KeyboardInterrupt traceback: a user's trial), the rank it then
+    becomes gets SIGINT as under torchrun (KeyboardInterrupt in the script)."""
+    import signal
+    import time
+
+    out = tmp_path / "out.txt"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, signal\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    import time; time.sleep(5)\n"
+        f"    open({str(out)!r}, 'w').write('no interrupt')\n"
+        "except KeyboardInterrupt:\n"
+        f"    open({str(out)!r}, 'w').write('interrupted')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
+                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)  # while it warms up or waits
+        time.sleep(0.5)
+        assert p.poll() is None  # still a spare
+        p.stdin.write(json.dumps({"env": {}, "argv": [str(script)], "cwd": str(tmp_path),
+                                  "module": False}) + "\n")
+        p.stdin.close()
+        assert p.wait(100) == 0
+        assert out.read_text() == "interrupted"
+        assert "KeyboardInterrupt" not in p.stderr.read()
+    finally:
+        p.kill()

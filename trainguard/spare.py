@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import sys
 
 
@@ -97,6 +98,10 @@ def _exit_now(status: int) -> None:
 
 
 def main() -> None:
+    # a Ctrl-C at the terminal reaches the whole process group: the launcher stops the job and
+    # its spares; an unassigned spare has nothing to say (it printed a KeyboardInterrupt
+    # traceback per spare), so it ignores SIGINT until it becomes a rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the rank's script gets its own directory on the path, as with torchrun
     cwd_dropped = _working_dir_off_path()
     warm()
@@ -112,6 +117,7 @@ def main() -> None:
         os.chdir(assignment["cwd"])
     sys.argv = list(assignment["argv"])
     sys.stdin = open(os.devnull)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a rank: as under torchrun
     script = sys.argv[0]
     if not assignment.get("module"):
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
