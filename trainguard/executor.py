@@ -110,7 +110,8 @@ def plan_node(d: schemas.Decision, node: str, ranks: list[LocalRank],
         parts.append("started " + ", ".join(f"rank {rk} (local {lr})" for lr, rk in plan.start))
     if group:
         parts.append(f"local rank(s) {', '.join(map(str, group))} restarted with the worker "
-                     f"group (no in-process restart)")
+                     f"group: a script that does not run under trainguard.run cannot restart "
+                     f"in process, so its processes are replaced")
     plan.why = "; ".join(parts)
     return plan
 
