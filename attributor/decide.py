@@ -284,13 +284,12 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
         # knows no step) and the rank's own report follows with its step (trainguard.hooks
         # .finish, the shim): the step is the rank's, whichever came first (the remediator's
         # loop check compares it with the last fault's)
-        detail.update(step=next((a.detail["step"] for a in ordered_a if a is not root
-                                 and isinstance(a.detail.get("step"), int)
-                                 and a.fault_class == root.fault_class
-                                 and a.generation == root.generation
-                                 and a.culprit.ranks == root.culprit.ranks), None))
-        if detail["step"] is None:
-            del detail["step"]
+        step = next((a.detail["step"] for a in ordered_a if a is not root
+                     and isinstance(a.detail.get("step"), int)
+                     and a.fault_class == root.fault_class and a.generation == root.generation
+                     and a.culprit.ranks == root.culprit.ranks), None)
+        if step is not None:
+            detail["step"] = step
     return VerdictSpec(
         fault_class=fault_class, layer=layer, ranks=sorted(set(ranks)),
         nodes=nodes, gpus=gpus, confidence=ev.confidence(score), score=score, evidence=evidence,

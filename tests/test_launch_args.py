@@ -212,3 +212,11 @@ def test_a_scheduled_fault_on_a_rank_the_job_lacks_is_refused(tmp_path, capsys):
     ok = parse(["--nnodes", "1:3", "--node-rank", "0", "--nproc-per-node", "2", "--faults",
                 str(sched), "t.py"])
     assert '"rank": 5' in ok.faults  # 3 nodes of 2: rank 5 exists
+
+
+def test_a_no_python_program_on_path_is_no_missing_script(tmp_path):
+    """``--no-python`` runs a program found on PATH, not a file beside the launch."""
+    from trainguard.launcher import _script_missing
+
+    assert _script_missing(parse(["--no-python", "--standalone", "true"])) is None
+    assert "no such file" in _script_missing(parse(["--standalone", str(tmp_path / "x.py")]))

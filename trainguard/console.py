@@ -139,7 +139,8 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                 "checkpoints": await store["s"].checkpoints(job)}
 
     async def nodes_view(only: set[str] | None = None) -> list[dict[str, Any]]:
-        from .attributor.decide import NODE_LAYERS, AttributorConfig, history_from_records
+        from .attributor.decide import NODE_LAYERS
+        from .node_cli import fault_history
 
         st = store["s"]
         records = await st.nodes()
@@ -155,14 +156,12 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
         names = sorted(set(records) | set(ranks) | set(spare))
         if only is not None:
             names = [n for n in names if n in only]
-        cfg = AttributorConfig()
-        since = time.time_ns() - int(cfg.history_window_s * 1e9)
-        hist = {n: await st.node_history(n, since) for n in names}
-        h = history_from_records("", hist, [], since_ns=since)
+        now = time.time_ns()
         out = []
         for n in names:
             r = records.get(n) or {}
-            jobs_hit = sorted(h.node_jobs.get(n, set()))
+            h = await fault_history(st, n, now)  # as the attributor weighs it
+            jobs_hit = h["fault_jobs"]
             status = r.get("status")
             state = status if status in ("excluded", "lost") else (
                 "suspect" if jobs_hit else "healthy")
@@ -171,9 +170,9 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                         "updated_ns": int(r["updated_ns"]) if r.get("updated_ns") else None,
                         "ranks": {j: sorted(v) for j, v in ranks.get(n, {}).items()},
                         "spare_for": spare.get(n, []),
-                        "faults": sum(1 for x in hist[n] if x.get("layer") in NODE_LAYERS),
+                        "faults": sum(1 for x in h["records"] if x.get("layer") in NODE_LAYERS),
                         "fault_jobs": jobs_hit,
-                        "repeat_offender": len(jobs_hit) >= cfg.node_repeat_jobs})
+                        "repeat_offender": h["repeat_offender"]})
         return out
 
     async def incidents_view(name: str, audit: list[dict[str, Any]] | None = None

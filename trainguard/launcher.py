@@ -272,11 +272,16 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     return parse(argv, description=__doc__.split("\n\n")[0])
 
 
+def _needs_embedded_stack(cfg: LaunchConfig) -> bool:
+    """A single-node job with no NATS and no state store given runs on a stack of its own."""
+    return not (cfg.nats_url or cfg.redis_url or cfg.nnodes != 1)
+
+
 def _embedded_stack(cfg: LaunchConfig):
     """With no NATS, state store and rendezvous store configured on a single-node job, start
     an embedded stack for this launch (as ``trainguard demo`` does) and point ``cfg`` at it.
     Returns the stack (stopped by the caller) or None when one is configured."""
-    if cfg.nats_url or cfg.redis_url or cfg.nnodes != 1:
+    if not _needs_embedded_stack(cfg):
         return None
     from .stack import Stack
 
@@ -297,8 +302,8 @@ def _embedded_stack(cfg: LaunchConfig):
 def _script_missing(cfg: LaunchConfig) -> str | None:
     """Why the job's program cannot run here (a script path that is not a file), or None; a
     module (``-m``) is left to its import."""
-    if cfg.module or os.path.isfile(cfg.script):
-        return None
+    if cfg.module or cfg.no_python or os.path.isfile(cfg.script):
+        return None  # --no-python: a program on PATH, checked with the arguments
     return f"trainguard launch: {cfg.script}: no such file (the training script to run)"
 
 
@@ -312,8 +317,6 @@ def standalone_lock(job: str, node: str) -> TextIO:
     ``SystemExit`` (a message) when another process holds it."""
     import fcntl
     import tempfile
-
-    from .schemas import subjects
 
     d = os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
@@ -341,7 +344,7 @@ def main(argv: list[str]) -> int:
         print(why, file=sys.stderr)
         return 2
     lock = None
-    if not (cfg.nats_url or cfg.redis_url or cfg.nnodes != 1):  # an embedded stack: below
+    if _needs_embedded_stack(cfg):
         lock = standalone_lock(cfg.job, cfg.node)
     stack = _embedded_stack(cfg)
     try:
