@@ -37,6 +37,9 @@ class LaunchConfig:
     (``trainguard.checkpoint.NodeWriter``, exported as ``TG_CKPT_WRITER``); its writers share
     the daemon's imports, ≈ 4 MB per rank instead of ≈ 16 MB for a writer per rank. A rank falls
     back to a writer of its own when the daemon does not answer.
+    ``fork_spares`` [True]: fork the spares from one warm template process per node
+    (``trainguard.forkserver``: torch imported and warmed once, not once per rank); False, or
+    a template that fails to warm: each spare is a process of its own, started cold.
     torchrun's settings (``trainguard.launch_args``): ``max_restarts`` [0] (observe mode: group
     restarts after a failure), ``role`` ["default"], ``log_dir`` [""], ``redirects``/``tee``
     (which local ranks' stdout/stderr go to files), ``local_ranks_filter`` [all] (console),
@@ -71,6 +74,7 @@ class LaunchConfig:
     refill_delay_s: float = 2.0
     warm_imports: str = ""
     node_writer: bool = True
+    fork_spares: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     role: str = "default"

@@ -26,6 +26,7 @@ from trainguard import schemas
 from trainguard.schemas import subjects
 
 from .executor import LocalRank
+from .forkserver import ForkedProcess, ForkServer, child_output_pump
 from .launcher_loop import RankExited, RefillPool
 from .rdzv_gate import TOKEN_ENV
 
@@ -57,13 +58,18 @@ class RankProcess:
         self.pool = pool
         rfd, wfd = os.pipe()
         self.direct = argv is not None
-        self.popen = subprocess.Popen(
-            argv or [sys.executable, "-m", "trainguard.spare"],
-            env={**env, "TG_LAUNCHER_FD": str(wfd)},
-            stdin=subprocess.DEVNULL if self.direct else subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=pdeathsig_kill,
-            text=True, bufsize=1, pass_fds=(wfd,))
-        os.close(wfd)
+        template = None if self.direct else pool.template()
+        try:
+            self.popen: "subprocess.Popen | ForkedProcess" = (
+                template and template.spawn({**env, "TG_LAUNCHER_FD": str(wfd)})
+            ) or subprocess.Popen(
+                argv or [sys.executable, "-m", "trainguard.spare"],
+                env={**env, "TG_LAUNCHER_FD": str(wfd)},
+                stdin=subprocess.DEVNULL if self.direct else subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=pdeathsig_kill,
+                text=True, bufsize=1, pass_fds=(wfd,))
+        finally:
+            os.close(wfd)
         self.local_rank: int | None = None
         self.rank: int | None = None
         self.generation = 0
@@ -72,13 +78,16 @@ class RankProcess:
         self.in_process = False
         self.files: dict[str, Any] = {}   # "stdout"/"stderr" → per-rank log file
         self.console = {"stdout": True, "stderr": True}
+        self.pumps: list[threading.Thread] = []
         threading.Thread(target=self._control, args=(rfd,), daemon=True).start()
         if not self.direct:  # a direct program's pumps start once it is assigned (its files)
             self._start_pumps()
 
     def _start_pumps(self) -> None:
         for stream, name in ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")):
-            threading.Thread(target=self._pump, args=(stream, name), daemon=True).start()
+            t = threading.Thread(target=self._pump, args=(stream, name), daemon=True)
+            t.start()
+            self.pumps.append(t)
 
     def _control(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as fh:
@@ -153,8 +162,20 @@ class RankProcess:
             except OSError:
                 pass
 
+    #: seconds a rank that exited (not killed by a signal) waits for its output pumps to reach
+    #: the end of its streams before its exit is reported: a child of the rank (a DataLoader
+    #: worker) may hold them open for seconds more
+    DRAIN_S = 0.2
+
     def _wait(self) -> None:
-        self.popen.wait()
+        rc = self.popen.wait()
+        if rc >= 0:
+            # its last lines first (the traceback it printed as it failed), then its exit: a
+            # crash published before the relayed traceback was attributed as a crash, not as
+            # the exception (seen on a loaded machine: a loop check missed because of it)
+            deadline = time.monotonic() + self.DRAIN_S
+            for t in self.pumps:
+                t.join(max(0.0, deadline - time.monotonic()))
         self.pool.post(RankExited(self))
 
     def kill(self) -> None:
@@ -181,6 +202,8 @@ class ProcessPool:
         self.started_at = time.time()  # Unix s: the origin of scheduled faults' at_s
         #: the local relay the ranks reach the rendezvous store through ("": the store itself)
         self.rdzv_relay = ""
+        self._template: ForkServer | None = None
+        self._template_said = False
 
     # ---- environment --------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -247,6 +270,22 @@ class ProcessPool:
             return  # observe mode without restarts: a spare would only cost memory
         while len(self.spares) < self.cfg.spares:
             self.spares.append(RankProcess(self, self.base_env()))
+
+    def template(self) -> ForkServer | None:
+        """The warm template the spares are forked from (``trainguard.forkserver``), started on
+        first need (main thread: its PR_SET_PDEATHSIG); None with ``--no-fork-spares``, or once
+        it failed (why is said once; the spares then start cold)."""
+        if not self.cfg.fork_spares or self.cfg.no_python:
+            return None
+        if self._template is None:
+            self._template = ForkServer().start(
+                self.base_env(), preexec_fn=pdeathsig_kill,
+                on_output=child_output_pump(f"[{self.cfg.node} spare]", sys.stderr))
+        if self._template.failure and not self._template_said:
+            self._template_said = True
+            print(f"trainguard launch [{self.cfg.node}]: spares start cold "
+                  f"({self._template.failure})", file=sys.stderr, flush=True)
+        return self._template
 
     def _rank_dir(self, local_rank: int, restart_count: int) -> str:
         """torchrun's per-rank directory: ``<log dir>/<job>/attempt_<n>/<local rank>``
@@ -373,6 +412,8 @@ class ProcessPool:
                 proc.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        if self._template is not None:
+            self._template.close()
         if self.node_writer is not None:
             self.node_writer.close()  # it finishes the saves in flight on its own, then exits
             if self.node_writer.proc is not None and self.node_writer.proc.poll() is not None:

@@ -104,10 +104,28 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the rank's script gets its own directory on the path, as with torchrun
     cwd_dropped = _working_dir_off_path()
-    warm()
+    # `--fork-server FD`: this process is the launcher's template (trainguard.forkserver): it
+    # warms once and forks each spare, which goes on below
+    template_fd = int(sys.argv[2]) if sys.argv[1:2] == ["--fork-server"] else None
+    try:
+        warm()
+    except BaseException as exc:  # the template says why before it goes (spares start cold)
+        if template_fd is None:
+            raise
+        from trainguard import forkserver
+
+        forkserver.failed(template_fd, f"{type(exc).__name__}: {exc}")
+        raise
     # what is loaded now lives as long as the process: keep it out of the collector's scans,
-    # so that the full collection of an in-process restart costs ≈ 0.2 ms, not ≈ 180 ms
+    # so that the full collection of an in-process restart costs ≈ 0.2 ms, not ≈ 180 ms (and
+    # a forked spare shares those pages with its template instead of copying them)
     gc.freeze()
+    if template_fd is not None:
+        from trainguard import forkserver
+
+        if not forkserver.serve(template_fd):
+            return  # the launcher is gone
+        del sys.argv[1:3]
     line = sys.stdin.readline()
     if not line:
         return  # the launcher closed our stdin: not needed
