@@ -141,3 +141,14 @@ def test_the_launchers_death_ends_the_template_and_every_spare(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_template_whose_warm_up_fails_says_why_and_forks_nothing(tmp_path):
+    (tmp_path / "tg_breaks_at_import.py").write_text("raise RuntimeError('no licence server')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TG_WARM_IMPORTS": "tg_breaks_at_import"}
+    fs = ForkServer().start(env, on_output=lambda stream: stream.read())
+    try:
+        assert fs.spawn(dict(os.environ), timeout=60) is None
+        assert "RuntimeError: no licence server" in fs.failure, fs.failure
+    finally:
+        fs.close()

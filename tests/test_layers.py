@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.worker", RUNTIME, False), ("trainguard.hooks", RUNTIME, False),
     ("trainguard.spare", RUNTIME, False), ("trainguard.launch", RUNTIME, False),
     ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
+    ("trainguard.forkserver", RUNTIME, False),
     ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
     ("trainguard.rendezvous", RUNTIME, False), ("trainguard.rdzv_gate", RUNTIME, False),
     ("trainguard.checkpoint", RUNTIME, False),

@@ -191,6 +191,8 @@ class Launcher:
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
+        # the spares' template warms while this launcher connects, registers and rendezvous
+        self.pool.template()
         self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision)
         self.bus.start()
         if not self.bus.wait_connected(15.0):

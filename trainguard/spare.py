@@ -123,6 +123,12 @@ def main() -> None:
     if template_fd is not None:
         from trainguard import forkserver
 
+        import torch
+
+        if torch.cuda.is_initialized():  # a forked child cannot use CUDA set up before the fork
+            forkserver.failed(template_fd, "CUDA was initialised while warming (a module of "
+                                           "TG_WARM_IMPORTS?): a forked rank could not use it")
+            return
         if not forkserver.serve(template_fd):
             return  # the launcher is gone
         del sys.argv[1:3]
