@@ -347,6 +347,15 @@ def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, run
     runs.append(run)
     tg = run.launch(None, argv, "trainguard")
     before = run.wait_epoch(2, FAULT_EPOCH, 180)
+    # the ranks were forked from the node's warm template (trainguard.forkserver), a child of
+    # the launcher
+    for rec in before.values():
+        with open(f"/proc/{rec['pid']}/status") as fh:
+            ppid = int(next(ln for ln in fh if ln.startswith("PPid:")).split()[1])
+        with open(f"/proc/{ppid}/cmdline", "rb") as fh:
+            assert b"--fork-server" in fh.read(), ppid
+        with open(f"/proc/{ppid}/status") as fh:
+            assert f"PPid:\t{tg.p.pid}\n" in fh.read()
     t_fault = time.time_ns()
     os.kill(before[1]["pid"], signal.SIGKILL)
     assert tg.wait(120) == 0, run.tails()

@@ -36,7 +36,7 @@ import sys
 import threading
 from typing import IO, Any, Callable
 
-__all__ = ["ForkServer", "ForkedProcess", "serve"]
+__all__ = ["ForkServer", "ForkedProcess", "pdeathsig_kill", "serve"]
 
 #: seconds the launcher waits for the template to warm before it starts a spare cold
 READY_TIMEOUT_S = 120.0
@@ -232,7 +232,10 @@ class ForkServer:
 
 
 # ---- the template's side ------------------------------------------------------------------------
-def _set_pdeathsig() -> None:
+def pdeathsig_kill() -> None:
+    """Have the kernel SIGKILL this process when the thread that forked it exits
+    (``PR_SET_PDEATHSIG``): the ``preexec_fn`` of every child of the launcher, and what a
+    forked spare sets against its template."""
     try:
         import ctypes
 
@@ -250,7 +253,7 @@ def _become_spare(sock: socket.socket, wake: tuple[int, int], env: dict[str, str
     sock.close()
     for fd in wake:
         os.close(fd)
-    _set_pdeathsig()
+    pdeathsig_kill()
     if os.getppid() != template_pid:  # the template died before the line above
         os._exit(1)
     in_r, out_w, err_w, *ctl = fds

@@ -11,7 +11,6 @@ It also holds the node's checkpoint writer daemon and frees the ranks' staging b
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -26,7 +25,7 @@ from trainguard import schemas
 from trainguard.schemas import subjects
 
 from .executor import LocalRank
-from .forkserver import ForkedProcess, ForkServer, child_output_pump
+from .forkserver import ForkedProcess, ForkServer, child_output_pump, pdeathsig_kill
 from .launcher_loop import RankExited, RefillPool
 from .rdzv_gate import TOKEN_ENV
 
@@ -35,14 +34,6 @@ if TYPE_CHECKING:
     from .launch_config import LaunchConfig
 
 __all__ = ["ProcessPool", "RankProcess", "pdeathsig_kill"]
-
-
-def pdeathsig_kill() -> None:
-    """``preexec_fn`` of every child: SIGKILL it when the thread that forked it exits."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class RankProcess:
