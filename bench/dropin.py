@@ -14,9 +14,9 @@ every figure is computed from those lines, the same way for every launcher.
 Each run of (job, launcher) is one launch, in phases:
 
 1. **Fault-free step rate.** Once rank 0 has completed ``WARMUP_STEPS`` steps and every process
-   the launcher started besides the ranks is idle (trainguard's warm spares import torch beside
-   the first steps, by design; the rate is that of the job as it then trains), rank 0's step
-   rate over a ``--window`` of seconds. Rounds alternate the order of the launchers for each job
+   the launcher started besides the ranks is idle (trainguard's spares, forked from its warm
+   template, or cold ones importing torch beside the first steps; the rate is that of the job
+   as it then trains), rank 0's step rate over a ``--window`` of seconds. Rounds alternate the order of the launchers for each job
    (trainguard first, then torchrun first, …), so a drift of the shared machine's load cancels
    out; the ratio is the median of trainguard's rates over the median of torchrun's.
 2. **SIGKILL of rank 1.** Seconds from the signal to every rank's first completed step in a new

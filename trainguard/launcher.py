@@ -208,9 +208,8 @@ class Launcher:
               flush=True)
         self.pool.start_node_writer()
         self.lease.start_heartbeat(lambda: (self.loop.generation, self.loop.attempt))
-        # the pool warms beside the first ranks: a slower start (on 2 cores, 6 processes
-        # importing torch: ≈ 20 s instead of ≈ 13 s) buys a warm spare for an early fault
-        # (measured: a SIGKILL 2 s into training took 6-12 s with the pool warmed afterwards)
+        # the first ranks and the spares are forked from the template started above (cold
+        # processes with --no-fork-spares: on 2 cores, 6 importing torch took ≈ 20 s, not ≈ 13)
         self.loop.start(generation)
 
     def run(self) -> int:
