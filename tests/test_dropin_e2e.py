@@ -242,6 +242,32 @@ def test_sigkill_two_nodes_restarts_the_group_from_the_scripts_snapshot(stack, t
         assert ds[0]["generation"] in gens, proc.text()[-3000:]
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return int(next(ln for ln in fh if ln.startswith("PPid:")).split()[1])
+
+
+def test_the_spares_template_killed_by_hand_takes_its_ranks_and_the_job_recovers_cold(
+        stack, tmp_path, runs):
+    """The ranks are the template's children (trainguard.forkserver): SIGKILL of the template
+    ends them too (PR_SET_PDEATHSIG); the launcher recovers as from any rank fault, from spares
+    it now starts as processes of their own."""
+    run = Run(tmp_path, _job("template"))
+    runs.append(run)
+    node0 = run.launch(stack, ["--nproc-per-node", "2", "--mode", "action", "--node", "node0"])
+    before = run.wait_epoch(2, FAULT_EPOCH, 150)
+    template = _ppid(before[0]["pid"])
+    assert template == _ppid(before[1]["pid"]) != node0.p.pid
+    t_fault = time.time_ns()
+    os.kill(template, signal.SIGKILL)
+    assert node0.wait(150) == 0, run.tails()
+    first = assert_resumed(run, 2, run.last_before(t_fault), t_fault)
+    assert "spares start cold (the template exited)" in node0.text(), node0.text()[-3000:]
+    ds = [d for d in decisions(stack, run.job) if d["execute"]]
+    assert ds and ds[0]["action"] == "restart_workers", ds
+    assert all(f["pid"] != before[r]["pid"] for r, f in first.items())
+
+
 def test_exception_in_a_rank_restarts_the_group(stack, tmp_path, runs):
     marker = tmp_path / "raise_once"
     marker.write_text("")
@@ -350,12 +376,10 @@ def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, run
     # the ranks were forked from the node's warm template (trainguard.forkserver), a child of
     # the launcher
     for rec in before.values():
-        with open(f"/proc/{rec['pid']}/status") as fh:
-            ppid = int(next(ln for ln in fh if ln.startswith("PPid:")).split()[1])
+        ppid = _ppid(rec["pid"])
         with open(f"/proc/{ppid}/cmdline", "rb") as fh:
             assert b"--fork-server" in fh.read(), ppid
-        with open(f"/proc/{ppid}/status") as fh:
-            assert f"PPid:\t{tg.p.pid}\n" in fh.read()
+        assert _ppid(ppid) == tg.p.pid
     t_fault = time.time_ns()
     os.kill(before[1]["pid"], signal.SIGKILL)
     assert tg.wait(120) == 0, run.tails()
