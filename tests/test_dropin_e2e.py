@@ -251,7 +251,7 @@ def test_the_spares_template_killed_by_hand_takes_its_ranks_and_the_job_recovers
         stack, tmp_path, runs):
     """The ranks are the template's children (trainguard.forkserver): SIGKILL of the template
     ends them too (PR_SET_PDEATHSIG); the launcher recovers as from any rank fault, from spares
-    it now starts as processes of their own."""
+    started cold while a new template warms."""
     run = Run(tmp_path, _job("template"))
     runs.append(run)
     node0 = run.launch(stack, ["--nproc-per-node", "2", "--mode", "action", "--node", "node0"])
@@ -262,7 +262,9 @@ def test_the_spares_template_killed_by_hand_takes_its_ranks_and_the_job_recovers
     os.kill(template, signal.SIGKILL)
     assert node0.wait(150) == 0, run.tails()
     first = assert_resumed(run, 2, run.last_before(t_fault), t_fault)
-    assert "spares start cold (the template exited)" in node0.text(), node0.text()[-3000:]
+    assert "the spares' template exited (the ranks forked from it with it): a new one warms" \
+        in node0.text(), node0.text()[-3000:]
+    assert not os.path.exists(f"/proc/{template}")  # reaped: no zombie left of it
     ds = [d for d in decisions(stack, run.job) if d["execute"]]
     assert ds and ds[0]["action"] == "restart_workers", ds
     assert all(f["pid"] != before[r]["pid"] for r, f in first.items())

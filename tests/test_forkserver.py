@@ -56,8 +56,9 @@ def test_a_forked_spare_runs_its_script_with_its_environment_and_exit_status(tem
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import os, random, sys
+        import numpy, torch
         print("args", sys.argv[1:], os.environ["TG_TEST_SPARE"], os.environ["RANK"],
-              os.getcwd(), random.random())
+              os.getcwd(), random.random(), numpy.random.random(), torch.rand(1).item())
         os.write(int(os.environ["TG_LAUNCHER_FD"]), b"restart in_process\\n")
         print("to stderr", file=sys.stderr)
         sys.exit(3)
@@ -78,9 +79,10 @@ def test_a_forked_spare_runs_its_script_with_its_environment_and_exit_status(tem
         assert "to stderr" in err
         words = out.split()
         assert words[:6] == ["args", "['--lr',", "'0.1']", f"spare{n}", str(n), str(tmp_path)]
-        outs.append(float(words[6]))
-    # each fork seeds Python's random from the OS, as a fresh process does
-    assert outs[0] != outs[1]
+        outs.append([float(w) for w in words[6:9]])
+    # each fork seeds Python's, numpy's and torch's generators from the OS, as a fresh process
+    # does (unseeded DataLoader workers seed from torch's: they drew alike on every rank)
+    assert all(a != b for a, b in zip(*outs)), outs
 
 
 def test_a_killed_spare_is_reported_with_its_signal_and_a_second_fork_is_quick(template):
@@ -105,7 +107,11 @@ def test_the_templates_death_ends_its_spares_and_later_spares_start_cold(tmp_pat
         assert a.wait(10) == -signal.SIGKILL and b.wait(10) == -signal.SIGKILL
         assert _gone(a.pid) and _gone(b.pid)  # PR_SET_PDEATHSIG from the template
         assert fs.spawn(dict(os.environ), timeout=5) is None
-        assert not fs.usable and "exited" in fs.failure
+        assert not fs.usable and "exited" in fs.failure and fs.died_after_ready
+        deadline = time.monotonic() + 10
+        while fs.proc.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fs.proc.returncode == -signal.SIGKILL  # reaped, no zombie
     finally:
         fs.close()
 

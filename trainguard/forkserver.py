@@ -98,6 +98,9 @@ class ForkServer:
         self._exits: dict[int, int] = {}     # ends reported before their spare was registered
         self._children_lock = threading.Lock()
         self.failure = ""                    # why the template is not usable ("" while it is)
+        self.died_after_ready = False        # it warmed, forked, then exited (killed by hand?)
+        #: seconds ``spawn`` waits for the template to warm by default
+        self.ready_wait_s = READY_TIMEOUT_S
 
     def start(self, env: dict[str, str], preexec_fn: Callable[[], None] | None = None,
               on_output: Callable[[IO[str]], None] | None = None) -> "ForkServer":
@@ -157,6 +160,7 @@ class ForkServer:
                     self._replies.append(msg)
                     self._reply.notify_all()
         # the template is gone: so are its spares (PR_SET_PDEATHSIG), which nobody reaps now
+        self.died_after_ready = self._usable
         self._usable = False
         self.failure = self.failure or "the template exited"
         self._ready.set()
@@ -167,13 +171,19 @@ class ForkServer:
             self._children.clear()
         for child in orphans:
             child._set_exit(-signal.SIGKILL)
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)  # reaped: no zombie for the rest of the job
+            except subprocess.TimeoutExpired:
+                pass
 
-    def spawn(self, env: dict[str, str], timeout: float = READY_TIMEOUT_S
+    def spawn(self, env: dict[str, str], timeout: float | None = None
               ) -> ForkedProcess | None:
         """Fork one spare with environment ``env`` (its ``TG_LAUNCHER_FD`` is set by the
-        template). Waits up to ``timeout`` seconds for the template to be warm; None when it is
-        not usable (``failure`` says why)."""
-        if not self._ready.wait(timeout) or not self._usable:
+        template). Waits up to ``timeout`` seconds (default ``ready_wait_s``) for the template
+        to be warm; None when it is not usable (``failure`` says why) or not warm yet."""
+        if not self._ready.wait(self.ready_wait_s if timeout is None else timeout) \
+                or not self._usable:
             return None
         fds: list[int] = []
         with self._lock:
@@ -265,7 +275,9 @@ def _become_spare(sock: socket.socket, wake: tuple[int, int], env: dict[str, str
     if ctl:
         os.set_inheritable(ctl[0], True)  # as Popen's pass_fds: the rank's own children too
         os.environ["TG_LAUNCHER_FD"] = str(ctl[0])
-    # the template's random state is every fork's: a fresh process seeds from the OS
+    # the template's random state is every fork's: a fresh process seeds Python's, numpy's
+    # legacy and torch's default generators from the OS (torch: a user's trial found every
+    # forked rank's DataLoader workers drawing the same augmentation, as they seed from torch)
     import random
 
     random.seed()
@@ -274,6 +286,8 @@ def _become_spare(sock: socket.socket, wake: tuple[int, int], env: dict[str, str
             sys.modules["numpy"].random.seed()
         except Exception:  # noqa: BLE001 - a numpy without the legacy global generator
             pass
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
 
 
 def serve(fd: int) -> bool:

@@ -195,6 +195,7 @@ class ProcessPool:
         self.rdzv_relay = ""
         self._template: ForkServer | None = None
         self._template_said = False
+        self._template_restarts = 0
 
     # ---- environment --------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -262,16 +263,32 @@ class ProcessPool:
         while len(self.spares) < self.cfg.spares:
             self.spares.append(RankProcess(self, self.base_env()))
 
+    #: new templates a launcher starts after one that warmed died (its ranks died with it)
+    TEMPLATE_RESTARTS = 3
+
+    def _start_template(self) -> ForkServer:
+        return ForkServer().start(
+            self.base_env(), preexec_fn=pdeathsig_kill,
+            on_output=child_output_pump(f"[{self.cfg.node} spare]", sys.stderr))
+
     def template(self) -> ForkServer | None:
         """The warm template the spares are forked from (``trainguard.forkserver``), started on
-        first need (main thread: its PR_SET_PDEATHSIG); None with ``--no-fork-spares``, or once
-        it failed (why is said once; the spares then start cold)."""
+        first need (main thread: its PR_SET_PDEATHSIG); None with ``--no-fork-spares``. One that
+        warmed and then died (its ranks with it) is replaced, up to ``TEMPLATE_RESTARTS``
+        times; spares start cold until the new one is warm (a spawn never waits for it). One
+        that could not warm is not: why is said once, and the spares start cold."""
         if not self.cfg.fork_spares or self.cfg.no_python:
             return None
         if self._template is None:
-            self._template = ForkServer().start(
-                self.base_env(), preexec_fn=pdeathsig_kill,
-                on_output=child_output_pump(f"[{self.cfg.node} spare]", sys.stderr))
+            self._template = self._start_template()
+        elif self._template.died_after_ready and \
+                self._template_restarts < self.TEMPLATE_RESTARTS:
+            self._template_restarts += 1
+            print(f"trainguard launch [{self.cfg.node}]: the spares' template exited (the ranks "
+                  f"forked from it with it): a new one warms, spares start cold meanwhile",
+                  file=sys.stderr, flush=True)
+            self._template = self._start_template()
+            self._template.ready_wait_s = 0.0
         if self._template.failure and not self._template_said:
             self._template_said = True
             print(f"trainguard launch [{self.cfg.node}]: spares start cold "
