@@ -112,7 +112,8 @@ class ForkServer:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "trainguard.spare", "--fork-server", str(theirs.fileno())],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if on_output is not None else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT, text=True, bufsize=1, pass_fds=(theirs.fileno(),),
                 preexec_fn=preexec_fn)
         except OSError as exc:
