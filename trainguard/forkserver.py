@@ -20,9 +20,9 @@ The protocol, over a ``SOCK_SEQPACKET`` socket pair (one JSON object a packet):
 Lifetimes: the template gets ``PR_SET_PDEATHSIG`` (SIGKILL) from the launcher's main thread as
 every child does; each forked spare gets it from the template, so the launcher's death still
 ends every process of the node. The template's death ends its spares and ranks too: the launcher
-then reports each as ended by SIGKILL (a rank fault it handles as any other) and starts later
-spares cold. Where the template cannot start (it fails to warm, or no ``send_fds``), the launcher
-starts cold spares as before.
+then reports each as ended by SIGKILL (a rank fault it handles as any other), starts spares cold
+and a new template (``ProcessPool.template``). Where the template cannot start (it fails to
+warm, or no ``send_fds``), the launcher starts cold spares as before.
 """
 from __future__ import annotations
 
@@ -186,7 +186,6 @@ class ForkServer:
         if not self._ready.wait(self.ready_wait_s if timeout is None else timeout) \
                 or not self._usable:
             return None
-        fds: list[int] = []
         with self._lock:
             in_r, in_w = os.pipe()
             out_r, out_w = os.pipe()
