@@ -31,18 +31,25 @@ def bus_back(state: DetectorState, now: float, gap_s: float) -> None:
 
 
 def index(state: DetectorState, name: str, old: JobRecord | None,
-           new: JobRecord | None) -> None:
-    """Move job ``name`` in ``node_jobs`` from the nodes of ``old``'s members to ``new``'s."""
-    for m in (old.members if old is not None else ()):
-        node = m.get("node")
-        jobs = state.node_jobs.get(str(node)) if node else None
+          new: JobRecord | None) -> None:
+    """Move job ``name`` in ``node_jobs`` from the nodes of ``old``'s members to ``new``'s, and
+    drop the cached ``node_timeouts`` of those nodes when the nodes or the job's node timeout
+    changed (a record read again unchanged, every ``job_refresh_s``, costs a comparison)."""
+    before = {str(m["node"]) for m in (old.members if old is not None else ()) if m.get("node")}
+    after = {str(m["node"]) for m in (new.members if new is not None else ()) if m.get("node")}
+    if before == after and old is not None and new is not None and \
+            old.node_timeout_s == new.node_timeout_s:
+        return
+    for node in before:
+        jobs = state.node_jobs.get(node)
         if jobs is not None:
             jobs.discard(name)
             if not jobs:
-                del state.node_jobs[str(node)]
-    for m in (new.members if new is not None else ()):
-        if m.get("node"):
-            state.node_jobs.setdefault(str(m["node"]), set()).add(name)
+                del state.node_jobs[node]
+    for node in after:
+        state.node_jobs.setdefault(node, set()).add(name)
+    for node in before | after:
+        state.node_timeouts.pop(node, None)
 
 
 def forget_job(state: DetectorState, name: str) -> None:
@@ -73,6 +80,7 @@ def gc(state: DetectorState, now: float) -> None:
     for n, ns in list(state.nodes.items()):
         if ns.last and max(ns.last.values()) < horizon:
             del state.nodes[n]
+            state.node_timeouts.pop(n, None)
             continue
         for job, t in list(ns.launchers.items()):  # a launcher silent that long: forgotten
             if t < horizon:

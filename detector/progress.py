@@ -60,7 +60,8 @@ class JobState:
     and throughput bookkeeping."""
 
     __slots__ = ("name", "ranks", "times", "n_times", "max_step", "tp_mark", "tp_step",
-                 "tp_base", "tp_windows", "dirty", "p99", "p99_n", "gen", "gen_started")
+                 "tp_base", "tp_windows", "dirty", "p99", "p99_n", "gen", "gen_started",
+                 "silence_due")
 
     def __init__(self, name: str, window: int = 256):
         self.name = name
@@ -77,6 +78,9 @@ class JobState:
         self.p99_n = -1
         self.gen = 0
         self.gen_started = 0.0  # monotonic time the job's newest generation was first seen
+        # monotonic s before which no rank can be found silent (``silence_rule`` sets it; a
+        # caller that changes a timeout sets it back to -inf)
+        self.silence_due = -math.inf
 
     def add_time(self, t: float) -> None:
         self.times[self.n_times % len(self.times)] = t
@@ -204,30 +208,42 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
                  jc: JobRecord | None = None) -> list[Finding]:
     """Hang (a): ranks whose heartbeats stopped for longer than the silence timeout while not
     ``done`` and not known to have exited. The silent rank is the culprit: a stopped process's
-    heartbeat thread stops too, while ranks blocked in a collective keep beating."""
+    heartbeat thread stops too, while ranks blocked in a collective keep beating.
+
+    Sets ``job.silence_due``: the earliest time any rank not found silent now could be (its
+    last heartbeat plus its timeout, or plus the base timeout while it is under it; with no
+    such rank, ``now`` plus the base timeout). A heartbeat only moves a rank's deadline later,
+    and a rank that becomes a candidate (it beats again, a new generation) does so with a
+    heartbeat at or after ``now``, so a caller may skip the job until then; a changed record
+    (``hang_timeout_s``) must reset it to -inf."""
     jc = jc or JobRecord()
     explicit = jc.hang_timeout_s
     base = explicit or cfg.silence_timeout_s
     out = []
+    due = now + base
     for rs in job.ranks.values():
         if rs.exited or rs.phase == "done" or rs.last_hb == 0.0 or rs.generation < job.gen:
             continue
         silent = now - rs.last_hb
-        if silent > base:
-            timeout = explicit or max(base, cfg.silence_beats * rs.interval)
-            if rs.phase in SLOW_PHASES:
-                timeout = max(timeout, cfg.silence_phase_s)
-            if silent <= timeout:
-                continue
-            out.append(Finding(
-                "hang", "hang", ranks=[rs.rank], nodes=[rs.node] if rs.node else [],
-                evidence=[f"rank {rs.rank} on {rs.node or '?'} sent no heartbeat for "
-                          f"{silent:.2f} s (timeout {timeout:.2f} s) at step {rs.step}, "
-                          f"phase {rs.phase}"],
-                detail={"rule": "silence", "silent_s": round(silent, 3), "timeout_s": timeout,
-                        "step": rs.step, "collective_seq": rs.seq, "layer": "unknown",
-                        "weight": 0.85},
-                generation=rs.generation))
+        if silent <= base:
+            due = min(due, rs.last_hb + base)
+            continue
+        timeout = explicit or max(base, cfg.silence_beats * rs.interval)
+        if rs.phase in SLOW_PHASES:
+            timeout = max(timeout, cfg.silence_phase_s)
+        if silent <= timeout:
+            due = min(due, rs.last_hb + timeout)
+            continue
+        out.append(Finding(
+            "hang", "hang", ranks=[rs.rank], nodes=[rs.node] if rs.node else [],
+            evidence=[f"rank {rs.rank} on {rs.node or '?'} sent no heartbeat for "
+                      f"{silent:.2f} s (timeout {timeout:.2f} s) at step {rs.step}, "
+                      f"phase {rs.phase}"],
+            detail={"rule": "silence", "silent_s": round(silent, 3), "timeout_s": timeout,
+                    "step": rs.step, "collective_seq": rs.seq, "layer": "unknown",
+                    "weight": 0.85},
+            generation=rs.generation))
+    job.silence_due = due
     return out
 
 

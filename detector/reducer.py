@@ -27,8 +27,9 @@ What ``step`` decides, by input:
   silent while the node's agent beats: ``signals.launcher_lost_rule``, published to that job
   only) on every tick; stall, missing member, straggler and
   throughput every ``eval_s``; the job records re-read every ``job_refresh_s`` (one
-  ``Call("state", "job", (name,), reply=("job", name, seq), wait=False)`` per job, none for a
-  job whose previous read is still out, unless it is ``refresh_timeout_s`` old); memory
+  ``Call("state", "job_records", (names,), reply=("jobs", ((name, seq), …)), wait=False)``
+  per tick for the jobs due, none for a job whose previous read is still out, unless it is
+  ``refresh_timeout_s`` old); memory
   collected every ``gc_s``.
 * ``Reply`` to a record read — the record replaces the last one (members, per-job timeouts,
   generation) and re-indexes node → jobs; a record whose ``runs`` grew resets that job's
@@ -129,7 +130,8 @@ class DetectorState:
     ``jobs`` — per-job windows; ``job_seen`` — when each job (or its current run) was first
     seen; ``records`` — the last job record read for each job (absent until one was read);
     ``nodes`` — per-node liveness and GPU counters; ``node_jobs`` — node → jobs with members on
-    it, from the records; ``emitted`` — incident key → when it was published; ``reads`` — job
+    it, from the records; ``node_timeouts`` — node → its ``node_timeout`` (a cache, emptied of a
+    node when a record naming it changes); ``emitted`` — incident key → when it was published; ``reads`` — job
     → (sequence number, when issued) of its record read in flight, numbered by ``read_seq``;
     ``due`` — jobs to read at the next tick (first seen since the last refresh);
     ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
@@ -144,6 +146,7 @@ class DetectorState:
     records: dict[str, JobRecord] = field(default_factory=dict)
     nodes: dict[str, NodeState] = field(default_factory=dict)
     node_jobs: dict[str, set[str]] = field(default_factory=dict)
+    node_timeouts: dict[str, float] = field(default_factory=dict)
     emitted: dict[tuple, float] = field(default_factory=dict)
     reads: dict[str, tuple[int, float]] = field(default_factory=dict)
     due: set[str] = field(default_factory=set)
@@ -474,14 +477,17 @@ def _tick(state: DetectorState, wall_ns: int, now: float) -> list[Effect]:
     if state.blind:  # silence is the bus's, not the ranks': judge nothing by it
         return out
     for name, js in state.jobs.items():
+        if now < js.silence_due:  # no rank of it can be silent yet (``silence_rule``)
+            continue
         for f in silence_rule(js, now, cfg, state.records.get(name)):
             _emit(state, out, name, f, now, wall_ns)
     for ns in state.nodes.values():
         f = node_lost_rule(ns, now, node_timeout(state, ns.name))
         if f is not None:
             _emit_node(state, out, ns.name, f, now, wall_ns)
-        for job in sorted(ns.launchers):
-            _launcher_lost(state, out, ns, job, now, wall_ns)
+        if ns.launchers:
+            for job in sorted(ns.launchers):
+                _launcher_lost(state, out, ns, job, now, wall_ns)
     if now - state.last_eval >= dc.eval_s:
         state.last_eval = now
         _evaluate(state, out, now, wall_ns)
@@ -518,10 +524,14 @@ def _launcher_lost(state: DetectorState, out: list[Effect], ns: NodeState, job: 
 
 def node_timeout(state: DetectorState, node: str) -> float:
     """Seconds of silence after which ``node`` is lost: the smallest ``node_timeout_s`` of the
-    records of the jobs with members on it, else ``DetectorConfig.node_timeout_s``."""
-    t = [state.records[j].node_timeout_s for j in state.node_jobs.get(node, ())
-         if j in state.records and state.records[j].node_timeout_s]
-    return min(t) if t else state.config.rules.node_timeout_s
+    records of the jobs with members on it, else ``DetectorConfig.node_timeout_s``. Kept in
+    ``state.node_timeouts`` until a record naming the node changes (``memory.index``)."""
+    t = state.node_timeouts.get(node)
+    if t is None:
+        ts = [state.records[j].node_timeout_s for j in state.node_jobs.get(node, ())
+              if j in state.records and state.records[j].node_timeout_s]
+        t = state.node_timeouts[node] = min(ts) if ts else state.config.rules.node_timeout_s
+    return t
 
 
 def _evaluate(state: DetectorState, out: list[Effect], now: float, wall_ns: int) -> None:
@@ -551,13 +561,14 @@ def _job_hosts(state: DetectorState, js) -> dict:
 
 def refresh_calls(state: DetectorState, now: float, names: list[str] | None = None,
                   wait: bool = False, force: bool = False) -> list[Call]:
-    """The record reads of ``names`` (default: every known job) as ``Call`` effects on the
-    state store, each with reply tag ``("job", name, seq)``. A job whose previous read is
-    still out is skipped unless that read is ``refresh_timeout_s`` old or ``force`` is set; past
-    ``max_reads_in_flight`` reads out, the rest stay ``due`` for a later tick (unless
-    ``force``); a reply to a read superseded by a newer one is dropped."""
-    out = []
+    """The record reads of ``names`` (default: every known job): at most one ``Call`` on the
+    state store, ``job_records`` of the jobs to read (one round trip), with reply tag
+    ``("jobs", ((name, seq), …))``. A job whose previous read is still out is skipped unless
+    that read is ``refresh_timeout_s`` old or ``force`` is set; past ``max_reads_in_flight``
+    reads out, the rest stay ``due`` for a later tick (unless ``force``); a reply to a read
+    superseded by a newer one is dropped."""
     live = sum(1 for _, t in state.reads.values() if now - t < state.config.refresh_timeout_s)
+    read: list[tuple[str, int]] = []
     for name in (list(state.jobs) if names is None else names):
         if name not in state.jobs:
             continue
@@ -573,26 +584,42 @@ def refresh_calls(state: DetectorState, now: float, names: list[str] | None = No
         live += 1
         state.read_seq += 1
         state.reads[name] = (state.read_seq, now)
-        out.append(Call("state", "job", (name,), reply=("job", name, state.read_seq),
-                        wait=wait))
-    return out
+        read.append((name, state.read_seq))
+    if not read:
+        return []
+    return [Call("state", "job_records", ([n for n, _ in read],), reply=("jobs", tuple(read)),
+                 wait=wait)]
 
 
 # ---- replies -------------------------------------------------------------------------------------
 def _reply(state: DetectorState, inp: Reply, now: float) -> list[Effect]:
     tag = inp.tag
-    if not (isinstance(tag, tuple) and len(tag) == 3 and tag[0] == "job"):
+    if not (isinstance(tag, tuple) and len(tag) == 2 and tag[0] == "jobs"
+            and isinstance(tag[1], tuple)):
         return []
-    _, name, seq = tag
+    values = inp.value if isinstance(inp.value, dict) else {}
+    out: list[Effect] = []
+    for name, seq in tag[1]:
+        if inp.error is not None:
+            value: object = inp.error
+        else:
+            value = values.get(name, f"no reply for {name!r}")
+        out += _record(state, name, seq, value, now)
+    return out
+
+
+def _record(state: DetectorState, name: str, seq: int, value: object,
+            now: float) -> list[Effect]:
+    """One job's record read back (``value``: the record, or why it could not be read)."""
     pending = state.reads.get(name)
     if pending is None or pending[0] != seq or name not in state.jobs:
         return []  # superseded by a newer read, or the job was forgotten meanwhile
     del state.reads[name]
-    if inp.error is not None or not isinstance(inp.value, JobRecord):
-        why = inp.error or f"not a job record: {type(inp.value).__name__}"
+    if not isinstance(value, JobRecord):
+        why = value if isinstance(value, str) else f"not a job record: {type(value).__name__}"
         kept = "keeping the last one" if name in state.records else "none read yet"
         return [Log(logging.WARNING, f"job {name}: cannot read its record ({why}); {kept}")]
-    jc: JobRecord = inp.value
+    jc = value
     old = state.records.get(name)
     if old is not None and jc.runs > old.runs:
         # the job was launched again: the old run's ranks, progress and step times are not
@@ -601,4 +628,5 @@ def _reply(state: DetectorState, inp: Reply, now: float) -> list[Effect]:
         state.job_seen[name] = now
     state.records[name] = jc
     index(state, name, old, jc)
+    state.jobs[name].silence_due = -math.inf  # its hang timeout may have changed
     return []

@@ -103,15 +103,23 @@ MAX_DEPTH = next(n for name, n, _ in LIMITS if name == "max_depth")
 
 
 def _too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
-    stack = [(obj, 1)]
+    """Whether ``obj`` nests dicts and lists deeper than ``limit`` levels (``obj`` is level 1).
+    A flat map, as every telemetry event is, costs one pass over its values."""
+    stack: list[tuple[Any, int]] | None = None
+    for v in (obj.values() if isinstance(obj, dict) else obj):
+        if isinstance(v, (dict, list)):
+            if stack is None:
+                stack = []
+            stack.append((v, 2))
+    if stack is None:
+        return limit < 1
     while stack:
         o, d = stack.pop()
         if d > limit:
             return True
-        if isinstance(o, dict):
-            stack.extend((v, d + 1) for v in o.values() if isinstance(v, (dict, list)))
-        elif isinstance(o, list):
-            stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+        for v in (o.values() if isinstance(o, dict) else o):
+            if isinstance(v, (dict, list)):
+                stack.append((v, d + 1))
     return False
 
 

@@ -60,13 +60,16 @@ def records(table):
     (a dict job -> JobRecord, or -> a list consumed one read at a time; an exception in it is
     raised as the store would)."""
     def answer(call: Call):
-        assert (call.target, call.method) == ("state", "job") and call.wait is False
-        rec = table[call.args[0]]
-        if isinstance(rec, list):
-            rec = rec.pop(0) if len(rec) > 1 else rec[0]
-        if isinstance(rec, Exception):
-            raise rec
-        return rec
+        assert (call.target, call.method) == ("state", "job_records") and call.wait is False
+        out = {}
+        for name in call.args[0]:
+            rec = table[name]
+            if isinstance(rec, list):
+                rec = rec.pop(0) if len(rec) > 1 else rec[0]
+            if isinstance(rec, Exception):
+                raise rec  # the store fails the whole read, as a lost connection does
+            out[name] = rec
+        return out
     return answer
 
 
@@ -253,9 +256,9 @@ def test_a_new_job_is_read_at_the_next_tick_then_every_job_refresh_s():
     _, eff = run_offline(step, state(job_refresh_s=2.0), inputs,
                          records({"j": JobRecord(), "k": JobRecord()}))
     reads = [e.args[0] for e in eff if isinstance(e, Call)]
-    assert reads == ["j", "k", "j", "k"]
-    assert all(e.reply[:2] == ("job", e.args[0]) and e.wait is False
-               for e in eff if isinstance(e, Call))
+    assert reads == [["j"], ["k"], ["j", "k"]]          # one round trip per tick
+    assert all(e.reply[0] == "jobs" and [n for n, _ in e.reply[1]] == e.args[0]
+               and e.wait is False for e in eff if isinstance(e, Call))
 
 
 def test_a_read_still_out_is_not_issued_again_and_a_superseded_reply_is_dropped():
@@ -265,8 +268,8 @@ def test_a_read_still_out_is_not_issued_again_and_a_superseded_reply_is_dropped(
     assert refresh_calls(s, T0 + 5) == []                     # the first is still out
     [second] = refresh_calls(s, T0 + 11)                       # lost, presumably: again
     old, new = JobRecord(generation=1), JobRecord(generation=2)
-    s, _ = step(s, Reply(second.reply, new), T0 + 11.1)
-    s, _ = step(s, Reply(first.reply, old), T0 + 11.2)         # late reply of the old read
+    s, _ = step(s, Reply(second.reply, {"j": new}), T0 + 11.1)
+    s, _ = step(s, Reply(first.reply, {"j": old}), T0 + 11.2)  # late reply of the old read
     assert s.records["j"].generation == 2 and s.reads == {}
 
 
@@ -420,7 +423,7 @@ def test_refresh_calls_reads_every_known_job(wait):
     for j in ("x", "y"):
         s, _ = step(s, hb(T0, job=j)[1], T0)
     calls = refresh_calls(s, T0, wait=wait)
-    assert [(c.args, c.wait) for c in calls] == [(("x",), wait), (("y",), wait)]
+    assert [(c.method, c.args, c.wait) for c in calls] == [("job_records", (["x", "y"],), wait)]
     assert s.due == set()
 
 

@@ -115,6 +115,10 @@ class MemoryStore:
         """A copy of the record (every field at its default for an unknown job)."""
         return copy.deepcopy(self.records.get(job) or JobRecord())
 
+    def job_records(self, jobs: list[str]) -> dict[str, JobRecord | str]:
+        """``StateStore.job_records``: a copy of each job's record."""
+        return {job: self.job(job) for job in jobs}
+
     def jobs(self) -> list[str]:
         return sorted(self.records)
 
