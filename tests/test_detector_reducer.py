@@ -457,3 +457,42 @@ def test_a_failed_loss_check_after_a_restore_is_an_anomaly_the_policy_stops_on()
                              {"rank": 1, "node": "n0", "local_rank": 1}])
     d = remediate(v, rec)
     assert d is not None and d.action == "stop_job_notify_user", d
+
+
+def _silences(rules, recs, inputs):
+    s, eff = run_offline(step, state(rules=rules, job_refresh_s=1.0), inputs, records(recs))
+    return s, [(e.event.culprit.ranks, round(e.event.first_ts / 1e9 - wall(T0) / 1e9, 2))
+               for e in published(eff, "hang")]
+
+
+def test_a_silent_rank_is_found_at_the_first_tick_past_its_timeout_whatever_ticks_skip():
+    """The tick skips a job until its earliest possible silence (``JobState.silence_due``):
+    rank 1 stops at T0 + 1 while rank 0 goes on; found at the first tick past 1 + 5 s."""
+    rules = DetectorConfig(silence_timeout_s=5.0)
+    beats = [hb(T0 + 0.1 * k, rank=0, step_=k) for k in range(80)]
+    beats += [hb(T0 + 0.1 * k, rank=1, step_=k) for k in range(11)]
+    ticks = [tick(T0 + 0.05 * k) for k in range(1, 160)]
+    inputs = sorted(beats + ticks, key=lambda x: x[0])
+    s, found = _silences(rules, {"j": JobRecord()}, inputs)
+    [(ranks, _)] = found
+    assert ranks == [1]
+    [hang] = [e for e in run_offline(step, state(rules=rules, job_refresh_s=1.0), inputs,
+                                     records({"j": JobRecord()}))[1]
+              if isinstance(e, Publish) and e.event.kind == "hang"]
+    assert abs(hang.event.ts / 1e9 - wall(T0 + 6.05) / 1e9) < 1e-6   # tick at 6.05 > 1.0 + 5
+    assert s.jobs["j"].silence_due <= T0 + 7.9 + 5.0
+
+
+def test_a_record_that_shortens_the_hang_timeout_is_judged_at_the_next_tick():
+    """The job's deadline was set with the 5 s default; the record read at T0 + 3 says 2 s:
+    rank 0, silent since T0, is found at the tick after the read, not at T0 + 5."""
+    rules = DetectorConfig(silence_timeout_s=5.0)
+    recs = {"j": [JobRecord(runs=1), JobRecord(runs=1, hang_timeout_s=2.0)]}
+    inputs = [hb(T0), tick(T0 + 0.05)] + [tick(T0 + 0.5 * k) for k in range(1, 9)]
+    _, found = _silences(rules, recs, inputs)
+    assert found and found[0][0] == [0]
+    [hang] = [e for e in run_offline(step, state(rules=rules, job_refresh_s=1.0), inputs,
+                                     records({"j": [JobRecord(runs=1),
+                                                    JobRecord(runs=1, hang_timeout_s=2.0)]}))[1]
+              if isinstance(e, Publish) and e.event.kind == "hang"]
+    assert wall(T0 + 2.0) <= hang.event.ts <= wall(T0 + 2.5)

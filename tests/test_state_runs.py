@@ -118,3 +118,61 @@ def test_the_run_id_of_a_launch():
     assert run_id({}) == ""
     assert run_id({"SLURM_JOB_ID": "41"}) == "41.0"
     assert run_id({"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}) == "41.2"
+
+
+async def _outboxes(url: str):
+    import redis.asyncio as aioredis
+
+    from trainguard.state_scripts import OUTBOX_INDEX, outbox_key
+    raw = aioredis.Redis.from_url(url, decode_responses=True)
+    # a decision kept by a release without the index: only the outbox hash holds it
+    await raw.sadd("tg:jobs", "old", "a", "b")
+    await raw.hset(outbox_key("old"), "d0", '{"event_id": "d0", "ts": 1}')
+    st = StateStore(url)
+    try:
+        first = await st.outbox()                          # the one full scan indexes it
+        await st.outbox_put("a", {"event_id": "d1", "ts": 3})
+        await st.commit_decision("b", retries_used=1, last_decision={"id": "d2"},
+                                 outbox={"event_id": "d2", "ts": 2})
+        await st.outbox_put("a", {"event_id": "d3", "ts": 4})
+        indexed = sorted(await raw.smembers(OUTBOX_INDEX))
+        swept = await st.outbox()
+        await st.outbox_done("a", "d1")                    # a keeps d3: stays indexed
+        await st.outbox_done("b", "d2")
+        await st.outbox_done("old", "d0")
+        after = sorted(await raw.smembers(OUTBOX_INDEX)), await st.outbox()
+        return first, indexed, swept, after
+    finally:
+        await st.close()
+        await raw.aclose()
+
+
+def test_the_outbox_index_names_exactly_the_jobs_with_a_decision_kept(redis_db):
+    first, indexed, swept, (left, last) = _run(_outboxes(redis_db))
+    assert first == {"old": [{"event_id": "d0", "ts": 1}]}
+    assert indexed == ["a", "b", "old"]
+    assert {j: [d["event_id"] for d in ds] for j, ds in swept.items()} == {
+        "a": ["d1", "d3"], "b": ["d2"], "old": ["d0"]}
+    assert left == ["a"] and [d["event_id"] for d in last["a"]] == ["d3"] and set(last) == {"a"}
+
+
+async def _records(url: str):
+    st = StateStore(url)
+    try:
+        await st.register_settings("r", JobSettings(mode="observe", hang_timeout_s=30.0))
+        await st.r.hset("tg:job:bad", "generation", "not-a-number")
+        a = await st.job_records(["r", "bad", "unknown"])
+        b = await st.job_records(["r"])
+        await st.update_job("r", hang_timeout_s=4.5)
+        c = await st.job_records(["r"])
+        return a, b, c
+    finally:
+        await st.close()
+
+
+def test_job_records_reads_many_in_one_call_and_decodes_a_changed_hash_only(redis_db):
+    a, b, c = _run(_records(redis_db))
+    assert a["r"].hang_timeout_s == 30.0 and a["unknown"].generation == 0
+    assert a["bad"].startswith("JobRecordError: ") and "generation" in a["bad"]
+    assert b["r"] is a["r"]                      # the same hash: the record decoded before
+    assert c["r"] is not a["r"] and c["r"].hang_timeout_s == 4.5

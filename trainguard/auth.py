@@ -185,11 +185,11 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          + _consumer("remediator")[0] + _DRAIN[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
           "tg.svc.remediator.health") + _consumer("remediator")[1] + _DRAIN[1],
-         "resetkeys ~tg:jobs ~tg:job:* ~tg:idem:* ~tg:node:* ~tg:rep:* ~tg:members:remediator "
-         "%R~tg:* "
+         "resetkeys ~tg:jobs ~tg:job:* ~tg:outboxes ~tg:idem:* ~tg:node:* ~tg:rep:* "
+         "~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
-         "JetStream ack, from its outbox `tg:job:<job>:outbox`) and control requests to the "
+         "JetStream ack, from its outbox `tg:job:<job>:outbox`, the jobs with one in `tg:outboxes`) and control requests to the "
          "ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
          "actions it carries out itself (node exclusion); writes the job record, the audit "
          "trail, idempotency keys, node status (exclusion) and its replica's lease. The "

@@ -54,7 +54,7 @@ from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_
 from .auth import redact
 from .errors import ServerUnreachable
 from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
-                            END_RUN, TAKE_CLAIM, idem_key, job_key, members_key, outbox_key,
+                            END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key, members_key, outbox_key,
                             rep_key, settings_fields)
 from .tls import ca_file
 
@@ -99,6 +99,7 @@ class StateStore:
                                          socket_timeout=5.0, health_check_interval=10,
                                          **tls_options(url, tls_ca))
         self._records: dict[str, tuple[dict[str, str], JobRecord]] = {}
+        self._outbox_scanned = False  # ``outbox``'s one full scan done
 
     async def ping(self) -> None:
         """Raises ``ServerUnreachable`` (a ConnectionError) with what to do when Redis/Valkey
@@ -291,6 +292,7 @@ class StateStore:
                       encode_value("pending_decision", pending_decision))
         if outbox is not None:
             pipe.hset(outbox_key(job), str(outbox["event_id"]), json.dumps(outbox))
+            pipe.sadd(OUTBOX_INDEX, job)
             if settles is not None:
                 pipe.set(idem_key(settles), settle_value(str(outbox["event_id"])),
                          ex=IDEMPOTENCY_TTL_S)
@@ -304,19 +306,28 @@ class StateStore:
         ``commit_decision``'s, in the same transaction."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(outbox_key(job), str(decision["event_id"]), json.dumps(decision))
+        pipe.sadd(OUTBOX_INDEX, job)
         if settles is not None:
             pipe.set(idem_key(settles), settle_value(str(decision["event_id"])),
                      ex=IDEMPOTENCY_TTL_S)
         await pipe.execute()
 
     async def outbox_done(self, job: str, decision_id: str) -> None:
-        """The decision ``decision_id`` is stored in JetStream: drop it from the outbox."""
-        await self.r.hdel(outbox_key(job), decision_id)
+        """The decision ``decision_id`` is stored in JetStream: drop it from the outbox (and the
+        job from ``OUTBOX_INDEX`` with its last decision, in one script)."""
+        await self.r.eval(OUTBOX_DONE, 2, outbox_key(job), OUTBOX_INDEX, decision_id, job)
 
     async def outbox(self, jobs: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         """job → the decisions waiting in its outbox (``to_dict()`` form, oldest ``ts``
-        first), for ``jobs`` (default: every job of ``tg:jobs``); jobs with none are left out."""
-        names = await self.jobs() if jobs is None else list(jobs)
+        first), for ``jobs`` (default: the jobs of ``OUTBOX_INDEX``; the first default call of
+        this store reads every job of ``tg:jobs`` and indexes what it finds, so decisions an
+        earlier release kept without the index are swept too); jobs with none are left out."""
+        if jobs is not None:
+            names = list(jobs)
+        elif self._outbox_scanned:
+            names = sorted(await self.r.smembers(OUTBOX_INDEX))
+        else:
+            names = await self.jobs()
         pipe = self.r.pipeline(transaction=False)
         for j in names:
             pipe.hvals(outbox_key(j))
@@ -325,6 +336,10 @@ class StateStore:
         for j, vals in zip(names, rows):
             if vals:
                 out[j] = sorted((json.loads(v) for v in vals), key=lambda d: d.get("ts", 0))
+        if jobs is None and not self._outbox_scanned:
+            if out:
+                await self.r.sadd(OUTBOX_INDEX, *out)
+            self._outbox_scanned = True
         return out
 
     # ---- service replicas ----------------------------------------------------------------------
