@@ -27,7 +27,8 @@ are registered in action mode. Printed (``--json``: one JSON object):
 * ``detector_cpu`` — each detector replica's CPU (cores: CPU seconds over wall seconds) while
   the probes ran, and ``cpu_us_per_hb``: all detectors' CPU per heartbeat published;
   ``nats_server_cpu_cores``: the server's over the same time (the partition filters are its
-  work).
+  work); ``services_cpu_cores``: all replicas of each service, ``publishers_cpu_cores``: the
+  simulated ranks' publishers (on a real cluster they run on the ranks' own nodes).
 """
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+import msgpack
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -81,19 +85,31 @@ def _publisher(url: str, beats: list[tuple[str, int, str, int]], nodes: list[str
         bus = await Bus(url, "bench-publisher").connect()
         assert bus.nc is not None
         step = 0
+        # Each beat is the wire form of a schemas.RankHeartbeat / NodeHeartbeat, its fields
+        # validated once (to_dict) and the changing ones (event id, ts, step) set per beat: a
+        # model built per beat cost the publishers ≈ 0.5 cores of the 2 the services share,
+        # where real ranks run on their own nodes.
         def rank_beat(job: str, rank: int, node: str, lr: int):
             """(subject, bytes) of this rank's heartbeat at a step."""
+            subject = subjects.rank_hb(job, rank)
+            wire = schemas.RankHeartbeat(
+                job=job, rank=rank, node=node, local_rank=lr, step=0, collective_seq=0,
+                phase="train", step_time_s=interval, interval_s=interval).to_dict()
+
             def make(step: int) -> tuple[str, bytes]:
-                return subjects.rank_hb(job, rank), schemas.encode(schemas.RankHeartbeat(
-                    job=job, rank=rank, node=node, local_rank=lr, step=step,
-                    collective_seq=step, phase="train", step_time_s=interval,
-                    interval_s=interval))
+                wire["event_id"], wire["ts"] = uuid.uuid4().hex, time.time_ns()
+                wire["step"] = wire["collective_seq"] = step
+                return subject, msgpack.packb(wire, use_bin_type=True)
             return make
 
         def node_beat(node: str):
-            msg = subjects.node(node, "heartbeat"), schemas.encode(
-                schemas.NodeHeartbeat(node=node, role="agent"))
-            return lambda step: msg
+            subject = subjects.node(node, "heartbeat")
+            wire = schemas.NodeHeartbeat(node=node, role="agent").to_dict()
+
+            def make(step: int) -> tuple[str, bytes]:
+                wire["event_id"], wire["ts"] = uuid.uuid4().hex, time.time_ns()
+                return subject, msgpack.packb(wire, use_bin_type=True)
+            return make
 
         # Real ranks are not synchronised: each beats at its own phase of the interval. The
         # beats are spread over SLOT_S slots of the interval, so no probe waits behind a burst
@@ -206,6 +222,8 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
         cpu0 = {r: _cpu_s(procs[("detector", r)].pid) for r in replicas}
         nats_pid = srv._server("nats").proc.pid
         nats_cpu0 = _cpu_s(nats_pid)
+        pub_cpu0 = sum(_cpu_s(p.pid) for p in pubs)
+        svc_cpu0 = {k: _cpu_s(pr.pid) for k, pr in procs.items()}
         t_cpu0 = time.monotonic()
 
         names = sorted(jobs)
@@ -241,6 +259,11 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
         wall = time.monotonic() - t_cpu0
         cpu = {r: (_cpu_s(procs[("detector", r)].pid) - cpu0[r]) / wall for r in replicas}
         nats_cpu = (_cpu_s(nats_pid) - nats_cpu0) / wall
+        pub_cpu = (sum(_cpu_s(p.pid) for p in pubs) - pub_cpu0) / wall
+        svc_cpu: dict[str, float] = {}
+        for (service, r), pr in procs.items():
+            svc_cpu[service] = svc_cpu.get(service, 0.0) + (
+                _cpu_s(pr.pid) - svc_cpu0[(service, r)]) / wall
         hb_ms = [(anomalies[k] - t) / 1e6 for k, t in sent.items() if k in anomalies]
         fd_ms = [(decisions[j] - t) / 1e6 for j, t in fsent.items() if j in decisions]
         # 3. takeover: kill r0 of every service as faults of its jobs arrive
@@ -294,6 +317,9 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
                                                     / args.ranks * 1e6, 1)
                              if args.ranks else None},
             "nats_server_cpu_cores": round(nats_cpu, 3),
+            "publishers_cpu_cores": round(pub_cpu, 3),
+            "services_cpu_cores": {k: round(v, 3) for k, v in sorted(svc_cpu.items())},
+            "host_cores": os.cpu_count(),
         }
     finally:
         for p in pubs:
@@ -342,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  bytes per tracked rank (detector RSS): {res['bytes_per_rank']}")
         print(f"  detector CPU: {res['detector_cpu']}, nats-server CPU (cores): "
               f"{res['nats_server_cpu_cores']}")
+        print(f"  CPU (cores) of every replica of each service: {res['services_cpu_cores']}; "
+              f"the simulated ranks' publishers: {res['publishers_cpu_cores']} "
+              f"(of {res['host_cores']} cores)")
         print(f"  logs: {logdir}")
     return 0
 

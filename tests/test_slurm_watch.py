@@ -248,7 +248,7 @@ def detector_with(record=RECORD, job="train-a"):
     hb = schemas.RankHeartbeat(job=job, rank=0, node="node0", local_rank=0, step=1)
     s, _ = run_offline(detector_step, DetectorState(config=DetectorServiceConfig()),
                        [(100.0, Received(subjects.rank_hb(job, 0), hb, NS)), (100.1, Tick(NS))],
-                       lambda call: record)
+                       lambda call: {name: record for name in call.args[0]})
     assert job in s.records
     return s
 

@@ -126,7 +126,8 @@ class StateStore:
         """The records of ``jobs`` in one round trip (a pipeline of HGETALL, no transaction):
         job → its record, or for one whose hash a codec cannot read, the error as text
         (``"JobRecordError: …"``). A hash equal to the one a record was last decoded from here
-        gives that record object again (readers treat records as read-only): a detector
+        gives that record object again (readers treat records as read-only; a job with no hash
+        gets a new default record, and nothing is kept for it): a detector
         replica re-reads each of its jobs every 2 s (``DetectorServiceConfig.job_refresh_s``),
         and one HGETALL round trip and decode per job was 11 % of its CPU at 10,000 ranks
         (``bench/scale.py``, sampled). Raises the client's errors (the store unreachable)."""
@@ -139,6 +140,10 @@ class StateStore:
             cache.clear()
         out: dict[str, JobRecord | str] = {}
         for job, raw in zip(jobs, raws):
+            if not raw:  # no such job (a hostile name, a record not written yet): not kept
+                cache.pop(job, None)
+                out[job] = JobRecord()
+                continue
             hit = cache.get(job)
             if hit is not None and hit[0] == raw:
                 out[job] = hit[1]
