@@ -65,7 +65,7 @@ def memory_per_rank(n: int) -> float:
 
 
 async def health(bus: Bus) -> dict:
-    return json.loads(await bus.request("tg.svc.detector.health", b"", timeout=2.0))
+    return json.loads(await bus.request("tg.svc.detector.health", b"", timeout=10.0))
 
 
 async def run(args) -> dict:
