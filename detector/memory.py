@@ -86,6 +86,7 @@ def gc(state: DetectorState, now: float) -> None:
             if t < horizon:
                 del ns.launchers[job]
                 ns.launchers_lost.discard(job)
+    state.ranks = sum(len(js.ranks) for js in state.jobs.values())
     old = now - dc.dedup_ttl_s
     for k, t in list(state.emitted.items()):
         if t <= old:

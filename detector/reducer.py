@@ -111,6 +111,15 @@ class DetectorServiceConfig:
     ``max_reads_in_flight`` — record reads out at once; more jobs wait for the next tick (16:
     thousands of new job names at once exhausted the store client's connection pool and
     failed every job's read, bench/fuzz.py).
+
+    Capacity (``capacity``): ``max_jobs`` jobs, ``max_ranks`` ranks over all jobs and
+    ``max_nodes`` nodes tracked at once. An event that would track one more past a bound is
+    refused (counted in ``DetectorState.refused``, a warning at most every
+    ``refused_log_s``) and what is tracked already is kept: without the bounds, memory was
+    bounded only by ``forget_after_s``, so a flood of new job names, ranks or nodes (≈ 2 KB a
+    job, 0.3 KB a rank) at 3,000 messages/s could hold gigabytes for ten minutes. The defaults
+    (20,000 jobs, 200,000 ranks, 65,536 nodes, at most ≈ 150 MB) are far above what one replica
+    serves (bench/scale.py: 10,000 ranks over 3 replicas).
     """
 
     rules: DetectorConfig = field(default_factory=DetectorConfig)
@@ -121,6 +130,10 @@ class DetectorServiceConfig:
     gc_s: float = 30.0
     refresh_timeout_s: float = 10.0
     max_reads_in_flight: int = 16
+    max_jobs: int = 20_000
+    max_ranks: int = 200_000
+    max_nodes: int = 65_536
+    refused_log_s: float = 60.0
 
 
 @dataclass
@@ -138,7 +151,9 @@ class DetectorState:
     the first tick); ``anomalies`` — anomalies published so far; ``serves`` — whether this
     replica serves a partition key (``node:<node>``; every key when alone); ``blind`` — the
     bus is not answering (``BusDown``): the silence rules (silence, node lost, stall, missing
-    member) are not judged until it answers again."""
+    member) are not judged until it answers again; ``ranks`` — ranks tracked over all jobs (an
+    upper bound between collections, exact after each); ``refused`` — bound → events refused
+    by it (``capacity``), ``refused_logged`` — when that was last logged."""
 
     config: DetectorServiceConfig = field(default_factory=DetectorServiceConfig)
     jobs: dict[str, JobState] = field(default_factory=dict)
@@ -157,6 +172,9 @@ class DetectorState:
     anomalies: int = 0
     serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
     blind: bool = False
+    ranks: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    refused_logged: float = -math.inf
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -166,7 +184,12 @@ def step(state: DetectorState, inp: Input, now: float) -> tuple[DetectorState, l
     docstring for what each input does."""
     if isinstance(inp, Received):
         handler = _HANDLERS.get(type(inp.event))
-        return state, (handler(state, inp, now) if handler is not None else [])
+        if handler is None:
+            return state, []
+        full = capacity(state, inp)
+        if full is not None:
+            return state, _refuse(state, full, inp.subject, now)
+        return state, handler(state, inp, now)
     if isinstance(inp, Tick):
         return state, _tick(state, inp.wall_ns, now)
     if isinstance(inp, Reply):
@@ -178,6 +201,47 @@ def step(state: DetectorState, inp: Input, now: float) -> tuple[DetectorState, l
     elif isinstance(inp, BusUp):
         bus_back(state, now, inp.gap_s)
     return state, []
+
+
+def capacity(state: DetectorState, inp: Received) -> str | None:
+    """Which bound (``jobs``, ``ranks``, ``nodes``; ``DetectorServiceConfig``) ``inp`` would
+    pass by tracking a job, rank or node not tracked yet; None when it passes none. Names
+    that cannot be subject tokens are left to the handlers (they refuse them)."""
+    dc = state.config
+    jobs_full, ranks_full = len(state.jobs) >= dc.max_jobs, state.ranks >= dc.max_ranks
+    if not (jobs_full or ranks_full or len(state.nodes) >= dc.max_nodes):
+        return None  # the hot path: one comparison per bound
+    ev = inp.event
+    try:
+        if inp.subject.startswith("tg.job."):
+            job = _job_of(inp)
+            js = state.jobs.get(job)
+            if js is None and jobs_full:
+                return "jobs"
+            if isinstance(ev, schemas.RankHeartbeat) and ranks_full:
+                rank = ev.rank if ev.rank is not None else int(inp.subject.split(".")[4])
+                if js is None or rank not in js.ranks:
+                    return "ranks"
+        elif inp.subject.startswith("tg.node.") and len(state.nodes) >= dc.max_nodes:
+            if _node_of(inp) not in state.nodes:
+                return "nodes"
+    except (ValueError, IndexError):
+        return None
+    return None
+
+
+def _refuse(state: DetectorState, bound: str, subject: str, now: float) -> list[Effect]:
+    state.refused[bound] = state.refused.get(bound, 0) + 1
+    if now - state.refused_logged < state.config.refused_log_s:
+        return []
+    state.refused_logged = now
+    dc = state.config
+    limits = {"jobs": dc.max_jobs, "ranks": dc.max_ranks, "nodes": dc.max_nodes}
+    return [Log(logging.WARNING,
+                f"tracking {limits[bound]} {bound} already (the detector's bound): an event on "
+                f"{subject[:200]} that would track one more is refused ({state.refused} refused "
+                f"so far; what is tracked is kept, and what falls silent for forget_after_s "
+                f"frees room)")]
 
 
 def anomaly_id(key: tuple, source: schemas.Event | None, wall_ns: int, ttl_s: float) -> str:
@@ -285,6 +349,8 @@ def _on_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effec
     job = _job_of(inp)
     rank = ev.rank if ev.rank is not None else int(inp.subject.split(".")[4])
     js = state.jobs.get(job) or _job(state, job, now)
+    if rank not in js.ranks:
+        state.ranks += 1  # counted exactly again at each collection (``memory.gc``)
     observe_heartbeat(js, rank, ev.node, ev.local_rank, ev.generation, ev.step,
                       ev.collective_seq, ev.phase, ev.step_time_s, now, state.config.rules,
                       ev.interval_s, ev.compute_s, ev.collectives_completed)

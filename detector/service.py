@@ -54,7 +54,7 @@ class Detector(ReducerService[DetectorState]):
     def health(self) -> dict[str, Any]:
         m = self.model
         return {"jobs": len(m.jobs), "ranks": sum(len(j.ranks) for j in m.jobs.values()),
-                "nodes": len(m.nodes), "anomalies": m.anomalies}
+                "nodes": len(m.nodes), "anomalies": m.anomalies, "refused": dict(m.refused)}
 
     async def refresh_now(self) -> None:
         """Re-read every known job record at once and wait for the replies (tests and

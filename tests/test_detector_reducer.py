@@ -496,3 +496,29 @@ def test_a_record_that_shortens_the_hang_timeout_is_judged_at_the_next_tick():
                                                     JobRecord(runs=1, hang_timeout_s=2.0)]}))[1]
               if isinstance(e, Publish) and e.event.kind == "hang"]
     assert wall(T0 + 2.0) <= hang.event.ts <= wall(T0 + 2.5)
+
+
+def test_past_its_bounds_the_detector_refuses_new_jobs_ranks_and_nodes_and_keeps_the_rest():
+    """``max_jobs`` / ``max_ranks`` / ``max_nodes``: an event that would track one more is
+    refused and counted (one warning), what is tracked goes on being judged (a NaN loss of a
+    tracked rank is still an anomaly), and a collection frees room."""
+    s = state(max_jobs=2, max_ranks=3, max_nodes=1, forget_after_s=5.0, gc_s=1.0)
+    inputs = [hb(T0, job="a", rank=0), hb(T0, job="a", rank=1), hb(T0, job="b", rank=0),
+              hb(T0 + 0.1, job="c", rank=0),                     # a third job: refused
+              hb(T0 + 0.1, job="a", rank=2),                     # a fourth rank: refused
+              hb(T0 + 0.2, job="a", rank=1, loss=float("nan")),  # tracked: still judged
+              (T0 + 0.2, Received(subjects.node("g1", "heartbeat"),
+                                  schemas.NodeHeartbeat(node="g1", role="agent"), wall(T0))),
+              (T0 + 0.2, Received(subjects.node("g2", "heartbeat"),
+                                  schemas.NodeHeartbeat(node="g2", role="agent"), wall(T0)))]
+    s, eff = run_offline(step, s, inputs, records({"a": JobRecord(), "b": JobRecord()}))
+    assert set(s.jobs) == {"a", "b"} and set(s.jobs["a"].ranks) == {0, 1} and set(s.nodes) == {"g1"}
+    assert s.refused == {"jobs": 1, "ranks": 1, "nodes": 1}
+    assert [e.event.culprit.ranks for e in published(eff, "nan_loss")] == [[1]]
+    [warning] = [e for e in eff if isinstance(e, Log) and "bound" in e.message]
+    assert "tracking 2 jobs already" in warning.message
+    # job b falls silent past forget_after_s and is collected: room for job c
+    later = [hb(T0 + 6.0, job="a", rank=0), hb(T0 + 6.0, job="a", rank=1), tick(T0 + 6.1),
+             hb(T0 + 6.2, job="c", rank=0)]
+    s, _ = run_offline(step, s, later, records({"a": JobRecord(), "c": JobRecord()}))
+    assert "c" in s.jobs and "b" not in s.jobs and s.ranks == 3
