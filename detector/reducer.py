@@ -143,9 +143,10 @@ class DetectorState:
     ``jobs`` — per-job windows; ``job_seen`` — when each job (or its current run) was first
     seen; ``records`` — the last job record read for each job (absent until one was read);
     ``nodes`` — per-node liveness and GPU counters; ``node_jobs`` — node → jobs with members on
-    it, from the records; ``node_timeouts`` — node → its ``node_timeout`` (a cache, emptied of a
-    node when a record naming it changes); ``emitted`` — incident key → when it was published; ``reads`` — job
-    → (sequence number, when issued) of its record read in flight, numbered by ``read_seq``;
+    it, from the records; ``node_timeouts`` — node → its ``node_timeout`` (a cache, emptied of
+    a node when a record naming it changes); ``emitted`` — incident key → when it was
+    published; ``reads`` — job → (sequence number, when issued) of its record read in flight,
+    numbered by ``read_seq``;
     ``due`` — jobs to read at the next tick (first seen since the last refresh);
     ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
     the first tick); ``anomalies`` — anomalies published so far; ``serves`` — whether this

@@ -54,8 +54,8 @@ from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_
 from .auth import redact
 from .errors import ServerUnreachable
 from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
-                            END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key, members_key, outbox_key,
-                            rep_key, settings_fields)
+                            END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key,
+                            members_key, outbox_key, rep_key, settings_fields)
 from .tls import ca_file
 
 IDEMPOTENCY_TTL_S = 7 * 86400
