@@ -135,7 +135,8 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
     subjects.token(job)  # raises before state keys it
     latest = state.latest_gen.get(job, 0)
     gen = ev.generation if ev.generation is not None else latest
-    state = replace(state, latest_gen={**state.latest_gen, job: max(gen, latest)})
+    if state.latest_gen.get(job) != max(gen, latest):  # a copy only when it changes
+        state = replace(state, latest_gen={**state.latest_gen, job: max(gen, latest)})
     key = (job, gen)
     inc = state.incidents.get(key)
     if inc is not None and any(a.event_id == ev.event_id for a in inc.anomalies):
