@@ -91,6 +91,17 @@ def is_peer_report(a: Anomaly) -> bool:
             and a.detail.get("stream") != "kernel")
 
 
+def is_exit_report(a: Anomaly) -> bool:
+    """A rank that exited with a non-zero code, not killed by a signal (``detector.signals.
+    crash_rule``): what an uncaught Python exception ends in, with the traceback that names the
+    exception on its stderr. The two reach the bus in either order (the exit from the launcher,
+    the traceback relayed from the rank's output), and a verdict on the exit alone names a
+    different fault (``crash``) than the traceback's (``app_exception``): the remediator's loop
+    check then saw two signatures for one deterministic bug and stopped it a generation late."""
+    return (a.kind == "crash" and a.detail.get("signal") is None
+            and a.detail.get("exit_code") not in (None, 0))
+
+
 def is_cause(a: Anomaly) -> bool:
     """An anomaly that can explain what its peers report next: a root-cause error that is not
     itself a peer report (a crash, an exception, an XID, a node lost, a silent or stuck rank)."""

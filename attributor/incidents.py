@@ -14,7 +14,9 @@ clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
   verdict yet, even when its row is a root cause: the death it may be a symptom of can reach
   the bus after it (an exit seen by another host's launcher, a node found lost after seconds of
   silence), and a verdict published first would blame the survivor. A real network fault is
-  attributed when the hold ends, ``symptom_hold_s`` later.
+  attributed when the hold ends, ``symptom_hold_s`` later. An exit with a non-zero code
+  (``evidence.is_exit_report``) is held the same way, for the traceback that names its
+  exception.
 * Attribution first reads the cross-job history: ``Call("state", "node_history", (node,
   since_ns))`` for each culprit node, then ``Call("state", "signature_history", (signature,
   since_ns))`` for the root's signature, one after the other; the last reply completes the
@@ -53,7 +55,7 @@ from trainguard.schemas import subjects
 
 from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,
                      history_from_records, signature)
-from .evidence import is_peer_report
+from .evidence import is_exit_report, is_peer_report
 
 Key = tuple[str, int]  # (job, generation)
 
@@ -149,7 +151,7 @@ def _on_anomaly(state: AttributorState, subject: str, ev: schemas.Anomaly, now: 
         # a flood into one incident: counted, not kept (its earlier anomalies decide it)
         return _put(state, key, replace(inc, dropped=inc.dropped + 1)), []
     inc = replace(inc, anomalies=inc.anomalies + (_kept(ev),))
-    if ev.symptom or (is_peer_report(ev) and not inc.settled):
+    if ev.symptom or ((is_peer_report(ev) or is_exit_report(ev)) and not inc.settled):
         # a flag (a warning, e.g. a straggler) does not settle an incident: symptoms that
         # follow still wait for their root cause
         if not inc.settled and inc.hold_until is None:

@@ -159,3 +159,32 @@ def test_a_real_network_fault_is_attributed_when_the_hold_ends():
     vs = run([at(0.0, ib), (1.1, Tick(T0 + 11 * S // 10))])
     assert [(v.fault_class, v.layer, v.culprit.nodes) for v in vs] == [
         ("network", "hardware", ["n0"])]
+
+
+TRACEBACK_LAST = "ModuleNotFoundError: No module named 'a_module_that_does_not_exist_anywhere'"
+
+
+def exited(rank, node, at_s, code):
+    return rules.crash_rule(rank, node, code, None, False, False, 0, T0 + int(at_s * S))
+
+
+def test_an_exit_code_waits_for_the_traceback_that_names_its_exception():
+    """A rank's exit code 1 reaches the bus before its relayed traceback: held, so the one
+    verdict names the exception (the loop check compares its signature), not a bare crash."""
+    gone, tb = anomaly(exited(0, "n0", 0.0, 1)), anomaly(log(TRACEBACK_LAST, 0, "n0", 0.0))
+    vs = run([at(0.0, gone), (0.05, Tick(T0 + S // 20)), at(0.3, tb),
+              (2.0, Tick(T0 + 2 * S))])
+    assert [(v.fault_class, v.culprit.ranks) for v in vs] == [("app_exception", [0])]
+    # the traceback first: attributed at once, the exit folded into it
+    vs = run([at(0.0, tb), at(0.1, gone), (2.0, Tick(T0 + 2 * S))])
+    assert [v.fault_class for v in vs] == ["app_exception"]
+
+
+def test_an_exit_code_with_no_traceback_is_a_crash_when_the_hold_ends():
+    gone = anomaly(exited(0, "n0", 0.0, 3))
+    assert run([at(0.0, gone), (0.5, Tick(T0 + S // 2))]) == []
+    vs = run([at(0.0, gone), (1.1, Tick(T0 + 11 * S // 10))])
+    assert [(v.fault_class, v.culprit.ranks) for v in vs] == [("crash", [0])]
+    # killed by a signal: no traceback to wait for, attributed at once
+    vs = run([at(0.0, anomaly(crash(0, "n0", 0.0, 9)))])
+    assert [v.fault_class for v in vs] == ["crash"]
