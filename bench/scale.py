@@ -16,7 +16,9 @@ are registered in action mode. Printed (``--json``: one JSON object):
 
 * ``hb_to_anomaly_ms`` p50/p99 — a heartbeat carrying a NaN loss (each on a rank that had none:
   one anomaly each) to the anomaly's arrival on the bus, over ``--seconds`` seconds;
-* ``fault_to_decision_ms`` p50/p99 — a ``worker.exited`` crash of a fresh job to its decision
+* ``fault_to_decision_ms`` p50/p99 — a ``worker.exited`` of a fresh job's rank killed by
+  SIGKILL (attributed at once; an exit code waits up to ``symptom_hold_s`` for its traceback)
+  to its decision
   (detector → attributor → remediator, each partitioned);
 * ``takeover_s`` — replica ``r0`` of every service SIGKILLed while the faults of jobs it owned
   arrive: seconds from the kill until each such fault's decision (max and p50) — the lease
@@ -253,7 +255,7 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
             m = jobs[job][0]
             await admin.publish(subjects.job(job, "worker"), schemas.WorkerExited(
                 job=job, node=m["node"], rank=m["rank"], local_rank=m["local_rank"], pid=1,
-                generation=0, exit_code=1, ts=ts))
+                generation=0, signal=9, ts=ts))
             await asyncio.sleep(args.seconds / n_faults)
         await asyncio.sleep(3.0)
         wall = time.monotonic() - t_cpu0
@@ -279,7 +281,7 @@ async def bench(args: argparse.Namespace, srv: EmbeddedServers, logdir: Path) ->
                 m = jobs[job][0]
                 await admin.publish(subjects.job(job, "worker"), schemas.WorkerExited(
                     job=job, node=m["node"], rank=m["rank"], local_rank=m["local_rank"],
-                    pid=1, generation=0, exit_code=1, ts=time.time_ns()))
+                    pid=1, generation=0, signal=9, ts=time.time_ns()))
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not all(j in decisions for j in victims):
                 await asyncio.sleep(0.05)

@@ -695,5 +695,6 @@ def _record(state: DetectorState, name: str, seq: int, value: object,
         state.job_seen[name] = now
     state.records[name] = jc
     index(state, name, old, jc)
-    state.jobs[name].silence_due = -math.inf  # its hang timeout may have changed
+    if old is None or jc.hang_timeout_s != old.hang_timeout_s:
+        state.jobs[name].silence_due = -math.inf  # judge it again with the new timeout
     return []
