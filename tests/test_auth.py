@@ -349,7 +349,7 @@ def test_data_persists_across_up_stop_up(tmp_path):
             bus = await Bus(rem["NATS_URL"], "persist", tls_ca=rem["TG_TLS_CA"]).connect()
             await bus.publish("tg.job.persist.decision", _decision("persist", 5))
             await bus.flush()
-            st = StateStore(rem["REDIS_URL"])
+            st = StateStore(rem["REDIS_URL"], tls_ca=rem["TG_TLS_CA"])
             await st.register_job("persist", mode="action", generation=5)
             await st.close()
             await asyncio.sleep(0.3)
@@ -370,7 +370,7 @@ def test_data_persists_across_up_stop_up(tmp_path):
                             tls_ca=again["TG_TLS_CA"]).connect()
             msg = await bus.last_stored("tg.job.persist.decision")
             await bus.close()
-            st = StateStore(again["REDIS_URL"])
+            st = StateStore(again["REDIS_URL"], tls_ca=again["TG_TLS_CA"])
             job = await st.job("persist")
             await st.close()
             return msg, job

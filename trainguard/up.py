@@ -80,8 +80,9 @@ def _write_env_files(stack: Stack) -> None:
           f"URLs in {stack.data_dir / 'env'}/<role>.env", file=sys.stderr)
     servers = stack._servers
     if servers.tls_ca:
-        valkey = ("TLS too" if servers.tls_valkey else
-                  f"plaintext on {stack.host} (this valkey-server has no TLS)")
+        valkey = (f"TLS too ({servers.valkey_binary})" if servers.tls_valkey else
+                  f"plaintext on {stack.host} (no valkey-server built with TLS found: "
+                  f"install one, e.g. a distribution's valkey-server or redis-server)")
         print(f"trainguard up: NATS serves TLS only (CA {servers.tls_ca}, TG_TLS_CA); Valkey "
               f"{valkey}", file=sys.stderr)
 
