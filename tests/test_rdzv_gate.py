@@ -106,3 +106,69 @@ def test_ranks_get_the_relay_and_never_the_token(monkeypatch):
     assert TOKEN_ENV not in env
     assert env["TG_RDZV_ENDPOINT"] == "127.0.0.1:40123"
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "40123")
+
+
+@pytest.fixture()
+def tls_gated_store(tmp_path):
+    """``python -m trainguard.rendezvous`` with a token and the stack's kind of certificate
+    (``trainguard.tls.ensure``): the gate serves TLS only."""
+    from trainguard import tls
+
+    files = tls.ensure(tmp_path / "tls", ["127.0.0.1", "localhost"])
+    env = {**os.environ, TOKEN_ENV: TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.rendezvous", "--port", "0",
+                             "--tls-cert", str(files.cert), "--tls-key", str(files.key)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("ready tls://127.0.0.1:"), line + proc.stderr.read()
+    yield line.split()[1], files, proc
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_tls_gate_carries_the_token_only_inside_tls(tls_gated_store, tmp_path, monkeypatch):
+    """With TLS the relay verifies the gate against the CA and sends the token inside TLS: a
+    client with the token reaches the store; the token sent in clear, torch's own client, and
+    a relay trusting another CA never do (the gate answers nothing but a TLS handshake)."""
+    from trainguard import tls
+
+    endpoint, files, _proc = tls_gated_store
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(tls.CA_ENV, str(files.ca))
+    store = rendezvous.connect_store(endpoint, timeout_s=10)
+    store.set("job/g1/rank0", "7")
+    assert store.get("job/g1/rank0") == b"7"
+    host, port = rendezvous.parse_endpoint(endpoint)
+    assert endpoint == f"tls://{host}:{port}"
+    with socket.create_connection((host, port), timeout=5) as s:  # the right token, in clear
+        s.sendall(preamble(TOKEN) + b"\x00" * 16)
+        s.settimeout(5)
+        got = b""
+        try:
+            while chunk := s.recv(100):
+                got += chunk
+        except ConnectionError:
+            pass
+        # closed, at most after a TLS alert record (content type 21): never a store's answer
+        assert got == b"" or got[0] == 0x15, got
+    with pytest.raises(Exception):
+        _bare_client(endpoint).get("job/g1/rank0")
+    other = tls.ensure(tmp_path / "other", ["127.0.0.1"])
+    wrong = Relay(endpoint, TOKEN, ca=str(other.ca)).start()
+    try:
+        import torch.distributed as dist
+
+        with pytest.raises(Exception):
+            dist.TCPStore("127.0.0.1", wrong.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=3)).get("job/g1/rank0")
+    finally:
+        wrong.stop()
+
+
+def test_a_tls_endpoint_needs_the_token():
+    with pytest.raises(ValueError, match="TG_RDZV_TOKEN"):
+        relay_for("tls://127.0.0.1:29400", token="")
+    assert rendezvous.parse_endpoint("tls://h.example:29400") == ("h.example", 29400)
+    assert rendezvous.is_tls("tls://h:1") and not rendezvous.is_tls("h:1")
+    with pytest.raises(SystemExit):
+        rendezvous.main(["--port", "0", "--tls-cert", "c.pem"])  # the key is missing

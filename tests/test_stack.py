@@ -114,9 +114,14 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
         assert "nats-server" in names and "remediator" in names
         assert "valkey" in names or "redis-server" in names
         if importlib.util.find_spec("trainguard.rendezvous") is not None:
-            host, port = exports["TG_RDZV_ENDPOINT"].rsplit(":", 1)
             import socket
-            socket.create_connection((host, int(port)), timeout=2).close()
+
+            from trainguard.rendezvous import parse_endpoint
+
+            # the gate serves TLS with the stack's certificate: its token never goes in clear
+            assert exports["TG_RDZV_ENDPOINT"].startswith("tls://127.0.0.1:")
+            socket.create_connection(parse_endpoint(exports["TG_RDZV_ENDPOINT"]),
+                                     timeout=2).close()
 
         async def health():
             bus = await Bus(exports["NATS_URL"], "probe", tls_ca=exports["TG_TLS_CA"]).connect()

@@ -143,20 +143,29 @@ class Launcher:
         endpoint on this machine that nothing serves yet is hosted here, as torchrun's c10d
         backend hosts its store (``python -m trainguard.rendezvous``, dies with the launcher);
         another node waits up to ``startup_timeout_s`` for its host."""
-        host, _, port = self.cfg.rdzv_endpoint.rpartition(":")
-        host = host or "127.0.0.1"
-        hosting = _is_local(host) and self.cfg.node_rank == 0 and not self.cfg.spare_node
+        from .rdzv_gate import TOKEN_ENV
+        from .rendezvous import is_tls, parse_endpoint
+
+        try:
+            host, port = parse_endpoint(self.cfg.rdzv_endpoint)
+        except ValueError as exc:
+            raise SystemExit(f"trainguard launch: bad rendezvous endpoint "
+                             f"{self.cfg.rdzv_endpoint!r} ({exc}): give host:port") from None
+        if is_tls(self.cfg.rdzv_endpoint) and not os.environ.get(TOKEN_ENV):
+            raise SystemExit(f"trainguard launch: the rendezvous store at "
+                             f"{self.cfg.rdzv_endpoint} serves TLS behind a token: set "
+                             f"{TOKEN_ENV} (the line `trainguard up` printed carries it)")
+        # a tls:// store is a `trainguard up`'s: never hosted here
+        hosting = _is_local(host) and self.cfg.node_rank == 0 and not self.cfg.spare_node \
+            and not is_tls(self.cfg.rdzv_endpoint)
         deadline = time.monotonic() + (timeout_s if hosting else self.cfg.startup_timeout_s)
         while True:
             try:
-                with socket.create_connection((host, int(port)), timeout=timeout_s):
+                with socket.create_connection((host, port), timeout=timeout_s):
                     return
-            except ValueError as exc:
-                raise SystemExit(f"trainguard launch: bad rendezvous endpoint "
-                                 f"{self.cfg.rdzv_endpoint!r} ({exc}): give host:port") from None
             except OSError as exc:
                 if hosting and self.rdzv_proc is None:
-                    self._host_rendezvous(host, int(port))
+                    self._host_rendezvous(host, port)
                     deadline = time.monotonic() + 60.0  # its torch import takes seconds
                 elif time.monotonic() >= deadline or (
                         self.rdzv_proc is not None and self.rdzv_proc.poll() is not None):

@@ -30,6 +30,7 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import threading
 from typing import Callable
 
@@ -37,7 +38,7 @@ from .auth import RDZV_TOKEN_ENV as TOKEN_ENV  # the variable carrying the store
 from .auth import rdzv_token as new_token  # a new token: 32 URL-safe characters (192 bits)
 
 __all__ = ["TOKEN_ENV", "PREAMBLE", "PREAMBLE_MAX", "PREAMBLE_TIMEOUT_S", "Gate", "Relay",
-           "new_token", "preamble", "relay_for"]
+           "new_token", "preamble", "relay_for", "server_context"]
 
 log = logging.getLogger("trainguard.rdzv_gate")
 
@@ -99,11 +100,23 @@ async def _splice(ar: asyncio.StreamReader, aw: asyncio.StreamWriter,
             pass
 
 
-class _Server:
-    """An asyncio TCP server in a daemon thread; ``start()`` returns once it listens."""
+def server_context(cert: str, key: str) -> ssl.SSLContext:
+    """The gate's TLS context (TLS 1.2 or later) from PEM ``cert`` and ``key`` files (the
+    stack's server certificate, ``trainguard.tls``). Raises ``OSError`` / ``ssl.SSLError`` for
+    files that are missing or not PEM."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
 
-    def __init__(self, host: str, port: int):
+
+class _Server:
+    """An asyncio TCP server in a daemon thread; ``start()`` returns once it listens
+    (over TLS with ``ssl_ctx``)."""
+
+    def __init__(self, host: str, port: int, ssl_ctx: ssl.SSLContext | None = None):
         self.host, self.port = host, port
+        self.ssl_ctx = ssl_ctx
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._ready = threading.Event()
@@ -125,7 +138,8 @@ class _Server:
         self.loop = asyncio.new_event_loop()
         try:
             self._server = self.loop.run_until_complete(asyncio.start_server(
-                self._handle, self.host, self.port, reuse_address=True))
+                self._handle, self.host, self.port, reuse_address=True, ssl=self.ssl_ctx,
+                ssl_handshake_timeout=PREAMBLE_TIMEOUT_S if self.ssl_ctx else None))
             self.port = self._server.sockets[0].getsockname()[1]
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._error = exc
@@ -154,11 +168,14 @@ class Gate(_Server):
     """Listens on ``host:port`` (0: a free port) and relays each connection that opens with
     ``preamble(token)`` to the store at ``127.0.0.1:store_port``. ``refused`` counts the
     connections closed for no or a wrong preamble; ``admitted`` the others. ``on_refused(peer,
-    why)`` is called for each refusal (default: a warning per peer address, once)."""
+    why)`` is called for each refusal (default: a warning per peer address, once). ``ssl_ctx``
+    (``server_context``): TLS only — a client that does not complete a TLS handshake within
+    ``PREAMBLE_TIMEOUT_S`` never reaches the preamble check."""
 
     def __init__(self, host: str, port: int, store_port: int, token: str,
-                 on_refused: Callable[[str, str], None] | None = None):
-        super().__init__(host, port)
+                 on_refused: Callable[[str, str], None] | None = None,
+                 ssl_ctx: ssl.SSLContext | None = None):
+        super().__init__(host, port, ssl_ctx)
         self.store_port = store_port
         self._expected = preamble(token)
         self.refused = 0
@@ -228,19 +245,34 @@ class Gate(_Server):
 
 class Relay(_Server):
     """Listens on ``127.0.0.1`` (a free port) and opens each connection to the gate at
-    ``remote`` (``host:port``) with ``preamble(token)`` first."""
+    ``remote`` (``host:port``, or ``tls://host:port``: over TLS, the gate's certificate and
+    name verified against ``ca``, else env ``TG_TLS_CA``) with ``preamble(token)`` first.
+    Raises ``FileNotFoundError`` / ``ssl.SSLError`` for a CA file that is missing or not
+    PEM."""
 
-    def __init__(self, remote: str, token: str):
+    def __init__(self, remote: str, token: str, ca: str | None = None):
         super().__init__("127.0.0.1", 0)
-        from .rendezvous import parse_endpoint
+        from .rendezvous import is_tls, parse_endpoint
+        from .tls import client_context
 
         self.remote = parse_endpoint(remote)
         self._preamble = preamble(token)
+        self._client_ssl = client_context(ca) if is_tls(remote) else None
+        self._warned = False
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            rr, rw = await asyncio.open_connection(*self.remote)
-        except OSError:
+            if self._client_ssl is not None:
+                rr, rw = await asyncio.wait_for(asyncio.open_connection(
+                    *self.remote, ssl=self._client_ssl, server_hostname=self.remote[0]),
+                    PREAMBLE_TIMEOUT_S)
+            else:
+                rr, rw = await asyncio.open_connection(*self.remote)
+        except (OSError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ssl.SSLError) and not self._warned:
+                self._warned = True  # once: the client retries its connection
+                log.warning("rendezvous relay: TLS to %s:%d failed: %s (is TG_TLS_CA the CA "
+                            "of the stack that printed the endpoint?)", *self.remote, exc)
             writer.close()  # the client sees the store as unreachable, as without a relay
             return
         _nodelay(writer)
@@ -256,10 +288,16 @@ _relays_lock = threading.Lock()
 def relay_for(endpoint: str, token: str | None = None) -> str:
     """The endpoint a client of the store at ``endpoint`` connects to: ``endpoint`` itself
     without a token (``token`` None: env ``TG_RDZV_TOKEN``), else that of this process's relay
-    to it (started on first use, one per endpoint and token). Raises OSError when the relay
-    cannot listen."""
+    to it (started on first use, one per endpoint and token; to a ``tls://`` endpoint over
+    TLS, ``Relay``). Raises OSError when the relay cannot listen or its CA cannot be read,
+    ValueError for a ``tls://`` endpoint without a token."""
+    from .rendezvous import is_tls
+
     token = os.environ.get(TOKEN_ENV, "") if token is None else token
     if not token:
+        if is_tls(endpoint):
+            raise ValueError(f"the rendezvous store at {endpoint} serves TLS behind a token: "
+                             f"set {TOKEN_ENV} (the line `trainguard up` printed carries it)")
         return endpoint
     with _relays_lock:
         relay = _relays.get((endpoint, token))

@@ -52,8 +52,23 @@ class Superseded(RendezvousError):
     """A newer decision arrived while waiting at the barrier: join its generation instead."""
 
 
+#: Scheme of an endpoint whose gate serves TLS (``trainguard up`` with TLS prints
+#: ``TG_RDZV_ENDPOINT=tls://host:port``): its clients reach it through a relay
+#: (``rdzv_gate.relay_for``), which needs the store's token and verifies the gate's certificate
+#: against ``TG_TLS_CA``.
+TLS_SCHEME = "tls://"
+
+
+def is_tls(endpoint: str) -> bool:
+    """True for an endpoint whose gate serves TLS (``tls://host:port``)."""
+    return endpoint.startswith(TLS_SCHEME)
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` → (host, port); raises ValueError saying the expected form."""
+    """``"host:port"`` or ``"tls://host:port"`` → (host, port); raises ValueError saying the
+    expected form."""
+    if is_tls(endpoint):
+        endpoint = endpoint[len(TLS_SCHEME):]
     host, sep, port = endpoint.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"rendezvous endpoint {endpoint!r} must be host:port")
@@ -209,20 +224,28 @@ def destroy_groups() -> None:
 
 
 # ---- the store host ---------------------------------------------------------------------------
-def serve(host: str, port: int, token: str = "") -> None:
-    """Host a TCPStore on ``host:port`` until SIGTERM/SIGINT; prints ``ready host:port``.
+def serve(host: str, port: int, token: str = "", tls_cert: str = "", tls_key: str = "") -> None:
+    """Host a TCPStore on ``host:port`` until SIGTERM/SIGINT; prints ``ready ENDPOINT``.
     With ``token``, the store listens on loopback only and ``trainguard.rdzv_gate.Gate`` on
-    ``host:port`` admits only connections that open with it."""
+    ``host:port`` admits only connections that open with it; with ``tls_cert`` and ``tls_key``
+    (PEM files) too, the gate serves TLS only (the token never crosses the network in clear)
+    and the endpoint printed is ``tls://host:port``. Raises ValueError for TLS without a
+    token."""
     import torch.distributed as dist
 
+    if (tls_cert or tls_key) and not token:
+        raise ValueError("a TLS rendezvous gate needs a token (TG_RDZV_TOKEN): without one "
+                         "there is no gate")
     gate = None
     if token:
-        from .rdzv_gate import Gate
+        from .rdzv_gate import Gate, server_context
 
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=300))
-        gate = Gate(host, port, store.port, token).start()
-        print(f"ready {host}:{gate.port} (token required)", flush=True)
+        ctx = server_context(tls_cert, tls_key) if tls_cert else None
+        gate = Gate(host, port, store.port, token, ssl_ctx=ctx).start()
+        scheme = TLS_SCHEME if ctx is not None else ""
+        print(f"ready {scheme}{host}:{gate.port} (token required)", flush=True)
     else:
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=300))
@@ -239,11 +262,19 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Host the rendezvous store of trainguard jobs.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--tls-cert", default="", help="PEM certificate: the gate serves TLS only "
+                   "(needs TG_RDZV_TOKEN)")
+    p.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
     args = p.parse_args(argv)
     from .rdzv_gate import TOKEN_ENV
 
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
     # the token comes from the environment (never a command line, which others can read)
-    serve(args.host, args.port, os.environ.get(TOKEN_ENV, ""))
+    try:
+        serve(args.host, args.port, os.environ.get(TOKEN_ENV, ""), args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        p.error(str(exc))
     return 0
 
 

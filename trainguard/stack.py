@@ -389,9 +389,15 @@ class Stack:
         if self._want_rdzv_token:
             self.rdzv_token = self._load_rdzv_token()
             self.env[RDZV_TOKEN_ENV] = self.rdzv_token
+        cmd = [sys.executable, "-m", "trainguard.rendezvous", "--host", self.host, "--port",
+               str(port)]
+        files = self._servers.tls_files
+        if self.rdzv_token and self.tls_ca and files is not None:
+            # the gate serves TLS with the servers' certificate: the token never crosses the
+            # network in clear (the endpoint becomes tls://host:port)
+            cmd += ["--tls-cert", str(files.cert), "--tls-key", str(files.key)]
         try:
-            return self._spawn("rendezvous", [sys.executable, "-m", "trainguard.rendezvous",
-                                              "--host", self.host, "--port", str(port)], None)
+            return self._spawn("rendezvous", cmd, None)
         finally:
             self.env.pop(RDZV_TOKEN_ENV, None)  # the store's alone among the children
 
