@@ -7,7 +7,8 @@ Starts the embedded stack the demo uses (NATS + Valkey with auth, two agents, de
 attributor, remediator, checkpoint validator), then publishes ``--messages`` hostile messages
 as the ``admin`` role (the only role the server lets publish on every subject) across the
 subjects each service consumes: rank heartbeats, worker, log, ckpt, node heartbeat (the
-agents' and the launchers') / xid / telemetry / kernel, anomaly, verdict, action, recovery. The messages (``hostile_messages``):
+agents' and the launchers') / xid / telemetry / kernel, anomaly, verdict, action, recovery.
+The messages (``hostile_messages``):
 
 * random bytes, truncated MessagePack, MessagePack that is not a map;
 * unknown schema names, wrong schema versions, fields of the wrong type;
