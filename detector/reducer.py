@@ -18,8 +18,8 @@ What ``step`` decides, by input:
   launchers of earlier releases beat too, or a launcher's on ``tg.node.<node>.launcher.<job>``,
   refused unless it agrees with its subject: ``launcher_beat``) and the one-off rules run:
   crash, log line, failed save, a restore whose loss check failed (``recovery.verified`` with
-  ``ok`` False), NaN loss, XID, telemetry (GPU counters, and the host and link rules of ``detector.telemetry``), the Slurm
-  watcher's node and job events (``detector.scheduler``: a node Slurm marks DOWN or not
+  ``ok`` False), NaN loss, XID, telemetry (GPU counters, and the host and link rules of
+  ``detector.telemetry``), the Slurm watcher's node and job events (``detector.scheduler``: a node Slurm marks DOWN or not
   responding is a node loss for the jobs on it — those of the records' members, and those the
   event names whose record is not read yet; a node already out of a job's members is none of
   its business; a drain set by trainguard itself is nothing). A job
