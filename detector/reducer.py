@@ -19,12 +19,12 @@ What ``step`` decides, by input:
   refused unless it agrees with its subject: ``launcher_beat``) and the one-off rules run:
   crash, log line, failed save, a restore whose loss check failed (``recovery.verified`` with
   ``ok`` False), NaN loss, XID, telemetry (GPU counters, and the host and link rules of
-  ``detector.telemetry``), the Slurm watcher's node and job events (``detector.scheduler``: a node Slurm marks DOWN or not
-  responding is a node loss for the jobs on it — those of the records' members, and those the
-  event names whose record is not read yet; a node already out of a job's members is none of
-  its business; a drain set by trainguard itself is nothing). A job
-  first seen is read from the job record at the next tick. Event types the
-  detector does not consume produce nothing.
+  ``detector.telemetry``), the Slurm watcher's node and job events (``detector.scheduler``: a
+  node Slurm marks DOWN or not responding is a node loss for the jobs on it — those of the
+  records' members, and those the event names whose record is not read yet; a node already out
+  of a job's members is none of its business; a drain set by trainguard itself is nothing). A
+  job first seen is read from the job record at the next tick. Event types the detector does
+  not consume produce nothing.
 * ``Tick`` — silence, node lost and launcher lost (a job's launcher and its ranks on a node
   silent while the node's agent beats: ``signals.launcher_lost_rule``, published to that job
   only) on every tick; stall, missing member, straggler and
