@@ -6,8 +6,9 @@
 Starts the embedded stack the demo uses (NATS + Valkey with auth, two agents, detector,
 attributor, remediator, checkpoint validator), then publishes ``--messages`` hostile messages
 as the ``admin`` role (the only role the server lets publish on every subject) across the
-subjects each service consumes: rank heartbeats, worker, log, ckpt, node heartbeat / xid /
-telemetry / kernel, anomaly, verdict, action, recovery. The messages (``hostile_messages``):
+subjects each service consumes: rank heartbeats, worker, log, ckpt, node heartbeat (the
+agents' and the launchers') / xid / telemetry / kernel, anomaly, verdict, action, recovery.
+The messages (``hostile_messages``):
 
 * random bytes, truncated MessagePack, MessagePack that is not a map;
 * unknown schema names, wrong schema versions, fields of the wrong type;
@@ -74,6 +75,7 @@ FAMILIES: tuple[tuple[str, str, tuple[type, ...]], ...] = (
     ("ckpt", "tg.job.{job}.ckpt", (schemas.CheckpointSaved, schemas.CheckpointValidated,
                                    schemas.CheckpointInvalid, schemas.CheckpointSaveFailed)),
     ("node_hb", "tg.node.{node}.heartbeat", (schemas.NodeHeartbeat,)),
+    ("launcher_hb", "tg.node.{node}.launcher.{job}", (schemas.NodeHeartbeat,)),
     ("xid", "tg.node.{node}.xid", (schemas.XidEvent,)),
     ("telemetry", "tg.node.{node}.telemetry", (schemas.NodeTelemetry,)),
     ("kernel", "tg.node.{node}.kernel", (schemas.LogLine,)),

@@ -14,15 +14,17 @@ from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts``
 What ``step`` decides, by input:
 
 * ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
-  ``detector.signals``) and the one-off rules run: crash, log line, failed save, a restore
-  whose loss check failed (``recovery.verified`` with ``ok`` False), NaN loss, XID, telemetry
-  (GPU counters, and the host and link rules of ``detector.telemetry``), the Slurm
-  watcher's node and job events (``detector.scheduler``: a node Slurm marks DOWN or not
-  responding is a node loss for the jobs on it — those of the records' members, and those the
-  event names whose record is not read yet; a node already out of a job's members is none of
-  its business; a drain set by trainguard itself is nothing). A job
-  first seen is read from the job record at the next tick. Event types the
-  detector does not consume produce nothing.
+  ``detector.signals``; a node heartbeat is the agent's on ``tg.node.<node>.heartbeat``, where
+  launchers of earlier releases beat too, or a launcher's on ``tg.node.<node>.launcher.<job>``,
+  refused unless it agrees with its subject: ``launcher_beat``) and the one-off rules run:
+  crash, log line, failed save, a restore whose loss check failed (``recovery.verified`` with
+  ``ok`` False), NaN loss, XID, telemetry (GPU counters, and the host and link rules of
+  ``detector.telemetry``), the Slurm watcher's node and job events (``detector.scheduler``: a
+  node Slurm marks DOWN or not responding is a node loss for the jobs on it — those of the
+  records' members, and those the event names whose record is not read yet; a node already out
+  of a job's members is none of its business; a drain set by trainguard itself is nothing). A
+  job first seen is read from the job record at the next tick. Event types the detector does
+  not consume produce nothing.
 * ``Tick`` — silence, node lost and launcher lost (a job's launcher and its ranks on a node
   silent while the node's agent beats: ``signals.launcher_lost_rule``, published to that job
   only) on every tick; stall, missing member, straggler and
@@ -79,12 +81,12 @@ from .signals import (NodeState, crash_rule, launcher_lost_rule, log_rule, node_
 from .telemetry import cpu_context, host_rules, link_rules
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
-           "TOPICS"]
+           "launcher_beat", "TOPICS"]
 
 #: The subjects the detector consumes.
 TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
-          "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm")
+          "tg.job.*.recovery", "tg.node.*.heartbeat", subjects.ALL_LAUNCHERS, "tg.node.*.xid",
+          "tg.node.*.telemetry", "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm")
 
 #: Fault classes a node's kernel log shows for the whole node (a NIC link down, an NFS server
 #: gone, a machine-check, a GPU off the bus): such a finding goes to every job with members on
@@ -449,10 +451,45 @@ def _on_recovery_verified(state: DetectorState, inp: Received, now: float) -> li
     return out
 
 
+def launcher_beat(subject: str, ev: schemas.NodeHeartbeat) -> tuple[str, str]:
+    """``(node, job)`` of a launcher's beat on ``tg.node.<node>.launcher.<job>``
+    (``subjects.launcher``), both from the subject: what the server checked against the
+    publisher's rights (a job's own user may publish its own job's launcher subject only, on
+    any node), where the event's fields are the publisher's word. Raises ValueError, saying
+    why, for a subject of another form, a name that is no subject token, or an event that
+    disagrees with its subject: a ``job`` or ``node`` other than the subject's, or a role
+    other than ``launcher`` (a job's user beating as a node agent would vouch for the node, and
+    keep every job's lost launcher there unseen: ``signals.launcher_lost_rule``). Such an event
+    changes nothing; the bus counts it with the other events a handler refused
+    (``BusStats.handler_errors``)."""
+    parts = subjects.parse(subject)
+    job = parts.get("job")
+    if parts["scope"] != "node" or parts["kind"] != subjects.LAUNCHER or job is None:
+        raise ValueError(f"{subject[:200]!r} is no launcher heartbeat subject "
+                         f"(tg.node.<node>.launcher.<job>)")
+    node = parts["name"]
+    subjects.token(node), subjects.token(job)
+    for what, given, want in (("job", ev.job, job), ("node", ev.node, node)):
+        if given and given != want:
+            raise ValueError(f"a launcher heartbeat on {subject[:200]} names {what} "
+                             f"{given[:200]!r}, its subject {want!r}: refused")
+    if ev.role != "launcher":
+        raise ValueError(f"a heartbeat on launcher subject {subject[:200]} has role "
+                         f"{ev.role[:50]!r}, not 'launcher': refused")
+    return node, job
+
+
 def _on_node_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
+    """A node heartbeat: the node agent's on ``tg.node.<node>.heartbeat`` (there too a
+    launcher of an earlier release, role ``launcher`` and its job in the event), a launcher's
+    on ``tg.node.<node>.launcher.<job>`` (``launcher_beat``: refused unless it agrees with its
+    subject)."""
     ev = inp.event
-    observe_node_heartbeat(_node(state, _node_of(inp)), ev.role, now, ev.job,
-                           ending=bool(getattr(ev, "ending", False)))
+    if inp.subject.split(".", 4)[3:4] == [subjects.LAUNCHER]:
+        (node, job), role = launcher_beat(inp.subject, ev), "launcher"
+    else:
+        node, role, job = _node_of(inp), ev.role, ev.job
+    observe_node_heartbeat(_node(state, node), role, now, job, ending=bool(ev.ending))
     return []
 
 

@@ -1,7 +1,8 @@
 """The detector service: raw signals in, ``schemas.Anomaly`` out.
 
 Subscribes ``tg.job.*.rank.*.hb``, ``tg.job.*.worker``, ``tg.job.*.log``, ``tg.job.*.ckpt``,
-``tg.node.*.heartbeat``, ``tg.node.*.xid``, ``tg.node.*.telemetry`` and ticks every
+``tg.node.*.heartbeat`` (node agents), ``tg.node.*.launcher.*`` (launchers), ``tg.node.*.xid``,
+``tg.node.*.telemetry`` and the rest of ``detector.reducer.TOPICS``, and ticks every
 ``ServiceConfig.tick_s`` (50 ms). The service is wiring only: a ``ReducerService`` whose
 ``step`` is ``detector.reducer.step``, which keeps the per-job and per-node windows, runs the
 pure rules (``detector.rules``), deduplicates — one anomaly per (job, subject, kind,

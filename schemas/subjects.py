@@ -1,7 +1,8 @@
 """NATS subjects, hierarchical by job and node so tools can subscribe with wildcards.
 
 ``tg.node.<node>.{telemetry,xid,kernel,heartbeat,anomaly,slurm}`` (``kernel``: host kernel-log lines such as OOM kills, as ``log.line``;
-``slurm``: the Slurm watcher's ``slurm.node``) and
+``slurm``: the Slurm watcher's ``slurm.node``; ``heartbeat``: the node agent's beat),
+``tg.node.<node>.launcher.<job>`` (a job's launcher's beat on that node: ``launcher``) and
 ``tg.job.<job>.{rank.<rank>.hb,log,worker,anomaly,verdict,decision,control,ckpt,action,recovery,slurm}``
 (``control``: requests to the ranks that are no decision, e.g. ``ckpt.request``; ``slurm``: the
 Slurm watcher's ``slurm.job``).
@@ -77,6 +78,22 @@ def node(node_name: str, kind: str) -> str:
     return f"{PREFIX}.node.{token(node_name)}.{kind}"
 
 
+#: Subject kind of a launcher's node heartbeat: ``tg.node.<node>.launcher.<job>``.
+LAUNCHER = "launcher"
+#: Every job's launcher beats on every node (what the detector and the stream read).
+ALL_LAUNCHERS = f"{PREFIX}.node.*.{LAUNCHER}.*"
+
+
+def launcher(node_name: str, job_name: str) -> str:
+    """``tg.node.<node>.launcher.<job>``: where the launcher of ``job`` on ``node`` beats
+    (``NodeHeartbeat``, role ``launcher``). Under the node, so it is in the node's partition
+    key (``node:<node>``: the detector replica that judges the node hears its agent and its
+    launchers alike); named by its job, so a job's own NATS user may publish its launchers'
+    beats and no other job's, nor the node agent's ``tg.node.<node>.heartbeat``
+    (``trainguard.auth.job_role``)."""
+    return f"{PREFIX}.node.{token(node_name)}.{LAUNCHER}.{token(job_name)}"
+
+
 def job(job_name: str, kind: str) -> str:
     """``tg.job.<job>.<kind>`` (kind: log, worker, anomaly, verdict, decision, control, ckpt,
     action, recovery, slurm)."""
@@ -99,8 +116,10 @@ ALL_NODES = f"{PREFIX}.node.>"
 
 def parse(subject: str) -> dict[str, str]:
     """Split a trainguard subject into its parts: ``{"scope": "job"|"node", "name": …,
-    "kind": …, "rank": …}``; ``name`` is decoded (``untoken``: a dotted node name comes back
-    with its dots). Raises ValueError for a subject outside ``tg.``."""
+    "kind": …, "rank": …, "job": …}`` (``rank`` for a rank heartbeat, ``job`` for a launcher's
+    node heartbeat ``tg.node.<node>.launcher.<job>``); ``name`` and ``job`` are decoded
+    (``untoken``: a dotted name comes back with its dots). Raises ValueError for a subject
+    outside ``tg.``."""
     parts = subject.split(".")
     if len(parts) < 4 or parts[0] != PREFIX or parts[1] not in ("job", "node"):
         raise ValueError(f"not a trainguard subject: {subject!r}")
@@ -108,4 +127,6 @@ def parse(subject: str) -> dict[str, str]:
     if parts[3] == "rank" and len(parts) >= 6:
         out["rank"] = parts[4]
         out["kind"] = parts[5]
+    elif parts[1] == "node" and parts[3] == LAUNCHER and len(parts) == 5:
+        out["job"] = untoken(parts[4])
     return out

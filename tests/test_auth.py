@@ -86,11 +86,33 @@ def test_table_single_writers_and_reasons():
     # the worker can publish everything the rank side sends, and nothing a service sends
     worker = ROLES["worker"].publish
     for subject in ("tg.job.j.rank.3.hb", "tg.job.j.worker", "tg.job.j.log", "tg.job.j.ckpt",
-                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.heartbeat"):
+                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.launcher.j",
+                    "tg.node.n.heartbeat"):  # the last: launchers of earlier releases
         assert _covers(worker, subject), subject
     for subject in ("tg.job.j.decision", "tg.job.j.verdict", "tg.job.j.anomaly",
                     "tg.node.n.xid", "$JS.API.STREAM.DELETE.TG_EVENTS"):
         assert not _covers(worker, subject), subject
+
+
+def test_node_heartbeats_who_sends_them_and_who_reads_them():
+    """The node agent's subject: the agent, and the shared worker (launchers of earlier
+    releases beat there), never a job's own user. Every role that reads the agents' beats reads
+    the launchers' too."""
+    from trainguard.auth import job_role
+
+    agent_beat, launcher_beat = "tg.node.n.heartbeat", "tg.node.n.launcher.j"
+    assert {n for n, r in ROLES.items() if _covers(r.publish, agent_beat)} == {
+        "admin", "agent", "worker"}
+    assert {n for n, r in ROLES.items() if _covers(r.publish, launcher_beat)} == {
+        "admin", "worker"}
+    job = job_role("j")
+    assert _covers(job.publish, launcher_beat) and _covers(job.publish, "tg.node.n2.launcher.j")
+    for subject in (agent_beat, "tg.node.n.launcher.k", "tg.node.n.launcher.j.x",
+                    "tg.node.n.launcher.j2"):
+        assert not _covers(job.publish, subject), subject
+    readers = {n for n, r in ROLES.items() if _covers(r.subscribe, agent_beat)}
+    assert readers == {n for n, r in ROLES.items() if _covers(r.subscribe, launcher_beat)}
+    assert {"detector", "reader", "admin"} <= readers
 
 
 def test_credentials_file_is_private_and_rotates(tmp_path):

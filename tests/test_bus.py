@@ -139,3 +139,33 @@ async def test_late_subscriber_gets_the_last_stored_decision(servers):
     assert [d.generation for d in got] == [2, 3]
     await late.close()
     await pub.close()
+
+
+async def test_ensure_streams_gives_a_stream_of_an_earlier_release_the_launcher_subject(servers):
+    """A stack upgraded in place: TG_TELEMETRY made without ``tg.node.*.launcher.*`` gets it
+    at the next ``ensure_streams`` (an update of the existing stream, its messages kept), and
+    the launchers' beats are stored from then on."""
+    from trainguard.schemas import subjects
+
+    admin = await Bus(servers.nats_url, "streams-admin").connect()
+    await admin.ensure_streams()
+    js = admin.nc.jetstream()
+    cfg = (await js.stream_info("TG_TELEMETRY")).config
+    cfg.subjects = ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"]
+    await js.update_stream(cfg)  # as an earlier release made it
+    agent = schemas.NodeHeartbeat(node="up1", role="agent")
+    await admin.publish(subjects.node("up1", "heartbeat"), agent)
+    await admin.flush()
+    await asyncio.sleep(0.1)
+    assert await admin.last_stored(subjects.launcher("up1", "upj")) is None
+    await admin.ensure_streams()
+    assert subjects.ALL_LAUNCHERS in (await js.stream_info("TG_TELEMETRY")).config.subjects
+    beat = schemas.NodeHeartbeat(node="up1", job="upj", role="launcher")
+    await admin.publish(subjects.launcher("up1", "upj"), beat)
+    await admin.flush()
+    await asyncio.sleep(0.1)
+    for subject, sent in ((subjects.launcher("up1", "upj"), beat),
+                          (subjects.node("up1", "heartbeat"), agent)):
+        msg = await admin.last_stored(subject)
+        assert msg is not None and schemas.decode(msg.data).event_id == sent.event_id, subject
+    await admin.close()

@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from trainguard import schemas
-from trainguard.detector.reducer import (DetectorServiceConfig, DetectorState, node_timeout,
-                                         refresh_calls, step)
+from trainguard.detector.reducer import (DetectorServiceConfig, DetectorState, launcher_beat,
+                                         node_timeout, refresh_calls, step)
 from trainguard.detector.rules import DetectorConfig
 from trainguard.reducer import Call, Log, Publish, Received, Reply, Tick, run_offline
 from trainguard.schemas import JobRecord, subjects
@@ -48,6 +48,16 @@ def xid(t, node="g1", gpu_index=None, number=79):
     return t, Received(subjects.node(node, "xid"), schemas.XidEvent(
         node=node, xid=number, pci="0000:4e:00", gpu_index=gpu_index, raw=f"Xid {number}",
         ts=wall(t)), wall(t))
+
+
+def node_beat(t, node, role, job=None, end=False, legacy=False):
+    """A node heartbeat at ``t``: an agent's on ``tg.node.<node>.heartbeat``; a launcher's on
+    its job's ``tg.node.<node>.launcher.<job>``, or (``legacy``) on the agent's subject, where
+    launchers of earlier releases beat."""
+    subject = (subjects.launcher(node, job) if role == "launcher" and not legacy
+               else subjects.node(node, "heartbeat"))
+    return t, Received(subject, schemas.NodeHeartbeat(node=node, role=role, job=job,
+                                                      ending=end), wall(t))
 
 
 def published(effects, kind=None):
@@ -162,7 +172,8 @@ def test_node_lost_names_every_member_on_the_node_and_uses_the_jobs_node_timeout
 
 
 # ---- job-record refresh ---------------------------------------------------------------------
-def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only(legacy):
     node = "ip-10-0-1-2.ec2.internal"
     recs = {"a": JobRecord(runs=1, generation=3, members=[
                 {"rank": 0, "node": node, "local_rank": 0},
@@ -170,8 +181,7 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
             "b": JobRecord(runs=1, members=[{"rank": 0, "node": node, "local_rank": 0}])}
 
     def node_hb(t, role, job=None):
-        return t, Received(subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(
-            node=node, role=role, job=job), wall(t))
+        return node_beat(t, node, role, job, legacy=legacy)
 
     inputs = [hb(T0, job="a", rank=0, node=node, generation=3), hb(T0, job="b", node=node),
               node_hb(T0, "launcher", "a"), node_hb(T0, "launcher", "b"), tick(T0 + 0.05)]
@@ -190,12 +200,13 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
     assert not published(eff, "node_lost")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
 @pytest.mark.parametrize("ending, status, lost", [
     (False, "running", 1), (True, "running", 0),
     # a run that is over without a last beat: its user revoked (``revoke_job`` marks it
     # stopped; the launcher fences itself unheard), or ended by the Slurm requeue
     (False, "stopped", 0), (False, "requeued", 0), (False, "finished", 0)])
-def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, lost):
+def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, lost, legacy):
     """A job stopped by a decision: its launcher kills its ranks and ends, with a last beat
     marked ``ending``; its silence after that must not become an infrastructure fault of the
     node (which cross-job history would hold against it). Nor the silence of a launcher whose
@@ -205,8 +216,7 @@ def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, los
                            members=[{"rank": 0, "node": node, "local_rank": 0}])}
 
     def node_hb(t, role, job=None, end=False):
-        return t, Received(subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(
-            node=node, role=role, job=job, ending=end), wall(t))
+        return node_beat(t, node, role, job, end, legacy=legacy)
 
     inputs = [hb(T0, job="a", rank=0, node=node), node_hb(T0, "launcher", "a"),
               tick(T0 + 0.05), node_hb(T0 + 0.1, "launcher", "a", end=ending)]
@@ -218,14 +228,14 @@ def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, los
     assert len(published(eff, "launcher_lost")) == lost
 
 
-def test_a_powered_off_node_is_lost_not_its_launcher():
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_powered_off_node_is_lost_not_its_launcher(legacy):
     """The agent's last beat comes a moment after the launcher's (a power-off stops both):
     node lost only."""
     recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": "g1", "local_rank": 0}])}
 
     def node_hb(t, role, job=None):
-        return t, Received(subjects.node("g1", "heartbeat"), schemas.NodeHeartbeat(
-            node="g1", role=role, job=job), wall(t))
+        return node_beat(t, "g1", role, job, legacy=legacy)
 
     inputs = [hb(T0, job="a", node="g1"), node_hb(T0, "launcher", "a"), node_hb(T0 + 0.9, "agent")]
     inputs += [tick(T0 + k * 0.25) for k in range(1, 24)]
@@ -233,6 +243,71 @@ def test_a_powered_off_node_is_lost_not_its_launcher():
                          records(recs))
     assert [e.event.kind for e in published(eff) if e.subject == "tg.job.a.anomaly"] == [
         "node_lost"]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_node_with_only_launcher_beats_is_alive_while_they_go_on_then_lost(legacy):
+    """No agent on the node (none deployed): its launcher's beats alone keep it alive, on the
+    launcher's subject as on the agent's (a launcher of an earlier release); the node is lost
+    the node timeout (3 s) after the last one."""
+    recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": "g1", "local_rank": 0}])}
+    inputs = learn_jobs("a")
+    for k in range(11):  # beats every 0.5 s up to T0 + 5
+        inputs += [node_beat(T0 + k * 0.5, "g1", "launcher", "a", legacy=legacy),
+                   tick(T0 + k * 0.5 + 0.25)]
+    inputs += [tick(T0 + 5 + k * 0.25) for k in range(1, 20)]
+    s, eff = run_offline(step, state(rules=DetectorConfig(silence_timeout_s=60.0)), inputs,
+                         records(recs))
+    assert set(s.nodes["g1"].last) == {"launcher"} and "a" in s.nodes["g1"].launchers
+    lost = published(eff, "node_lost")
+    assert [(e.subject, e.event.culprit.ranks) for e in lost] == [
+        ("tg.node.g1.anomaly", []), ("tg.job.a.anomaly", [0])]
+    assert lost[0].event.first_ts == wall(T0 + 8.25)  # the first tick past 3 s of silence
+    assert not published(eff, "launcher_lost")  # no agent: the node's loss, not the launcher's
+
+
+@pytest.mark.parametrize("node, job", [("g1", "a"), ("ip-10-0-1-2.ec2.internal", "train.7"),
+                                       ("g1", "heartbeat")])
+def test_a_launcher_beat_takes_its_node_and_job_from_its_subject(node, job):
+    """The subject is what the server checked against the publisher's rights: the beat's node
+    and job come from it (dots decoded), whether the event names them or not."""
+    subject = subjects.launcher(node, job)
+    assert subjects.parse(subject) == {"scope": "node", "name": node, "kind": "launcher",
+                                       "job": job}
+    for ev in (schemas.NodeHeartbeat(role="launcher"),
+               schemas.NodeHeartbeat(node=node, job=job, role="launcher")):
+        assert launcher_beat(subject, ev) == (node, job)
+        s, _ = step(state(), Received(subject, ev, wall(T0)), T0)
+        assert set(s.nodes) == {node} and set(s.nodes[node].launchers) == {job}
+        assert set(s.nodes[node].last) == {"launcher"}
+
+
+@pytest.mark.parametrize("subject, ev, why", [
+    # another job's launcher: a job's user may publish its own job's subject only, and the
+    # event must not make it count for another job
+    ("tg.node.g1.launcher.a", schemas.NodeHeartbeat(node="g1", job="b", role="launcher"),
+     "names job 'b', its subject 'a'"),
+    ("tg.node.g1.launcher.a", schemas.NodeHeartbeat(node="g2", job="a", role="launcher"),
+     "names node 'g2', its subject 'g1'"),
+    # a job's user posing as the node's agent (which vouches for the node and for the node
+    # being alive while a launcher is lost)
+    ("tg.node.g1.launcher.a", schemas.NodeHeartbeat(node="g1", job="a", role="agent"),
+     "role 'agent'"),
+    ("tg.node.g1.launcher.a", schemas.NodeHeartbeat(node="g1", job="a", role=""), "role ''"),
+    ("tg.node.g1.launcher", schemas.NodeHeartbeat(node="g1", job="a", role="launcher"),
+     "no launcher heartbeat subject"),
+    ("tg.node.g1.launcher.a.b", schemas.NodeHeartbeat(role="launcher"),
+     "no launcher heartbeat subject"),
+    ("tg.node.g1.launcher.a%41", schemas.NodeHeartbeat(role="launcher"),
+     "cannot be a NATS subject token"),
+])
+def test_a_launcher_beat_that_disagrees_with_its_subject_is_refused(subject, ev, why):
+    """Refused as a bad name is (a ValueError, which the bus counts as a handler error), and
+    nothing of it is kept."""
+    s = state()
+    with pytest.raises(ValueError, match=why):
+        step(s, Received(subject, ev, wall(T0)), T0)
+    assert s.nodes == {} and s.jobs == {}
 
 
 def test_a_dotted_node_name_is_kept_from_the_subject_to_the_jobs_anomaly():

@@ -192,3 +192,32 @@ async def test_refresh_now_reads_the_records_at_once(servers, redis_db):
             {"rank": 0, "node": "r1", "local_rank": 0}])
         await st.det.refresh_now()
         assert st.det.node_jobs == {"r1": {job}} and st.det.job_cfg[job].generation == 4
+
+
+async def test_launcher_beats_on_their_subject_keep_the_node_alive_and_a_forged_one_counts(
+        servers, redis_db):
+    """A launcher beating on ``tg.node.<node>.launcher.<job>`` (no agent on the node) keeps
+    its node alive; its silence past the job's node timeout is a node loss of its ranks. A
+    beat that names another job than its subject is refused, counted as a handler error, and
+    tracks nothing."""
+    job, node = "lbeat", "lb1"
+    st_ = StateStore(servers.redis_url)
+    await st_.register_job(job, generation=0, node_timeout_s=1.0,
+                           members=[{"rank": 0, "node": node, "local_rank": 0}])
+    await st_.close()
+    async with Stack(servers, job, silence_s=60.0) as st:
+        await st.pub(subjects.rank_hb(job, 0), schemas.RankHeartbeat(job=job, node=node, rank=0))
+        assert await st.wait(lambda: node in st.det.node_jobs)
+        errors = st.det.bus.stats.handler_errors
+        await st.pub(subjects.launcher("lb2", job), schemas.NodeHeartbeat(
+            node="lb2", job="other", role="launcher"))
+        assert await st.wait(lambda: st.det.bus.stats.handler_errors == errors + 1)
+        for _ in range(10):  # 2 s of beats, twice the node timeout
+            await st.pub(subjects.launcher(node, job), schemas.NodeHeartbeat(
+                node=node, job=job, role="launcher", interval_s=0.2))
+            await asyncio.sleep(0.2)
+        assert set(st.det.nodes[node].launchers) == {job} and "lb2" not in st.det.nodes
+        assert not [a for a in st.anomalies if a.kind == "node_lost"]
+        assert await st.wait(lambda: [a for a in st.anomalies if a.kind == "node_lost"])
+        (lost,) = [a for a in st.anomalies if a.kind == "node_lost"]
+        assert lost.culprit.nodes == [node] and lost.culprit.ranks == [0]

@@ -47,6 +47,28 @@ def test_membership_owns_its_keys_and_everyone_serves_unkeyed_subjects():
     assert partition_key("tg.svc.detector.health") is None
 
 
+@pytest.mark.parametrize("node", ["n4", "ip-10-0-1-2.ec2.internal"])
+def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
+    """``tg.node.<node>.launcher.<job>`` stays under the node: the same partition key as the
+    agent's ``tg.node.<node>.heartbeat`` (the replica that judges the node hears both), kept
+    by the same stream, read by the detector with the same relevance and in-flight bound."""
+    from trainguard.bus import STREAMS
+    from trainguard.consume import max_ack_pending_for
+
+    agent, launcher = subjects.node(node, "heartbeat"), subjects.launcher(node, "job.1")
+    assert partition_key(launcher) == partition_key(agent) == f"node:{subjects.token(node)}"
+    assert max_age_s(launcher) == max_age_s(agent) == 3.0
+    assert max_ack_pending_for(subjects.ALL_LAUNCHERS) == max_ack_pending_for(
+        "tg.node.*.heartbeat")
+    kept = {name: subs for name, subs, _ in STREAMS}
+    assert {"tg.node.*.heartbeat", subjects.ALL_LAUNCHERS} <= set(kept["TG_TELEMETRY"])
+    assert {"tg.node.*.heartbeat", subjects.ALL_LAUNCHERS} <= set(dred.TOPICS)
+    assert matches(subjects.ALL_LAUNCHERS, launcher) and not matches(subjects.ALL_LAUNCHERS,
+                                                                      agent)
+    assert consumer_name("detector", "r1", subjects.ALL_LAUNCHERS) != consumer_name(
+        "detector", "r1", "tg.node.*.heartbeat")
+
+
 # ---- relevance ----------------------------------------------------------------------------------
 def test_relevance_table_rows_and_matching():
     assert all(r.reason for r in RELEVANCE)

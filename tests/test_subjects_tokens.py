@@ -29,6 +29,19 @@ def test_a_dotted_name_round_trips(name):
     assert hb == {"scope": "job", "name": name, "kind": "hb", "rank": "7"}
 
 
+@pytest.mark.parametrize("node, job", [("node0", "job_1"), ("ip-10-0-1-2.ec2.internal",
+                                                              "train.7")])
+def test_a_launchers_subject_is_under_its_node_and_names_its_job(node, job):
+    subject = subjects.launcher(node, job)
+    assert subject == f"tg.node.{subjects.token(node)}.launcher.{subjects.token(job)}"
+    assert len(subject.split(".")) == 5  # tg.node.*.launcher.<job> matches one job's
+    assert subjects.parse(subject) == {"scope": "node", "name": node, "kind": "launcher",
+                                       "job": job}
+    assert "job" not in subjects.parse(subjects.node(node, "heartbeat"))
+    with pytest.raises(ValueError):
+        subjects.launcher(node, "a*")
+
+
 def test_distinct_names_get_distinct_tokens():
     names = OLD + DOTTED + ["a2Eb", "a-2E-b"]
     assert len({subjects.token(n) for n in names}) == len(names)

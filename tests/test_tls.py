@@ -173,8 +173,14 @@ def test_job_role_is_the_worker_row_narrowed():
     assert job_user("train.7") == role.name == "job-train.7"
     assert "tg.job.train%2E7.log" in role.publish and "tg.job.train%2E7.rank.*.hb" in role.publish
     assert not any(s.startswith("tg.job.*") for s in role.publish + role.subscribe)
-    assert "tg.node.*.heartbeat" in role.publish  # the launcher's node heartbeat, as today
-    assert len(role.publish) == len(ROLES["worker"].publish)
+    # its launchers' beats on any node, never the node agent's subject (where launchers of
+    # earlier releases beat: the shared worker keeps it) nor another job's launchers'
+    assert "tg.node.*.launcher.train%2E7" in role.publish
+    assert "tg.node.*.heartbeat" not in role.publish + role.subscribe
+    assert "tg.node.*.heartbeat" in ROLES["worker"].publish
+    assert not any(s.startswith("tg.node.") for s in role.publish
+                   if s != "tg.node.*.launcher.train%2E7")
+    assert len(role.publish) == len(ROLES["worker"].publish) - 1
     assert "~tg:job:train.7" in role.valkey.split() and "~tg:job:*" not in role.valkey.split()
     for bad in ("a:b", "a*", "", "x y"):
         with pytest.raises(ValueError):
@@ -186,7 +192,8 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
     nats_a, redis_a = tls_stack.urls("job-job-a")
     reader = await Bus(tls_stack.urls("reader")[0], "job-reader", tls_ca=ca).connect()
     seen = []
-    for subject in ("tg.job.job-a.log", "tg.job.job-b.log", "tg.node.n1.heartbeat"):
+    for subject in ("tg.job.job-a.log", "tg.job.job-b.log", "tg.node.n1.heartbeat",
+                    "tg.node.*.launcher.*"):
         await reader.subscribe(subject, lambda s, e: seen.append(s))
     await reader.flush()
     line = schemas.encode(schemas.LogLine(job="job-b", rank=0, node="n1", line="forged"))
@@ -197,8 +204,15 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
         assert any("permissions violation" in e.lower() for e in errors), (subject, errors)
     own = schemas.encode(schemas.LogLine(job="job-a", rank=0, node="n1", line="mine"))
     assert await _publish_as(nats_a, "tg.job.job-a.log", own, ca) == []
-    hb = schemas.encode(schemas.NodeHeartbeat(node="n1"))
-    assert await _publish_as(nats_a, "tg.node.n1.heartbeat", hb, ca) == []
+    # node heartbeats: its own launchers' subject only, on any node; never the node agent's
+    # (it would hide a lost node) nor another job's launchers' (it would hide a lost launcher)
+    for subject, job in (("tg.node.n1.heartbeat", None), ("tg.node.n1.launcher.job-b", "job-b"),
+                         ("tg.node.n1.launcher.job-a.x", "job-a")):
+        forged = schemas.encode(schemas.NodeHeartbeat(node="n1", job=job, role="agent"))
+        errors = await _publish_as(nats_a, subject, forged, ca)
+        assert any("permissions violation" in e.lower() for e in errors), (subject, errors)
+    hb = schemas.encode(schemas.NodeHeartbeat(node="n1", job="job-a", role="launcher"))
+    assert await _publish_as(nats_a, "tg.node.n1.launcher.job-a", hb, ca) == []
     # nor may it listen to job B's decisions
     errors = []
 
@@ -215,7 +229,7 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
         if len(seen) >= 2:
             break
         await asyncio.sleep(0.02)
-    assert sorted(seen) == ["tg.job.job-a.log", "tg.node.n1.heartbeat"]
+    assert sorted(seen) == ["tg.job.job-a.log", "tg.node.n1.launcher.job-a"]
     await reader.close()
 
     st_a = StateStore(redis_a, tls_ca=ca)
@@ -241,6 +255,24 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
     shared = StateStore(tls_stack.urls("worker")[1], tls_ca=ca)
     assert await shared.begin_run("job-b", "n1", lease_s=5.0) == (0, False)
     await shared.close()
+
+
+async def test_launcher_beats_of_this_release_and_an_earlier_one_are_kept(tls_stack):
+    """A launcher's beat on its job's subject is stored by TG_TELEMETRY (what a restarted
+    detector reads back); a launcher of an earlier release, with the shared worker role, still
+    beats on the node agent's subject."""
+    ca = tls_stack.tls_ca
+    hb = schemas.NodeHeartbeat(node="n2", job="job-a", role="launcher")
+    assert await _publish_as(tls_stack.urls("job-job-a")[0], "tg.node.n2.launcher.job-a",
+                             schemas.encode(hb), ca) == []
+    old = schemas.NodeHeartbeat(node="n2", job="job-old", role="launcher")
+    assert await _publish_as(tls_stack.urls("worker")[0], "tg.node.n2.heartbeat",
+                             schemas.encode(old), ca) == []
+    admin = await Bus(tls_stack.nats_url, "beats-admin", tls_ca=ca).connect()
+    for subject, sent in (("tg.node.n2.launcher.job-a", hb), ("tg.node.n2.heartbeat", old)):
+        msg = await admin.last_stored(subject)
+        assert msg is not None and schemas.decode(msg.data).event_id == sent.event_id, subject
+    await admin.close()
 
 
 async def test_a_job_worker_reads_only_its_own_job(tls_stack):

@@ -24,7 +24,8 @@ start, so URLs stay valid across a stop/start. Deleting the file (or ``trainguar
 
 **Per-job workers.** ``trainguard credentials issue --job NAME`` adds a user ``job-<NAME>``
 (``job_role``): the ``worker`` row with every ``tg.job.*`` subject narrowed to that job's
-(``tg.job.<NAME>.…``; the node heartbeat and health subjects stay as the worker's) and, in
+(``tg.job.<NAME>.…``), the launcher's beat to its job's (``tg.node.*.launcher.<NAME>``), without
+the node agent's heartbeat subject (health subjects stay as the worker's) and, in
 Valkey, writes to that job's keys only (``tg:jobs``, ``tg:job:<NAME>``,
 ``tg:job:<NAME>:launchers``) and reads only that job's record, run and checkpoints; its replies
 come to its own inbox prefix (``inbox_of``) and it reads only its job's stored decision. Its
@@ -106,6 +107,14 @@ def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
              "$JS.ACK.TG_TELEMETRY.>", f"tg.svc.{service}.health.*"),
             (f"tg.deliver.{service}.>", f"_INBOX.{service}.>", f"tg.svc.{service}.health.*"))
 _DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
+#: A launcher's node heartbeat, ``tg.node.<node>.launcher.<job>`` (``subjects.launcher``): the
+#: job's token last, so that ``job_role`` narrows it to the job's own launchers (the node is not
+#: known when a job's user is issued: any node).
+_LAUNCHER_BEAT = "tg.node.*.launcher.*"
+#: Where launchers of earlier releases beat (the node agent's subject): the shared ``worker``
+#: keeps it so that they go on working; a per-job user never gets it (it could then forge the
+#: liveness of any node's agent, or another job's launcher).
+_LEGACY_LAUNCHER_BEAT = "tg.node.*.heartbeat"
 #: The Kubernetes drain handshake (``trainguard.k8s.drain``, one replica, remediator role): its
 #: health subjects, its bus probe (a request to itself) and the replies to it.
 _DRAIN = (("tg.svc.k8s-drain.health.*",),
@@ -147,13 +156,16 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          responses=True),
     Role("worker",
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.job.*.recovery", "tg.job.*.action", "tg.node.*.heartbeat", "tg.svc.*.health",
-          "$JS.API.STREAM.NAMES") + _DECISION_GET + (_DLQ,),
+          "tg.job.*.recovery", "tg.job.*.action", _LAUNCHER_BEAT, _LEGACY_LAUNCHER_BEAT,
+          "tg.svc.*.health", "$JS.API.STREAM.NAMES") + _DECISION_GET + (_DLQ,),
          ("tg.job.*.decision", "tg.job.*.control", _inbox("worker")),
          "resetkeys ~tg:job:* %R~tg:ckpt:* " + _SERVICE_CMDS + " " + _JOBS_ADD,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
          "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
-         "saved/failed, recovery, action results, the launcher's node heartbeat; they listen to "
+         "saved/failed, recovery, action results, the launcher's node heartbeat "
+         "(`tg.node.<node>.launcher.<job>`; and `tg.node.*.heartbeat`, where launchers of "
+         "earlier releases beat: the per-job user has neither that nor another job's "
+         "launcher subject); they listen to "
          "their job's decisions and control requests (a checkpoint request before a node drain), "
          "and a late rank reads the last stored decision from TG_EVENTS (`Bus.last_stored`: "
          "decisions only); replies come to its own inbox prefix only. In Valkey a launcher "
@@ -165,8 +177,9 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("detector",
          ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ) + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
-          "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm", "tg.svc.detector.health")
+          "tg.job.*.recovery", "tg.node.*.heartbeat", _LAUNCHER_BEAT, "tg.node.*.xid",
+          "tg.node.*.telemetry", "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm",
+          "tg.svc.detector.health")
          + _consumer("detector")[1],
          "resetkeys ~tg:members:detector %R~tg:* " + _SERVICE_CMDS,
          "turns raw signals into anomalies; reads job records (learned timeouts, members); "
@@ -240,8 +253,11 @@ def job_user(job: str) -> str:
 def job_role(job: str) -> Role:
     """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
     ``tg.job.<token>.`` (the stored form ``tg.p.*.job.*.`` of the decision get likewise), the
-    inbox becomes the user's own (``inbox_of``), the rest (the node heartbeat, health requests,
-    the stream's configuration, dead letters) stays; in Valkey it may add to ``tg:jobs`` (the
+    launcher's beat ``tg.node.*.launcher.<token>`` (its own launchers', on any node), the inbox
+    the user's own (``inbox_of``); the node agent's ``tg.node.*.heartbeat``, where launchers of
+    earlier releases beat, is taken away (with it a job could hide any lost node, or another
+    job's lost launcher); the rest (health requests, the stream's configuration, dead letters)
+    stays; in Valkey it may add to ``tg:jobs`` (the
     job names; ``_JOBS_ADD``), write ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read
     that job's keys and checkpoints only. Raises ``ValueError`` as ``job_user``."""
     from trainguard.schemas import subjects
@@ -251,11 +267,13 @@ def job_role(job: str) -> Role:
     worker = ROLES["worker"]
 
     def narrow(subs: tuple[str, ...]) -> tuple[str, ...]:
-        # ``tg.job.*.`` as published, ``.job.*.`` in a stored (partitioned) form, the inbox
+        # ``tg.job.*.`` as published, ``.job.*.`` in a stored (partitioned) form, the inbox,
+        # the launcher's beat to its job's; the agent's subject (older launchers') is dropped
         return tuple(_inbox(user) if s == _inbox("worker") else
+                     _LAUNCHER_BEAT[:-1] + tok if s == _LAUNCHER_BEAT else
                      s.replace("tg.job.*.", f"tg.job.{tok}.", 1).replace(".job.*.",
                                                                          f".job.{tok}.", 1)
-                     for s in subs)
+                     for s in subs if s != _LEGACY_LAUNCHER_BEAT)
     return Role(user, narrow(worker.publish), narrow(worker.subscribe),
                 f"resetkeys ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:job:{job}:* "
                 f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _SERVICE_CMDS + " " + _JOBS_ADD,

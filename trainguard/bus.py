@@ -65,13 +65,17 @@ class NotStored(ConnectionError):
     """A JetStream publish that no stream acknowledged (``Bus.publish_stored``)."""
 
 #: JetStream streams that keep event history for audit and replay.
-#: (name, subjects, max_age seconds). Telemetry and heartbeats are kept briefly.
+#: (name, subjects, max_age seconds). Telemetry and heartbeats are kept briefly: the node
+#: agents' (``tg.node.<node>.heartbeat``) and the launchers' (``tg.node.<node>.launcher.<job>``)
+#: alike. A stream made by an earlier release gets the subjects it lacks at the next
+#: ``ensure_streams`` (an update of its configuration).
 STREAMS: tuple[tuple[str, list[str], float], ...] = (
     ("TG_EVENTS", ["tg.job.*.log", "tg.job.*.worker", "tg.job.*.anomaly", "tg.job.*.verdict",
                    "tg.job.*.decision", "tg.job.*.ckpt", "tg.job.*.action", "tg.job.*.recovery",
                    "tg.node.*.xid", "tg.node.*.kernel", "tg.node.*.anomaly", "tg.node.*.slurm",
                    "tg.job.*.slurm"], 7 * 86400.0),
-    ("TG_TELEMETRY", ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"], 3600.0),
+    ("TG_TELEMETRY", ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.node.*.launcher.*",
+                      "tg.job.*.rank.*.hb"], 3600.0),
     ("TG_DLQ", ["tg.dlq.>"], 7 * 86400.0),
 )
 #: The streams that keep job subjects, stored by partition (``trainguard.partitions``): a

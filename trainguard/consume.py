@@ -59,6 +59,9 @@ RELEVANCE: tuple[Relevance, ...] = (
     Relevance("tg.node.*.heartbeat", 3.0,
               "the node timeout (DetectorConfig.node_timeout_s, 3 s): an older node heartbeat "
               "would hide a lost node"),
+    Relevance("tg.node.*.launcher.*", 3.0,
+              "as node heartbeats (a launcher's beat keeps its node alive too): an older one "
+              "would hide a lost node or a lost launcher"),
     Relevance("tg.node.*.telemetry", 10.0,
               "the agent re-sends every counter each sample (1 s); a minutes-old temperature "
               "says nothing about the GPU now"),
@@ -116,6 +119,8 @@ class InFlight:
 IN_FLIGHT: tuple[InFlight, ...] = (
     InFlight("tg.job.*.rank.*.hb", MAX_ACK_PENDING, "heartbeats cost tens of µs each"),
     InFlight("tg.node.*.heartbeat", MAX_ACK_PENDING, "as rank heartbeats"),
+    InFlight("tg.node.*.launcher.*", MAX_ACK_PENDING,
+             "as rank heartbeats: one launcher's beat per job and node"),
     InFlight("tg.node.*.telemetry", MAX_ACK_PENDING, "as rank heartbeats"),
     InFlight(">", 1_000,
              "events cost the attributor and remediator milliseconds each (a state-store round "

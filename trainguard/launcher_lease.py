@@ -3,7 +3,9 @@
 A ``JobLease`` registers the run (``register``: the job's settings, a new run or this node's part
 of the current one, its ranks in ``members`` or itself in ``spare_nodes``; see docs/protocol.md,
 "Job registration"), renews the launcher's lease every 2 s from the heartbeat thread (which also
-publishes the node heartbeat, role launcher), writes and reads the observe-mode group attempt
+publishes the launcher's node heartbeat, role launcher, on ``tg.node.<node>.launcher.<job>``:
+a subject of its job's, which a job's own NATS user may publish, unlike the node agent's
+``tg.node.<node>.heartbeat``), writes and reads the observe-mode group attempt
 (``group_attempt``), records how the run ended here, and ends the lease. Everything talks to the
 store on the bus client's event loop, through one connection; what the run loop must know comes
 back as events (``GroupRestarted``, ``LeaseRenewalFailed``, and ``LeaseLost`` when no renewal
@@ -189,9 +191,10 @@ class JobLease:
 
     # ---- heartbeat ----------------------------------------------------------------------------
     def start_heartbeat(self, position: Callable[[], tuple[int, int]]) -> None:
-        """Start the heartbeat thread: a node heartbeat every ``heartbeat_interval_s``, the
-        lease renewed every ``RENEW_S`` and, in observe mode with restarts on several nodes,
-        the group attempt read at ``position()`` (the run's generation and attempt)."""
+        """Start the heartbeat thread: a node heartbeat (``subjects.launcher``) every
+        ``heartbeat_interval_s``, the lease renewed every ``RENEW_S`` and, in observe mode
+        with restarts on several nodes, the group attempt read at ``position()`` (the run's
+        generation and attempt)."""
         threading.Thread(target=self._heartbeat, args=(position,), daemon=True).start()
 
     def stop_heartbeat(self, ending: bool = False) -> None:
@@ -202,7 +205,7 @@ class JobLease:
         if not ending:
             return
         cfg = self.cfg
-        self.bus.publish(subjects.node(cfg.node, "heartbeat"), schemas.NodeHeartbeat(
+        self.bus.publish(subjects.launcher(cfg.node, cfg.job), schemas.NodeHeartbeat(
             node=cfg.node, job=cfg.job, role="launcher", seq=-1, pid=os.getpid(),
             interval_s=cfg.heartbeat_interval_s, ending=True))
 
@@ -223,7 +226,7 @@ class JobLease:
                 self.renew()
                 if cfg.mode != "action" and cfg.max_restarts and cfg.nnodes > 1:
                     self.sync_attempt(*position())
-            self.bus.publish(subjects.node(cfg.node, "heartbeat"), schemas.NodeHeartbeat(
+            self.bus.publish(subjects.launcher(cfg.node, cfg.job), schemas.NodeHeartbeat(
                 node=cfg.node, job=cfg.job, role="launcher", seq=seq, pid=os.getpid(),
                 interval_s=cfg.heartbeat_interval_s))
             self._stop.wait(cfg.heartbeat_interval_s)
