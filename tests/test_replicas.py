@@ -47,6 +47,29 @@ def test_membership_owns_its_keys_and_everyone_serves_unkeyed_subjects():
     assert partition_key("tg.svc.detector.health") is None
 
 
+@pytest.mark.parametrize("partitions", [0, 32])
+def test_a_dotted_name_has_one_owner_whichever_side_asks(partitions):
+    """The key a message's subject gives (``partition_key``: the token, ``%2E`` for a dot) is
+    the name a reducer asks ``serves`` about: a Kubernetes node named by its FQDN or a dotted
+    job is owned by the same one replica of three both ways (the token's key went to another
+    replica than the name's for some names, so a node's messages reached one replica while
+    another, or none, emitted on the node's subject)."""
+    members = ["r0", "r1", "r2"]
+    for name in ("ip-10-0-1-%d.ec2.internal" % i for i in range(40)):
+        node_subject = subjects.node(name, "heartbeat")
+        job_subject = subjects.rank_hb(name, 0)
+        assert partition_key(node_subject) == f"node:{name}"
+        assert partition_key(job_subject) == name
+        m = Membership("detector", "r0")
+        m.update(members)
+        m.set_partitions(partitions)
+        assert m.owns(partition_key(node_subject)) == m.owns(f"node:{name}")
+        assert m.owns(partition_key(job_subject)) == m.owns(name)
+    # and the token's key would have disagreed for some of them (what the test guards)
+    assert any(owner(f"node:{subjects.token(n)}", members) != owner(f"node:{n}", members)
+               for n in ("ip-10-0-1-%d.ec2.internal" % i for i in range(40)))
+
+
 @pytest.mark.parametrize("node", ["n4", "ip-10-0-1-2.ec2.internal"])
 def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
     """``tg.node.<node>.launcher.<job>`` stays under the node: the same partition key as the
@@ -56,7 +79,7 @@ def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
     from trainguard.consume import max_ack_pending_for
 
     agent, launcher = subjects.node(node, "heartbeat"), subjects.launcher(node, "job.1")
-    assert partition_key(launcher) == partition_key(agent) == f"node:{subjects.token(node)}"
+    assert partition_key(launcher) == partition_key(agent) == f"node:{node}"
     assert max_age_s(launcher) == max_age_s(agent) == 3.0
     assert max_ack_pending_for(subjects.ALL_LAUNCHERS) == max_ack_pending_for(
         "tg.node.*.heartbeat")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .partitions import partition
+from .schemas.subjects import untoken
 
 log = logging.getLogger("trainguard.membership")
 
@@ -111,13 +112,16 @@ def job_owner(key: str, members: Iterable[str], partitions: int = 0) -> str | No
 
 def partition_key(subject: str) -> str | None:
     """The partition key of a bus subject: the job of ``tg.job.<job>.…``, ``node:<node>`` of
-    ``tg.node.<node>.…``; None for anything else (served by every replica)."""
+    ``tg.node.<node>.…``, by name (a token's ``%2E`` read back as ``.``: the key a reducer
+    asks ``serves`` about, so a dotted node name such as a Kubernetes node's
+    ``ip-10-0-1-5.ec2.internal`` hashes to one owner whichever side asks); None for anything
+    else (served by every replica)."""
     parts = subject.split(".", 3)
     if len(parts) >= 3 and parts[0] == "tg":
         if parts[1] == "job":
-            return parts[2]
+            return untoken(parts[2])
         if parts[1] == "node":
-            return f"node:{parts[2]}"
+            return f"node:{untoken(parts[2])}"
     return None
 
 
