@@ -172,3 +172,30 @@ def test_a_tls_endpoint_needs_the_token():
     assert rendezvous.is_tls("tls://h:1") and not rendezvous.is_tls("h:1")
     with pytest.raises(SystemExit):
         rendezvous.main(["--port", "0", "--tls-cert", "c.pem"])  # the key is missing
+
+
+def _listening_ports(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on (``/proc/net/tcp{,6}``)."""
+    import psutil
+
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_the_store_behind_the_gate_listens_on_loopback_only(gated_store):
+    """TCPStore's own listener binds every interface whatever host it is given: the store a
+    gate fronts must not, or a client without the token reaches it on the host's other
+    addresses. Only the gate's port is on the listen address; the store's is 127.0.0.1."""
+    import psutil
+
+    endpoint, proc = gated_store
+    _, gate_port = rendezvous.parse_endpoint(endpoint)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ports = _listening_ports(proc.pid)
+        if len(ports) >= 2:
+            break
+        time.sleep(0.1)
+    store = [(ip, port) for ip, port in ports if port != gate_port]
+    assert store and all(ip == "127.0.0.1" for ip, _ in store), ports
+    assert psutil.Process(proc.pid).is_running()

@@ -240,7 +240,15 @@ def serve(host: str, port: int, token: str = "", tls_cert: str = "", tls_key: st
     if token:
         from .rdzv_gate import Gate, server_context
 
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        # TCPStore's own listener binds every interface whatever host it is given (seen: the
+        # store behind the gate answered a tokenless client on the host's other addresses):
+        # it listens on a socket bound here to loopback instead (``master_listen_fd``)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1024)
+        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
+                              wait_for_workers=False, master_listen_fd=listener.fileno(),
                               timeout=datetime.timedelta(seconds=300))
         ctx = server_context(tls_cert, tls_key) if tls_cert else None
         gate = Gate(host, port, store.port, token, ssl_ctx=ctx).start()
