@@ -275,6 +275,42 @@ async def test_launcher_beats_of_this_release_and_an_earlier_one_are_kept(tls_st
     await admin.close()
 
 
+async def test_no_worker_writes_an_outbox_or_an_audit_trail(tls_stack):
+    """The remediator's outbox is published as the remediator's own decisions, and the audit
+    trail is what operators trust: neither is under ``tg:job:*``, which the shared worker may
+    write for any job (an outsider's trial had a worker's outbox entry executed as a stop of
+    another job after a remediator restart, with no audit record). A worker may not write them,
+    nor list the keyspace or flush scripts; a decision a worker left under the old outbox key
+    is never swept."""
+    from trainguard.state_scripts import audit_key, outbox_key
+
+    ca = tls_stack.tls_ca
+    forged = json.dumps({"event_id": "forged-1", "job": "victim", "action": "stop_job_notify_user",
+                         "execute": True, "generation": 1, "ts": 1})
+    for url in (tls_stack.urls("worker")[1], tls_stack.urls("job-job-a")[1]):
+        st = StateStore(url, tls_ca=ca)
+        for write in (lambda: st.r.hset(outbox_key("victim"), "forged-1", forged),
+                      lambda: st.r.hset(outbox_key("job-a"), "forged-1", forged),
+                      lambda: st.r.xadd(audit_key("victim"), {"record": "{}"}),
+                      lambda: st.r.delete(audit_key("job-a")),
+                      lambda: st.r.sadd("tg:outboxes", "victim"),
+                      lambda: st.r.scan(0), lambda: st.r.randomkey(), lambda: st.r.dbsize(),
+                      lambda: st.r.script_flush(), lambda: st.r.execute_command("FUNCTION",
+                                                                                "FLUSH")):
+            with pytest.raises(NoPermissionError):
+                await write()
+        await st.close()
+    worker = StateStore(tls_stack.urls("worker")[1], tls_ca=ca)
+    await worker.r.sadd("tg:jobs", "victim")
+    await worker.r.hset("tg:job:victim:outbox", "forged-1", forged)  # the old place: writable
+    await worker.close()
+    rem = StateStore(tls_stack.urls("remediator")[1], tls_ca=ca)
+    assert "victim" not in await rem.outbox()  # a fresh remediator's first, full sweep
+    await rem.audit("victim", {"type": "decision", "decision_id": "d1"})
+    assert [r["decision_id"] for r in await rem.audit_trail("victim")] == ["d1"]
+    await rem.close()
+
+
 async def test_a_job_worker_reads_only_its_own_job(tls_stack):
     """Reads, narrowed as the writes: a job's worker gets its own job's last stored decision
     (a direct get naming the subject) but not another job's; the replies to another client's

@@ -55,6 +55,10 @@ from urllib.parse import urlsplit, urlunsplit
 _SERVICE_CMDS = "-@all +@read +@write +@scripting +@transaction +@connection -@dangerous " \
                 "+client|setinfo +client|setname"
 _READ_CMDS = "-@all +@read +@connection -@dangerous +client|setinfo +client|setname"
+#: A worker's commands: a service's, less listing the keyspace (SCAN, RANDOMKEY, DBSIZE: every
+#: job's key names, which a job's user must not learn) and managing server-side scripts (SCRIPT,
+#: FUNCTION: a flush is everybody's); EVAL, which its atomic mutators use, stays.
+_WORKER_CMDS = _SERVICE_CMDS + " -scan -randomkey -dbsize -script -function"
 #: What a worker may do to ``tg:jobs`` (the set of job names every launcher adds its job to): add
 #: a name, nothing else — not remove another job's, delete the set or list it (only services
 #: read it). A Valkey ACL selector (Valkey / Redis ≥ 7.0): its key pattern and commands are
@@ -159,7 +163,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
           "tg.job.*.recovery", "tg.job.*.action", _LAUNCHER_BEAT, _LEGACY_LAUNCHER_BEAT,
           "tg.svc.*.health", "$JS.API.STREAM.NAMES") + _DECISION_GET + (_DLQ,),
          ("tg.job.*.decision", "tg.job.*.control", _inbox("worker")),
-         "resetkeys ~tg:job:* %R~tg:ckpt:* " + _SERVICE_CMDS + " " + _JOBS_ADD,
+         "resetkeys ~tg:job:* %R~tg:ckpt:* " + _WORKER_CMDS + " " + _JOBS_ADD,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
          "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
          "saved/failed, recovery, action results, the launcher's node heartbeat "
@@ -198,14 +202,16 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          + _consumer("remediator")[0] + _DRAIN[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
           "tg.svc.remediator.health") + _consumer("remediator")[1] + _DRAIN[1],
-         "resetkeys ~tg:jobs ~tg:job:* ~tg:outboxes ~tg:idem:* ~tg:node:* ~tg:rep:* "
+         "resetkeys ~tg:jobs ~tg:job:* ~tg:outboxes ~tg:outbox:* ~tg:audit:* ~tg:idem:* "
+         "~tg:node:* ~tg:rep:* "
          "~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
-         "JetStream ack, from its outbox `tg:job:<job>:outbox`, the jobs with one in `tg:outboxes`) and control requests to the "
+         "JetStream ack, from its outbox `tg:outbox:<job>`, the jobs with one in `tg:outboxes`) and control "
+         "requests to the "
          "ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
          "actions it carries out itself (node exclusion); writes the job record, the audit "
-         "trail, idempotency keys, node status (exclusion) and its replica's lease. The "
+         "trail (`tg:audit:<job>`), idempotency keys, node status (exclusion) and its replica's lease. The "
          "Kubernetes drain handshake runs as this role too (its own health subjects).",
          responses=True),
     Role("checkpoint_validator",
@@ -276,7 +282,7 @@ def job_role(job: str) -> Role:
                      for s in subs if s != _LEGACY_LAUNCHER_BEAT)
     return Role(user, narrow(worker.publish), narrow(worker.subscribe),
                 f"resetkeys ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:job:{job}:* "
-                f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _SERVICE_CMDS + " " + _JOBS_ADD,
+                f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _WORKER_CMDS + " " + _JOBS_ADD,
                 f"the launchers and ranks of job {job!r} only: the worker's rights on that job's "
                 f"subjects and keys, none on another job's: it reads that job's record, run, "
                 f"checkpoints and stored decision, and the replies to its own requests, no "

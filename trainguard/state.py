@@ -10,7 +10,7 @@ key                             type   content
 ``tg:job:<job>``                hash   the job record: ``schemas.job.JobRecord`` (every field, its
                                        type, default, unit and encoding); ``StateStore.job``
 ``tg:job:<job>:launchers``      zset   node of each live launcher, score = lease expiry (Unix ms)
-``tg:job:<job>:audit``          stream one entry per decision (fields: the decision as JSON)
+``tg:audit:<job>``              stream one entry per decision (fields: the decision as JSON)
 ``tg:idem:<key>``               string owner that claimed the key (SET NX, 7 days); a verdict's
                                        claim once its decision is stored: ``decided:<id>``
 ``tg:node:<node>``              hash   status (healthy | excluded | lost), reason, updated_ns
@@ -18,7 +18,7 @@ key                             type   content
 ``tg:ckpt:<job>:<path>``        hash   status (pending | valid | invalid), step, reasons (JSON)
 ``tg:hist:node:<node>``         zset   fault records on that node (JSON), score = Unix ns
 ``tg:hist:sig:<signature>``     zset   ``<job>|<node>`` pairs that saw that fault signature
-``tg:job:<job>:outbox``         hash   decision id → decision (JSON) stored, not yet seen stored
+``tg:outbox:<job>``             hash   decision id → decision (JSON) stored, not yet seen stored
                                        in JetStream (the remediator's outbox)
 ``tg:members:<service>``        zset   live replicas of a service, score = lease expiry (Unix ms)
 ``tg:rep:<node>``               hash   the node's reputation across jobs:
@@ -55,7 +55,7 @@ from .auth import redact
 from .errors import ServerUnreachable
 from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
                             END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key,
-                            members_key, outbox_key, rep_key, settings_fields)
+                            members_key, outbox_key, audit_key, rep_key, settings_fields)
 from .tls import ca_file
 
 IDEMPOTENCY_TTL_S = 7 * 86400
@@ -419,11 +419,11 @@ class StateStore:
 
     async def audit(self, job: str, record: dict[str, Any], maxlen: int = 10000) -> str:
         """Append a record to the job's audit stream; returns the stream entry id."""
-        return await self.r.xadd(f"tg:job:{job}:audit", {"record": json.dumps(record, default=str)},
+        return await self.r.xadd(audit_key(job), {"record": json.dumps(record, default=str)},
                                  maxlen=maxlen, approximate=True)
 
     async def audit_trail(self, job: str, count: int = 1000) -> list[dict[str, Any]]:
-        rows = await self.r.xrange(f"tg:job:{job}:audit", count=count)
+        rows = await self.r.xrange(audit_key(job), count=count)
         return [json.loads(f["record"]) for _, f in rows]
 
     # ---- nodes --------------------------------------------------------------------------------

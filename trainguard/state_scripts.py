@@ -8,7 +8,7 @@ from typing import Any
 
 from trainguard.schemas import JobSettings
 
-__all__ = ["TAKE_CLAIM", "idem_key", "job_key", "outbox_key", "rep_key", "members_key", "settings_fields", "GENERATION_ENDED", "BEGIN_RUN", "ADD_MEMBERS", "ADD_SPARE", "END_RUN", "BUMP_GENERATION", "ADD_OFFENCE", "OUTBOX_INDEX", "OUTBOX_DONE"]
+__all__ = ["TAKE_CLAIM", "idem_key", "job_key", "outbox_key", "audit_key", "rep_key", "members_key", "settings_fields", "GENERATION_ENDED", "BEGIN_RUN", "ADD_MEMBERS", "ADD_SPARE", "END_RUN", "BUMP_GENERATION", "ADD_OFFENCE", "OUTBOX_INDEX", "OUTBOX_DONE"]
 
 
 #: ``StateStore.take_claim``: set KEYS[1] to ARGV[2] only while it holds ARGV[1], keeping its TTL
@@ -25,7 +25,15 @@ def job_key(job: str) -> str:
 
 
 def outbox_key(job: str) -> str:
-    return f"tg:job:{job}:outbox"
+    """The remediator's outbox of ``job``: outside ``tg:job:*``, which workers may write (a
+    decision a worker put there was published by the remediator's sweep as its own)."""
+    return f"tg:outbox:{job}"
+
+
+def audit_key(job: str) -> str:
+    """The audit trail of ``job``: outside ``tg:job:*``, which workers may write (a worker
+    could delete or append to it there)."""
+    return f"tg:audit:{job}"
 
 
 #: The set of jobs whose outbox holds a decision (``outbox_key``): the remediator's sweep reads
