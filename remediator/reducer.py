@@ -50,7 +50,7 @@ of a verdict has an id derived from the verdict (``model.decision_id``), so the 
 claims, stores and publishes the first try's decision; the commit (or the observe-mode outbox
 put) settles the verdict's claim in the same transaction, so a delivery after that folds.
 
-Outbox: a decision is written to the job's outbox (``tg:job:<job>:outbox``) in the same step
+Outbox: a decision is written to the job's outbox (``tg:outbox:<job>``) in the same step
 as its record — inside ``commit_decision`` in action mode, ``outbox_put`` otherwise — and only
 then published, with a JetStream ack (``Publish(stored=True)``, the decision id as
 ``Nats-Msg-Id``); the reply ``("published", job, id)`` drops it from the outbox
