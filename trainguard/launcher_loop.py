@@ -303,8 +303,8 @@ class RunLoop:
         if d.execute and d.generation <= self.generation:
             # decided for a generation this run is already past: e.g. the hang of the ranks of
             # a launcher that was killed, decided while this launch waited out its lease
-            self._say(f"ignoring a decision for generation {d.generation} ({d.action}): this "
-                      f"run is at generation {self.generation}")
+            self._say(f"ignoring a stale decision ({d.action}, which would start generation "
+                      f"{d.generation}): this run is already at generation {self.generation}")
             return
         how = "(executing)" if d.execute else "(flag only)" if d.action == "none" else \
             "(observe mode: not executed)"
