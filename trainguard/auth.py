@@ -106,6 +106,11 @@ def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
              "$JS.ACK.TG_TELEMETRY.>", f"tg.svc.{service}.health.*"),
             (f"tg.deliver.{service}.>", f"_INBOX.{service}.>", f"tg.svc.{service}.health.*"))
 _DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
+#: The detector deletes a consumer of the heartbeat and telemetry stream made with another ack
+#: policy (an earlier release's explicit acks; ``consume.ACKS``), which the server cannot change
+#: in place: ``consume.durable_subscribe`` creates it anew. The stream holds seconds-relevant
+#: messages only, and consumer names are one token, so the right is the stream's, not a prefix.
+_TELEMETRY_CONSUMER_DELETE = "$JS.API.CONSUMER.DELETE.TG_TELEMETRY.*"
 #: The Kubernetes drain handshake (``trainguard.k8s.drain``, one replica, remediator role): its
 #: health subjects, its bus probe (a request to itself) and the replies to it.
 _DRAIN = (("tg.svc.k8s-drain.health.*",),
@@ -163,14 +168,16 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "reputation, fault history, idempotency keys and service leases it cannot read. Never "
          "a decision, an anomaly or a verdict."),
     Role("detector",
-         ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ) + _consumer("detector")[0],
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ, _TELEMETRY_CONSUMER_DELETE)
+         + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.telemetry",
           "tg.node.*.kernel", "tg.node.*.slurm", "tg.job.*.slurm", "tg.svc.detector.health")
          + _consumer("detector")[1],
          "resetkeys ~tg:members:detector %R~tg:* " + _SERVICE_CMDS,
          "turns raw signals into anomalies; reads job records (learned timeouts, members); "
-         "holds its replica's lease (`tg:members:detector`); consumes the streams durably.",
+         "holds its replica's lease (`tg:members:detector`); consumes the streams durably "
+         "(and replaces its heartbeat consumers of an earlier ack policy).",
          responses=True),
     Role("attributor",
          ("tg.job.*.verdict", _DLQ) + _consumer("attributor")[0],
