@@ -68,6 +68,26 @@ async def test_batch_acks_the_newest_after_its_time():
     assert acks == [4, 5]
 
 
+async def test_a_batch_due_while_the_last_ack_is_written_is_acked_after_it():
+    acks: list[int] = []
+    gate = asyncio.Event()
+
+    class _Slow(_Msg):
+        async def ack(self) -> None:
+            await gate.wait()
+            await super().ack()
+
+    b = BatchedAcks(every_s=0.02, every_n=1000)
+    await b.handled(_Slow(0, acks))
+    await asyncio.sleep(0.05)          # its ack is being written (blocked)
+    await b.handled(_Msg(1, acks))     # the next batch falls due meanwhile
+    await asyncio.sleep(0.05)
+    assert acks == []
+    gate.set()
+    await asyncio.sleep(0.1)           # no further message: the newest is acked anyway
+    assert acks == [0, 1]
+
+
 async def test_a_failed_ack_is_left_to_redelivery():
     b = BatchedAcks(every_s=60.0, every_n=1)
     await b.handled(_Msg(0, [], fail=True))  # does not raise

@@ -212,8 +212,14 @@ class BatchedAcks:
 
     def _due(self) -> None:
         self._timer = None
-        if self._newest is not None and (self._task is None or self._task.done()):
-            self._task = asyncio.ensure_future(self.flush())
+        if self._newest is None:
+            return
+        if self._task is not None and not self._task.done():
+            # the previous ack is still being written: try again, or the newest would wait
+            # for the next message (none, once its rank fell silent) or the ack wait
+            self._timer = asyncio.get_running_loop().call_later(self.every_s, self._due)
+            return
+        self._task = asyncio.ensure_future(self.flush())
 
     async def flush(self) -> None:
         """Ack the newest handled message now (nothing when every one is acked)."""
