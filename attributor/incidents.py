@@ -17,11 +17,12 @@ clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
   attributed when the hold ends, ``symptom_hold_s`` later. An exit with a non-zero code
   (``evidence.is_exit_report``) is held the same way, for the traceback that names its
   exception.
-* Attribution first reads the cross-job history: ``Call("state", "node_history", (node,
-  since_ns))`` for each culprit node, then ``Call("state", "signature_history", (signature,
-  since_ns))`` for the root's signature, one after the other; the last reply completes the
-  attribution (``decide.decide``). A failed read attributes with what was read so far (a
-  ``Log`` says so), as the service always did.
+* Attribution first reads the cross-job history: ``Call("state", "fault_history", (nodes,
+  signature, since_ns))``, the records of every culprit node and the pairs of the root's
+  signature in one round trip of the state store (read one after the other they were a round
+  trip per node and one more on the fault → decision path); its reply completes the
+  attribution (``decide.decide``). A failed read attributes without the history (a ``Log``
+  says so), as the service always did.
 * A later verdict of an incident is published only when its conclusion changes
   (``decide.conclusion``); otherwise the anomaly is folded into the verdict already published.
 * A verdict whose root is a warning (severity other than ``error``: a straggler, a throttled
@@ -38,8 +39,8 @@ clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
   the stream and the remediator's claims keep once.
 * ``Released(job)`` drops the job's incidents (another replica serves it now).
 
-Reply tags: ``("node_history", seq, node)`` and ``("signature_history", seq)``, where ``seq``
-numbers the attribution in flight (``AttributorState.reading``).
+Reply tag: ``("history", seq)``, where ``seq`` numbers the attribution in flight
+(``AttributorState.reading``).
 """
 from __future__ import annotations
 
@@ -80,13 +81,12 @@ class Incident:
 
 @dataclass(frozen=True)
 class Reading:
-    """An attribution waiting for its history reads. ``nodes``: culprit nodes still to read;
-    ``records``: node → ``StateStore.node_history`` records read so far; ``since_ns``: Unix ns,
-    the start of the history window; ``wall_ns``: Unix ns of the input that started it."""
+    """An attribution waiting for its history read. ``nodes``: the culprit nodes read;
+    ``since_ns``: Unix ns, the start of the history window; ``wall_ns``: Unix ns of the input
+    that started it."""
 
     key: Key
     nodes: tuple[str, ...]
-    records: dict[str, list[dict]] = field(default_factory=dict)
     since_ns: int = 0
     wall_ns: int = 0
 
@@ -113,10 +113,8 @@ def step(state: AttributorState, inp: Input, now: float) -> tuple[AttributorStat
     if isinstance(inp, Tick):
         return _on_tick(state, now, inp.wall_ns)
     if isinstance(inp, Reply) and isinstance(inp.tag, tuple) and inp.tag:
-        if inp.tag[0] == "node_history":
-            return _on_node_history(state, inp, now)
-        if inp.tag[0] == "signature_history":
-            return _on_signature_history(state, inp, now)
+        if inp.tag[0] == "history":
+            return _on_history(state, inp, now)
     if isinstance(inp, Released):
         return _forget_job(state, inp.key), []
     return state, []
@@ -226,48 +224,28 @@ def _put(state: AttributorState, key: Key, inc: Incident) -> AttributorState:
 # ---- attribution: history reads, then decide ----------------------------------------------------
 def _attribute(state: AttributorState, key: Key, wall_ns: int
                ) -> tuple[AttributorState, list[Effect]]:
-    """Start the history reads of incident ``key`` (see the module docstring)."""
+    """Start the history read of incident ``key`` (see the module docstring)."""
     inc = state.incidents[key]
     nodes = tuple(sorted({n for a in inc.anomalies for n in a.culprit.nodes}))
     since = wall_ns - int(state.config.history_window_s * 1e9)
     seq = state.seq + 1
-    r = Reading(key, nodes, {}, since, wall_ns)
+    r = Reading(key, nodes, since, wall_ns)
     state = replace(state, seq=seq, reading={**state.reading, seq: r})
-    return state, [_next_read(r, seq, inc, state.config)]
+    root = choose_root(list(inc.anomalies), state.config)
+    return state, [store("fault_history", nodes, signature(root), since,
+                         reply=("history", seq))]
 
 
-def _next_read(r: Reading, seq: int, inc: Incident, config: AttributorConfig) -> Call:
-    if r.nodes:
-        return store("node_history", r.nodes[0], r.since_ns, reply=("node_history", seq,
-                                                                      r.nodes[0]))
-    root = choose_root(list(inc.anomalies), config)
-    return store("signature_history", signature(root), r.since_ns,
-                 reply=("signature_history", seq))
-
-
-def _on_node_history(state: AttributorState, inp: Reply, now: float
-                     ) -> tuple[AttributorState, list[Effect]]:
-    _, seq, node = inp.tag
-    r = state.reading.get(seq)
-    inc = state.incidents.get(r.key) if r else None
-    if r is None or inc is None:
-        return state, []
-    if inp.error:
-        return _complete(state, seq, [], [_no_history(inp.error)])
-    r = replace(r, nodes=r.nodes[1:], records={**r.records, node: list(inp.value or [])})
-    state = replace(state, reading={**state.reading, seq: r})
-    return state, [_next_read(r, seq, inc, state.config)]
-
-
-def _on_signature_history(state: AttributorState, inp: Reply, now: float
-                          ) -> tuple[AttributorState, list[Effect]]:
+def _on_history(state: AttributorState, inp: Reply, now: float
+                ) -> tuple[AttributorState, list[Effect]]:
     seq = inp.tag[1]
     if seq not in state.reading:
         return state, []
     if inp.error:
-        return _complete(state, seq, [], [_no_history(inp.error)])
-    pairs = [tuple(p) for p in (inp.value or [])]
-    return _complete(state, seq, pairs, [])
+        return _complete(state, seq, {}, [], [_no_history(inp.error)])
+    records, pairs = inp.value or ({}, [])
+    return _complete(state, seq, {n: list(rs) for n, rs in dict(records).items()},
+                     [tuple(p) for p in pairs], [])
 
 
 def _no_history(error: str) -> Log:
@@ -275,8 +253,8 @@ def _no_history(error: str) -> Log:
                                 f"without it")
 
 
-def _complete(state: AttributorState, seq: int, pairs: list, effects: list[Effect]
-              ) -> tuple[AttributorState, list[Effect]]:
+def _complete(state: AttributorState, seq: int, records: dict[str, list[dict]], pairs: list,
+              effects: list[Effect]) -> tuple[AttributorState, list[Effect]]:
     """Decide with the history read; publish unless the conclusion is the one published."""
     r = state.reading[seq]
     state = replace(state, reading={k: v for k, v in state.reading.items() if k != seq})
@@ -289,7 +267,7 @@ def _complete(state: AttributorState, seq: int, pairs: list, effects: list[Effec
         xid, pid = a.detail.get("xid"), a.detail.get("pid")
         if xid in APP_XIDS and pid is not None and a.culprit.gpus:
             current.setdefault(a.culprit.gpus[0], set()).add(int(pid))
-    hist = history_from_records(inc.job, r.records, pairs, current, r.since_ns)
+    hist = history_from_records(inc.job, records, pairs, current, r.since_ns)
     spec = decide(anomalies, hist, state.config)
     if inc.concluded is not None and conclusion(spec) == inc.concluded:
         return state, effects  # folded into the verdict already published

@@ -4,6 +4,7 @@ collection of ranks, nodes, jobs and incident keys. Pure: each function changes 
 place and returns nothing."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from trainguard.schemas import JobRecord
@@ -17,6 +18,7 @@ def bus_back(state: DetectorState, now: float, gap_s: float) -> None:
     silence clock restarts now and every progress clock moves on by the gap (a rank that
     stepped through the outage is not a hung one, nor its node a lost one)."""
     state.blind = False
+    state.nodes_due = -math.inf
     for js in state.jobs.values():
         for rs in js.ranks.values():
             if rs.last_hb:
@@ -50,6 +52,7 @@ def index(state: DetectorState, name: str, old: JobRecord | None,
         state.node_jobs.setdefault(node, set()).add(name)
     for node in before | after:
         state.node_timeouts.pop(node, None)
+    state.nodes_due = -math.inf  # a node timeout may be shorter now: look at the nodes again
 
 
 def forget_job(state: DetectorState, name: str) -> None:

@@ -123,12 +123,33 @@ def _too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+#: The bytes that can open a MessagePack map or array: fixmap 0x80–0x8f, fixarray 0x90–0x9f,
+#: array 16/32 0xdc/0xdd, map 16/32 0xde/0xdf (the MessagePack specification, "formats").
+_CONTAINER_BYTES = bytes(range(0x80, 0xA0)) + b"\xdc\xdd\xde\xdf"
+_OTHER_BYTES = bytes(b for b in range(256) if b not in _CONTAINER_BYTES)
+
+
+def _cannot_be_too_deep(data: bytes) -> bool:
+    """Whether MessagePack ``data`` holds at most ``MAX_DEPTH`` bytes that could open a map or
+    an array: every level of nesting opens with one of its own, so such data cannot nest deeper
+    than ``MAX_DEPTH`` whatever its bytes mean, and ``decode`` skips the walk of
+    ``_too_deep``. Bytes inside strings and numbers count too, so this errs towards the walk.
+    One pass in C over the bytes (a flat event as a rank heartbeat holds a handful), where the
+    walk is a Python loop over every value."""
+    return len(data.translate(None, _OTHER_BYTES)) <= MAX_DEPTH
+
+
 def from_dict(obj: Any) -> Event:
     """Validate a decoded dict into its event class; raises ``DecodeError`` (``too_large`` past
     ``LIMITS``' depth)."""
+    return _validate(obj, check_depth=True)
+
+
+def _validate(obj: Any, check_depth: bool) -> Event:
+    """``from_dict``; ``check_depth`` False where the depth is known to be within bounds."""
     if not isinstance(obj, dict):
         raise DecodeError("malformed", f"event must be a map, got {type(obj).__name__}")
-    if _too_deep(obj):
+    if check_depth and _too_deep(obj):
         raise DecodeError("too_large", f"nested deeper than {MAX_DEPTH} levels")
     name = obj.get("schema")
     cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
@@ -157,7 +178,7 @@ def decode(data: bytes) -> Event:
         raise DecodeError("malformed", f"not MessagePack: {exc}") from None
     except Exception as exc:  # msgpack raises several types for garbage
         raise DecodeError("malformed", f"not MessagePack: {exc}") from None
-    return from_dict(obj)
+    return _validate(obj, check_depth=not _cannot_be_too_deep(data))
 
 
 def json_schemas() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The attributor's reducer as a table, without servers: ``run_offline`` drives
-``attributor.incidents.step``; a small in-memory history answers its ``node_history`` and
-``signature_history`` calls."""
+``attributor.incidents.step``; a small in-memory history answers its ``fault_history``
+calls."""
 from __future__ import annotations
 
 import pytest
@@ -28,11 +28,10 @@ class History:
         self.asked.append((call.method, *call.args))
         if call.method in self.fail:
             raise ConnectionError("valkey gone")
-        if call.method == "node_history":
-            node, since = call.args
-            return [r for r in self.nodes.get(node, []) if r["ts"] >= since]
-        if call.method == "signature_history":
-            return list(self.sigs.get(call.args[0], []))
+        if call.method == "fault_history":
+            nodes, sig, since = call.args
+            return ({n: [r for r in self.nodes.get(n, []) if r["ts"] >= since] for n in nodes},
+                    list(self.sigs.get(sig, [])))
         raise AssertionError(f"unexpected call {call}")
 
 
@@ -89,8 +88,9 @@ def test_a_symptom_is_held_then_attributed_alone():
     assert (v.fault_class, v.confidence, v.generation) == ("network", "low", 0)
     assert v.culprit.ranks == [] and v.detail["symptom_only"] and v.detail["revision"] == 0
     assert v.ts == WALL + 10**9                   # from the tick's wall clock
-    assert h.asked == [("node_history", "n0", WALL + 10**9 - DAY_NS),
-                       ("signature_history", v.detail["signature"], WALL + 10**9 - DAY_NS)]
+    # one read: the culprit nodes' records and the signature's pairs
+    assert h.asked == [("fault_history", ("n0",), v.detail["signature"],
+                        WALL + 10**9 - DAY_NS)]
     assert writes(eff) == []  # no culprit node: nothing for the node history
     assert state.published == 1 and state.reading == {}
 
@@ -123,21 +123,18 @@ def test_the_same_conclusion_is_folded():
     assert v.culprit.ranks == [2]
     assert state.incidents[("j", 0)].anomalies[-1].symptom  # folded in, not published
     # the second crash was attributed again (history read) and folded
-    assert len([e for e in eff if isinstance(e, Call) and e.method == "signature_history"]) == 2
+    assert len([e for e in eff if isinstance(e, Call) and e.method == "fault_history"]) == 2
 
 
 def test_a_failed_history_read_still_attributes():
-    h = History(fail={"node_history"})
-    state, eff = run([at(0.0, crash())], h)
+    h = History(nodes={"n1": [{"job": "other", "layer": "hardware", "ts": WALL - 10}]},
+                fail={"fault_history"})
+    state, eff = run([at(0.0, crash(node="n1"))], h)
     [v] = verdicts(eff)
     assert v.fault_class == "crash" and "repeat_offender" not in v.detail
-    assert h.asked[0][0] == "node_history" and len(h.asked) == 1  # the reads stop there
+    assert [m for m, *_ in h.asked] == ["fault_history"] and state.reading == {}
     [warn] = [e for e in eff if isinstance(e, Log)]
     assert "history unavailable" in warn.message and "valkey gone" in warn.message
-    h2 = History(fail={"signature_history"})
-    _, eff = run([at(0.0, crash())], h2)
-    assert len(verdicts(eff)) == 1 and [m for m, *_ in h2.asked] == ["node_history",
-                                                                      "signature_history"]
 
 
 def test_cross_job_history_makes_a_repeat_offender_and_a_new_fact_republishes():
@@ -167,15 +164,15 @@ def test_a_warning_does_not_settle_the_incident():
     state, eff = run([tick(0.5)], state=state)
     assert eff == []
     state, eff = run([tick(1.2)], state=state)
-    assert [(e.method, e.args[0]) for e in eff if isinstance(e, Call)][:2] == [
-        ("node_history", "n0"), ("node_history", "n1")]
+    assert [(e.method, e.args[0]) for e in eff if isinstance(e, Call)][:1] == [
+        ("fault_history", ("n0", "n1"))]
     assert verdicts(eff) == []  # same conclusion: folded into the flag
     assert state.incidents[("j", 0)].hold_until is None
     # after a root-cause verdict a symptom is not held
     state, eff = run([at(0.0, crash()), at(0.1, reset()), tick(1.2)])
     assert len(verdicts(eff)) == 1 and state.incidents[("j", 0)].hold_until is None
-    assert [e for e in eff if isinstance(e, Call) and e.method == "signature_history"] == [
-        eff[1]]
+    assert [e for e in eff if isinstance(e, Call) and e.method == "fault_history"] == [
+        eff[0]]
 
 
 def test_incidents_by_generation_window_and_expiry():

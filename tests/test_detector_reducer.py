@@ -171,6 +171,47 @@ def test_node_lost_names_every_member_on_the_node_and_uses_the_jobs_node_timeout
     assert lost[0].event.first_ts == wall(T0 + 10.5)           # the first tick past 10 s
 
 
+def _node_beat(t, node):
+    return t, Received(subjects.node(node, "heartbeat"),
+                       schemas.NodeHeartbeat(node=node, role="agent"), wall(t))
+
+
+def _lost_at(eff):
+    return [(e.subject, round(e.event.first_ts / 1e9 - wall(T0) / 1e9, 2))
+            for e in published(eff, "node_lost") if e.subject.startswith("tg.node.")]
+
+
+def test_the_nodes_are_looked_at_from_their_earliest_deadline_and_found_lost_on_time():
+    """The tick skips the nodes until the earliest one could be lost (``nodes_due``); each is
+    still found at the first tick past its own timeout (3 s): g1 silent from T0 + 1, g2 from
+    T0 + 2.5, g3 first heard at T0 + 4 (nearer than the last look's earliest) then silent, and
+    g1 heard again at T0 + 6 and silent anew (a lost node back: found lost again at T0 + 9.05,
+    its anomaly the incident key's already published)."""
+    beats = [_node_beat(T0 + 0.5 * k, "g1") for k in range(3)]
+    beats += [_node_beat(T0 + 0.5 * k, "g2") for k in range(6)]
+    beats += [_node_beat(T0 + 4.0, "g3"), _node_beat(T0 + 6.0, "g1")]
+    ticks = [tick(T0 + 0.05 * k) for k in range(1, 240)]
+    inputs = sorted(beats + ticks, key=lambda x: x[0])
+    s, eff = run_offline(step, state(), inputs)
+    assert _lost_at(eff) == [("tg.node.g1.anomaly", 4.05), ("tg.node.g2.anomaly", 5.55),
+                             ("tg.node.g3.anomaly", 7.05)]
+    s, _ = run_offline(step, state(), [i for i in inputs if i[0] <= T0 + 9.0])
+    assert not s.nodes["g1"].lost
+    s, _ = run_offline(step, s, [tick(T0 + 9.05)])
+    assert s.nodes["g1"].lost
+    assert s.nodes_due == float("inf")  # every node lost: nothing to look at until one beats
+
+
+def test_a_record_that_shortens_a_node_timeout_is_judged_at_the_next_tick():
+    """g1 beats at T0 (3 s default: due at T0 + 3); the record read at the next tick gives it
+    a 1 s timeout: found lost at the first tick past T0 + 1, not at T0 + 3."""
+    recs = {"a": JobRecord(runs=1, node_timeout_s=1.0, members=MEMBERS["a"].members)}
+    inputs = [_node_beat(T0, "g1"), tick(T0 + 0.05)] + learn_jobs("a", t=T0 + 0.1)
+    inputs += [tick(T0 + 0.1 + 0.05 * k) for k in range(1, 30)]
+    _, eff = run_offline(step, state(), inputs, records(recs))
+    assert _lost_at(eff) == [("tg.node.g1.anomaly", 1.05)]
+
+
 # ---- job-record refresh ---------------------------------------------------------------------
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only(legacy):

@@ -363,3 +363,41 @@ async def test_three_replicas_split_the_partitions_and_a_killed_ones_are_served(
     assert len(owned["rb"] - after["rb"]) + len(owned["rc"] - after["rc"]) <= 2, (owned, after)
     await store.close()
     await bus.close()
+
+
+async def test_a_heartbeat_consumer_of_explicit_acks_is_replaced_by_one_acking_in_batches(
+        secured, procs):
+    """Upgrade: the detector's heartbeat consumer as an earlier release made it (explicit acks)
+    is deleted and created anew with ``AckPolicy.ALL`` by the detector's own role, which then
+    handles heartbeats and leaves none unacked once a batch is due."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from trainguard.consume import ACK_BATCH_S, consumer_name, deliver_subject
+
+    bus = await Bus(secured.nats_url, "test").connect()  # admin
+    js = bus.nc.jetstream()
+    topic = "tg.job.*.rank.*.hb"
+    name = consumer_name("detector", "d1", topic)
+    await js.add_consumer("TG_TELEMETRY", config=ConsumerConfig(
+        durable_name=name, deliver_subject=deliver_subject("detector", "d1", topic),
+        deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
+        filter_subject="tg.p.*.job.*.rank.*.hb"))
+    procs.start("detector", "d1")
+    await healthy(bus, "detector", "d1")
+    info = await js.consumer_info("TG_TELEMETRY", name)
+    assert info.config.ack_policy == AckPolicy.ALL, procs.log("detector", "d1")
+    for step in range(5):
+        for m in MEMBERS:
+            await bus.publish(subjects.rank_hb("jup", m["rank"]), schemas.RankHeartbeat(
+                job="jup", rank=m["rank"], node=m["node"], local_rank=m["local_rank"],
+                step=step, interval_s=0.1))
+    await bus.flush()
+
+    async def all_acked() -> bool:
+        i = await js.consumer_info("TG_TELEMETRY", name)
+        return i.delivered.consumer_seq == 20 and i.num_ack_pending == 0
+
+    assert await wait_until(all_acked, 5 + ACK_BATCH_S), await js.consumer_info(
+        "TG_TELEMETRY", name)
+    assert (await _health(bus, "detector", "d1"))["ranks"] == 4
+    await bus.close()

@@ -102,6 +102,31 @@ def test_bad_input_rejected(data, kind):
     assert ei.value.kind == kind
 
 
+def test_the_depth_walk_is_skipped_only_for_data_that_cannot_nest_too_deep():
+    """``decode`` skips ``_too_deep`` for data with at most ``MAX_DEPTH`` bytes that could
+    open a map or an array; at the bound and past it the kinds are what the walk says, wherever
+    the container bytes hide (strings, numbers)."""
+    hb = schemas.encode(schemas.RankHeartbeat(job="j", rank=3, node="n", step=5, loss=0.5))
+    assert schemas._cannot_be_too_deep(hb)  # the hot path: a heartbeat skips the walk
+    for depth in range(1, 20):
+        v = msgpack.packb({"schema": "verdict", "v": 1, "fault_class": "crash",
+                           "layer": "application", "detail": _nested(max(2, depth))})
+        if max(2, depth) <= schemas.MAX_DEPTH:
+            assert isinstance(schemas.decode(v), schemas.Verdict)
+        else:
+            assert not schemas._cannot_be_too_deep(v)
+            with pytest.raises(DecodeError) as ei:
+                schemas.decode(v)
+            assert ei.value.kind == "too_large"
+    # container bytes inside a string: the walk runs and finds nothing too deep
+    noisy = schemas.encode(schemas.LogLine(job="j", line="\x90\x80" * 40))
+    assert not schemas._cannot_be_too_deep(noisy)
+    assert schemas.decode(noisy).line == "\x90\x80" * 40
+    # one container per level exactly: 17 levels are 17 container bytes, never skipped
+    deep = msgpack.packb({"schema": "verdict", "v": 1, "detail": _nested(17)})
+    assert len(deep.translate(None, schemas._OTHER_BYTES)) >= 17
+
+
 def test_json_schema_export(tmp_path):
     paths = schemas.export_json_schemas(str(tmp_path))
     assert len(paths) == len(schemas.EVENT_TYPES)

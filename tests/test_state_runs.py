@@ -176,3 +176,29 @@ def test_job_records_reads_many_in_one_call_and_decodes_a_changed_hash_only(redi
     assert a["bad"].startswith("JobRecordError: ") and "generation" in a["bad"]
     assert b["r"] is a["r"]                      # the same hash: the record decoded before
     assert c["r"] is not a["r"] and c["r"].hang_timeout_s == 4.5
+
+
+def test_fault_history_reads_the_nodes_and_the_signature_in_one_call_as_one_by_one(redis_db):
+    """``fault_history`` (the attributor's one round trip) answers what ``node_history`` per
+    node and ``signature_history`` answer; the in-memory store of a replay does the same."""
+    from trainguard.memstore import MemoryStore
+
+    async def scenario():
+        st = StateStore(redis_db)
+        mem = MemoryStore()
+        try:
+            for s in (st, mem):
+                for node, job, ts in (("n1", "a", 10), ("n1", "b", 20), ("n2", "b", 30)):
+                    res = s.record_fault(node, job, "sig", {"fault_class": "crash"}, ts_ns=ts)
+                    if asyncio.iscoroutine(res):
+                        await res
+            records, pairs = await st.fault_history(("n1", "n2", "n9"), "sig", 15)
+            assert records == {n: await st.node_history(n, 15) for n in ("n1", "n2", "n9")}
+            assert [r["job"] for r in records["n1"]] == ["b"] and records["n9"] == []
+            assert pairs == await st.signature_history("sig", 15) == [("b", "n1"), ("b", "n2")]
+            assert mem.fault_history(("n1", "n2", "n9"), "sig", 15) == (records, pairs)
+            assert await st.fault_history((), "none", 0) == ({}, [])
+        finally:
+            await st.close()
+
+    _run(scenario())

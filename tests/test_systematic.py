@@ -24,17 +24,17 @@ WALL = 1_700_000_000 * 10**9
 
 
 class History:
-    """``record_fault`` / ``node_history`` / ``signature_history`` as ``StateStore`` keeps them."""
+    """``record_fault`` / ``fault_history`` as ``StateStore`` keeps them."""
 
     def __init__(self):
         self.nodes: dict[str, list[dict]] = {}
         self.sigs: dict[str, list[tuple[str, str]]] = {}
 
     def __call__(self, call: Call):
-        if call.method == "node_history":
-            return [r for r in self.nodes.get(call.args[0], []) if r["ts"] >= call.args[1]]
-        if call.method == "signature_history":
-            return list(self.sigs.get(call.args[0], []))
+        if call.method == "fault_history":
+            nodes, sig, since = call.args
+            return ({n: [r for r in self.nodes.get(n, []) if r["ts"] >= since] for n in nodes},
+                    list(self.sigs.get(sig, [])))
         raise AssertionError(call)
 
     def write(self, effects):

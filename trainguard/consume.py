@@ -11,6 +11,12 @@ how a replica rebuilds a job it takes over.
   verdict whose state-store call waits to be tried again, once that is settled), so a replica
   killed mid-way gets the unacked messages again when it comes back under the same name, and
   everything that arrived while it was down.
+  The short-lived families of ``ACKS`` (heartbeats, telemetry) are acked in batches instead
+  (``AckPolicy.ALL``, ``BatchedAcks``): one ack of the newest handled message acks every
+  message delivered before it, so the server gets one ack every ``ACK_BATCH_S`` seconds or
+  ``ACK_BATCH_N`` messages instead of one per message. A process killed in between gets the
+  last ``ACK_BATCH_S`` of them again (handled again if still relevant: a heartbeat says the
+  same twice). The events (worker, log, anomaly, verdict, decision, …) keep one ack each.
   Of that backlog (stored before the process started), messages older than their family's
   relevance are acked without being handled; live traffic is handled however late.
 * ``replay`` — the stored messages of a subject (wildcards allowed) since a time, oldest first,
@@ -25,6 +31,13 @@ subject as published (``partitions.original``).
 Subjects no stream keeps stay plain NATS subscriptions (``Service`` falls back by itself).
 Durable consumers a replica never comes back to are removed by the server after
 ``DURABLE_INACTIVE_S``.
+
+Upgrade: a durable consumer cannot change its ack policy, so one made by an earlier release
+(explicit acks on a heartbeat or telemetry topic) is deleted and created anew when its replica
+binds it (``durable_subscribe``). The new one starts with what arrives from then on: what the
+old one had not delivered yet is lost, which for these families is nothing that matters (a
+heartbeat is relevant for 5 s, telemetry for 10 s: ``RELEVANCE``; the detector's silence
+clocks start with the first heartbeat it hears).
 """
 from __future__ import annotations
 
@@ -132,6 +145,106 @@ IN_FLIGHT: tuple[InFlight, ...] = (
 #: ≤ 10 ms each wait ≤ 2 s; held messages count too, so 200 verdicts held while the state
 #: store is away stop further deliveries until it is back (they could not be decided anyway).
 HELD_IN_FLIGHT = 200
+
+
+@dataclass(frozen=True)
+class AckMode:
+    """A subject family (NATS wildcards) and whether its durable consumer acks in batches
+    (``AckPolicy.ALL``: one ack of the newest handled message covers every earlier one) or each
+    message once handled (``AckPolicy.EXPLICIT``), with why."""
+
+    pattern: str
+    batched: bool
+    reason: str
+
+
+#: First matching row wins (``batched_acks``); a holding topic always acks each message.
+ACKS: tuple[AckMode, ...] = (
+    AckMode("tg.job.*.rank.*.hb", True,
+            "the detector's most frequent message (one a rank every interval_s): relevant for "
+            "seconds, and the next one says the same again, so a redelivery of the last "
+            "ACK_BATCH_S of them after a crash costs nothing; one ack a message was as many "
+            "messages again for the server and a socket write per read for the client"),
+    AckMode("tg.node.*.heartbeat", True, "as rank heartbeats: one a node every second"),
+    AckMode("tg.node.*.telemetry", True,
+            "as rank heartbeats: the agent re-sends every counter each sample"),
+    AckMode(">", False,
+            "an event (a crash, a log line, an anomaly, a verdict, a decision) must not be "
+            "lost: it is acked only once its own handling is done, whatever came after it"),
+)
+#: Seconds between two acks of a batched consumer while messages arrive: what a process
+#: killed meanwhile gets again (far below the 5 s relevance of a heartbeat and the 30 s ack
+#: wait, ``ACK_WAIT_S``).
+ACK_BATCH_S = 0.05
+#: Handled messages after which a batched consumer acks at once, without waiting for
+#: ``ACK_BATCH_S``: a burst never holds more than this unacked of ``MAX_ACK_PENDING``.
+ACK_BATCH_N = 1_000
+
+
+def batched_acks(topic: str, holds: bool = False) -> bool:
+    """Whether the durable consumer of ``topic`` acks in batches (``ACKS``); never for a
+    topic whose messages may be held unacked (``holds``)."""
+    if holds:
+        return False
+    for row in ACKS:
+        if matches(row.pattern, topic) or row.pattern == topic:
+            return row.batched
+    return False
+
+
+class BatchedAcks:
+    """The acks of one ``AckPolicy.ALL`` consumer. ``handled(msg)`` is called for every
+    message in delivery order once it is done with (handled, skipped, or not this replica's);
+    the newest is acked after ``every_n`` messages, or ``every_s`` seconds after the first one
+    not acked yet, or at ``flush()``. Acks that fail (connection gone) are left to the server's
+    redelivery, as single acks are."""
+
+    def __init__(self, every_s: float = ACK_BATCH_S, every_n: int = ACK_BATCH_N):
+        self.every_s, self.every_n = every_s, every_n
+        self.acks = 0  #: acks sent
+        self._newest: Any = None
+        self._count = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None
+
+    async def handled(self, msg: Any) -> None:
+        self._newest = msg
+        self._count += 1
+        if self._count >= self.every_n:
+            await self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.every_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self._newest is None:
+            return
+        if self._task is not None and not self._task.done():
+            # the previous ack is still being written: try again, or the newest would wait
+            # for the next message (none, once its rank fell silent) or the ack wait
+            self._timer = asyncio.get_running_loop().call_later(self.every_s, self._due)
+            return
+        self._task = asyncio.ensure_future(self.flush())
+
+    async def flush(self) -> None:
+        """Ack the newest handled message now (nothing when every one is acked)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        msg, self._newest, self._count = self._newest, None, 0
+        if msg is None:
+            return
+        try:
+            await msg.ack()
+            self.acks += 1
+        except Exception:  # noqa: BLE001 - connection gone: redelivered later
+            pass
+
+    def cancel(self) -> None:
+        """Drop the timer (the process is closing; what is not acked is redelivered)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def max_ack_pending_for(topic: str, holds: bool = False) -> int:
@@ -278,7 +391,8 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
                             on_message: OnMessage, retry_s: float = 10.0,
                             ack_wait_s: float = ACK_WAIT_S,
                             filters: Sequence[str] | None = None,
-                            max_ack_pending: int | None = None) -> DurableConsumer | None:
+                            max_ack_pending: int | None = None,
+                            batched: bool = False) -> DurableConsumer | None:
     """Bind (creating it when new, updating its filters and ack wait when it exists) the
     durable push consumer of ``service``/``replica`` on ``topic`` and hand each message to
     ``on_message(msg)``, which must ack it (within ``ack_wait_s`` seconds, or keep it with
@@ -286,7 +400,11 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     partitioned stream's stored forms, ``partitions.stored_filters``). A new consumer starts
     with what arrives from now on (a replica taking over a job replays what it needs,
     ``replay``); an existing one resumes after its last acked message. ``max_ack_pending`` —
-    unacked messages in flight (default ``max_ack_pending_for(topic)``). Returns the consumer,
+    unacked messages in flight (default ``max_ack_pending_for(topic)``). ``batched`` — the
+    consumer acks with ``AckPolicy.ALL`` (``on_message`` acks through a ``BatchedAcks``;
+    ``batched_acks(topic)`` says which topics may), else ``AckPolicy.EXPLICIT``; an existing
+    consumer of the other policy is deleted and created anew (the server cannot change a
+    consumer's ack policy; see the module docstring for what that loses). Returns the consumer,
     or None when no stream keeps ``topic``. A consumer still bound to a previous process of the
     same replica (its connection not yet seen closed) is tried again for ``retry_s`` seconds."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -299,7 +417,8 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     pending = max_ack_pending or max_ack_pending_for(topic)
     cfg = ConsumerConfig(
         durable_name=name, deliver_subject=deliver_subject(service, replica, topic),
-        deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.NEW,
+        ack_policy=AckPolicy.ALL if batched else AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s, max_ack_pending=pending,
         inactive_threshold=DURABLE_INACTIVE_S)
     _filter(cfg, list(filters or [topic]))
@@ -307,11 +426,15 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     while True:
         try:
             try:
-                bound = (await js.consumer_info(stream, name)).push_bound
+                info = await js.consumer_info(stream, name)
             except Exception:  # noqa: BLE001 - not created yet
-                bound = False
-            if bound:
+                info = None
+            if info is not None and info.push_bound:
                 raise RuntimeError(f"consumer {name} is already bound to a subscription")
+            if info is not None and info.config.ack_policy not in (None, cfg.ack_policy):
+                log.info("consumer %s: ack policy %s -> %s: created anew", name,
+                         info.config.ack_policy, cfg.ack_policy)
+                await js.delete_consumer(stream, name)
             await js.add_consumer(stream, config=cfg)  # create, or update an existing one
             sub = await js.subscribe(topic, durable=name, stream=stream, cb=on_message,
                                      manual_ack=True, pending_msgs_limit=pending * 2)

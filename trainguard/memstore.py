@@ -196,6 +196,11 @@ class MemoryStore:
     def node_history(self, node: str, since_ns: int = 0) -> list[dict[str, Any]]:
         return [dict(r) for r in self.history.get(node, []) if r["ts"] >= since_ns]
 
+    def fault_history(self, nodes: Any, signature: str, since_ns: int = 0
+                      ) -> tuple[dict[str, list[dict[str, Any]]], list[tuple[str, str]]]:
+        return ({n: self.node_history(n, since_ns) for n in nodes},
+                self.signature_history(signature, since_ns))
+
     def signature_history(self, signature: str, since_ns: int = 0) -> list[tuple[str, str]]:
         seen: dict[tuple[str, str], int] = {}
         for job, node, ts in self.signatures.get(signature, []):

@@ -13,11 +13,12 @@ Run one alone with ``python -m <service> --nats-url URL --redis-url URL`` (or en
 
 A ``partitioned`` service (detector, attributor, remediator, checkpoint validator) consumes every
 topic a JetStream stream keeps through its own durable consumer with explicit acks
-(``trainguard.consume``): a message is acked once handled, so a replica that restarts under the
-same ``--replica`` name handles what arrived while it was down, within each subject family's
-relevance (``consume.RELEVANCE``). A message of one of the service's ``holding_topics`` whose
-outcome is still being worked out once handled (its event id in ``unfinished()``: a verdict
-whose state-store call waits to be tried again) is held unacked, kept from redelivery with
+(``trainguard.consume``): a message is acked once handled (heartbeats and telemetry in
+batches, ``consume.ACKS``), so a replica that restarts under the same ``--replica`` name
+handles what arrived while it was down, within each subject family's relevance
+(``consume.RELEVANCE``). A message of one of the service's ``holding_topics`` whose outcome is
+still being worked out once handled (its event id in ``unfinished()``: a verdict whose
+state-store call waits to be tried again) is held unacked, kept from redelivery with
 in-progress acks, and acked once it leaves ``unfinished()``; a replica killed meanwhile gets it
 again when it comes back (``consume.HELD_ACK_WAIT_S`` after the last in-progress ack at most). A
 message of those topics delivered again while this process still handles or holds it is not
@@ -161,6 +162,7 @@ class Service:
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
         self._durables: list[consume.DurableConsumer] = []
+        self._batches: list[consume.BatchedAcks] = []  # of the batched-ack consumers
         self._plain_streams = False  # the job streams store subjects as published
         self._refilter_due = False
         #: takeovers so far; when the last began (Unix ns) and how long it took (seconds)
@@ -324,12 +326,13 @@ class Service:
         if self.config.durable and self.partitioned:
             max_age = consume.max_age_s(topic)
             holds = topic in self.holding_topics
+            batch = consume.BatchedAcks() if consume.batched_acks(topic, holds) else None
 
             async def on_message(msg: Any) -> None:
                 subject = partitions.original(msg.subject)
                 st = consume.stored_of(msg)
                 # only a topic whose messages may be held is tracked (the hot heartbeat path
-                # acks at once, as before)
+                # acks in batches, ``consume.ACKS``)
                 key = None if st is None or not holds else (st.stream, st.seq)
                 if key is not None and key in self._deliveries:
                     # delivered again while handled or held here (its ack wait ran out while
@@ -367,7 +370,9 @@ class Service:
                             self.consumed["held"] += 1
                             self._deliveries[key].event_id = ev.event_id
                 finally:
-                    if not held:
+                    if batch is not None:  # acked with the next batch
+                        await batch.handled(msg)
+                    elif not held:
                         d = self._deliveries.pop(key, None) if key is not None else None
                         await self._ack(msg if d is None else d.msg)
 
@@ -375,8 +380,11 @@ class Service:
                 self.bus.nc, self.name, self.config.replica, topic, on_message,
                 ack_wait_s=consume.HELD_ACK_WAIT_S if holds else consume.ACK_WAIT_S,
                 filters=self._filters(topic),
-                max_ack_pending=consume.max_ack_pending_for(topic, holds))
+                max_ack_pending=consume.max_ack_pending_for(topic, holds),
+                batched=batch is not None)
             if dc is not None:
+                if batch is not None:
+                    self._batches.append(batch)
                 self._durables.append(dc)
                 self._subs.append(dc.sub)
                 return
@@ -498,6 +506,10 @@ class Service:
             self._member_task.cancel()
         if self._ack_task is not None:  # what is held stays unacked: the next process gets it
             self._ack_task.cancel()
+        for batch in self._batches:  # what was handled is not handled again after a restart
+            if self.bus.connected:
+                await batch.flush()
+            batch.cancel()
         await self.bus.close()
         if self.state is not None:
             if self.partitioned:

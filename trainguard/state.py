@@ -566,6 +566,19 @@ class StateStore:
         rows = await self.r.zrangebyscore(f"tg:hist:node:{node}", since_ns, "+inf")
         return [json.loads(r) for r in rows]
 
+    async def fault_history(self, nodes: Sequence[str], signature: str, since_ns: int = 0
+                            ) -> tuple[dict[str, list[dict[str, Any]]], list[tuple[str, str]]]:
+        """``node_history`` of each of ``nodes`` and ``signature_history`` of ``signature``
+        since ``since_ns`` (Unix ns), in one round trip (a pipeline, no transaction): what the
+        attributor reads before it decides. Returns (node → records, ``[(job, node)]``)."""
+        pipe = self.r.pipeline(transaction=False)
+        for node in nodes:
+            pipe.zrangebyscore(f"tg:hist:node:{node}", since_ns, "+inf")
+        pipe.zrangebyscore(f"tg:hist:sig:{signature}", since_ns, "+inf")
+        *per_node, sig = await pipe.execute()
+        return ({n: [json.loads(r) for r in rows] for n, rows in zip(nodes, per_node)},
+                [tuple(r.split("|", 1)) for r in sig])  # type: ignore[misc]
+
     async def history_nodes(self) -> list[str]:
         """Every node with a cross-job fault history (``tg:hist:node:<node>``), by name (SCAN)."""
         return sorted({k[len("tg:hist:node:"):] async for k in
