@@ -81,6 +81,9 @@ def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
     agent, launcher = subjects.node(node, "heartbeat"), subjects.launcher(node, "job.1")
     assert partition_key(launcher) == partition_key(agent) == f"node:{node}"
     assert max_age_s(launcher) == max_age_s(agent) == 3.0
+    from trainguard.consume import batched_acks
+
+    assert batched_acks(subjects.ALL_LAUNCHERS) and batched_acks("tg.node.*.heartbeat")
     assert max_ack_pending_for(subjects.ALL_LAUNCHERS) == max_ack_pending_for(
         "tg.node.*.heartbeat")
     kept = {name: subs for name, subs, _ in STREAMS}

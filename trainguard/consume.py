@@ -166,6 +166,8 @@ ACKS: tuple[AckMode, ...] = (
             "ACK_BATCH_S of them after a crash costs nothing; one ack a message was as many "
             "messages again for the server and a socket write per read for the client"),
     AckMode("tg.node.*.heartbeat", True, "as rank heartbeats: one a node every second"),
+    AckMode("tg.node.*.launcher.*", True,
+            "as node heartbeats: one a launcher every second, on its node"),
     AckMode("tg.node.*.telemetry", True,
             "as rank heartbeats: the agent re-sends every counter each sample"),
     AckMode(">", False,
