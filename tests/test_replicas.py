@@ -47,6 +47,25 @@ def test_membership_owns_its_keys_and_everyone_serves_unkeyed_subjects():
     assert partition_key("tg.svc.detector.health") is None
 
 
+def test_known_keys_are_another_replicas_and_this_ones_that_decoded():
+    """A replica records the partition key of another replica's message as it acks it, and of
+    its own once the message decoded: keys named only by undecodable messages (a hostile flood
+    names a new one in each) are not kept."""
+    from trainguard.service import Service, ServiceConfig
+
+    class Svc(Service):
+        name, partitioned, uses_state = "svc", True, False
+
+    svc = Svc(ServiceConfig(nats_url="nats://127.0.0.1:1", redis_url="", replica="a"))
+    svc.membership.update(["b"])
+    mine = next(f"j{i}" for i in range(100) if svc.membership.owns(f"j{i}"))
+    theirs = next(f"j{i}" for i in range(100) if not svc.membership.owns(f"j{i}"))
+    assert svc.accepts(f"tg.job.{mine}.log") and svc.known == set()
+    assert not svc.accepts(f"tg.job.{theirs}.log") and svc.known == {theirs}
+    svc._seen(f"tg.job.{mine}.log")
+    assert svc.known == {theirs, mine}
+
+
 # ---- relevance ----------------------------------------------------------------------------------
 def test_relevance_table_rows_and_matching():
     assert all(r.reason for r in RELEVANCE)
