@@ -39,6 +39,7 @@ def test_rendezvous_spreads_jobs_and_a_leaving_member_moves_only_its_own():
 def test_membership_owns_its_keys_and_everyone_serves_unkeyed_subjects():
     m = Membership("detector", "a")
     assert m.owns("j1") and m.owns(None)  # alone: everything
+    assert all(m.owns(f"hostile-{i}") for i in range(100)) and m._cache == {}  # nothing kept
     m.update(["b", "c"])  # this replica stays a member while it runs
     assert m.members == ("a", "b", "c") and m.epoch == 1
     assert m.owns("j1") == (owner("j1", ["a", "b", "c"]) == "a")
