@@ -110,3 +110,26 @@ def test_a_table_whose_rows_one_lookup_cannot_tell_apart_is_refused():
         sizes._index((sizes.SizeLimit("tg.job.*.hb", 1, "r"), sizes.SizeLimit("tg.job.*.hb", 2, "r")))
     with pytest.raises(ValueError):
         sizes._index((sizes.SizeLimit("tg.*.x", 1, "r"),))
+
+
+@pytest.mark.parametrize("event_id,ok", [("a" * 32, True), ("e1", True), ("a" * 64, True),
+                                         ("a" * 65, False), ("x" * 100_000, False)])
+def test_an_event_id_is_bounded(event_id, ok):
+    data = msgpack.packb({**schemas.RankHeartbeat(job="j", rank=0).to_dict(),
+                          "event_id": event_id})
+    if ok:
+        assert schemas.decode(data, "tg.job.j.rank.0.hb").event_id == event_id
+    else:
+        with pytest.raises(DecodeError) as ei:
+            schemas.decode(data)
+        assert ei.value.kind == "invalid"
+
+
+def test_only_the_w3c_trace_headers_are_kept():
+    tp = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    ev = schemas.RankHeartbeat(job="j", rank=0).to_dict()
+    ev["trace"] = {"traceparent": tp, "tracestate": "k=v", "junk": "x", "é☃": "y" * 10}
+    assert schemas.decode(msgpack.packb(ev)).trace == {"traceparent": tp, "tracestate": "k=v"}
+    ev["trace"] = {"traceparent": "z" * 600}
+    got = schemas.decode(msgpack.packb(ev)).trace
+    assert set(got) == {"traceparent"} and len(got["traceparent"]) == 55  # made anew
