@@ -166,6 +166,9 @@ MAX_INCIDENT_ANOMALIES = 2048
 #: reads the first three (``decide``: ``a.evidence[:3]``, the first error line).
 KEPT_EVIDENCE_LINES = 8
 KEPT_EVIDENCE_CHARS = 4096
+#: Source event ids of an anomaly an incident keeps: attribution never reads them (the detector
+#: names one or two), and a hostile anomaly may list 32,768 (``schemas.LIMITS``).
+KEPT_SOURCE_IDS = 8
 
 
 #: Incidents (generations) one job keeps at once: the default retry budget
@@ -191,12 +194,14 @@ def _room_for(state: AttributorState, key: Key) -> AttributorState:
 
 
 def _kept(ev: schemas.Anomaly) -> schemas.Anomaly:
-    """``ev`` as an incident keeps it: its evidence cut to what attribution reads."""
-    if len(ev.evidence) <= KEPT_EVIDENCE_LINES and all(
-            len(x) <= KEPT_EVIDENCE_CHARS for x in ev.evidence):
+    """``ev`` as an incident keeps it: its evidence cut to what attribution reads, its
+    ``source_event_ids`` to ``KEPT_SOURCE_IDS``."""
+    if len(ev.source_event_ids) <= KEPT_SOURCE_IDS and len(ev.evidence) <= KEPT_EVIDENCE_LINES \
+            and all(len(x) <= KEPT_EVIDENCE_CHARS for x in ev.evidence):
         return ev
     return ev.model_copy(update={"evidence": [x[:KEPT_EVIDENCE_CHARS] for x in
-                                              ev.evidence[:KEPT_EVIDENCE_LINES]]})
+                                              ev.evidence[:KEPT_EVIDENCE_LINES]],
+                                 "source_event_ids": ev.source_event_ids[:KEPT_SOURCE_IDS]})
 
 
 def _on_tick(state: AttributorState, now: float, wall_ns: int

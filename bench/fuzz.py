@@ -34,7 +34,9 @@ Figures:
 * ``accounting`` — per service: ``expected`` (every message the bench saw on the bus on a
   subject the service subscribes, the services' own follow-up events included, less
   ``refused_by_stream``: messages over the ``max_msg_size`` of the stream that keeps their
-  subject, which the stream refuses and no durable consumer is given), its health
+  subject, which the stream refuses and no durable consumer is given, and messages published
+  again under a ``Nats-Msg-Id`` seen within the stream's duplicate window, which it keeps
+  once), its health
   counters ``received`` / ``bad`` (dead-lettered, by kind) / ``handler_errors``, the dead
   letters seen on ``tg.dlq.<service>``; ``lost`` = expected − received (must be 0) and
   ``dlq_missing`` = Σ bad − dead letters seen (must be 0); ``consumed`` (how the durable
@@ -324,6 +326,11 @@ def rss_of(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
+#: Seconds within which a stream keeps one message per ``Nats-Msg-Id``: JetStream's default
+#: ``duplicate_window`` (2 minutes), which ``Bus.ensure_streams`` leaves as it is.
+DUPLICATE_WINDOW_S = 120.0
+
+
 class Monitor:
     """Counts every message on ``tg.job.>``, ``tg.node.>`` and ``tg.dlq.>`` by subject, so the
     services' health counters can be compared with what the bus carried."""
@@ -334,16 +341,21 @@ class Monitor:
         self.dlq: dict[str, int] = {}
         self.total = 0
         self.deduplicated = 0
-        self._ids: set[tuple[str, str]] = set()
+        self._ids: dict[tuple[str, str], float] = {}  # (subject, id) -> monotonic s first seen
 
-    def _duplicate(self, msg: Any) -> bool:
+    def _duplicate(self, msg: Any, now: float | None = None) -> bool:
+        """Whether the stream keeping ``msg.subject`` stores ``msg`` not again: its
+        ``Nats-Msg-Id`` was seen on that subject within ``DUPLICATE_WINDOW_S`` (a reducer
+        publishing the same event again two minutes later has it stored and delivered twice)."""
         mid = (msg.headers or {}).get("Nats-Msg-Id")
         if not mid or stream_max_msg_size(msg.subject) == float("inf"):
             return False
+        now = time.monotonic() if now is None else now
         key = (msg.subject, mid)
-        if key in self._ids:
+        first = self._ids.get(key)
+        if first is not None and now - first < DUPLICATE_WINDOW_S:
             return True
-        self._ids.add(key)
+        self._ids[key] = now
         return False
 
     async def _on(self, msg: Any) -> None:

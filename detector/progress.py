@@ -23,10 +23,11 @@ class RankState:
     """Last heartbeat facts of one rank. Times: ``last_hb``/``last_advance`` monotonic seconds
     of this process. ``times`` is a ring of the last step times (float32 seconds). ``seq``:
     collectives (or steps) entered; ``done``: collectives completed, None when the sender does
-    not count them."""
+    not count them. The ring grows with the steps reported, up to ``ring`` entries: a rank that
+    never reports a step time (a hostile or a stillborn one) keeps none."""
 
     __slots__ = ("rank", "node", "local_rank", "generation", "step", "seq", "done", "phase",
-                 "last_hb", "last_advance", "times", "n_times", "exited", "interval")
+                 "last_hb", "last_advance", "times", "ring", "n_times", "exited", "interval")
 
     def __init__(self, rank: int, ring: int = 16):
         self.rank = rank
@@ -39,13 +40,14 @@ class RankState:
         self.phase = "startup"
         self.last_hb = 0.0
         self.last_advance = 0.0
-        self.times = array("f", bytes(4 * ring))
+        self.times = array("f")
+        self.ring = ring
         self.n_times = 0
         self.exited = False
         self.interval = 0.1
 
     def add_time(self, t: float) -> None:
-        self.times[self.n_times % len(self.times)] = t
+        _ring_add(self.times, self.ring, self.n_times, t)
         self.n_times += 1
 
     def recent(self, k: int) -> list[float]:
@@ -56,17 +58,19 @@ class RankState:
 
 
 class JobState:
-    """Windows of one job: its ranks, a ring of recent step times for the learned hang timeout,
-    and throughput bookkeeping."""
+    """Windows of one job: its ranks, a ring of recent step times for the learned hang timeout
+    (grown with the steps reported, up to ``window`` entries: 1 KiB at 256, kept only by a job
+    that reports steps), and throughput bookkeeping."""
 
-    __slots__ = ("name", "ranks", "times", "n_times", "max_step", "tp_mark", "tp_step",
+    __slots__ = ("name", "ranks", "times", "window", "n_times", "max_step", "tp_mark", "tp_step",
                  "tp_base", "tp_windows", "dirty", "p99", "p99_n", "gen", "gen_started",
                  "silence_due")
 
     def __init__(self, name: str, window: int = 256):
         self.name = name
         self.ranks: dict[int, RankState] = {}
-        self.times = array("f", bytes(4 * window))
+        self.times = array("f")
+        self.window = window
         self.n_times = 0
         self.max_step = -1
         self.tp_mark = 0.0
@@ -83,8 +87,17 @@ class JobState:
         self.silence_due = -math.inf
 
     def add_time(self, t: float) -> None:
-        self.times[self.n_times % len(self.times)] = t
+        _ring_add(self.times, self.window, self.n_times, t)
         self.n_times += 1
+
+
+def _ring_add(ring: array, size: int, n: int, t: float) -> None:
+    """Put the ``n``-th value ``t`` (0-based) into ``ring`` of at most ``size`` entries: appended
+    while it is shorter, over the oldest after that."""
+    if len(ring) < size:
+        ring.append(t)
+    else:
+        ring[n % size] = t
 
 
 # ---------------------------------------------------------------------------------------------

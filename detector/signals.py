@@ -89,6 +89,12 @@ class NodeState:
         self.host = HostWindow()
 
 
+#: The roles whose node heartbeats the detector keeps (``NodeHeartbeat.role``): the agent and a
+#: job's launcher. A beat of another role is ignored: the node-lost rule would wait for it, and
+#: a hostile sender naming a new role in each beat would grow the node's state without end.
+NODE_ROLES = frozenset({"agent", "launcher"})
+
+
 def observe_node_heartbeat(ns: NodeState, role: str, now: float, job: str | None = None,
                            ending: bool = False) -> None:
     """A heartbeat of ``role`` (agent, launcher) at ``now``; a launcher's names its ``job``.
@@ -96,6 +102,8 @@ def observe_node_heartbeat(ns: NodeState, role: str, now: float, job: str | None
     failed there): the node forgets that launcher, so its silence is never a lost launcher (a
     job stopped by a decision, its ranks killed by their launcher, would otherwise count as an
     infrastructure fault of the node in cross-job history)."""
+    if role not in NODE_ROLES:
+        return  # no rule reads it; kept, each new name would be kept for as long as the node
     ns.last[role] = now
     ns.lost = False
     if role == "launcher" and job:
@@ -212,8 +220,14 @@ FLAG_RULES: dict[str, tuple[str, FaultClass, str]] = {
 def telemetry_rule(ns: NodeState, gpus: list[dict], cfg: DetectorConfig, ts: int = 0
                    ) -> list[Finding]:
     """Thermal slowdown from clock-event reasons, and ECC / row-remap / PCIe-replay counters
-    rising between two samples of the same GPU. ``gpus`` are ``GpuSample`` dicts."""
+    rising between two samples of the same GPU. ``gpus`` are ``GpuSample`` dicts. The node
+    keeps the counters and thermal runs of the GPUs of this sample only: a GPU index a sample no
+    longer names (a hostile one, 2^62) is not kept."""
     out = []
+    seen = {int(g.get("index", 0)) for g in gpus}
+    for kept in (ns.gpu_prev, ns.thermal_run):
+        for idx in [i for i in kept if i not in seen]:
+            del kept[idx]
     for g in gpus:
         idx = int(g.get("index", 0))
         gid = f"{ns.name}:{idx}"

@@ -81,8 +81,9 @@ del F, L
 class HostWindow:
     """Recent host and link samples of one node: ``mem`` — (now, used, total) in bytes;
     ``cpu_run`` — consecutive saturated CPU samples; ``lat_runs`` — peer → consecutive slow
-    (or unreachable) samples; ``gpu_prev`` — GPU index → (now, nvlink counters, PCIe replays,
-    corrected ECC count) of the previous sample."""
+    (or unreachable) samples, for the peers of the last sample that have one; ``gpu_prev`` —
+    GPU index → (now, nvlink counters, PCIe replays, corrected ECC count) of the previous
+    sample, for the GPUs of the last sample."""
 
     __slots__ = ("mem", "cpu_run", "cpu_last", "lat_runs", "gpu_prev")
 
@@ -175,10 +176,13 @@ def host_rules(win: HostWindow, node: str, cpu_percent: float, mem_used: int, me
     # CPU saturation is context (RULES["cpu_saturated"]): kept in the window, read by cpu_context
     win.cpu_last = float(cpu_percent)
     win.cpu_run = win.cpu_run + 1 if cpu_percent >= tc.cpu_saturated_percent else 0
+    runs: dict[str, int] = {}  # only peers of this sample with a run: a peer once named (a
+    # hostile sample names new ones each time) is not kept past the sample that clears it
     for peer, rtt in sorted(latency.items()):
         bad = not math.isfinite(rtt) or rtt >= tc.latency_warn_s
         run = win.lat_runs.get(peer, 0) + 1 if bad else 0
-        win.lat_runs[peer] = run
+        if run:
+            runs[peer] = run
         if run == tc.latency_samples:
             if math.isfinite(rtt):
                 out.append(_finding("peer_latency", node,
@@ -188,6 +192,7 @@ def host_rules(win: HostWindow, node: str, cpu_percent: float, mem_used: int, me
                 out.append(_finding("peer_unreachable", node,
                                     f"node {node}: {peer} unreachable for {run} samples", ts,
                                     peer=peer))
+    win.lat_runs = runs
     return out
 
 
@@ -199,6 +204,9 @@ def link_rules(win: HostWindow, node: str, gpus: list[dict], now: float,
     A counter that went down (a driver reload resets the volatile counts) starts again."""
     tc = cfg.telemetry if isinstance(cfg, DetectorConfig) else cfg
     out: list[Finding] = []
+    seen = {int(g.get("index", 0)) for g in gpus}
+    for idx in [i for i in win.gpu_prev if i not in seen]:
+        del win.gpu_prev[idx]  # a GPU this sample does not name (a hostile index) is not kept
     for g in gpus:
         idx = int(g.get("index", 0))
         gid = f"{node}:{idx}"

@@ -2,7 +2,8 @@
 
 Use ``encode(event) -> bytes`` and ``decode(data) -> Event``. ``decode`` validates types and
 raises ``DecodeError`` (with ``kind`` = ``malformed`` | ``unknown_schema`` | ``bad_version`` |
-``invalid``) on anything it cannot turn into a known event of this major version.
+``invalid``, ``too_large``) on anything it cannot turn into a known event of this major
+version, or that is larger than its subject family allows (``schemas.sizes``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import msgpack
 from pydantic import ValidationError
 
-from . import subjects, vocabulary
+from . import sizes, subjects, vocabulary
 from .base import SCHEMA_VERSION, Event, new_event_id, new_traceparent
 from .checkpoint import (
     CheckpointInvalid,
@@ -168,8 +169,14 @@ def _validate(obj: Any, check_depth: bool) -> Event:
         raise DecodeError("invalid", f"{name}: field {where!r}: {first.get('msg')}") from None
 
 
-def decode(data: bytes) -> Event:
-    """Event from MessagePack bytes; raises ``DecodeError`` (never another exception)."""
+def decode(data: bytes, subject: str | None = None) -> Event:
+    """Event from MessagePack bytes received on ``subject``; raises ``DecodeError`` (never
+    another exception). A message longer than ``sizes.max_bytes(subject)`` is refused as
+    ``too_large`` by its length, before anything is unpacked."""
+    limit = sizes.max_bytes(subject)
+    if limit is not None and len(data) > limit:
+        raise DecodeError("too_large", f"{len(data)} bytes on {subject[:200]}: at most {limit} "
+                                       f"for its family (schemas.sizes.SIZE_LIMITS)")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False, **_UNPACK_LIMITS)
     except ValueError as exc:
@@ -202,7 +209,7 @@ def export_json_schemas(directory: str) -> list[str]:
 
 __all__ = [
     "SCHEMA_VERSION", "Event", "EVENT_TYPES", "DecodeError", "encode", "decode", "from_dict",
-    "json_schemas", "export_json_schemas", "subjects", "new_event_id", "new_traceparent",
+    "json_schemas", "export_json_schemas", "sizes", "subjects", "new_event_id", "new_traceparent",
     "NodeTelemetry", "NodeHeartbeat", "XidEvent", "GpuSample",
     "RankHeartbeat", "WorkerStarted", "WorkerExited", "LogLine", "TrainingResumed",
     "RecoveryVerified", "PHASES",

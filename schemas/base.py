@@ -4,12 +4,13 @@ Every event carries:
 
 * ``schema`` — the event type name, e.g. ``"rank.heartbeat"`` (fixed per class);
 * ``v`` — the schema major version (``SCHEMA_VERSION``); a decoder rejects other majors;
-* ``event_id`` — 32 hex characters (uuid4), unique per event;
+* ``event_id`` — 32 hex characters (uuid4, or a digest for an id derived from what the event
+  concerns), unique per event; at most ``MAX_EVENT_ID_CHARS``;
 * ``ts`` — producer time, Unix nanoseconds (``time.time_ns()``);
 * ``job`` / ``node`` / ``rank`` — what the event concerns, ``None`` where it does not apply
   (``job`` a subject token, ``node`` at most ``subjects.MAX_TOKEN_CHARS`` characters);
 * ``trace`` — W3C trace context (``{"traceparent": "00-<trace>-<span>-01"}``) so one trace spans
-  fault → anomaly → verdict → decision → action.
+  fault → anomaly → verdict → decision → action; only ``TRACE_KEYS`` are kept.
 
 Wire format: MessagePack of the model's field dict (``encode``/``decode`` in ``schemas``).
 Fields added within a major version are ignored by older decoders (forward compatible).
@@ -26,6 +27,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .subjects import MAX_TOKEN_CHARS, job_name
 
 SCHEMA_VERSION = 1
+
+#: Characters of an event id: 32 hex (uuid4, or 16 bytes of blake2b for the ids the detector,
+#: the attributor and the Slurm watcher derive); twice that leaves room. Services key their
+#: dedup memory, incidents and the streams' ``Nats-Msg-Id`` by it, so a longer one (a hostile
+#: 100 KB id kept by each incident it joined, bench/fuzz.py) is refused at decode.
+MAX_EVENT_ID_CHARS = 64
+#: The trace context an event keeps: the two headers of W3C Trace Context, with their limits
+#: (``traceparent`` 55 characters, ``tracestate`` at most 512). Other keys, and longer values,
+#: are dropped at decode: nothing reads them, and every service passes the context on.
+TRACE_KEYS = ("traceparent", "tracestate")
+MAX_TRACE_VALUE_CHARS = 512
 
 
 def new_event_id() -> str:
@@ -54,6 +66,25 @@ class Event(BaseModel):
     node: str | None = None
     rank: int | None = None
     trace: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("event_id")
+    @classmethod
+    def _event_id_length(cls, v: str) -> str:
+        """An event id is at most ``MAX_EVENT_ID_CHARS`` characters."""
+        if len(v) > MAX_EVENT_ID_CHARS:
+            raise ValueError(f"event id of {len(v)} characters: at most {MAX_EVENT_ID_CHARS}")
+        return v
+
+    @field_validator("trace")
+    @classmethod
+    def _trace_headers(cls, v: dict[str, str]) -> dict[str, str]:
+        """Only the ``TRACE_KEYS`` of at most ``MAX_TRACE_VALUE_CHARS`` characters are kept (a
+        missing ``traceparent`` is made anew, ``model_post_init``)."""
+        if len(v) <= len(TRACE_KEYS) and all(
+                k in TRACE_KEYS and len(x) <= MAX_TRACE_VALUE_CHARS for k, x in v.items()):
+            return v
+        return {k: x for k, x in v.items()
+                if k in TRACE_KEYS and len(x) <= MAX_TRACE_VALUE_CHARS}
 
     @field_validator("job")
     @classmethod

@@ -218,18 +218,21 @@ def test_step_leaves_the_state_it_was_given_alone():
 def test_a_flood_into_one_incident_is_counted_not_kept():
     """Past ``MAX_INCIDENT_ANOMALIES`` a symptom is counted in ``Incident.dropped``, not kept;
     a root cause still is (up to twice as many); an anomaly's evidence is cut to what
-    attribution reads (``KEPT_EVIDENCE_LINES`` lines of ``KEPT_EVIDENCE_CHARS``)."""
+    attribution reads (``KEPT_EVIDENCE_LINES`` lines of ``KEPT_EVIDENCE_CHARS``), its source
+    event ids to ``KEPT_SOURCE_IDS``."""
     cap = incidents.MAX_INCIDENT_ANOMALIES
     floods = [at(0.001 * i, reset(rank=i % 64, ts=100 + i)) for i in range(cap + 50)]
     state, _ = run(floods)
     [inc] = state.incidents.values()
     assert len(inc.anomalies) == cap and inc.dropped == 50
-    big = crash(rank=7).model_copy(update={"evidence": ["x" * 100_000] * 40})
+    big = crash(rank=7).model_copy(update={"evidence": ["x" * 100_000] * 40,
+                                           "source_event_ids": [f"{i:032x}" for i in range(20000)]})
     state, eff = run([at(3.0, big)], state=state)
     [inc] = state.incidents.values()
     kept = inc.anomalies[-1]
     assert kept.event_id == big.event_id and len(kept.evidence) == incidents.KEPT_EVIDENCE_LINES
     assert {len(x) for x in kept.evidence} == {incidents.KEPT_EVIDENCE_CHARS}
+    assert kept.source_event_ids == big.source_event_ids[:incidents.KEPT_SOURCE_IDS]
     assert verdicts(eff) == [] or verdicts(eff)[0].culprit.ranks == [7]
 
 

@@ -130,3 +130,17 @@ def test_the_bench_makes_a_valid_event_of_every_schema(F):
         ev = schemas.decode(msgpack.packb(d, use_bin_type=True))
         assert type(ev) is cls and ev.job == "fz-t", name
     assert sum(1 for _ in F.hostile_messages(3000, seed=1)) == 3000
+
+
+def test_the_monitor_counts_a_message_id_again_past_the_streams_duplicate_window(F):
+    """A stream keeps one message per ``Nats-Msg-Id`` within its duplicate window only: the same
+    event published again later is stored and delivered again, and counted again."""
+    from types import SimpleNamespace
+
+    mon = F.Monitor()
+    msg = SimpleNamespace(subject="tg.job.j.verdict", headers={"Nats-Msg-Id": "a" * 32})
+    w = F.DUPLICATE_WINDOW_S
+    assert [mon._duplicate(msg, now=t) for t in (0.0, w / 2, w + 1, w + 2, 2 * w + 2)] == \
+        [False, True, False, True, False]
+    plain = SimpleNamespace(subject="tg.job.j.verdict", headers=None)
+    assert not mon._duplicate(plain, now=0.0) and not mon._duplicate(plain, now=1.0)

@@ -39,6 +39,7 @@ def test_rendezvous_spreads_jobs_and_a_leaving_member_moves_only_its_own():
 def test_membership_owns_its_keys_and_everyone_serves_unkeyed_subjects():
     m = Membership("detector", "a")
     assert m.owns("j1") and m.owns(None)  # alone: everything
+    assert all(m.owns(f"hostile-{i}") for i in range(100)) and m._cache == {}  # nothing kept
     m.update(["b", "c"])  # this replica stays a member while it runs
     assert m.members == ("a", "b", "c") and m.epoch == 1
     assert m.owns("j1") == (owner("j1", ["a", "b", "c"]) == "a")
@@ -93,6 +94,25 @@ def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
                                                                       agent)
     assert consumer_name("detector", "r1", subjects.ALL_LAUNCHERS) != consumer_name(
         "detector", "r1", "tg.node.*.heartbeat")
+
+
+def test_known_keys_are_another_replicas_and_this_ones_that_decoded():
+    """A replica records the partition key of another replica's message as it acks it, and of
+    its own once the message decoded: keys named only by undecodable messages (a hostile flood
+    names a new one in each) are not kept."""
+    from trainguard.service import Service, ServiceConfig
+
+    class Svc(Service):
+        name, partitioned, uses_state = "svc", True, False
+
+    svc = Svc(ServiceConfig(nats_url="nats://127.0.0.1:1", redis_url="", replica="a"))
+    svc.membership.update(["b"])
+    mine = next(f"j{i}" for i in range(100) if svc.membership.owns(f"j{i}"))
+    theirs = next(f"j{i}" for i in range(100) if not svc.membership.owns(f"j{i}"))
+    assert svc.accepts(f"tg.job.{mine}.log") and svc.known == set()
+    assert not svc.accepts(f"tg.job.{theirs}.log") and svc.known == {theirs}
+    svc._seen(f"tg.job.{mine}.log")
+    assert svc.known == {theirs, mine}
 
 
 # ---- relevance ----------------------------------------------------------------------------------

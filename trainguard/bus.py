@@ -309,7 +309,7 @@ class Bus:
         per type. Returns the event (None when it was dead-lettered); never raises."""
         self.stats.received += 1
         try:
-            ev = schemas.decode(data)
+            ev = schemas.decode(data, subject)
         except DecodeError as exc:
             await self.dead_letter(subject, data, exc)
             return None

@@ -131,7 +131,7 @@ class Membership:
     ``members`` is the last list read (this replica alone until the first renewal);
     ``epoch`` grows each time it changes. ``partitions`` — the job streams' partition count
     (0: not partitioned, jobs hashed one by one; ``set_partitions``). ``owns(key)`` is cached per
-    epoch."""
+    epoch while there are other members."""
 
     def __init__(self, service: str, replica: str, config: MembershipConfig | None = None):
         self.service, self.replica = service, replica
@@ -162,8 +162,10 @@ class Membership:
         return p in self.owned_partitions()
 
     def owns(self, key: str | None) -> bool:
-        """Whether this replica serves partition ``key`` (None: everyone does)."""
-        if key is None:
+        """Whether this replica serves partition ``key`` (None: everyone does). A replica alone
+        serves every key, and caches none: the cache would keep every job and node name a
+        hostile sender makes up (one per message of bench/fuzz.py's fresh tokens)."""
+        if key is None or len(self.members) == 1:
             return True
         got = self._cache.get(key)
         if got is None:

@@ -348,7 +348,7 @@ class ReducerService(Service, Generic[S]):
             self.replayed[key] = max(self.replayed.get(key, 0), st.seq)
             found.add(pkey)
             try:
-                ev = schemas.decode(data)
+                ev = schemas.decode(data, subject)
             except schemas.DecodeError:
                 continue
             self.replayed_inputs += 1

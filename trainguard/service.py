@@ -158,7 +158,8 @@ class Service:
                          "held": 0, "again": 0}
         self._deliveries: dict[tuple[str, int], _Delivery] = {}  # (stream, seq) -> delivery
         self._ack_task: asyncio.Task | None = None
-        self.known: set[str] = set()  # partition keys seen on the bus (owned or not)
+        # partition keys seen on the bus: another replica's, and this one's that decoded
+        self.known: set[str] = set()
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
         self._subs: list[Any] = []
         self._durables: list[consume.DurableConsumer] = []
@@ -197,13 +198,25 @@ class Service:
 
     def accepts(self, subject: str) -> bool:
         """Whether this replica handles a message on ``subject``: its partition key is one it
-        owns (always, for a service that is not ``partitioned``)."""
+        owns (always, for a service that is not ``partitioned``). The key of another replica's
+        message is recorded in ``known`` here (this replica does not decode it); that of its
+        own once the message decoded (``_seen``)."""
         if not self.partitioned:
             return True
         key = partition_key(subject)
-        if key is not None:
+        owned = self.membership.owns(key)
+        if key is not None and not owned:
             self.known.add(key)
-        return self.membership.owns(key)
+        return owned
+
+    def _seen(self, subject: str) -> None:
+        """Record the partition key of ``subject``, whose message this replica decoded: a key
+        named only by messages that do not decode (a hostile flood names a new one in each) has
+        nothing to rebuild or forget, and is not kept."""
+        if self.partitioned:
+            key = partition_key(subject)
+            if key is not None:
+                self.known.add(key)
 
     async def members_changed(self, gained: set[str], lost: set[str],
                               partitions: frozenset[int] = frozenset()) -> None:
@@ -364,6 +377,8 @@ class Service:
                     else:
                         self.consumed["durable"] += 1
                         ev = await self.bus.handle(subject, msg.data, handler)
+                        if ev is not None:
+                            self._seen(subject)
                         if holds and key is not None and ev is not None and \
                                 ev.event_id in self.unfinished():
                             held = True  # acked by _keep_deliveries once settled
@@ -391,6 +406,7 @@ class Service:
 
         async def plain(subject: str, ev: Any) -> None:
             if self.accepts(subject):
+                self._seen(subject)
                 res = handler(subject, ev)
                 if asyncio.iscoroutine(res):
                     await res
