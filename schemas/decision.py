@@ -4,17 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from .base import Event
+from .subjects import MAX_TOKEN_CHARS
 
 
 class Culprit(BaseModel):
-    """What failed: global ranks, node names, GPUs (``"<node>:<index>"`` or UUIDs)."""
+    """What failed: global ranks, node names, GPUs (``"<node>:<index>"`` or UUIDs). A node
+    name is bounded as an event's ``node`` is (``MAX_TOKEN_CHARS``): a culprit node a verdict
+    or a decision names becomes their ``node`` and a state key, so a longer one is refused at
+    decode (an anomaly naming a 300-character node was accepted, then the attributor's verdict
+    of it failed validation in every tick that looked at its incident)."""
 
     ranks: list[int] = Field(default_factory=list)
     nodes: list[str] = Field(default_factory=list)
     gpus: list[str] = Field(default_factory=list)
+
+    @field_validator("nodes")
+    @classmethod
+    def _node_lengths(cls, v: list[str]) -> list[str]:
+        for n in v:
+            if len(n) > MAX_TOKEN_CHARS:
+                raise ValueError(f"culprit node name of {len(n)} characters: at most "
+                                 f"{MAX_TOKEN_CHARS}")
+        return v
 
 
 class Anomaly(Event):

@@ -186,3 +186,19 @@ def test_a_heartbeats_phase_is_cut_to_its_bound_and_still_beats():
     with pytest.raises(ValueError, match="at most 64"):
         ctx.phase("x" * (MAX_PHASE_CHARS + 1))
     assert _Rt.p.phase.startswith("warmup_")
+
+
+def test_a_culprit_node_name_is_bounded_as_an_events_node():
+    """An anomaly naming a 300-character culprit node is refused at decode (``invalid``,
+    dead-lettered): accepted, it made the attributor build a verdict that failed validation in
+    every tick that looked at its incident."""
+    import msgpack
+
+    a = schemas.Anomaly(job="j", kind="crash", fault_class="crash",
+                        culprit=schemas.Culprit(nodes=["n" * 128]))
+    assert schemas.decode(schemas.encode(a)).culprit.nodes == ["n" * 128]
+    raw = msgpack.unpackb(schemas.encode(a))
+    raw["culprit"]["nodes"] = ["n" * 129]
+    with pytest.raises(schemas.DecodeError) as err:
+        schemas.decode(msgpack.packb(raw))
+    assert err.value.kind == "invalid"
