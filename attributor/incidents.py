@@ -193,15 +193,48 @@ def _room_for(state: AttributorState, key: Key) -> AttributorState:
                    reading={s: r for s, r in state.reading.items() if r.key not in gone})
 
 
+#: Bounds of what an incident keeps of an anomaly's ``detail``: entries of one map, items of
+#: one list, nesting below the top. The detector's details hold a dozen scalar facts and a few
+#: lists of ranks or nodes (a 2,048-rank job's fits); a hostile anomaly may carry maps of
+#: 16,384 entries and lists of 32,768 items (``schemas.LIMITS``), kept for the incident's
+#: 2 × 60 s window otherwise.
+KEPT_DETAIL_ENTRIES = 64
+KEPT_DETAIL_ITEMS = 4096
+KEPT_DETAIL_DEPTH = 4
+
+
+def _bounded(v, depth: int = 0):
+    """``v`` (a decoded MessagePack value) within the ``KEPT_DETAIL_*`` bounds and strings
+    within ``KEPT_EVIDENCE_CHARS``; ``v`` itself when it already is."""
+    if isinstance(v, str):
+        return v if len(v) <= KEPT_EVIDENCE_CHARS else v[:KEPT_EVIDENCE_CHARS]
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v[:KEPT_EVIDENCE_CHARS])
+    if isinstance(v, dict):
+        if depth >= KEPT_DETAIL_DEPTH:
+            return {}
+        items = list(v.items())[:KEPT_DETAIL_ENTRIES]
+        out = {k: _bounded(x, depth + 1) for k, x in items}
+        return v if len(out) == len(v) and all(out[k] is x for k, x in items) else out
+    if isinstance(v, (list, tuple)):
+        if depth >= KEPT_DETAIL_DEPTH:
+            return []
+        out = [_bounded(x, depth + 1) for x in v[:KEPT_DETAIL_ITEMS]]
+        return v if len(out) == len(v) and all(a is b for a, b in zip(out, v)) else out
+    return v
+
+
 def _kept(ev: schemas.Anomaly) -> schemas.Anomaly:
     """``ev`` as an incident keeps it: its evidence cut to what attribution reads, its
-    ``source_event_ids`` to ``KEPT_SOURCE_IDS``."""
+    ``source_event_ids`` to ``KEPT_SOURCE_IDS``, its ``detail`` within ``KEPT_DETAIL_*``."""
+    detail = _bounded(ev.detail)
     if len(ev.source_event_ids) <= KEPT_SOURCE_IDS and len(ev.evidence) <= KEPT_EVIDENCE_LINES \
-            and all(len(x) <= KEPT_EVIDENCE_CHARS for x in ev.evidence):
+            and all(len(x) <= KEPT_EVIDENCE_CHARS for x in ev.evidence) and detail is ev.detail:
         return ev
     return ev.model_copy(update={"evidence": [x[:KEPT_EVIDENCE_CHARS] for x in
                                               ev.evidence[:KEPT_EVIDENCE_LINES]],
-                                 "source_event_ids": ev.source_event_ids[:KEPT_SOURCE_IDS]})
+                                 "source_event_ids": ev.source_event_ids[:KEPT_SOURCE_IDS],
+                                 "detail": detail})
 
 
 def _on_tick(state: AttributorState, now: float, wall_ns: int

@@ -236,6 +236,33 @@ def test_a_flood_into_one_incident_is_counted_not_kept():
     assert verdicts(eff) == [] or verdicts(eff)[0].culprit.ranks == [7]
 
 
+def test_an_incident_keeps_a_bounded_detail_and_the_facts_attribution_reads():
+    """A hostile anomaly's ``detail`` (maps of 16,384 entries, lists of 32,768 items, nesting)
+    is kept within ``KEPT_DETAIL_*``; a detector's own detail is kept as it came (the same
+    object), and the verdict still carries its facts."""
+    real = crash(rank=3)
+    state, eff = run([at(0.0, real), tick(5.0)])
+    [inc] = state.incidents.values()
+    assert inc.anomalies[0].detail is real.detail
+    assert verdicts(eff)[0].culprit.ranks == [3]
+    huge = {f"k{i}": list(range(32768)) for i in range(200)}
+    huge.update({"signal": 9, "layer": "unknown", "weight": 0.8,
+                 "deep": {"a": {"b": {"c": {"d": {"e": 1}}}}}, "s": "y" * 100_000})
+    big = crash(rank=5).model_copy(update={"detail": {"signal": 9, "layer": "unknown",
+                                                      "weight": 0.8, **huge}})
+    state, eff = run([at(0.0, big), tick(5.0)])
+    [inc] = state.incidents.values()
+    kept = inc.anomalies[0].detail
+    assert len(kept) == incidents.KEPT_DETAIL_ENTRIES
+    assert kept["signal"] == 9 and kept["weight"] == 0.8  # the first entries: the facts
+    assert all(len(v) <= incidents.KEPT_DETAIL_ITEMS for v in kept.values()
+               if isinstance(v, list))
+    assert verdicts(eff)[0].culprit.ranks == [5]
+    assert incidents._bounded({"a": {"b": {"c": {"d": {"e": 1}}}}}) == {"a": {"b": {"c": {
+        "d": {}}}}}
+    assert len(incidents._bounded("z" * 100_000)) == incidents.KEPT_EVIDENCE_CHARS
+
+
 def test_a_flood_of_generations_into_one_job_keeps_its_newest_incidents():
     """Past ``MAX_JOB_INCIDENTS`` incidents of one job a new generation drops the job's oldest
     (hostile anomalies with a fresh generation each opened one incident per message); other
