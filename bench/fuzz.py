@@ -66,6 +66,7 @@ from typing import Any, Iterator
 import msgpack
 
 from trainguard import schemas
+from trainguard.schemas import subjects
 from trainguard.auth import MAX_PAYLOAD
 
 #: (family, subject template, event types a producer sends there). ``{job}``, ``{node}`` and
@@ -98,17 +99,6 @@ CATEGORIES: dict[str, float] = {
 JOBS = tuple(f"fz-{c}" for c in "abcdefgh")
 NODES = tuple(f"fzn{i}" for i in range(8))
 FRESH_TOKEN_SHARE = 0.05
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard match: ``*`` one token, ``>`` one or more trailing tokens."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def service_topics() -> dict[str, tuple[str, ...]]:
@@ -381,11 +371,11 @@ class Monitor:
 
     def expected(self, topics: tuple[str, ...]) -> int:
         return sum(n for s, n in self.subjects.items()
-                   if any(subject_matches(t, s) for t in topics))
+                   if any(subjects.matches(t, s) for t in topics))
 
     def refused_of(self, topics: tuple[str, ...]) -> int:
         return sum(n for s, n in self.refused.items()
-                   if any(subject_matches(t, s) for t in topics))
+                   if any(subjects.matches(t, s) for t in topics))
 
 
 def stream_max_msg_size(subject: str) -> float:
@@ -394,7 +384,7 @@ def stream_max_msg_size(subject: str) -> float:
     from trainguard.bus import STREAM_LIMITS, STREAMS
 
     for name, subs, _age in STREAMS:
-        if any(subject_matches(p, subject) for p in subs):
+        if any(subjects.matches(p, subject) for p in subs):
             return STREAM_LIMITS[name].max_msg_size
     return float("inf")
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .subjects import matches
+
 KiB = 1024
 
 
@@ -75,17 +77,6 @@ def _shape(pattern_or_subject: str) -> tuple[int, str, str]:
     return len(t), t[1] if len(t) > 1 else "", t[-1]
 
 
-def _matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard match: ``*`` one token, ``>`` the rest (one token or more)."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
-
-
 def _index(table: tuple[SizeLimit, ...]) -> dict[tuple[int, str, str], SizeLimit]:
     """``table`` keyed by ``_shape``; first row wins. Raises ValueError for a row whose second
     or last token is a wildcard (its shape would not key it)."""
@@ -112,4 +103,4 @@ def max_bytes(subject: str | None, table: tuple[SizeLimit, ...] | None = None) -
     if not subject:
         return None
     row = (_INDEX if table is None else _index(table)).get(_shape(subject))
-    return row.max_bytes if row is not None and _matches(row.pattern, subject) else None
+    return row.max_bytes if row is not None and matches(row.pattern, subject) else None

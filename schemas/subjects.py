@@ -130,3 +130,15 @@ def parse(subject: str) -> dict[str, str]:
     elif parts[1] == "node" and parts[3] == LAUNCHER and len(parts) == 5:
         out["job"] = untoken(parts[4])
     return out
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard match of ``subject`` against ``pattern``: ``*`` one token, ``>`` the rest
+    (one token or more)."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)

@@ -42,7 +42,7 @@ LARGEST = [
 
 def test_every_family_has_its_largest_valid_event():
     assert sorted(s.pattern for s in sizes.SIZE_LIMITS) == sorted(
-        next(r.pattern for r in sizes.SIZE_LIMITS if sizes._matches(r.pattern, subj))
+        next(r.pattern for r in sizes.SIZE_LIMITS if sizes.matches(r.pattern, subj))
         for subj, _ in LARGEST)
 
 

@@ -50,6 +50,7 @@ from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Sequence
 
 from . import partitions as parts
+from .schemas.subjects import matches  # noqa: F401 - the one wildcard match, used here
 
 log = logging.getLogger("trainguard.consume")
 
@@ -257,17 +258,6 @@ def max_ack_pending_for(topic: str, holds: bool = False) -> int:
         if matches(row.pattern, topic) or row.pattern == topic:
             return row.max_ack_pending
     return IN_FLIGHT[-1].max_ack_pending
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard match: ``*`` one token, ``>`` the rest (one token or more)."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def max_age_s(subject: str, table: tuple[Relevance, ...] = RELEVANCE) -> float:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from trainguard import schemas
+from trainguard.schemas.subjects import matches
 from trainguard.attributor import incidents as att
 from trainguard.detector import reducer as det
 from trainguard.reducer import Call, Publish, Received, Tick, run_offline
@@ -121,16 +122,6 @@ class ReplayResult:
                 "verdicts": self.verdicts, "changed": len(self.changed),
                 "decisions": [{**r, "replayed": conv(r["replayed"]),
                                "recorded": conv(r["recorded"])} for r in self.rows]}
-
-
-def _matches(pattern: str, subject: str) -> bool:
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def _recorded_facts(events: list[tuple[Record, schemas.Event]]) -> dict[str, dict[str, Any]]:
@@ -205,7 +196,7 @@ def decide(records: Iterable[Record], policy: pol.Policy | None = None,
                     replayed.append(DecisionRow.of(ev, now))
                 wall = t0 + int(now * 1e9)
                 for other, subs in topics.items():
-                    if any(_matches(p, eff.subject) for p in subs):
+                    if any(matches(p, eff.subject) for p in subs):
                         queue.append((other, Received(eff.subject, ev, wall)))
 
     next_tick = 0.0
@@ -231,7 +222,7 @@ def decide(records: Iterable[Record], policy: pol.Policy | None = None,
         run(now, [(svc, Tick(rec.recv_ns)) for svc in steps])
         store.observe(ev)
         first = [(svc, Received(rec.subject, ev, rec.recv_ns)) for svc, subs in topics.items()
-                 if any(_matches(p, rec.subject) for p in subs)]
+                 if any(matches(p, rec.subject) for p in subs)]
         if first:
             res.inputs += 1
             run(now, first)
