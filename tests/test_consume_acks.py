@@ -100,13 +100,23 @@ async def _info(js, stream: str, name: str):
     return await js.consumer_info(stream, name)
 
 
+@pytest.fixture()
+def own_nats(tmp_path):
+    """A NATS server of this test's own: its stream takes the heartbeat subjects, which the
+    session's shared server's TG_TELEMETRY may hold already (the full suite creates it)."""
+    from trainguard.embedded import EmbeddedServers
+
+    with EmbeddedServers(auth=False, data_dir=tmp_path / "own") as srv:
+        yield srv
+
+
 async def test_ack_all_of_the_newest_acks_every_earlier_and_an_explicit_consumer_is_replaced(
-        servers):
+        own_nats):
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
     from trainguard.bus import Bus
 
-    bus = await Bus(servers.nats_url, "test-acks").connect()
+    bus = await Bus(own_nats.nats_url, "test-acks").connect()
     js = bus.nc.jetstream()
     stream = f"TGTEST_ACKS_{uuid.uuid4().hex[:8]}"
     topic = "tg.job.*.rank.*.hb"
