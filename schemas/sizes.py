@@ -96,11 +96,29 @@ def _index(table: tuple[SizeLimit, ...]) -> dict[tuple[int, str, str], SizeLimit
 _INDEX = _index(SIZE_LIMITS)
 
 
+#: Subjects whose ``SIZE_LIMITS`` bound was looked up already (subject → bytes): a rank's
+#: heartbeat subject comes back every interval, and the lookup (two splits and a match, ≈ 3 µs)
+#: was a twentieth of a detector's CPU at 10,000 ranks (``bench/scale.py``, sampled). Only
+#: bounded subjects are kept, at most ``_KNOWN_MAX`` (then it starts again): a flood of made-up
+#: subjects costs at most that many entries.
+_KNOWN: dict[str, int] = {}
+_KNOWN_MAX = 16_384
+
+
 def max_bytes(subject: str | None, table: tuple[SizeLimit, ...] | None = None) -> int | None:
     """The largest message (bytes) accepted on ``subject`` (``table``, default
     ``SIZE_LIMITS``); None when no row matches or no subject is given (no bound but the
     server's)."""
     if not subject:
         return None
+    if table is None:
+        known = _KNOWN.get(subject)
+        if known is not None:
+            return known
     row = (_INDEX if table is None else _index(table)).get(_shape(subject))
-    return row.max_bytes if row is not None and matches(row.pattern, subject) else None
+    limit = row.max_bytes if row is not None and matches(row.pattern, subject) else None
+    if limit is not None and table is None:
+        if len(_KNOWN) >= _KNOWN_MAX:
+            _KNOWN.clear()
+        _KNOWN[subject] = limit
+    return limit

@@ -32,6 +32,7 @@ def tls_stack(tmp_path_factory):
     with EmbeddedServers(data_dir=tmp_path_factory.mktemp("tls-stack"), tls=True) as srv:
         srv.issue_job("job-a")
         srv.issue_job("job-b")
+        srv.issue_node("n1.example")
 
         async def streams():
             bus = await Bus(srv.nats_url, "admin-test", tls_ca=srv.tls_ca).connect()
@@ -273,6 +274,59 @@ async def test_launcher_beats_of_this_release_and_an_earlier_one_are_kept(tls_st
         msg = await admin.last_stored(subject)
         assert msg is not None and schemas.decode(msg.data).event_id == sent.event_id, subject
     await admin.close()
+
+
+def test_node_role_is_the_agent_row_narrowed():
+    from trainguard.auth import node_role, node_user, scoped_role
+
+    role = node_role("gpu-7.cluster")
+    assert node_user("gpu-7.cluster") == role.name == "node-gpu-7.cluster"
+    assert "tg.node.gpu-7%2Ecluster.xid" in role.publish
+    assert not any(s.startswith("tg.node.*") for s in role.publish)
+    assert len(role.publish) == len(ROLES["agent"].publish)
+    assert role.valkey == ROLES["agent"].valkey and role.responses
+    assert scoped_role("node-gpu-7.cluster") == role and scoped_role("job-x").name == "job-x"
+    for bad in ("a:b", "a*", "", "x y"):
+        with pytest.raises(ValueError):
+            node_user(bad)
+
+
+async def test_a_node_agent_publishes_only_its_own_nodes_subjects(tls_stack):
+    """An agent given its node's own user (``trainguard credentials issue --node``) publishes
+    that node's telemetry, heartbeat, XID and kernel lines; another node's are refused by the
+    server (the shared agent role may publish any node's: one agent could blame another node
+    for an XID, or keep a lost node alive)."""
+    ca = tls_stack.tls_ca
+    nats_n, redis_n = tls_stack.urls("node-n1.example")
+    own = schemas.encode(schemas.NodeHeartbeat(node="n1.example"))
+    assert await _publish_as(nats_n, schemas.subjects.node("n1.example", "heartbeat"), own,
+                             ca) == []
+    xid = schemas.encode(schemas.NodeHeartbeat(node="n2"))
+    for kind in ("heartbeat", "xid", "telemetry", "kernel"):
+        errors = await _publish_as(nats_n, schemas.subjects.node("n2", kind), xid, ca)
+        assert any("permissions violation" in e.lower() for e in errors), (kind, errors)
+    errors = await _publish_as(nats_n, "tg.job.j.anomaly", b"x", ca)
+    assert any("permissions violation" in e.lower() for e in errors), errors
+    st = StateStore(redis_n, tls_ca=ca)  # node status: read-only, as the agent role
+    with pytest.raises(NoPermissionError):
+        await st.r.hset("tg:node:n1.example", "status", "healthy")
+    await st.close()
+
+
+def test_credentials_cli_issues_and_revokes_a_node_user(tmp_path):
+    data = tmp_path / "state"
+    with EmbeddedServers(data_dir=data, tls=False):
+        r = _cli("credentials", "issue", "--node", "gpu-3", "--data-dir", str(data))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("export NATS_URL=nats://node-gpu-3:")
+        assert "only node 'gpu-3'" in r.stderr
+        assert (data / "env" / "node-gpu-3.env").exists()
+        assert "gpu-3" in json.loads((data / "credentials.json").read_text())["nodes"]
+        r = _cli("credentials", "revoke", "--node", "gpu-3", "--data-dir", str(data))
+        assert r.returncode == 0 and "revoked, now" in r.stderr, r.stderr
+        assert not (data / "env" / "node-gpu-3.env").exists()
+        r = _cli("credentials", "issue", "--job", "j", "--node", "n", "--data-dir", str(data))
+        assert r.returncode == 2  # one or the other
 
 
 async def test_no_worker_writes_an_outbox_or_an_audit_trail(tls_stack):

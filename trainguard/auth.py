@@ -263,6 +263,48 @@ def job_user(job: str) -> str:
     return JOB_USER_PREFIX + job
 
 
+#: Prefix of a per-node agent's user name (``node-<node>``); no role name starts with it.
+NODE_USER_PREFIX = "node-"
+
+
+def node_user(node: str) -> str:
+    """The user name of ``node``'s agent: ``node-<node>``. Raises ``ValueError`` for a name
+    that is no subject token or holds a ``:`` (as ``job_user``)."""
+    from trainguard.schemas import subjects
+
+    subjects.job_name(node)  # the same rules: a subject token, no ':'
+    return NODE_USER_PREFIX + node
+
+
+def node_role(node: str) -> Role:
+    """The ``agent`` row narrowed to ``node``: each ``tg.node.*.`` subject becomes
+    ``tg.node.<token>.``, so an agent given this user publishes its own node's telemetry, node
+    heartbeat, XID and kernel lines and no other node's (the shared ``agent`` role may publish
+    any node's: one agent could blame another node for an XID, or keep a lost one alive); its
+    health requests and its read-only view of node status stay. Raises ``ValueError`` as
+    ``node_user``."""
+    from trainguard.schemas import subjects
+
+    user = node_user(node)
+    tok = subjects.token(node)
+    agent = ROLES["agent"]
+    return Role(user, tuple(s.replace("tg.node.*.", f"tg.node.{tok}.", 1)
+                            for s in agent.publish),
+                agent.subscribe, agent.valkey,
+                f"the node agent of {node!r} only: the agent's rights on that node's subjects, "
+                f"none on another node's.", responses=agent.responses)
+
+
+def scoped_role(user: str) -> Role:
+    """The role of a per-job (``job-<job>``) or per-node (``node-<node>``) user. Raises
+    ``KeyError`` for any other name, ``ValueError`` for a name no such user can have."""
+    if user.startswith(JOB_USER_PREFIX):
+        return job_role(user[len(JOB_USER_PREFIX):])
+    if user.startswith(NODE_USER_PREFIX):
+        return node_role(user[len(NODE_USER_PREFIX):])
+    raise KeyError(user)
+
+
 def job_role(job: str) -> Role:
     """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
     ``tg.job.<token>.`` (the stored form ``tg.p.*.job.*.`` of the decision get likewise), the
@@ -320,27 +362,32 @@ def write_private(path: Path, text: str) -> None:
 @dataclass
 class Credentials:
     """One password per role of ``ROLES``, one per job given its own workers (``jobs``: job
-    name → password); ``path`` is where they are kept (None: in memory)."""
+    name → password), one per node given its own agent (``nodes``: node name → password);
+    ``path`` is where they are kept (None: in memory)."""
 
     passwords: dict[str, str]
     path: Path | None = None
     jobs: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def generate(cls, roles: Iterable[str] = ROLES) -> "Credentials":
         return cls({r: secrets.token_urlsafe(24) for r in roles})
 
     def users(self) -> list[tuple[str, str, Role]]:
-        """``(user, password, role)`` of every role, then of every job's workers."""
+        """``(user, password, role)`` of every role, then of every job's workers and every
+        node's agent given their own user."""
         return ([(n, self.passwords[n], r) for n, r in ROLES.items()]
-                + [(job_user(j), pw, job_role(j)) for j, pw in sorted(self.jobs.items())])
+                + [(job_user(j), pw, job_role(j)) for j, pw in sorted(self.jobs.items())]
+                + [(node_user(n), pw, node_role(n)) for n, pw in sorted(self.nodes.items())])
 
     def password(self, user: str) -> str:
-        """The password of role or per-job user ``user``. Raises ``KeyError``."""
+        """The password of role, per-job or per-node user ``user``. Raises ``KeyError``."""
         if user in self.passwords:
             return self.passwords[user]
-        if user.startswith(JOB_USER_PREFIX) and user[len(JOB_USER_PREFIX):] in self.jobs:
-            return self.jobs[user[len(JOB_USER_PREFIX):]]
+        for prefix, table in ((JOB_USER_PREFIX, self.jobs), (NODE_USER_PREFIX, self.nodes)):
+            if user.startswith(prefix) and user[len(prefix):] in table:
+                return table[user[len(prefix):]]
         raise KeyError(user)
 
     def save(self) -> None:
@@ -348,26 +395,44 @@ class Credentials:
         if self.path is None:
             raise ValueError("these credentials have no file")
         write_private(self.path, json.dumps({"version": 1, "passwords": self.passwords,
-                                             "jobs": self.jobs}, indent=1) + "\n")
+                                             "jobs": self.jobs, "nodes": self.nodes},
+                                            indent=1) + "\n")
+
+    def _add(self, table: dict[str, str], name: str, rotate: bool) -> None:
+        if rotate or name not in table:
+            table[name] = secrets.token_urlsafe(24)
+            if self.path is not None:
+                self.save()
+
+    def _remove(self, table: dict[str, str], name: str) -> bool:
+        if table.pop(name, None) is None:
+            return False
+        if self.path is not None:
+            self.save()
+        return True
 
     def add_job(self, job: str, rotate: bool = False) -> str:
         """Give ``job``'s workers a password (a new one when ``rotate``), saved when the
         credentials have a file; returns the user name. Raises ``ValueError`` (``job_user``)."""
         user = job_user(job)
-        if rotate or job not in self.jobs:
-            self.jobs[job] = secrets.token_urlsafe(24)
-            if self.path is not None:
-                self.save()
+        self._add(self.jobs, job, rotate)
         return user
 
     def remove_job(self, job: str) -> bool:
         """Take ``job``'s workers' user away (saved when the credentials have a file); returns
         whether it had one."""
-        if self.jobs.pop(job, None) is None:
-            return False
-        if self.path is not None:
-            self.save()
-        return True
+        return self._remove(self.jobs, job)
+
+    def add_node(self, node: str, rotate: bool = False) -> str:
+        """Give ``node``'s agent a password, as ``add_job``; returns the user name. Raises
+        ``ValueError`` (``node_user``)."""
+        user = node_user(node)
+        self._add(self.nodes, node, rotate)
+        return user
+
+    def remove_node(self, node: str) -> bool:
+        """Take ``node``'s agent's user away, as ``remove_job``."""
+        return self._remove(self.nodes, node)
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike, rotate: bool = False) -> "Credentials":
@@ -377,19 +442,22 @@ class Credentials:
         path = Path(path)
         kept: dict[str, str] = {}
         jobs: dict[str, str] = {}
+        nodes: dict[str, str] = {}
         if path.exists():
             try:
                 data = json.loads(path.read_text())
                 kept = dict(data["passwords"])
                 jobs = dict(data.get("jobs") or {})
+                nodes = dict(data.get("nodes") or {})
             except (ValueError, KeyError, TypeError) as exc:
                 if not rotate:  # a rotation replaces it whole
                     raise ValueError(f"{path} is not a trainguard credentials file ({exc}): "
                                      f"move it away and start again for new credentials") from None
-        if rotate:  # every password anew; the jobs given their own workers keep one each
+        if rotate:  # every password anew; the jobs and nodes given their own keep one each
             kept, jobs = {}, {j: secrets.token_urlsafe(24) for j in jobs}
+            nodes = {n: secrets.token_urlsafe(24) for n in nodes}
         fresh = cls.generate()
-        creds = cls({r: kept.get(r) or fresh.passwords[r] for r in ROLES}, path, jobs)
+        creds = cls({r: kept.get(r) or fresh.passwords[r] for r in ROLES}, path, jobs, nodes)
         if creds.passwords != kept or rotate:
             creds.save()
         return creds

@@ -13,6 +13,10 @@ line (plus ``TG_TLS_CA``) on stdout and writes it to ``DATA_DIR/env/job-<NAME>.e
 file and its env file, from NATS by a configuration reload and from Valkey by ``ACL DELUSER``;
 both servers close its open connections at once, so the job's launchers and ranks lose the bus
 and the state store (training goes on stepping; they stop at the end of their lease).
+
+``--node NAME`` instead of ``--job``: the node's agent gets (or loses) its own user ``node-<NAME>``
+(``trainguard.auth.node_role``), which may publish only that node's telemetry, heartbeat, XID
+and kernel subjects (the shared ``agent`` role may publish any node's).
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-from .auth import job_user, write_private
-from .embedded import ServerStartError, default_data_dir, issue_job, revoke_job
+from .auth import job_user, node_user, write_private
+from .embedded import (ServerStartError, default_data_dir, issue_job, issue_node, revoke_job,
+                       revoke_node)
 
 
 def exports(data_dir: Path, user: str) -> str:
@@ -50,36 +55,38 @@ def main(argv: list[str] | None = None) -> int:
     running server refused the new user."""
     p = argparse.ArgumentParser(prog="trainguard credentials", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    iss = sub.add_parser("issue", help="give a job's workers their own user")
-    iss.add_argument("--job", required=True, help="job name (as `trainguard launch --job`)")
-    iss.add_argument("--data-dir", default=None,
-                     help=f"the stack's data directory (default {default_data_dir()})")
-    iss.add_argument("--rotate", action="store_true", help="a new password for this job")
-    rev = sub.add_parser("revoke", help="take a job's own user away (its connections close)")
-    rev.add_argument("--job", required=True, help="job name (as `trainguard launch --job`)")
-    rev.add_argument("--data-dir", default=None,
-                     help=f"the stack's data directory (default {default_data_dir()})")
+    iss = sub.add_parser("issue", help="give a job's workers (or a node's agent) their own user")
+    rev = sub.add_parser("revoke", help="take a job's (or a node's) own user away (its "
+                         "connections close)")
+    for sp in (iss, rev):
+        who = sp.add_mutually_exclusive_group(required=True)
+        who.add_argument("--job", help="job name (as `trainguard launch --job`)")
+        who.add_argument("--node", help="node name (as `python -m trainguard.agents --node`)")
+        sp.add_argument("--data-dir", default=None,
+                        help=f"the stack's data directory (default {default_data_dir()})")
+    iss.add_argument("--rotate", action="store_true", help="a new password for this job or node")
     args = p.parse_args(argv)
     data_dir = Path(args.data_dir or default_data_dir()).expanduser()
+    kind, name = ("job", args.job) if args.job is not None else ("node", args.node)
     if args.cmd == "revoke":
-        return _revoke(data_dir, args.job)
-    got = _change(issue_job, data_dir, args.job, args.rotate)
+        return _revoke(data_dir, kind, name)
+    got = _change(issue_job if kind == "job" else issue_node, data_dir, name, args.rotate)
     if isinstance(got, int):
         return got
     _, live = got
-    user = job_user(args.job)
+    user = job_user(name) if kind == "job" else node_user(name)
     line = exports(data_dir, user)
     write_private(data_dir / "env" / f"{user}.env", line + "\n")
     print(line, flush=True)
     when = "now" if live else "at the next `trainguard up` (none runs on this data directory)"
-    print(f"trainguard credentials: {user} may publish and write only job {args.job!r}'s "
+    print(f"trainguard credentials: {user} may publish and write only {kind} {name!r}'s "
           f"subjects and keys, from {when}; also in {data_dir / 'env' / (user + '.env')}",
           file=sys.stderr)
     return 0
 
 
 def _change(change, *args):
-    """``change(*args)`` (``issue_job`` or ``revoke_job``), or the exit status of its error,
+    """``change(*args)`` (``issue_job``, ``revoke_job`` or their node forms), or the exit status of its error,
     said on stderr: 2 for a bad name or a data directory without a stack, 1 when a running
     server refused the change."""
     try:
@@ -92,12 +99,12 @@ def _change(change, *args):
         return 1
 
 
-def _revoke(data_dir: Path, job: str) -> int:
-    got = _change(revoke_job, data_dir, job)
+def _revoke(data_dir: Path, kind: str, name: str) -> int:
+    got = _change(revoke_job if kind == "job" else revoke_node, data_dir, name)
     if isinstance(got, int):
         return got
     had, live = got
-    user = job_user(job)
+    user = job_user(name) if kind == "job" else node_user(name)
     if not had:
         print(f"trainguard credentials: {user} had no credentials here (nothing to revoke)",
               file=sys.stderr)

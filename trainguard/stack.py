@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 from trainguard.schemas import subjects
 
-from .auth import JOB_USER_PREFIX, ROLES, write_private
+from .auth import ROLES, write_private
 from .embedded import EmbeddedServers, _die_with_parent, free_port
 from .rdzv_gate import TOKEN_ENV as RDZV_TOKEN_ENV
 from .service import health_subject
@@ -214,11 +214,16 @@ class Stack:
 
     def urls(self, role: str) -> tuple[str, str]:
         """``(nats_url, redis_url)`` of ``role`` (see ``trainguard.auth.ROLES``) or of a
-        per-job user ``job-<job>`` given by ``issue_job``. Raises ``KeyError``."""
+        per-job user ``job-<job>`` given by ``issue_job`` (or per-node ``node-<node>``).
+        Raises ``KeyError``."""
         creds = self._servers.creds
-        if role not in ROLES and not (creds is not None and role.startswith(JOB_USER_PREFIX)
-                                      and role[len(JOB_USER_PREFIX):] in creds.jobs):
-            raise KeyError(f"no role {role!r}: choose from {', '.join(ROLES)}")
+        if role not in ROLES:
+            try:
+                known = creds is not None and bool(creds.password(role))
+            except KeyError:
+                known = False
+            if not known:
+                raise KeyError(f"no role {role!r}: choose from {', '.join(ROLES)}")
         return self._servers.urls(role)
 
     def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
