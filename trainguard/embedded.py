@@ -50,6 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from . import tls as tlsmod
 from .auth import (JOB_USER_PREFIX, MAX_PAYLOAD, VALKEY_MIN_VERSION, Credentials, job_user,
@@ -604,13 +605,18 @@ def revoke_job(data_dir: str | os.PathLike, job: str) -> tuple[bool, bool]:
     password is refused at once. Returns ``(had_user, live)``. Raises ``FileNotFoundError`` when
     ``data_dir`` holds no stack's credentials, ``ValueError`` for a job name that cannot be one,
     ``ServerStartError`` when NATS refused the reload."""
+    return _revoke_user(data_dir, job_user(job), lambda creds: creds.remove_job(job))
+
+
+def _revoke_user(data_dir: str | os.PathLike, user: str,
+                 remove: Callable[[Credentials], bool]) -> tuple[bool, bool]:
+    """``revoke_job`` and ``revoke_node``: ``remove`` takes the user from the credentials."""
     d = Path(data_dir)
     path = d / "credentials.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: no stack keeps its state there")
-    user = job_user(job)
     creds = Credentials.load_or_create(path)
-    had = creds.remove_job(job)
+    had = remove(creds)
     live = reload_nats(d / "nats", creds)
     live = update_valkey_user(d, creds, user) or live
     (d / "env" / f"{user}.env").unlink(missing_ok=True)
@@ -632,13 +638,19 @@ def issue_job(data_dir: str | os.PathLike, job: str,
     at once (False: none runs there; the next start does). Raises ``FileNotFoundError`` when
     ``data_dir`` holds no stack's credentials, ``ValueError`` for a job name that cannot be
     one, ``ServerStartError`` when NATS refused the reload."""
+    return _issue_user(data_dir, lambda creds: creds.add_job(job, rotate))
+
+
+def _issue_user(data_dir: str | os.PathLike,
+                add: Callable[[Credentials], str]) -> tuple[Credentials, bool]:
+    """``issue_job`` and ``issue_node``: ``add`` gives the user a password, returns its name."""
     d = Path(data_dir)
     path = d / "credentials.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: start `trainguard up` (with this "
                                 f"--data-dir) once first")
     creds = Credentials.load_or_create(path)
-    user = creds.add_job(job, rotate)
+    user = add(creds)
     live = reload_nats(d / "nats", creds)  # idempotent: the servers may already have it
     live = update_valkey_user(d, creds, user) or live
     return creds, live
@@ -648,29 +660,10 @@ def issue_node(data_dir: str | os.PathLike, node: str,
                rotate: bool = False) -> tuple[Credentials, bool]:
     """Give ``node``'s agent its own user (``trainguard.auth.node_role``: that node's subjects
     only), as ``issue_job`` does a job's workers. Raises as ``issue_job``."""
-    d = Path(data_dir)
-    path = d / "credentials.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: start `trainguard up` (with this "
-                                f"--data-dir) once first")
-    creds = Credentials.load_or_create(path)
-    user = creds.add_node(node, rotate)
-    live = reload_nats(d / "nats", creds)
-    live = update_valkey_user(d, creds, user) or live
-    return creds, live
+    return _issue_user(data_dir, lambda creds: creds.add_node(node, rotate))
 
 
 def revoke_node(data_dir: str | os.PathLike, node: str) -> tuple[bool, bool]:
     """Take ``node``'s agent's own user away, as ``revoke_job`` does a job's. Returns
     ``(had_user, live)``; raises as ``revoke_job``."""
-    d = Path(data_dir)
-    path = d / "credentials.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: no stack keeps its state there")
-    user = node_user(node)
-    creds = Credentials.load_or_create(path)
-    had = creds.remove_node(node)
-    live = reload_nats(d / "nats", creds)
-    live = update_valkey_user(d, creds, user) or live
-    (d / "env" / f"{user}.env").unlink(missing_ok=True)
-    return had, live
+    return _revoke_user(data_dir, node_user(node), lambda creds: creds.remove_node(node))
