@@ -34,11 +34,9 @@ class SizeLimit:
     reason: str
 
 
-#: Envelope of every event at its largest (bytes): ``schema``, ``v``, ``event_id``, ``ts``,
-#: ``rank``, a job and a node name of ``MAX_TOKEN_CHARS`` (128) characters of up to 4 bytes
-#: each, a ``trace`` with a ``traceparent`` and a ``tracestate`` (W3C: at most 512 characters).
-ENVELOPE_BYTES = 2 * KiB
-
+#: "The envelope" in the reasons below: ``schema``, ``v``, ``event_id``, ``ts``, ``rank``, a job
+#: and a node name of ``MAX_TOKEN_CHARS`` (128) characters of up to 4 bytes each, a ``trace``
+#: with a ``traceparent`` and a ``tracestate`` (W3C: at most 512 characters): under 2 KiB.
 #: First matching row wins; a subject that matches none is bounded by the server and its
 #: stream only.
 SIZE_LIMITS: tuple[SizeLimit, ...] = (
@@ -105,19 +103,17 @@ _KNOWN: dict[str, int] = {}
 _KNOWN_MAX = 16_384
 
 
-def max_bytes(subject: str | None, table: tuple[SizeLimit, ...] | None = None) -> int | None:
-    """The largest message (bytes) accepted on ``subject`` (``table``, default
-    ``SIZE_LIMITS``); None when no row matches or no subject is given (no bound but the
-    server's)."""
+def max_bytes(subject: str | None) -> int | None:
+    """The largest message (bytes) accepted on ``subject`` (``SIZE_LIMITS``); None when no row
+    matches or no subject is given (no bound but the server's)."""
     if not subject:
         return None
-    if table is None:
-        known = _KNOWN.get(subject)
-        if known is not None:
-            return known
-    row = (_INDEX if table is None else _index(table)).get(_shape(subject))
+    known = _KNOWN.get(subject)
+    if known is not None:
+        return known
+    row = _INDEX.get(_shape(subject))
     limit = row.max_bytes if row is not None and matches(row.pattern, subject) else None
-    if limit is not None and table is None:
+    if limit is not None:
         if len(_KNOWN) >= _KNOWN_MAX:
             _KNOWN.clear()
         _KNOWN[subject] = limit

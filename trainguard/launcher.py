@@ -143,7 +143,6 @@ class Launcher:
         endpoint on this machine that nothing serves yet is hosted here, as torchrun's c10d
         backend hosts its store (``python -m trainguard.rendezvous``, dies with the launcher);
         another node waits up to ``startup_timeout_s`` for its host."""
-        from .rdzv_gate import TOKEN_ENV
         from .rendezvous import is_tls, parse_endpoint
 
         try:
@@ -151,10 +150,6 @@ class Launcher:
         except ValueError as exc:
             raise SystemExit(f"trainguard launch: bad rendezvous endpoint "
                              f"{self.cfg.rdzv_endpoint!r} ({exc}): give host:port") from None
-        if is_tls(self.cfg.rdzv_endpoint) and not os.environ.get(TOKEN_ENV):
-            raise SystemExit(f"trainguard launch: the rendezvous store at "
-                             f"{self.cfg.rdzv_endpoint} serves TLS behind a token: set "
-                             f"{TOKEN_ENV} (the line `trainguard up` printed carries it)")
         # a tls:// store is a `trainguard up`'s: never hosted here
         hosting = _is_local(host) and self.cfg.node_rank == 0 and not self.cfg.spare_node \
             and not is_tls(self.cfg.rdzv_endpoint)
@@ -186,13 +181,14 @@ class Launcher:
     def _open_relay(self) -> None:
         """With ``TG_RDZV_TOKEN`` set, the ranks reach the store through a relay on this node's
         loopback that opens each connection with the token (``trainguard.rdzv_gate``); they get
-        the relay's endpoint and not the token."""
-        from .rdzv_gate import TOKEN_ENV, relay_for
+        the relay's endpoint and not the token. ``relay_for`` refuses a ``tls://`` endpoint
+        without the token (before anything waits on the store)."""
+        from .rdzv_gate import relay_for
 
-        if not os.environ.get(TOKEN_ENV):
-            return
         try:
             self.pool.rdzv_relay = relay_for(self.cfg.rdzv_endpoint)
+        except ValueError as exc:
+            raise SystemExit(f"trainguard launch: {exc}") from None
         except OSError as exc:
             raise SystemExit(f"trainguard launch: cannot open the relay to the rendezvous "
                              f"store at {self.cfg.rdzv_endpoint}: {exc}") from None
@@ -207,8 +203,8 @@ class Launcher:
         if not self.bus.wait_connected(15.0):
             raise SystemExit(f"trainguard launch: {self.bus.error}" if self.bus.error else
                              f"trainguard launch: cannot reach NATS at {redact(cfg.nats_url)}")
-        self._check_rendezvous()
         self._open_relay()
+        self._check_rendezvous()
         generation = self.lease.register()
         where = ("a spare node" if cfg.spare_node else
                  f"node rank {cfg.node_rank} of {cfg.nnodes}")

@@ -84,7 +84,7 @@ def connect_store(endpoint: str, timeout_s: float = 60.0):
 
     try:  # with TG_RDZV_TOKEN (a rank started without trainguard's launcher): via a relay
         host, port = parse_endpoint(relay_for(endpoint))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # no relay, or a tls:// store without the token
         raise RendezvousError(f"cannot open a relay to the rendezvous store at {endpoint}: "
                               f"{exc}") from None
     try:
