@@ -298,8 +298,11 @@ class EmbeddedServer:
         for attempt in range(4):
             if self.kind == "valkey":
                 self.binary = valkey_server_binary(tls=self.tls is not None)
-                if self.tls is not None and self.binary in _VALKEY_NO_TLS:
-                    self.tls = None  # no binary with TLS: plaintext (see the module docstring)
+                if self.tls is not None and (self.binary in _VALKEY_NO_TLS
+                                             or not has_tls(self.binary)):
+                    # no binary with TLS: plaintext (see the module docstring), without first
+                    # starting one that is known to refuse --tls-port
+                    self.tls = None
                     print(f"trainguard: no valkey-server built with TLS found (install one, "
                           f"e.g. a distribution's valkey-server, or name it in "
                           f"TG_VALKEY_SERVER): Valkey serves plaintext on {self.host}",
