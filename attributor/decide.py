@@ -275,8 +275,7 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                      - set(ranks))
     if victims:
         detail["victims"] = victims
-    for k in ("xid", "signal", "step", "seq", "op", "in_compute", "blocked", "launcher_lost",
-              "last_beat_ns"):
+    for k in ROOT_DETAIL_KEYS:
         if root.detail.get(k) is not None:
             detail[k] = root.detail[k]
     if detail.get("step") is None:
@@ -333,6 +332,10 @@ def _program(fault_class: str) -> bool:
     s = spec(fault_class)
     return s.program if s else True
 
+
+#: Keys of the root anomaly's detail a verdict's detail carries on as they came.
+ROOT_DETAIL_KEYS = ("xid", "signal", "step", "seq", "op", "in_compute", "blocked",
+                    "launcher_lost", "last_beat_ns")
 
 #: The facts in a verdict's detail that say more than its fault class and layer: a later verdict
 #: of an incident is published when its conclusion (fault class, layer, facts) changed.

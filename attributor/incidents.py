@@ -54,9 +54,9 @@ from trainguard.reducer import (Call, Effect, Input, Log, Publish, Received, Rel
                                 Tick, store)
 from trainguard.schemas import subjects
 
-from .decide import (APP_XIDS, AttributorConfig, VerdictSpec, choose_root, conclusion, decide,
-                     history_from_records, signature)
-from .evidence import is_exit_report, is_peer_report
+from .decide import (APP_XIDS, ROOT_DETAIL_KEYS, AttributorConfig, VerdictSpec, choose_root,
+                     conclusion, decide, history_from_records, signature)
+from .evidence import LAG_KEYS, SOURCES, is_exit_report, is_peer_report
 
 Key = tuple[str, int]  # (job, generation)
 
@@ -224,10 +224,28 @@ def _bounded(v, depth: int = 0):
     return v
 
 
+#: The keys of an anomaly's ``detail`` attribution reads, and all an incident keeps of it:
+#: ``layer`` (``decide``: the layer a detector rule gave), ``pattern``/``rule`` (the verdict's
+#: pattern, the systematic check), ``ROOT_DETAIL_KEYS`` (carried on into the verdict),
+#: ``evidence.LAG_KEYS`` (onset), the ``evidence.SOURCES`` conditions (``xid``, ``slurm``,
+#: ``stream``), ``exit_code`` (``is_exit_report``), ``weight`` (root strength, ``is_guess``),
+#: ``pid`` (an application XID's process, the cross-job history). A detector's detail holds a
+#: few more facts for people (a rule's thresholds, a log line's offset): they stay on the
+#: anomaly in the stream, not in the incident's memory for its 2 × 60 s window, where a flood
+#: of valid anomalies with details of made-up keys grew the attributor's memory past its bound
+#: (``bench/fuzz.py``: 4-10 KiB kept of each such anomaly, 1 KiB now).
+READ_DETAIL_KEYS = frozenset({
+    "layer", "pattern", "rule", "exit_code", "weight", "pid", "stream", *ROOT_DETAIL_KEYS,
+    *LAG_KEYS, *(cond for _, cond, _ in SOURCES if cond and not cond.startswith("stream="))})
+
+
 def _kept(ev: schemas.Anomaly) -> schemas.Anomaly:
     """``ev`` as an incident keeps it: its evidence cut to what attribution reads, its
-    ``source_event_ids`` to ``KEPT_SOURCE_IDS``, its ``detail`` within ``KEPT_DETAIL_*``."""
-    detail = _bounded(ev.detail)
+    ``source_event_ids`` to ``KEPT_SOURCE_IDS``, its ``detail`` to the ``READ_DETAIL_KEYS``,
+    each value within ``KEPT_DETAIL_*``."""
+    read = ev.detail if ev.detail.keys() <= READ_DETAIL_KEYS else {
+        k: v for k, v in ev.detail.items() if k in READ_DETAIL_KEYS}
+    detail = _bounded(read)
     if len(ev.source_event_ids) <= KEPT_SOURCE_IDS and len(ev.evidence) <= KEPT_EVIDENCE_LINES \
             and all(len(x) <= KEPT_EVIDENCE_CHARS for x in ev.evidence) and detail is ev.detail:
         return ev

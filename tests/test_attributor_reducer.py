@@ -238,26 +238,32 @@ def test_a_flood_into_one_incident_is_counted_not_kept():
 
 def test_an_incident_keeps_a_bounded_detail_and_the_facts_attribution_reads():
     """A hostile anomaly's ``detail`` (maps of 16,384 entries, lists of 32,768 items, nesting)
-    is kept within ``KEPT_DETAIL_*``; a detector's own detail is kept as it came (the same
+    is kept to the keys attribution reads (``READ_DETAIL_KEYS``), each within
+    ``KEPT_DETAIL_*``; a detector's own detail of read keys only is kept as it came (the same
     object), and the verdict still carries its facts."""
     real = crash(rank=3)
+    assert real.detail and real.detail.keys() <= incidents.READ_DETAIL_KEYS
     state, eff = run([at(0.0, real), tick(5.0)])
     [inc] = state.incidents.values()
     assert inc.anomalies[0].detail is real.detail
     assert verdicts(eff)[0].culprit.ranks == [3]
     huge = {f"k{i}": list(range(32768)) for i in range(200)}
-    huge.update({"signal": 9, "layer": "unknown", "weight": 0.8,
-                 "deep": {"a": {"b": {"c": {"d": {"e": 1}}}}}, "s": "y" * 100_000})
+    huge.update({"deep": {"a": {"b": {"c": {"d": {"e": 1}}}}}, "s": "y" * 100_000,
+                 "in_compute": list(range(32768)), "op": "x" * 100_000,
+                 "blocked": [[[[[1]]]]]})
     big = crash(rank=5).model_copy(update={"detail": {"signal": 9, "layer": "unknown",
                                                       "weight": 0.8, **huge}})
     state, eff = run([at(0.0, big), tick(5.0)])
     [inc] = state.incidents.values()
     kept = inc.anomalies[0].detail
-    assert len(kept) == incidents.KEPT_DETAIL_ENTRIES
-    assert kept["signal"] == 9 and kept["weight"] == 0.8  # the first entries: the facts
-    assert all(len(v) <= incidents.KEPT_DETAIL_ITEMS for v in kept.values()
-               if isinstance(v, list))
-    assert verdicts(eff)[0].culprit.ranks == [5]
+    assert set(kept) == {"signal", "layer", "weight", "in_compute", "op", "blocked"}
+    assert kept["signal"] == 9 and kept["weight"] == 0.8 and kept["layer"] == "unknown"
+    assert kept["in_compute"] == list(range(incidents.KEPT_DETAIL_ITEMS))
+    assert kept["op"] == "x" * incidents.KEPT_EVIDENCE_CHARS
+    assert kept["blocked"] == [[[[]]]]  # nesting cut at KEPT_DETAIL_DEPTH below the top
+    [v] = verdicts(eff)
+    assert v.culprit.ranks == [5] and v.detail["signal"] == 9
+    assert v.detail["in_compute"] == list(range(incidents.KEPT_DETAIL_ITEMS))
     assert incidents._bounded({"a": {"b": {"c": {"d": {"e": 1}}}}}) == {"a": {"b": {"c": {
         "d": {}}}}}
     assert len(incidents._bounded("z" * 100_000)) == incidents.KEPT_EVIDENCE_CHARS
@@ -276,3 +282,17 @@ def test_a_flood_of_generations_into_one_job_keeps_its_newest_incidents():
     assert ("k", 0) in state.incidents
     assert state.reading == {}
     assert verdicts(eff)[-1].generation == cap + 39
+
+
+def test_every_detail_key_attribution_reads_is_kept():
+    """``READ_DETAIL_KEYS`` names every key the attributor's code reads of an anomaly's detail
+    (``detail.get("k")``, ``detail["k"]``, ``_hint(a, "k", …)`` in attributor/*.py): a key read
+    but not kept would read as absent on every anomaly an incident holds."""
+    import re
+    from pathlib import Path
+
+    src = "".join(p.read_text() for p in (Path(incidents.__file__).parent).glob("*.py"))
+    read = set(re.findall(r'(?<!spec)(?<!self)\.detail(?:\.get\(|\[)"([a-z_]+)"', src))
+    read |= set(re.findall(r'_hint\(\w+, "([a-z_]+)"', src))
+    assert read >= {"layer", "seq", "pattern", "xid", "pid", "weight", "stream"}  # the scan works
+    assert read <= incidents.READ_DETAIL_KEYS, read - incidents.READ_DETAIL_KEYS
