@@ -28,7 +28,8 @@ Figures:
 * ``rss`` — each service's resident memory (bytes): ``start`` (the stack up, warmed with
   valid traffic), ``before`` (after the first 10 % of the hostile messages, the services caught
   up: the one-time high-water mark of reading 1 MiB messages is reached by then) and ``after``
-  (the flood done, the services quiet; ``rss_after_linger``: ``--linger`` seconds later, once
+  (the flood done, the services quiet for one ``Service.memory_trim_s``, the period at which
+  they return freed heap memory to the OS; ``rss_after_linger``: ``--linger`` seconds later, once
   in-memory windows expired); ``growth`` = after / before − 1 (target ≤ 0.10: what
   keeps growing with the flood), ``growth_from_start`` = after / start − 1;
 * ``accounting`` — per service: ``expected`` (every message the bench saw on the bus on a
@@ -528,6 +529,7 @@ def real_fault(stack: Any, job: str = "fuzz-real", timeout_s: float = 240.0) -> 
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    from trainguard.service import Service
     from trainguard.stack import Stack
 
     run_dir = tempfile.mkdtemp(prefix="tg-fuzz-")
@@ -555,7 +557,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                              if stack.procs[n].poll() is None})
         res = asyncio.run(flood(stack.nats_url, services, hostile_messages(a.messages, a.seed),
                                 a.rate, mark=mark, on_mark=on_mark))
-        time.sleep(2.0)
+        # one return of freed heap memory to the OS after the services went quiet (every
+        # Service.memory_trim_s): "after" is what they keep, not garbage waiting for its trim
+        time.sleep(Service.memory_trim_s + 1.0)
         dead = [n for n in services if stack.procs[n].poll() is not None]
         rss1 = {n: (rss_of(stack.procs[n].pid) if n not in dead else None) for n in services}
         out.update({k: v for k, v in res.items() if k != "health"})
