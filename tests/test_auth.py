@@ -541,6 +541,10 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
         proc.terminate()
         proc.wait(10)
 
+    # the compose file's rendezvous gate, its command as written (the host, port and the
+    # secrets volume moved to this test's), on these files: TLS with the token only
+    _compose_gate_serves_tls(secrets_dir, ca_dir / "ca.pem", env, monkeypatch)
+
     # a restart of the one-shot keeps the CA (and, same names, the server certificate)
     kept = {p.name: p.read_bytes() for p in d.iterdir()}
     assert _server_config(secrets_dir, *flags, env=env).returncode == 0
@@ -551,6 +555,45 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
     assert (d / "ca.pem").read_bytes() == kept["ca.pem"] == (ca_dir / "ca.pem").read_bytes()
     assert (d / "server.pem").read_bytes() != kept["server.pem"]
     assert stat.S_IMODE((d / "server.key").stat().st_mode) == 0o600  # no --key-group
+
+
+def _compose_gate_serves_tls(secrets_dir, ca: str, env: dict, monkeypatch) -> None:
+    """Run docker-compose.yml's ``rendezvous`` command on ``secrets_dir`` (its ``/secrets``):
+    a relay with the token and ``ca`` reaches the store through it, torch's own client does
+    not."""
+    import datetime
+
+    import torch.distributed as dist
+    import yaml
+
+    from trainguard import rendezvous, tls
+    from trainguard.rdzv_gate import TOKEN_ENV
+
+    with open(ROOT / "docker-compose.yml") as fh:
+        cmd = yaml.safe_load(fh)["services"]["rendezvous"]["command"]
+    moved = {"0.0.0.0": "127.0.0.1", "29400": "0"}
+    cmd = [moved.get(a, a.replace("/secrets/", f"{secrets_dir}/", 1)) for a in cmd]
+    assert cmd[0] == "python"
+    proc = subprocess.Popen([sys.executable, *cmd[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, TOKEN_ENV: env[TOKEN_ENV],
+                                 "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready tls://127.0.0.1:"), line + proc.stderr.read()
+        endpoint = line.split()[1]
+        monkeypatch.setenv(TOKEN_ENV, env[TOKEN_ENV])
+        monkeypatch.setenv(tls.CA_ENV, str(ca))
+        store = rendezvous.connect_store(endpoint, timeout_s=10)
+        store.set("job/g0/rank0", "1")
+        assert store.get("job/g0/rank0") == b"1"
+        host, port = rendezvous.parse_endpoint(endpoint)
+        with pytest.raises(Exception):  # no TLS, no token: closed
+            dist.TCPStore(host, port, is_master=False,
+                          timeout=datetime.timedelta(seconds=3)).get("job/g0/rank0")
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_server_config_from_a_mounted_secret(tmp_path):

@@ -173,11 +173,28 @@ def test_every_client_speaks_tls_with_the_one_ca_and_the_store_wants_its_token()
                     assert ref["key"] == "TG_RDZV_TOKEN", d["metadata"]["name"]
     # 5 services, drain, streams and the launchers: the JobSet's, the PyTorchJob's master and worker
     assert clients == 10 and launchers == 3
-    assert tls_pods == {"nats", "valkey"}  # the server key stays with the servers
+    assert tls_pods == {"nats", "valkey", "rendezvous"}  # the server key stays with the servers
     by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-    rdzv = by_name[("Deployment", "rendezvous")]["spec"]["template"]["spec"]["containers"][0]
+    rdzv_spec = by_name[("Deployment", "rendezvous")]["spec"]["template"]["spec"]
+    rdzv = rdzv_spec["containers"][0]
     assert _env(rdzv)["TG_RDZV_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "trainguard-credentials", "key": "TG_RDZV_TOKEN"}
+    # the gate serves TLS with the servers' certificate (its key only: no CA, no more), read
+    # as the pod's fsGroup, the image's user; every endpoint handed out says tls://
+    cmd = rdzv["command"]
+    assert cmd[cmd.index("--tls-cert") + 1] == "/tls/server.pem"
+    assert cmd[cmd.index("--tls-key") + 1] == "/tls/server.key"
+    assert {"name": "tls", "mountPath": "/tls", "readOnly": True} in rdzv["volumeMounts"]
+    [rdzv_tls] = rdzv_spec["volumes"]
+    assert rdzv_tls["secret"]["secretName"] == "trainguard-tls"
+    assert {i["key"] for i in rdzv_tls["secret"]["items"]} == {"server.pem", "server.key"}
+    assert rdzv_tls["secret"]["defaultMode"] == 0o440
+    assert rdzv_spec["securityContext"]["fsGroup"] == 10001  # the Dockerfile's USER
+    assert cfg["TG_RDZV_ENDPOINT"] == "tls://rendezvous.trainguard.svc:29400"
+    endpoints = [e["value"] for d in docs for tpl in _pod_templates(d)
+                 for c in tpl["spec"]["containers"] for e in c.get("env", [])
+                 if e["name"] == "TG_RDZV_ENDPOINT"]
+    assert len(endpoints) == launchers and all(e.startswith("tls://") for e in endpoints)
     nats_spec = by_name[("StatefulSet", "nats")]["spec"]["template"]["spec"]
     valkey_spec = by_name[("StatefulSet", "valkey")]["spec"]["template"]["spec"]
     assert nats_spec["initContainers"][0]["command"][-2:] == ["--tls-from", "/tls"]

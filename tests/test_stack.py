@@ -230,7 +230,7 @@ def test_compose_runs_every_service_against_its_servers():
     # the servers' secrets stay with the servers: a client mounts only the CA's volume
     for name, c in svcs.items():
         mounts = [v.split(":")[:2] for v in c.get("volumes", [])]
-        if name in ("credentials", "nats", "valkey"):
+        if name in ("credentials", "nats", "valkey", "rendezvous"):
             continue
         assert not any(src == "tg-secrets" for src, _ in mounts), name
     for name in [*DEFAULT_SERVICES, "streams"]:
@@ -252,10 +252,19 @@ def test_compose_runs_every_service_against_its_servers():
     rdzv = svcs["rendezvous"]
     assert rdzv["command"][:3] == ["python", "-m", "trainguard.rendezvous"]
     assert rdzv["environment"]["TG_RDZV_TOKEN"].startswith("${TG_RDZV_TOKEN:?")
+    # it serves TLS with the servers' certificate, its key read as group 999 (the credentials
+    # command's --key-group), read-only; it starts once the credentials are written
+    flags = dict(zip(rdzv["command"][3::2], rdzv["command"][4::2]))
+    assert flags["--tls-cert"] == "/secrets/tls/server.pem"
+    assert flags["--tls-key"] == "/secrets/tls/server.key"
+    assert "tg-secrets:/secrets:ro" in rdzv["volumes"]
+    assert rdzv["group_add"] == [cred["command"][cred["command"].index("--key-group") + 1]]
+    assert rdzv["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
     assert not any("TG_RDZV_ENDPOINT" in (c.get("environment") or {}) for c in svcs.values())
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         head = fh.read().split("\nname:", 1)[0]
-    for text in ("tls://worker:", "rediss://worker:", "TG_TLS_CA=", "docker compose cp nats:"
+    for text in ("tls://worker:", "rediss://worker:", "TG_TLS_CA=", "TG_RDZV_ENDPOINT=tls://",
+                 "docker compose cp nats:"
                  "/secrets/tls/ca.pem", "set -a; . ./.env"):  # the host's launcher: CA, token
         assert text in head, text
     assert os.path.exists(os.path.join(ROOT, "Dockerfile"))

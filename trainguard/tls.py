@@ -43,8 +43,8 @@ RENEW_BEFORE_S = 30 * 86400
 #: services, the Services of namespace ``trainguard``, and loopback (a port published to the host
 #: or forwarded by ``kubectl port-forward``). ``python -m trainguard.auth server-config`` and
 #: ``tls-secret`` certify these plus each ``--tls-san NAME``.
-SERVICE_NAMES = ("127.0.0.1", "localhost", "nats", "valkey", "nats.trainguard.svc",
-                 "valkey.trainguard.svc")
+SERVICE_NAMES = ("127.0.0.1", "localhost", "nats", "valkey", "rendezvous",
+                 "nats.trainguard.svc", "valkey.trainguard.svc", "rendezvous.trainguard.svc")
 
 
 def ca_file(explicit: str | os.PathLike | None = None) -> str | None:
