@@ -533,12 +533,46 @@ def test_credentials_issue_and_rotate_on_a_running_stack(tmp_path):
         assert first["NATS_URL"].startswith("tls://job-cj:") and "TG_TLS_CA" in first
         assert stat.S_IMODE((data / "env" / "job-cj.env").stat().st_mode) == 0o600
         assert asyncio.run(_connects(first)) == (True, True)
-        r = _cli("credentials", "issue", "--job", "cj", "--data-dir", str(data), "--rotate")
+        # a session opened with the first password, and another job's: the rotation closes
+        # the first (Valkey keeps an authenticated connection through a password change)
+        ca = first["TG_TLS_CA"]
+        old_session = redis.Redis.from_url(first["REDIS_URL"],
+                                           **tls_options(first["REDIS_URL"], ca))
+        other = _cli("credentials", "issue", "--job", "cj2", "--data-dir", str(data))
+        other_url = dict(kv.split("=", 1) for kv in other.stdout.split()[1:])["REDIS_URL"]
+        other_session = redis.Redis.from_url(other_url, **tls_options(other_url, ca))
+        assert old_session.get("tg:job:cj") is None and other_session.get("tg:job:cj2") is None
+        unchanged = _cli("credentials", "issue", "--job", "cj", "--data-dir", str(data))
+        assert unchanged.stdout == r.stdout  # issued again without --rotate: nothing changes
+        assert old_session.get("tg:job:cj") is None  # and its session stays
+
+        async def rotate_with_a_bus_session_open():
+            closed = asyncio.Event()
+
+            async def on_closed():
+                closed.set()
+
+            async def quiet(exc):
+                pass
+            nc = await nats.connect(first["NATS_URL"], tls=tls.client_context(ca),
+                                    closed_cb=on_closed, error_cb=quiet,
+                                    max_reconnect_attempts=2, reconnect_time_wait=0.1)
+            r = await asyncio.to_thread(_cli, "credentials", "issue", "--job", "cj",
+                                        "--data-dir", str(data), "--rotate")
+            await asyncio.wait_for(closed.wait(), 5.0)  # NATS closed it as it reloaded
+            assert not nc.is_connected
+            return r
+        r = asyncio.run(rotate_with_a_bus_session_open())
         assert r.returncode == 0, r.stderr
         second = dict(kv.split("=", 1) for kv in r.stdout.split()[1:])
         assert second["NATS_URL"] != first["NATS_URL"]
         assert asyncio.run(_connects(first)) == (False, False)
         assert asyncio.run(_connects(second)) == (True, True)
+        with pytest.raises(redis.exceptions.RedisError):  # closed; its reconnect is refused
+            old_session.get("tg:job:cj")
+        assert other_session.get("tg:job:cj2") is None  # another job's session is untouched
+        old_session.close()
+        other_session.close()
         assert _cli("credentials", "issue", "--job", "a:b", "--data-dir",
                     str(data)).returncode == 2
     with EmbeddedServers(data_dir=data, tls=True) as srv:  # kept across a stop/start

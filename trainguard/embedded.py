@@ -555,12 +555,15 @@ def reload_nats(nats_dir: Path, creds: Credentials, timeout: float = 10.0) -> bo
     raise ServerStartError(f"nats-server (pid {pid}) did not reload {conf} in {timeout:.0f} s")
 
 
-def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
+def update_valkey_user(data_dir: Path, creds: Credentials, user: str,
+                       drop_sessions: bool = False) -> bool:
     """Create or replace Valkey ACL user ``user`` (a per-job one) on the stack of ``data_dir``
     as ``admin`` (``ACL SETUSER`` then ``ACL SAVE`` into its ACL file); a user ``creds`` no
     longer has is deleted (``ACL DELUSER``: Valkey closes that user's connections at once).
-    Returns False when no Valkey answers at the address of ``ports.json`` (the next start reads
-    the credentials file)."""
+    ``drop_sessions``: the user's open connections are closed after its new password is set
+    (``CLIENT KILL USER``; a changed password alone leaves them authenticated). Returns False
+    when no Valkey answers at the address of ``ports.json`` (the next start reads the
+    credentials file)."""
     import redis
     from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -594,6 +597,8 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str) -> bool:
             rules = valkey_user_rules(creds.password(user), scoped_role(user),
                                       _version_of(str(r.info("server").get("redis_version"))))
             r.execute_command("ACL", "SETUSER", user, "reset", *rules.split())
+            if drop_sessions:
+                r.execute_command("CLIENT", "KILL", "USER", user)
         r.execute_command("ACL", "SAVE")
     finally:
         r.close()
@@ -653,9 +658,15 @@ def _issue_user(data_dir: str | os.PathLike,
         raise FileNotFoundError(f"{path} does not exist: start `trainguard up` (with this "
                                 f"--data-dir) once first")
     creds = Credentials.load_or_create(path)
+    before = {u: pw for u, pw, _ in creds.users()}
     user = add(creds)
+    # a new password for a user that had one (``--rotate``): NATS closes the user's connections
+    # as it reloads (their CONNECT no longer authenticates); Valkey keeps a connection that
+    # authenticated once, so its sessions are closed too, or a leaked old password's open
+    # session would outlive the rotation
+    rotated = user in before and before[user] != creds.password(user)
     live = reload_nats(d / "nats", creds)  # idempotent: the servers may already have it
-    live = update_valkey_user(d, creds, user) or live
+    live = update_valkey_user(d, creds, user, drop_sessions=rotated) or live
     return creds, live
 
 
