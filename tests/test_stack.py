@@ -362,3 +362,34 @@ def test_slurm_example_makes_the_last_nodes_spares(tmp_path):
     assert [ln.split(" --nnodes")[0] for ln in out] == [
         "launch --node-rank 0", "launch --node-rank 1", "launch --spare-node --spares 2"], out
     assert all("--nnodes 2 " in ln and ln.endswith(" train.py") for ln in out), out
+
+
+def test_the_rendezvous_port_of_the_last_start_is_kept_while_free(tmp_path, capsys):
+    """``Stack._rdzv_port``: a port is chosen and kept in the data dir (``rdzv.port``); the
+    next start takes it again while it is free, a new one (kept instead, and said) once another
+    process holds it."""
+    import socket
+
+    stack = Stack(data_dir=tmp_path)
+    stack._servers.dir = tmp_path  # what start() sets
+    first = stack._rdzv_port()
+    assert (tmp_path / "rdzv.port").read_text().strip() == str(first)
+    assert stack._rdzv_port() == first
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first))
+        holder.listen()
+        second = stack._rdzv_port()
+    assert second != first and (tmp_path / "rdzv.port").read_text().strip() == str(second)
+    assert f"({first}) is taken" in capsys.readouterr().err
+
+
+def test_a_restarted_stack_serves_the_rendezvous_store_at_the_same_endpoint(tmp_path):
+    """A stack stopped and started on the same data dir prints the same ``TG_RDZV_ENDPOINT``
+    (its TLS gate, token and port kept), so a launcher's line outlives the restart."""
+    endpoints = []
+    for _ in range(2):
+        with Stack(services=(), data_dir=tmp_path / "state", log_dir=tmp_path / "logs",
+                   tls=True, rdzv_token=True) as stack:
+            endpoints.append((stack.rdzv_endpoint, stack.rdzv_token))
+    assert endpoints[0] == endpoints[1] and endpoints[0][0].startswith("tls://127.0.0.1:")
+

@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -387,7 +388,7 @@ class Stack:
             print("trainguard up: trainguard.rendezvous is not installed: no rendezvous store",
                   file=sys.stderr)
             return None
-        port = free_port(self.host)
+        port = self._rdzv_port()
         log = self.log_dir / "rendezvous.log"
         # logs are appended across runs: only what this store prints counts as its answer
         self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
@@ -405,6 +406,31 @@ class Stack:
             return self._spawn("rendezvous", cmd, None)
         finally:
             self.env.pop(RDZV_TOKEN_ENV, None)  # the store's alone among the children
+
+    def _rdzv_port(self) -> int:
+        """The rendezvous store's port: the one of the last start, kept in the data dir
+        (``rdzv.port``), when it is free again, so that a launcher's line (its
+        ``TG_RDZV_ENDPOINT``) outlives a restart of the stack as NATS's and Valkey's ports do;
+        else a free one, kept for the next start."""
+        d = self.data_dir
+        path = Path(d) / "rdzv.port" if d is not None else None
+        try:
+            kept = int(path.read_text()) if path is not None else 0
+        except (OSError, ValueError):
+            kept = 0
+        if kept:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((self.host, kept))
+                    return kept
+                except OSError:
+                    print(f"trainguard up: the rendezvous port of the last start ({kept}) is "
+                          f"taken: a new one (launchers need the new line)", file=sys.stderr)
+        port = free_port(self.host)
+        if path is not None:
+            write_private(path, f"{port}\n")
+        return port
 
     def _load_rdzv_token(self) -> str:
         """The token kept in the data dir (made on first use; ``rotate_credentials``: anew)."""
