@@ -180,6 +180,63 @@ async def test_a_late_worker_reads_the_last_stored_decision(secured):
     await rem.close()
 
 
+async def test_a_decision_published_while_a_rank_was_off_the_bus_reaches_it_when_back(secured):
+    """A rank's client cut off the bus (here: the proxy it connects through closes; in the
+    chaos bench: NATS restarted) while a decision is published gets it once it reconnects: its
+    ``last_stored`` subscription is read again at every reconnect (``Bus._reconnected``), else
+    the rank would wait for a decision the launchers already carry out."""
+    from urllib.parse import urlsplit
+
+    worker = secured.urls("worker")[0]
+    up = urlsplit(worker)
+    links: list[asyncio.StreamWriter] = []
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            dst.close()
+
+    async def link(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(up.hostname, up.port)
+        links.extend((cw, sw))
+        await asyncio.gather(pipe(cr, sw), pipe(sr, cw))
+
+    proxy = await asyncio.start_server(link, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    got: list[int] = []
+    rank = await Bus(worker.replace(f":{up.port}", f":{port}", 1), "rank-away").connect()
+    await rank.subscribe("tg.job.away.decision", lambda s, ev: got.append(ev.generation),
+                         last_stored=True)
+    rem = await Bus(secured.urls("remediator")[0], "remediator-away").connect()
+    try:
+        proxy.close()
+        for w in links:
+            w.close()
+        for _ in range(100):
+            if not rank.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert not rank.connected
+        await rem.publish_stored("tg.job.away.decision", _decision("away", 7))
+        await asyncio.sleep(0.3)
+        assert got == []  # away: not delivered
+        proxy = await asyncio.start_server(link, "127.0.0.1", port)
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert got == [7]
+    finally:
+        proxy.close()
+        await rank.close()
+        await rem.close()
+
+
 async def test_server_payload_limit(secured):
     nc = await nats.connect(secured.urls("worker")[0])
     assert nc.max_payload == MAX_PAYLOAD

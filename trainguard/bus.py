@@ -167,6 +167,9 @@ class Bus:
         #: the server's "Permissions Violation" errors this client got, oldest first (at most
         #: 20): the subjects its user may not publish or subscribe to (tools say so)
         self.permission_errors: list[str] = []
+        self._background: set[asyncio.Task] = set()
+        #: (subject, callback) of the ``last_stored`` subscriptions: read again at a reconnect
+        self._last_stored_subs: list[tuple[str, Callable[[Any], Awaitable[None]]]] = []
 
     async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
         last: list[str] = []  # the client's own last error: why the attempts timed out
@@ -196,7 +199,8 @@ class Bus:
             attempt = asyncio.ensure_future(nats.connect(
                 self.url, name=self.name, connect_timeout=min(timeout, 2.0),
                 max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
-                error_cb=_err, pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
+                error_cb=_err, reconnected_cb=self._reconnected,
+                pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
                 **({"tls": tls} if tls is not None else {})))
             stop = asyncio.ensure_future(refused.wait())
             try:
@@ -269,9 +273,10 @@ class Bus:
 
         Undecodable messages go to the dead-letter subject; handler errors are logged and
         counted. ``last_stored`` (an exact subject kept by a JetStream stream, e.g. a job's
-        decisions): once subscribed, the newest stored message is handed to ``handler`` too, so
-        that a process that subscribes late still learns what was decided before it listened
-        (the handler must ignore what it has already seen). Returns the nats-py subscription.
+        decisions): once subscribed, and again after every reconnect of this client, the newest
+        stored message is handed to ``handler`` too, so that a process that subscribes late or
+        was cut off the bus still learns what was decided meanwhile (the handler must ignore
+        what it has already seen). Returns the nats-py subscription.
         """
         assert self.nc is not None, "call connect() first"
 
@@ -280,10 +285,32 @@ class Bus:
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=_cb)
         if last_stored:
+            self._last_stored_subs.append((subject, _cb))
             raw = await self.last_stored(subject)
             if raw is not None:
                 await _cb(raw)
         return sub
+
+    async def _reconnected(self) -> None:
+        """nats-py's reconnect callback: the ``last_stored`` subscriptions are read again (in a
+        task of their own, not in the client's reconnect), as at their start. What was
+        published while this client was away (a server restarted: a decision the remediator's
+        outbox published before this client came back) was never delivered to it; the client
+        subscribed again before this callback, so the newest stored message plus what arrives
+        from now on miss nothing."""
+        if self._last_stored_subs:
+            task = asyncio.ensure_future(self._read_last_stored())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _read_last_stored(self) -> None:
+        for subject, cb in list(self._last_stored_subs):
+            try:
+                raw = await self.last_stored(subject)
+            except Exception:  # noqa: BLE001 - the bus went again: the next reconnect reads it
+                continue
+            if raw is not None:
+                await cb(raw)
 
     async def _stream_for(self, subject: str, ttl_s: float = 10.0) -> str | None:
         """The stream that keeps ``subject`` (None: none), remembered ``ttl_s`` seconds."""
