@@ -303,14 +303,24 @@ class Bus:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    #: Seconds between the reads of ``_read_last_stored`` while it finds nothing: a server
+    #: just restarted may answer JetStream requests a moment after it accepts clients, and
+    #: ``last_stored`` answers None for "nothing stored" and "no answer" alike.
+    REREAD_AFTER_S = (0.0, 0.5, 1.0, 2.0)
+
     async def _read_last_stored(self) -> None:
         for subject, cb in list(self._last_stored_subs):
-            try:
-                raw = await self.last_stored(subject)
-            except Exception:  # noqa: BLE001 - the bus went again: the next reconnect reads it
-                continue
-            if raw is not None:
-                await cb(raw)
+            for wait in self.REREAD_AFTER_S:
+                await asyncio.sleep(wait)
+                if self.nc is None:
+                    return  # closed meanwhile
+                try:
+                    raw = await self.last_stored(subject)
+                except Exception:  # noqa: BLE001 - the bus went again: the next reconnect
+                    break
+                if raw is not None:
+                    await cb(raw)
+                    break
 
     async def _stream_for(self, subject: str, ttl_s: float = 10.0) -> str | None:
         """The stream that keeps ``subject`` (None: none), remembered ``ttl_s`` seconds."""
@@ -440,6 +450,11 @@ class Bus:
             await self.nc.flush(timeout=timeout)
 
     async def close(self) -> None:
+        for task in list(self._background):  # a re-read after a reconnect still running
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        self._last_stored_subs.clear()
         if self.nc is not None:
             try:
                 await self.nc.drain()

@@ -419,10 +419,13 @@ class Stack:
         except (OSError, ValueError):
             kept = 0
         if kept:
+            # the gate binds the stack's host (reusing the address, as asyncio does); a store
+            # without the gate is torch's TCPStore, which binds every interface
+            host = self.host if self._want_rdzv_token else ""
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
-                    s.bind((self.host, kept))
+                    s.bind((host, kept))
                     return kept
                 except OSError:
                     print(f"trainguard up: the rendezvous port of the last start ({kept}) is "
