@@ -418,22 +418,20 @@ class EmbeddedServers:
         """Give ``job``'s workers their own user on the running servers (``issue_job``);
         returns their ``(nats_url, redis_url)``. Raises ``ValueError`` for a job name that
         cannot be one (``trainguard.auth.job_user``), ``RuntimeError`` before ``start``."""
-        if self.dir is None or self.creds is None:
-            raise RuntimeError("start the servers (with auth) before issuing job credentials")
-        self.creds, _ = issue_job(self.dir, job, rotate)
-        for s in self.servers:
-            s.creds = self.creds
-        return self.urls(job_user(job))
+        return self._issue(issue_job, job, job_user(job), rotate)
 
     def issue_node(self, node: str, rotate: bool = False) -> tuple[str, str]:
         """Give ``node``'s agent its own user on the running servers (``issue_node``); returns
         its ``(nats_url, redis_url)``. Raises as ``issue_job``."""
+        return self._issue(issue_node, node, node_user(node), rotate)
+
+    def _issue(self, issue: Callable, name: str, user: str, rotate: bool) -> tuple[str, str]:
         if self.dir is None or self.creds is None:
-            raise RuntimeError("start the servers (with auth) before issuing node credentials")
-        self.creds, _ = issue_node(self.dir, node, rotate)
+            raise RuntimeError("start the servers (with auth) before issuing credentials")
+        self.creds, _ = issue(self.dir, name, rotate)
         for s in self.servers:
             s.creds = self.creds
-        return self.urls(node_user(node))
+        return self.urls(user)
 
     def revoke_job(self, job: str) -> bool:
         """Take ``job``'s workers' own user away on the running servers (``revoke_job``);
@@ -646,25 +644,29 @@ def issue_job(data_dir: str | os.PathLike, job: str,
     at once (False: none runs there; the next start does). Raises ``FileNotFoundError`` when
     ``data_dir`` holds no stack's credentials, ``ValueError`` for a job name that cannot be
     one, ``ServerStartError`` when NATS refused the reload."""
-    return _issue_user(data_dir, lambda creds: creds.add_job(job, rotate))
+    return _issue_user(data_dir, job_user(job), lambda creds: creds.add_job(job, rotate))
 
 
-def _issue_user(data_dir: str | os.PathLike,
-                add: Callable[[Credentials], str]) -> tuple[Credentials, bool]:
-    """``issue_job`` and ``issue_node``: ``add`` gives the user a password, returns its name."""
+def _issue_user(data_dir: str | os.PathLike, user: str,
+                add: Callable[[Credentials], object]) -> tuple[Credentials, bool]:
+    """``issue_job`` and ``issue_node``: ``add`` gives ``user`` a password (a new one when
+    rotating)."""
     d = Path(data_dir)
     path = d / "credentials.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: start `trainguard up` (with this "
                                 f"--data-dir) once first")
     creds = Credentials.load_or_create(path)
-    before = {u: pw for u, pw, _ in creds.users()}
-    user = add(creds)
+    try:
+        before: str | None = creds.password(user)
+    except KeyError:
+        before = None
+    add(creds)
     # a new password for a user that had one (``--rotate``): NATS closes the user's connections
     # as it reloads (their CONNECT no longer authenticates); Valkey keeps a connection that
     # authenticated once, so its sessions are closed too, or a leaked old password's open
     # session would outlive the rotation
-    rotated = user in before and before[user] != creds.password(user)
+    rotated = before is not None and before != creds.password(user)
     live = reload_nats(d / "nats", creds)  # idempotent: the servers may already have it
     live = update_valkey_user(d, creds, user, drop_sessions=rotated) or live
     return creds, live
@@ -674,7 +676,7 @@ def issue_node(data_dir: str | os.PathLike, node: str,
                rotate: bool = False) -> tuple[Credentials, bool]:
     """Give ``node``'s agent its own user (``trainguard.auth.node_role``: that node's subjects
     only), as ``issue_job`` does a job's workers. Raises as ``issue_job``."""
-    return _issue_user(data_dir, lambda creds: creds.add_node(node, rotate))
+    return _issue_user(data_dir, node_user(node), lambda creds: creds.add_node(node, rotate))
 
 
 def revoke_node(data_dir: str | os.PathLike, node: str) -> tuple[bool, bool]:
