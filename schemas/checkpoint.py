@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Event
+from .base import Event, Items
 
 
 class CheckpointSaved(Event):
@@ -42,7 +42,7 @@ class CheckpointInvalid(Event):
     SCHEMA = "ckpt.invalid"
     path: str
     step: int
-    reasons: list[str] = Field(default_factory=list)
+    reasons: Items[str] = Field(default_factory=list)
     duration_s: float = 0.0
 
 

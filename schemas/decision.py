@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from .base import Event
+from .base import Entries, Event, Items
 from .subjects import MAX_TOKEN_CHARS
 
 
@@ -17,9 +17,9 @@ class Culprit(BaseModel):
     decode (an anomaly naming a 300-character node was accepted, then the attributor's verdict
     of it failed validation in every tick that looked at its incident)."""
 
-    ranks: list[int] = Field(default_factory=list)
-    nodes: list[str] = Field(default_factory=list)
-    gpus: list[str] = Field(default_factory=list)
+    ranks: Items[int] = Field(default_factory=list)
+    nodes: Items[str] = Field(default_factory=list)
+    gpus: Items[str] = Field(default_factory=list)
 
     @field_validator("nodes")
     @classmethod
@@ -53,9 +53,9 @@ class Anomaly(Event):
     symptom: bool = False
     severity: str = "error"
     first_ts: int = 0
-    evidence: list[str] = Field(default_factory=list)
-    detail: dict[str, Any] = Field(default_factory=dict)
-    source_event_ids: list[str] = Field(default_factory=list)
+    evidence: Items[str] = Field(default_factory=list)
+    detail: Entries[Any] = Field(default_factory=dict)
+    source_event_ids: Items[str] = Field(default_factory=list)
     generation: int | None = None
 
 
@@ -81,11 +81,11 @@ class Verdict(Event):
     action: str = ""
     confidence: str = "medium"
     score: float = 0.5
-    evidence: list[str] = Field(default_factory=list)
-    anomaly_ids: list[str] = Field(default_factory=list)
+    evidence: Items[str] = Field(default_factory=list)
+    anomaly_ids: Items[str] = Field(default_factory=list)
     first_ts: int = 0
     generation: int | None = None
-    detail: dict[str, Any] = Field(default_factory=dict)
+    detail: Entries[Any] = Field(default_factory=dict)
 
 
 class Member(BaseModel):
@@ -117,9 +117,9 @@ class Decision(Event):
     mode: str = "observe"
     execute: bool = False
     generation: int = 0
-    ranks: list[int] = Field(default_factory=list)
-    nodes: list[str] = Field(default_factory=list)
-    members: list[Member] = Field(default_factory=list)
+    ranks: Items[int] = Field(default_factory=list)
+    nodes: Items[str] = Field(default_factory=list)
+    members: Items[Member] = Field(default_factory=list)
     world_size: int = 0
     idempotency_key: str
     reason: str = ""

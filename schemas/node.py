@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from .base import Event
+from .base import Entries, Event, Items
 
 
 class GpuSample(BaseModel):
@@ -30,8 +30,8 @@ class GpuSample(BaseModel):
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     clock_event_reasons: int | None = None
-    clock_event_names: list[str] = Field(default_factory=list)
-    nvlink_errors: dict[str, int] = Field(default_factory=dict)
+    clock_event_names: Items[str] = Field(default_factory=list)
+    nvlink_errors: Entries[int] = Field(default_factory=dict)
     pcie_replay_counter: int | None = None
 
 
@@ -47,9 +47,9 @@ class NodeTelemetry(Event):
     mem_used_bytes: int
     mem_total_bytes: int
     load1: float = 0.0
-    net_latency_s: dict[str, float] = Field(default_factory=dict)
+    net_latency_s: Entries[float] = Field(default_factory=dict)
     nvml: bool = False
-    gpus: list[GpuSample] = Field(default_factory=list)
+    gpus: Items[GpuSample] = Field(default_factory=list)
 
 
 class NodeHeartbeat(Event):

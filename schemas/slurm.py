@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import Event
+from .base import Entries, Event, Items
 from .subjects import token
 
 __all__ = ["DIRECTIVE_KEY", "DIRECTIVE_FIELDS", "DirectiveField", "SlurmDirective",
@@ -223,13 +223,13 @@ class SlurmNodeEvent(Event):
     SCHEMA = "slurm.node"
     change: NodeChange
     state: str = ""
-    flags: list[str] = Field(default_factory=list)
+    flags: Items[str] = Field(default_factory=list)
     reason: str = ""
     reason_by: str = ""
     reason_ts: int = 0
     by_trainguard: bool = False
-    jobs: list[str] = Field(default_factory=list)
-    slurm_jobs: list[str] = Field(default_factory=list)
+    jobs: Items[str] = Field(default_factory=list)
+    slurm_jobs: Items[str] = Field(default_factory=list)
 
 
 class SlurmJobEvent(Event):
@@ -249,9 +249,9 @@ class SlurmJobEvent(Event):
     slurm_job_id: str
     state: str = ""
     previous_state: str = ""
-    nodes: list[str] = Field(default_factory=list)
-    lost_nodes: list[str] = Field(default_factory=list)
+    nodes: Items[str] = Field(default_factory=list)
+    lost_nodes: Items[str] = Field(default_factory=list)
     restarts: int = 0
     reason: str = ""
-    directive: dict[str, Any] = Field(default_factory=dict)
+    directive: Entries[Any] = Field(default_factory=dict)
     error: str = ""
