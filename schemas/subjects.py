@@ -110,6 +110,14 @@ def dead_letter(service: str) -> str:
     return f"{DEAD_LETTER}.{token(service)}"
 
 
+def job_dead_letter(job: str, client: str) -> str:
+    """``tg.dlq.job.<job>.<client>``: where a job's rank (``client`` ``rank-<rank>``) or
+    launcher (``launcher-<node>``) republishes messages it could not decode: under its job, so
+    a job's user may dead-letter there and nowhere else (``trainguard.auth.job_role``). Raises
+    ValueError as ``token``."""
+    return f"{DEAD_LETTER}.job.{token(job)}.{token(client)}"
+
+
 ALL_JOBS = f"{PREFIX}.job.>"
 ALL_NODES = f"{PREFIX}.node.>"
 

@@ -16,6 +16,7 @@ import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from trainguard import schemas
+from trainguard.schemas import subjects
 from trainguard.auth import MAX_PAYLOAD, ROLES, Credentials, redact
 from trainguard.bus import (DLQ_PREFIX_BYTES, STREAM_LIMITS, STREAMS, Bus, StreamLimits,
                             streams_max_bytes)
@@ -92,6 +93,69 @@ def test_table_single_writers_and_reasons():
     for subject in ("tg.job.j.decision", "tg.job.j.verdict", "tg.job.j.anomaly",
                     "tg.node.n.xid", "$JS.API.STREAM.DELETE.TG_EVENTS"):
         assert not _covers(worker, subject), subject
+
+
+def test_each_client_dead_letters_under_its_own_name_only():
+    """A service role dead-letters on ``tg.dlq.<service>`` alone; a job's ranks and launchers
+    under their job (``subjects.job_dead_letter``); the agent and the Slurm watcher decode
+    nothing, so they have no dead-letter subject at all."""
+    from trainguard.auth import job_role, node_role
+
+    for service in ("detector", "attributor", "remediator", "checkpoint_validator"):
+        writers = {n for n, r in ROLES.items() if _covers(r.publish, f"tg.dlq.{service}")}
+        assert writers == {"admin", service}, service
+    rank = subjects.job_dead_letter("a.b", "rank-3")
+    assert rank == "tg.dlq.job.a%2Eb.rank-3"
+    assert {n for n, r in ROLES.items() if _covers(r.publish, rank)} == {"admin", "worker"}
+    assert _covers(job_role("a.b").publish, rank)
+    assert _covers(job_role("a.b").publish, subjects.job_dead_letter("a.b", "launcher-n1"))
+    assert not _covers(job_role("c").publish, rank)
+    assert not any(_covers(r.publish, "tg.dlq.x") for r in
+                   (ROLES["agent"], ROLES["slurm_watch"], ROLES["worker"], node_role("n1")))
+
+
+async def test_the_server_refuses_a_dead_letter_under_another_clients_name(secured):
+    job_url, _ = secured.issue_job("dlqjob")
+    for url, subject in ((secured.urls("worker")[0], "tg.dlq.detector"),
+                         (secured.urls("detector")[0], "tg.dlq.remediator"),
+                         (job_url, "tg.dlq.detector"),
+                         (job_url, subjects.job_dead_letter("otherjob", "rank-0"))):
+        errors = await _publish_as(url, subject, b"forged")
+        assert any("permissions violation" in e.lower() for e in errors), (subject, errors)
+    assert await _publish_as(job_url, subjects.job_dead_letter("dlqjob", "rank-0"), b"x") == []
+
+
+async def test_a_ranks_dead_letter_goes_under_its_job_and_the_server_takes_it(secured):
+    """The shim of a rank with its job's own user: a malformed message on its job's decision
+    subject is dead-lettered on ``tg.dlq.job.<job>.rank-<rank>``, which the server lets that
+    user publish (no permission error comes back to the rank's client)."""
+    from trainguard.worker import WorkerConfig, _Runtime
+
+    job_url, _ = secured.issue_job("dlqrank")
+    reader = await nats.connect(secured.urls("reader")[0])
+    got = []
+
+    async def on_dlq(m):
+        got.append(m)
+    await reader.subscribe("tg.dlq.>", cb=on_dlq)
+    await reader.flush()
+    rt = _Runtime(WorkerConfig(job="dlqrank", rank=0, nats_url=job_url))
+    rt.start(decisions=True)
+    try:
+        assert await asyncio.to_thread(rt.bus.wait_connected, 10.0)
+        await asyncio.sleep(0.3)  # its subscriptions made
+        assert await _publish_as(secured.urls("remediator")[0], "tg.job.dlqrank.decision",
+                                 b"\xc1 not msgpack") == []
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert [m.subject for m in got] == ["tg.dlq.job.dlqrank.rank-0"]
+        assert got[0].headers["Tg-Subject"] == "tg.job.dlqrank.decision"
+        assert rt.bus.bus.permission_errors == []
+    finally:
+        await asyncio.to_thread(rt.finish)
+        await reader.close()
 
 
 def test_node_heartbeats_who_sends_them_and_who_reads_them():
@@ -312,14 +376,14 @@ async def test_streams_have_limits(secured):
 
 
 async def test_dead_letter_keeps_reason_and_a_bounded_prefix(secured):
-    victim = await Bus(secured.urls("detector")[0], "dlqvictim").connect()
+    victim = await Bus(secured.urls("detector")[0], "detector").connect()
     await victim.subscribe("tg.job.dlq.log", lambda s, e: None)
     reader = await nats.connect(secured.urls("reader")[0])
     dlq = []
 
     async def on_dlq(m):
         dlq.append(m)
-    await reader.subscribe("tg.dlq.dlqvictim", cb=on_dlq)
+    await reader.subscribe("tg.dlq.detector", cb=on_dlq)
     await victim.flush()
     await reader.flush()
     hostile = b"\xc1" + os.urandom(100 * 1024)

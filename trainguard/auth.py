@@ -110,7 +110,19 @@ def _consumer(service: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
              "$JS.API.CONSUMER.MSG.NEXT.*.*", "$JS.ACK.TG_EVENTS.>",
              "$JS.ACK.TG_TELEMETRY.>", f"tg.svc.{service}.health.*"),
             (f"tg.deliver.{service}.>", f"_INBOX.{service}.>", f"tg.svc.{service}.health.*"))
-_DLQ = "tg.dlq.>"    # every ``Bus.subscribe`` dead-letters what it cannot decode
+
+
+def _dlq(service: str) -> str:
+    """Where ``service`` dead-letters what it cannot decode (``subjects.dead_letter``): each
+    service role under its own name only, so that no client forges another's dead letters
+    (what an operator reads, and the services' health counts, as that service's refusals)."""
+    return f"tg.dlq.{service}"
+
+
+#: Where a job's ranks and launchers dead-letter (``subjects.job_dead_letter``:
+#: ``tg.dlq.job.<job>.<client>``); ``job_role`` narrows it to the job's own. The agent and the
+#: Slurm watcher subscribe to nothing an event is decoded from, so they have no dead letters.
+_JOB_DLQ = "tg.dlq.job.*.>"
 #: A launcher's node heartbeat, ``tg.node.<node>.launcher.<job>`` (``subjects.launcher``): the
 #: job's token last, so that ``job_role`` narrows it to the job's own launchers (the node is not
 #: known when a job's user is issued: any node).
@@ -155,8 +167,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "for its health, runs the demo harness and the tests' fixtures, replays recordings "
          "(`trainguard replay play`)."),
     Role("agent",
-         ("tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.kernel",
-          _DLQ),
+         ("tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.node.*.xid", "tg.node.*.kernel"),
          ("tg.svc.*.health",),
          "resetkeys %R~tg:node:* " + _READ_CMDS,
          "the node agent reports what the node itself sees: metrics, node heartbeat, XID and "
@@ -166,7 +177,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("worker",
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.job.*.action", _LAUNCHER_BEAT, _LEGACY_LAUNCHER_BEAT,
-          "tg.svc.*.health", "$JS.API.STREAM.NAMES") + _DECISION_GET + (_DLQ,),
+          "tg.svc.*.health", "$JS.API.STREAM.NAMES") + _DECISION_GET + (_JOB_DLQ,),
          ("tg.job.*.decision", "tg.job.*.control", _inbox("worker")),
          "resetkeys ~tg:job:* %R~tg:ckpt:* " + _WORKER_CMDS + " " + _JOBS_ADD,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
@@ -184,7 +195,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "reputation, fault history, idempotency keys and service leases it cannot read. Never "
          "a decision, an anomaly or a verdict."),
     Role("detector",
-         ("tg.job.*.anomaly", "tg.node.*.anomaly", _DLQ, _TELEMETRY_CONSUMER_DELETE)
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", _dlq("detector"), _TELEMETRY_CONSUMER_DELETE)
          + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.node.*.heartbeat", _LAUNCHER_BEAT, "tg.node.*.xid",
@@ -197,7 +208,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "(and replaces its heartbeat consumers of an earlier ack policy).",
          responses=True),
     Role("attributor",
-         ("tg.job.*.verdict", _DLQ) + _consumer("attributor")[0],
+         ("tg.job.*.verdict", _dlq("attributor")) + _consumer("attributor")[0],
          ("tg.job.*.anomaly", "tg.node.*.anomaly", "tg.svc.attributor.health")
          + _consumer("attributor")[1],
          "resetkeys ~tg:hist:* ~tg:members:attributor %R~tg:* " + _SERVICE_CMDS,
@@ -205,7 +216,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "its replica's lease; consumes the streams durably.",
          responses=True),
     Role("remediator",
-         ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", _DLQ)
+         ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", _dlq("remediator"))
          + _consumer("remediator")[0] + _DRAIN[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
           "tg.svc.remediator.health") + _consumer("remediator")[1] + _DRAIN[1],
@@ -222,7 +233,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "Kubernetes drain handshake runs as this role too (its own health subjects).",
          responses=True),
     Role("checkpoint_validator",
-         ("tg.job.*.ckpt", _DLQ) + _consumer("checkpoint_validator")[0],
+         ("tg.job.*.ckpt", _dlq("checkpoint_validator")) + _consumer("checkpoint_validator")[0],
          ("tg.job.*.ckpt", "tg.job.*.recovery", "tg.svc.checkpoint_validator.health")
          + _consumer("checkpoint_validator")[1],
          "resetkeys ~tg:ckpt:* ~tg:members:checkpoint_validator %R~tg:* " + _SERVICE_CMDS,
@@ -231,7 +242,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "is information only, the state store is what restore trusts.",
          responses=True),
     Role("slurm_watch",
-         ("tg.node.*.slurm", "tg.job.*.slurm", "tg.svc.slurm_watch.health.*", _DLQ),
+         ("tg.node.*.slurm", "tg.job.*.slurm", "tg.svc.slurm_watch.health.*"),
          ("tg.svc.slurm_watch.health", "tg.svc.slurm_watch.health.*", "_INBOX.slurm_watch.>"),
          "resetkeys ~tg:jobs ~tg:job:* %R~tg:* " + _SERVICE_CMDS,
          "the Slurm watcher: publishes what squeue and sinfo say of the jobs that opted in and "
@@ -311,8 +322,8 @@ def job_role(job: str) -> Role:
     launcher's beat ``tg.node.*.launcher.<token>`` (its own launchers', on any node), the inbox
     the user's own (``inbox_of``); the node agent's ``tg.node.*.heartbeat``, where launchers of
     earlier releases beat, is taken away (with it a job could hide any lost node, or another
-    job's lost launcher); the rest (health requests, the stream's configuration, dead letters)
-    stays; in Valkey it may add to ``tg:jobs`` (the
+    job's lost launcher); its dead letters go under its job only (``tg.dlq.job.<token>.>``); the
+    rest (health requests, the stream's configuration) stays; in Valkey it may add to ``tg:jobs`` (the
     job names; ``_JOBS_ADD``), write ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read
     that job's keys and checkpoints only. Raises ``ValueError`` as ``job_user``."""
     from trainguard.schemas import subjects

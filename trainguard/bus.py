@@ -153,10 +153,14 @@ class Bus:
     store (``trainguard.tls.client_context``).
     """
 
-    def __init__(self, url: str, name: str, inbox: str | None = None, tls_ca: str | None = None):
+    def __init__(self, url: str, name: str, inbox: str | None = None, tls_ca: str | None = None,
+                 dead_letters: str | None = None):
         self.url = url
         self.tls_ca = tls_ca
         self.name = name
+        #: where ``dead_letter`` republishes: ``subjects.dead_letter(name)`` for a service,
+        #: ``subjects.job_dead_letter`` for a job's ranks and launchers (what their role allows)
+        self.dead_letters = dead_letters or subjects.dead_letter(name)
         # replies to this client's requests come under ``<inbox>.>``: by default the user's own
         # prefix (``user_inbox``), the one its role may subscribe to
         self.inbox = inbox or user_inbox(url)
@@ -400,13 +404,13 @@ class Bus:
         return None
 
     async def dead_letter(self, subject: str, data: bytes, exc: DecodeError) -> None:
-        """Count, log once per kind, and republish a bad message to ``tg.dlq.<name>``: the
+        """Count, log once per kind, and republish a bad message to ``dead_letters``: the
         reason in headers and the first ``DLQ_PREFIX_BYTES`` of the payload, never a whole copy
         (a flood of large bad messages must not double on disk)."""
         self.stats.bad[exc.kind] += 1
         self._log_once(f"bad:{exc.kind}", "%s: bad message on %s (%s): %s — sent to %s",
-                       self.name, subject, exc.kind, exc, subjects.dead_letter(self.name))
-        await self.publish_raw(subjects.dead_letter(self.name), data[:DLQ_PREFIX_BYTES],
+                       self.name, subject, exc.kind, exc, self.dead_letters)
+        await self.publish_raw(self.dead_letters, data[:DLQ_PREFIX_BYTES],
                                headers={"Tg-Error-Kind": exc.kind, "Tg-Error": str(exc)[:500],
                                         "Tg-Subject": subject[:256], "Tg-Size": str(len(data)),
                                         "Tg-Truncated": str(len(data) > DLQ_PREFIX_BYTES)})
@@ -475,8 +479,9 @@ class ThreadedBus:
     and waits for its result (used for state-store calls from sync code).
     """
 
-    def __init__(self, url: str, name: str, max_pending: int = 10000):
-        self.bus = Bus(url, name)
+    def __init__(self, url: str, name: str, max_pending: int = 10000,
+                 dead_letters: str | None = None):
+        self.bus = Bus(url, name, dead_letters=dead_letters)
         self.max_pending = max_pending
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"tg-bus-{name}", daemon=True)

@@ -109,7 +109,9 @@ class Launcher:
                              f"(give a path to a .py file, or -m for a module)")
         self.cfg = cfg
         self.events: queue.Queue = queue.Queue()
-        self.bus = ThreadedBus(cfg.nats_url, f"launcher-{cfg.node}")
+        self.bus = ThreadedBus(cfg.nats_url, f"launcher-{cfg.node}",
+                               dead_letters=subjects.job_dead_letter(cfg.job,
+                                                                     f"launcher-{cfg.node}"))
         self.pool = ProcessPool(cfg, self.bus, self.events.put)
         self.lease = JobLease(cfg, self.bus, self.events.put)
         self.loop = RunLoop(cfg, self.pool, self.lease, self.bus, self.events)

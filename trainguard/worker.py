@@ -81,7 +81,9 @@ class _Runtime:
         if self.cfg.nats_url:
             from .bus import ThreadedBus
 
-            self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}")
+            self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}",
+                                   dead_letters=subjects.job_dead_letter(
+                                       self.cfg.job, f"rank-{self.cfg.rank}"))
             if decisions:
                 # last_stored: a rank that starts late (a spare still warming when the
                 # decision came) learns from the stream the generation the job moved to
