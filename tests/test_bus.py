@@ -137,6 +137,14 @@ async def test_late_subscriber_gets_the_last_stored_decision(servers):
             break
         await asyncio.sleep(0.02)
     assert [d.generation for d in got] == [2, 3]
+    # a reconnect reads the stored decision again for a subscription still there (the handler
+    # drops what it has seen), and forgets one unsubscribed since
+    await late._read_last_stored()
+    assert [d.generation for d in got] == [2, 3, 3] and nothing == []
+    await late._last_stored_subs[0][2].unsubscribe()
+    await late._read_last_stored()
+    assert [d.generation for d in got] == [2, 3, 3]
+    assert [s for s, _cb, _sub in late._last_stored_subs] == ["tg.job.quiet.decision"]
     await late.close()
     await pub.close()
 

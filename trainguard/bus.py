@@ -173,7 +173,8 @@ class Bus:
         self.permission_errors: list[str] = []
         self._background: set[asyncio.Task] = set()
         #: (subject, callback) of the ``last_stored`` subscriptions: read again at a reconnect
-        self._last_stored_subs: list[tuple[str, Callable[[Any], Awaitable[None]]]] = []
+        #: the ``last_stored`` subscriptions: (subject, callback, nats-py subscription)
+        self._last_stored_subs: list[tuple[str, Callable[[Any], Awaitable[None]], Any]] = []
 
     async def connect(self, timeout: float = 5.0, retry: bool = True) -> "Bus":
         last: list[str] = []  # the client's own last error: why the attempts timed out
@@ -289,7 +290,7 @@ class Bus:
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=_cb)
         if last_stored:
-            self._last_stored_subs.append((subject, _cb))
+            self._last_stored_subs.append((subject, _cb, sub))
             raw = await self.last_stored(subject)
             if raw is not None:
                 await _cb(raw)
@@ -313,7 +314,11 @@ class Bus:
     REREAD_AFTER_S = (0.0, 0.5, 1.0, 2.0)
 
     async def _read_last_stored(self) -> None:
-        for subject, cb in list(self._last_stored_subs):
+        # a subscription unsubscribed since is forgotten, not read again (nats-py marks it
+        # closed; its callback must not get a message it no longer wants)
+        self._last_stored_subs = [e for e in self._last_stored_subs
+                                  if not getattr(e[2], "_closed", False)]
+        for subject, cb, _sub in list(self._last_stored_subs):
             for wait in self.REREAD_AFTER_S:
                 await asyncio.sleep(wait)
                 if self.nc is None:
