@@ -2,9 +2,12 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# Users with a GPU bring their own CUDA build of torch; on CPU-only machines this pinned CPU
-# build is installed first so that nothing downloads a CUDA build.
+# torch is installed first, pinned: TORCH_SPEC. From PyPI, on Linux x86_64, that is the CUDA
+# build (several GB); for the CPU build name PyTorch's CPU index in TORCH_INDEX, e.g.
+#   make install TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+# (a machine whose pip is configured with a local wheel of it needs neither).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install demo test bench clean up
 
@@ -13,7 +16,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 

@@ -117,3 +117,60 @@ def test_training_steps_on_while_nats_is_stopped_and_recovers_after(tmp_path):
             except subprocess.TimeoutExpired:
                 launcher.kill()
         stack.stop()
+
+
+def test_observe_mode_trains_through_a_control_plane_outage_longer_than_the_lease(tmp_path):
+    """The whole control plane out of reach (NATS and Valkey stopped) for 12 s, longer than the
+    launcher's 10 s lease: in observe mode (the default) nothing is executed, so nothing can have
+    moved the ranks, and the job trains on to its end, exit 0, as under torchrun. It used to
+    fence itself and stop every rank (exit 1; found by a new user's trial restarting
+    `trainguard up`)."""
+    from trainguard.launcher_lease import JobLease
+    from trainguard.stack import Stack
+
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    (tmp_path / "ckpt").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.format(steps=600, progress=progress))
+    stack = Stack(services=("detector", "attributor", "remediator", "checkpoint_validator"),
+                  rendezvous=True, log_dir=str(tmp_path / "logs"))
+    stack.start(timeout=120)
+    servers = [stack._servers._server(k).proc for k in ("nats", "valkey")]
+    out = tmp_path / "launch.out"
+    cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nproc-per-node", "2",
+           "--job", "observe-outage", "--nats-url", stack.urls("worker")[0],
+           "--redis-url", stack.urls("worker")[1], "--rdzv-endpoint", stack.rdzv_endpoint,
+           "--ckpt-dir", str(tmp_path / "ckpt"), str(script)]
+    launcher = None
+    stopped = False
+    try:
+        with open(out, "w") as fh:
+            launcher = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path)
+        _wait(lambda: min((s for s, _ in _steps(progress).values()), default=-1) >= 30
+              and len(_steps(progress)) == 2, 120, "both ranks at step 30", out)
+        for p in servers:
+            os.kill(p.pid, signal.SIGSTOP)
+        stopped = True
+        before = _steps(progress)
+        time.sleep(JobLease.LEASE_S + 2.0)
+        during = _steps(progress)
+        for p in servers:
+            os.kill(p.pid, signal.SIGCONT)
+        stopped = False
+        assert all(during[r][0] - before[r][0] >= 10 for r in (0, 1)), (before, during)
+        assert launcher.wait(120) == 0, out.read_text()[-3000:]
+        text = out.read_text()
+        assert "observe mode executes no decision" in text and "fenced" not in text, text[-3000:]
+        assert "finished at step 599 generation 0" in text
+    finally:
+        if stopped:
+            for p in servers:
+                os.kill(p.pid, signal.SIGCONT)
+        if launcher is not None and launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                launcher.wait(20)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+        stack.stop()

@@ -365,6 +365,38 @@ def test_a_script_that_fails_at_import_is_stopped_as_a_loop(stack, tmp_path, run
     assert not run.records()
 
 
+def test_a_second_launch_under_another_node_name_is_refused_and_harms_nothing(
+        stack, tmp_path, runs):
+    """The running job's ranks are held by node0's live launcher: a second launch of the job
+    under another ``--node`` with the same node rank is refused, naming the rank and its node,
+    and gives its lease back; the job trains on to its end. It used to take the ranks' entries
+    in the job record and start a second copy of them, which met the running job's rendezvous
+    and hung (found by a new user's trial)."""
+    from trainguard.state import StateStore
+
+    run = Run(tmp_path, _job("dup"), epochs=12)
+    runs.append(run)
+    first = run.launch(stack, ["--nproc-per-node", "2", "--node", "node0"], name="first")
+    run.wait_epoch(2, 1, 120)
+    second = run.launch(stack, ["--nproc-per-node", "2", "--node", "fake"], name="second")
+    assert second.wait(60) == 1, run.tails()
+    assert "rank 0 of job" in second.text() and "already run by node 'node0'" in second.text()
+    assert not second.started()
+
+    async def _record():
+        st = StateStore(stack.redis_url)
+        try:
+            return (await st.job(run.job)).members, await st.r.zrange(
+                f"tg:job:{run.job}:launchers", 0, -1)
+        finally:
+            await st.close()
+    members, launchers = asyncio.run(_record())
+    assert {m["node"] for m in members} == {"node0"} and launchers == ["node0"], (
+        members, launchers)
+    assert first.wait(120) == 0, run.tails()
+    assert {r for r, rs in run.by_rank().items() if rs[-1]["epoch"] == 11} == {0, 1}
+
+
 def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, runs):
     """No NATS_URL/REDIS_URL/TG_RDZV_ENDPOINT: the launcher starts an embedded stack; observe
     mode (the default) restarts the group after a SIGKILL as torchrun does. (The same script

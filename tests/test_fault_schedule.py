@@ -140,7 +140,20 @@ def test_a_launcher_that_lost_its_lease_fences_itself():
 
     from trainguard.launcher_loop import LaunchState, LeaseLost
 
-    loop = _loop()
+    loop = _loop(mode="action")
     loop.handle(LeaseLost(10.4))
     assert loop.state == LaunchState.FAILED and loop.exit_status == 1 and loop.fenced
     assert "kill_all" in loop.pool.calls
+
+
+def test_in_observe_mode_a_lost_lease_stops_nothing():
+    """Observe mode executes no decision, so nothing can have moved the ranks: a control plane
+    out of reach (a stack restarted for 20 s) leaves training as it is, as under torchrun."""
+    from test_launcher_loop import _loop
+
+    from trainguard.launcher_loop import LaunchState, LeaseLost
+
+    loop = _loop(mode="observe")
+    loop.handle(LeaseLost(20.0))
+    assert loop.state == LaunchState.HEALTHY and not loop.fenced and loop.exit_status is None
+    assert "kill_all" not in loop.pool.calls

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from trainguard.schemas import JobSettings
-from trainguard.state import LauncherConflict, StateStore
+from trainguard.state import LauncherConflict, RankConflict, StateStore
 
 
 def _run(coro):
@@ -202,3 +202,39 @@ def test_fault_history_reads_the_nodes_and_the_signature_in_one_call_as_one_by_o
             await st.close()
 
     _run(scenario())
+
+
+async def _second_copy(url: str):
+    st = StateStore(url)
+    try:
+        await st.begin_run("dup", "vm", 10.0)
+        await st.add_members("dup", [{"rank": r, "node": "vm", "local_rank": r}
+                                     for r in range(2)])
+        # a second launch of the running job under another --node, node rank 0 again
+        await st.begin_run("dup", "fake", 10.0)
+        try:
+            await st.add_members("dup", [{"rank": r, "node": "fake", "local_rank": r}
+                                         for r in range(2)])
+            refused = None
+        except RankConflict as exc:
+            refused = exc
+        members_after_refusal = (await st.job("dup")).members
+        # another node rank joins; a node whose holder's lease ran out takes its ranks
+        await st.add_members("dup", [{"rank": 2, "node": "fake", "local_rank": 0}])
+        await st.end_launcher("dup", "vm")
+        taken = await st.add_members("dup", [{"rank": 0, "node": "fake", "local_rank": 0}])
+        return refused, members_after_refusal, taken
+    finally:
+        await st.close()
+
+
+def test_a_second_launch_under_another_node_name_cannot_take_running_ranks(redis_db):
+    """The second launch of a running job with another --node and the same node rank was
+    accepted: it replaced the running ranks' entries in ``members`` and started a second copy
+    of them, which met the running job's rendezvous (found by a new user's trial)."""
+    refused, members, taken = _run(_second_copy(redis_db))
+    assert isinstance(refused, RankConflict) and isinstance(refused, LauncherConflict)
+    assert (refused.rank, refused.node) == (0, "vm") and 0 < refused.remaining_s <= 10
+    assert "--node-rank" in str(refused) and "--spare-node" in str(refused)
+    assert [(m["rank"], m["node"]) for m in members] == [(0, "vm"), (1, "vm")]
+    assert [(m["rank"], m["node"]) for m in taken] == [(0, "fake"), (1, "vm"), (2, "fake")]

@@ -27,7 +27,7 @@ from trainguard.schemas import JobSettings, subjects
 
 from .auth import redact
 from .launcher_loop import GroupRestarted, LeaseLost, LeaseRenewalFailed
-from .state import LauncherConflict, StateStore
+from .state import LauncherConflict, RankConflict, StateStore
 
 if TYPE_CHECKING:
     from .launch_config import LaunchConfig
@@ -113,9 +113,13 @@ class JobLease:
             if cfg.spare_node:
                 await st.add_spare(cfg.job, cfg.node)
             else:
-                await st.add_members(cfg.job, [
-                    {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
-                     "local_rank": lr} for lr in range(cfg.nproc_per_node)])
+                try:
+                    await st.add_members(cfg.job, [
+                        {"rank": cfg.node_rank * cfg.nproc_per_node + lr, "node": cfg.node,
+                         "local_rank": lr} for lr in range(cfg.nproc_per_node)])
+                except RankConflict:
+                    await st.end_launcher(cfg.job, cfg.node)  # the lease begin_run gave us
+                    raise
 
         try:
             self.bus.call(_reg(), timeout=self.LEASE_S + 20.0)
@@ -216,7 +220,9 @@ class JobLease:
         while not self._stop.is_set():
             seq += 1
             silent = time.monotonic() - self.renewed_at
-            if silent > self.LEASE_S and not self._lost:
+            if silent <= self.LEASE_S:
+                self._lost = False  # renewed again (observe mode goes on through a lapse)
+            elif not self._lost:
                 # fenced: the lease ran out in the store (a partition, a store out of reach),
                 # so the job may have moved this node's ranks elsewhere already
                 self._lost = True

@@ -53,7 +53,8 @@ class LaunchState(StrEnum):
         HEALTHY | UNHEALTHY ── stop decision (exit 3), this node excluded (exit 0),
                                stop request (SIGTERM 143, SIGINT 130) ──► STOPPING ──► STOPPED
         HEALTHY ── a rank failed, observe mode, restarts spent ──► STOPPING ──► FAILED (exit 1)
-        any non-terminal ── lease lost (not renewed for LEASE_S: fenced) ──► STOPPING ──► FAILED
+        any non-terminal ── lease lost (not renewed for LEASE_S: fenced; action mode only)
+                                                                 ──► STOPPING ──► FAILED
 
     RESTARTING and STOPPING last one step of the loop (ranks killed, replacements started);
     SUCCEEDED, STOPPED and FAILED end it. A failed rank stays this node's until a decision
@@ -125,8 +126,10 @@ class LeaseRenewalFailed:
 class LeaseLost:
     """No renewal of this launcher's lease was acknowledged for ``silent_s`` seconds (more than
     ``LEASE_S``): the lease has run out in the store, the node may be excluded and its ranks
-    placed elsewhere (a network partition): this node fences itself — its ranks stop, and no
-    decision reaches them any more."""
+    placed elsewhere (a network partition): in action mode this node fences itself — its ranks
+    stop, and no decision reaches them any more. In observe mode it is said and training goes
+    on (no decision is executed, so nothing can have moved the ranks); posted again after a
+    renewal succeeded and the lease ran out once more."""
 
     silent_s: float
 
@@ -353,6 +356,15 @@ class RunLoop:
 
     def _on_lease_lost(self, ev: LeaseLost) -> None:
         if self.state.terminal:
+            return
+        if self.cfg.mode != "action":
+            # observe mode executes no decision, so nothing can have moved this node's ranks
+            # elsewhere: fencing would protect nothing, and a control plane out of reach (a
+            # stack restarted) must not stop a job that runs as it would under torchrun
+            self._say(f"this launcher's lease was not renewed for {ev.silent_s:.1f} s (the state "
+                      f"store is out of reach or refuses this launcher's credentials); observe "
+                      f"mode executes no decision, so nothing moved this node's ranks: training "
+                      f"goes on, and the lease is renewed once the store answers")
             return
         self._say(f"fenced: this launcher's lease was not renewed for {ev.silent_s:.1f} s (the "
                   f"state store is out of reach or refuses this launcher's credentials, e.g. "

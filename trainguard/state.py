@@ -72,7 +72,21 @@ class LauncherConflict(RuntimeError):
         super().__init__(
             f"job {job!r} already has a live launcher on node {node!r} (its lease runs out in "
             f"{remaining_s:.0f} s): stop that launcher first, give this launch another --job "
-            f"(or --node), or, if that launcher died, launch again once its lease ran out")
+            f"(or, for another node of a multi-node job, that node's --node and --node-rank), "
+            f"or, if that launcher died, launch again once its lease ran out")
+
+
+class RankConflict(LauncherConflict):
+    """The ranks a launch registers are held by another node whose launcher holds a live lease
+    (``StateStore.add_members``): ``rank`` is the first such, ``node`` its node."""
+
+    def __init__(self, job: str, node: str, remaining_s: float, rank: int):
+        self.job, self.node, self.remaining_s, self.rank = job, node, remaining_s, rank
+        RuntimeError.__init__(
+            self, f"rank {rank} of job {job!r} is already run by node {node!r}, whose launcher "
+            f"is live (its lease runs out in {remaining_s:.0f} s): this launch would start a "
+            f"second copy of it. For another node of a multi-node job give its --node-rank; "
+            f"for a node that waits to replace one, --spare-node; else another --job")
 
 
 def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
@@ -243,9 +257,16 @@ class StateStore:
     async def add_members(self, job: str, members: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Merge ``members`` (``{"rank", "node", "local_rank"}``) into the job's ``members``
         list atomically (several launchers register at once); a rank given again replaces its
-        entry. Returns the merged list sorted by rank."""
+        entry. Returns the merged list sorted by rank. Raises ``RankConflict`` (nothing merged)
+        when one of the ranks is held by another node whose launcher holds a live lease: a
+        second launch of a running job under another ``--node`` with the same node rank would
+        otherwise take the running ranks' entries and start a second copy of them."""
         await self.r.sadd("tg:jobs", job)
-        return json.loads(await self.r.eval(ADD_MEMBERS, 1, job_key(job), json.dumps(members)))
+        out = json.loads(await self.r.eval(ADD_MEMBERS, 2, job_key(job), f"tg:job:{job}:launchers",
+                                           json.dumps(members), int(time.time() * 1000)))
+        if isinstance(out, dict):
+            raise RankConflict(job, out["node"], out["left_ms"] / 1000.0, int(out["held_rank"]))
+        return out
 
     async def add_spare(self, job: str, node: str) -> list[str]:
         """Register ``node`` as a spare of ``job`` (atomic: spares register at once). Returns

@@ -113,6 +113,17 @@ local cur = redis.call('HGET', KEYS[1], 'members')
 local list = (cur and cur ~= '') and cjson.decode(cur) or {}
 local byrank = {}
 for _, m in ipairs(list) do byrank[tostring(m.rank)] = m end
+local now = tonumber(ARGV[2])
+for _, m in ipairs(cjson.decode(ARGV[1])) do
+    local held = byrank[tostring(m.rank)]
+    if held and held.node ~= m.node then
+        local lease = redis.call('ZSCORE', KEYS[2], held.node)
+        if lease and tonumber(lease) > now then
+            return cjson.encode({held_rank = m.rank, node = held.node,
+                                 left_ms = tonumber(lease) - now})
+        end
+    end
+end
 for _, m in ipairs(cjson.decode(ARGV[1])) do byrank[tostring(m.rank)] = m end
 local out = {}
 for _, m in pairs(byrank) do table.insert(out, m) end
