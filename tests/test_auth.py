@@ -125,6 +125,18 @@ async def test_the_server_refuses_a_dead_letter_under_another_clients_name(secur
     assert await _publish_as(job_url, subjects.job_dead_letter("dlqjob", "rank-0"), b"x") == []
 
 
+async def _watch(secured, subject):
+    """A ``reader`` client subscribed to ``subject``: (the client, the messages it got)."""
+    reader = await nats.connect(secured.urls("reader")[0])
+    got = []
+
+    async def on(m):
+        got.append(m)
+    await reader.subscribe(subject, cb=on)
+    await reader.flush()
+    return reader, got
+
+
 async def test_a_ranks_dead_letter_goes_under_its_job_and_the_server_takes_it(secured):
     """The shim of a rank with its job's own user: a malformed message on its job's decision
     subject is dead-lettered on ``tg.dlq.job.<job>.rank-<rank>``, which the server lets that
@@ -132,13 +144,7 @@ async def test_a_ranks_dead_letter_goes_under_its_job_and_the_server_takes_it(se
     from trainguard.worker import WorkerConfig, _Runtime
 
     job_url, _ = secured.issue_job("dlqrank")
-    reader = await nats.connect(secured.urls("reader")[0])
-    got = []
-
-    async def on_dlq(m):
-        got.append(m)
-    await reader.subscribe("tg.dlq.>", cb=on_dlq)
-    await reader.flush()
+    reader, got = await _watch(secured, "tg.dlq.>")
     rt = _Runtime(WorkerConfig(job="dlqrank", rank=0, nats_url=job_url))
     rt.start(decisions=True)
     try:
@@ -378,14 +384,8 @@ async def test_streams_have_limits(secured):
 async def test_dead_letter_keeps_reason_and_a_bounded_prefix(secured):
     victim = await Bus(secured.urls("detector")[0], "detector").connect()
     await victim.subscribe("tg.job.dlq.log", lambda s, e: None)
-    reader = await nats.connect(secured.urls("reader")[0])
-    dlq = []
-
-    async def on_dlq(m):
-        dlq.append(m)
-    await reader.subscribe("tg.dlq.detector", cb=on_dlq)
+    reader, dlq = await _watch(secured, "tg.dlq.detector")
     await victim.flush()
-    await reader.flush()
     hostile = b"\xc1" + os.urandom(100 * 1024)
     assert await _publish_as(secured.urls("worker")[0], "tg.job.dlq.log", hostile) == []
     for _ in range(100):

@@ -3,6 +3,7 @@ keeps stepping while the embedded nats-server is stopped (SIGSTOP), and once it 
 SIGKILLed rank is recovered as usual (detector → attributor → remediator → launcher)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -62,38 +63,61 @@ def _wait(pred, timeout: float, what: str, out) -> None:
     raise AssertionError(f"{what} not within {timeout} s:\n{out.read_text()[-3000:]}")
 
 
-def test_training_steps_on_while_nats_is_stopped_and_recovers_after(tmp_path):
+@contextlib.contextmanager
+def _job(tmp_path, job: str, steps: int, mode: tuple[str, ...] = ()):
+    """A 2-rank job of ``_SCRIPT`` (``steps`` steps) under ``trainguard launch`` on a stack of
+    its own: yields ``(stack, launcher, its output file, the progress directory)`` once both
+    ranks are at step 30; the launcher (SIGTERM) and the stack are stopped at the end."""
     from trainguard.stack import Stack
 
     progress = tmp_path / "progress"
     progress.mkdir()
     (tmp_path / "ckpt").mkdir()
     script = tmp_path / "train.py"
-    script.write_text(_SCRIPT.format(steps=700, progress=progress))
+    script.write_text(_SCRIPT.format(steps=steps, progress=progress))
     stack = Stack(services=("detector", "attributor", "remediator", "checkpoint_validator"),
                   rendezvous=True, log_dir=str(tmp_path / "logs"))
     stack.start(timeout=120)
-    nats = stack._servers._server("nats").proc
     out = tmp_path / "launch.out"
     cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nproc-per-node", "2",
-           "--job", "outage", "--mode", "action", "--nats-url", stack.urls("worker")[0],
+           "--job", job, *mode, "--nats-url", stack.urls("worker")[0],
            "--redis-url", stack.urls("worker")[1], "--rdzv-endpoint", stack.rdzv_endpoint,
            "--ckpt-dir", str(tmp_path / "ckpt"), str(script)]
     launcher = None
-    stopped = False
     try:
         with open(out, "w") as fh:
             launcher = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path)
         _wait(lambda: min((s for s, _ in _steps(progress).values()), default=-1) >= 30
               and len(_steps(progress)) == 2, 120, "both ranks at step 30", out)
+        yield stack, launcher, out, progress
+    finally:
+        if launcher is not None and launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                launcher.wait(20)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+        stack.stop()
 
-        os.kill(nats.pid, signal.SIGSTOP)  # the bus is gone; every client's socket hangs
-        stopped = True
-        before = _steps(progress)
-        time.sleep(3.0)
-        during = _steps(progress)
-        os.kill(nats.pid, signal.SIGCONT)
-        stopped = False
+
+@contextlib.contextmanager
+def _stopped(*procs):
+    """``procs`` stopped (SIGSTOP: every client's socket to them hangs) while inside."""
+    for p in procs:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+
+
+def test_training_steps_on_while_nats_is_stopped_and_recovers_after(tmp_path):
+    with _job(tmp_path, "outage", 700, ("--mode", "action")) as (stack, _launcher, out, progress):
+        with _stopped(stack._servers._server("nats").proc):  # the bus is gone
+            before = _steps(progress)
+            time.sleep(3.0)
+            during = _steps(progress)
         for r in (0, 1):  # 3 s at ≈ 0.03-0.1 s a step: well over 10 steps each
             assert during[r][0] - before[r][0] >= 10, (before, during)
 
@@ -107,16 +131,6 @@ def test_training_steps_on_while_nats_is_stopped_and_recovers_after(tmp_path):
         t = _steps(progress)
         time.sleep(1.0)
         assert all(_steps(progress)[r][0] > t[r][0] for r in (0, 1))  # stepping again
-    finally:
-        if stopped:
-            os.kill(nats.pid, signal.SIGCONT)
-        if launcher is not None and launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            try:
-                launcher.wait(20)
-            except subprocess.TimeoutExpired:
-                launcher.kill()
-        stack.stop()
 
 
 def test_observe_mode_trains_through_a_control_plane_outage_longer_than_the_lease(tmp_path):
@@ -126,51 +140,14 @@ def test_observe_mode_trains_through_a_control_plane_outage_longer_than_the_leas
     fence itself and stop every rank (exit 1; found by a new user's trial restarting
     `trainguard up`)."""
     from trainguard.launcher_lease import JobLease
-    from trainguard.stack import Stack
 
-    progress = tmp_path / "progress"
-    progress.mkdir()
-    (tmp_path / "ckpt").mkdir()
-    script = tmp_path / "train.py"
-    script.write_text(_SCRIPT.format(steps=600, progress=progress))
-    stack = Stack(services=("detector", "attributor", "remediator", "checkpoint_validator"),
-                  rendezvous=True, log_dir=str(tmp_path / "logs"))
-    stack.start(timeout=120)
-    servers = [stack._servers._server(k).proc for k in ("nats", "valkey")]
-    out = tmp_path / "launch.out"
-    cmd = [sys.executable, "-m", "trainguard.cli", "launch", "--nproc-per-node", "2",
-           "--job", "observe-outage", "--nats-url", stack.urls("worker")[0],
-           "--redis-url", stack.urls("worker")[1], "--rdzv-endpoint", stack.rdzv_endpoint,
-           "--ckpt-dir", str(tmp_path / "ckpt"), str(script)]
-    launcher = None
-    stopped = False
-    try:
-        with open(out, "w") as fh:
-            launcher = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path)
-        _wait(lambda: min((s for s, _ in _steps(progress).values()), default=-1) >= 30
-              and len(_steps(progress)) == 2, 120, "both ranks at step 30", out)
-        for p in servers:
-            os.kill(p.pid, signal.SIGSTOP)
-        stopped = True
-        before = _steps(progress)
-        time.sleep(JobLease.LEASE_S + 2.0)
-        during = _steps(progress)
-        for p in servers:
-            os.kill(p.pid, signal.SIGCONT)
-        stopped = False
+    with _job(tmp_path, "observe-outage", 600) as (stack, launcher, out, progress):
+        with _stopped(*(stack._servers._server(k).proc for k in ("nats", "valkey"))):
+            before = _steps(progress)
+            time.sleep(JobLease.LEASE_S + 2.0)
+            during = _steps(progress)
         assert all(during[r][0] - before[r][0] >= 10 for r in (0, 1)), (before, during)
         assert launcher.wait(120) == 0, out.read_text()[-3000:]
         text = out.read_text()
         assert "observe mode executes no decision" in text and "fenced" not in text, text[-3000:]
         assert "finished at step 599 generation 0" in text
-    finally:
-        if stopped:
-            for p in servers:
-                os.kill(p.pid, signal.SIGCONT)
-        if launcher is not None and launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            try:
-                launcher.wait(20)
-            except subprocess.TimeoutExpired:
-                launcher.kill()
-        stack.stop()
