@@ -61,8 +61,8 @@ def _one_error(v: Any, handler: Any) -> Any:
 #: A list field of an event: validation stops at its first invalid item (pydantic's
 #: ``FailFast``), so a hostile list costs one error, not one per item. Without it a 90 KB
 #: anomaly whose ``evidence`` held 30,000 integers made 30,000 errors, and reading the first
-#: built all of them: 23 MiB and half a second of one service's time per message
-#: (``bench/fuzz.py``'s ``big_list`` messages grew the attributor's heap by 3.6 MiB).
+#: built all of them: 23 MiB and 48 ms of one service's time per message (``bench/fuzz.py``'s
+#: ``big_list`` messages grew the attributor's heap by 3.7 MiB over the flood).
 Items = Annotated[list[T], FailFast()]
 #: A map field of an event (``dict[str, T]``): the errors of its entries (a hostile map of
 #: 16,384 integer keys, ``schemas.LIMITS``) are reported as one, with their count: 14 MiB
