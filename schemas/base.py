@@ -62,7 +62,8 @@ def _one_error(v: Any, handler: Any) -> Any:
 #: ``FailFast``), so a hostile list costs one error, not one per item. Without it a 90 KB
 #: anomaly whose ``evidence`` held 30,000 integers made 30,000 errors, and reading the first
 #: built all of them: 23 MiB and 48 ms of one service's time per message (``bench/fuzz.py``'s
-#: ``big_list`` messages grew the attributor's heap by 3.7 MiB over the flood).
+#: flood replayed into the decoder and the attributor's reducer grew 1.0 MiB without its
+#: ``big_list`` messages, 3.7 MiB with them).
 Items = Annotated[list[T], FailFast()]
 #: A map field of an event (``dict[str, T]``): the errors of its entries (a hostile map of
 #: 16,384 integer keys, ``schemas.LIMITS``) are reported as one, with their count: 14 MiB

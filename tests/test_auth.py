@@ -102,7 +102,8 @@ def test_each_client_dead_letters_under_its_own_name_only():
     from trainguard.auth import job_role, node_role
 
     for service in ("detector", "attributor", "remediator", "checkpoint_validator"):
-        writers = {n for n, r in ROLES.items() if _covers(r.publish, f"tg.dlq.{service}")}
+        writers = {n for n, r in ROLES.items()
+                   if _covers(r.publish, subjects.dead_letter(service))}
         assert writers == {"admin", service}, service
     rank = subjects.job_dead_letter("a.b", "rank-3")
     assert rank == "tg.dlq.job.a%2Eb.rank-3"

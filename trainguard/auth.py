@@ -333,8 +333,9 @@ def job_role(job: str) -> Role:
     worker = ROLES["worker"]
 
     def narrow(subs: tuple[str, ...]) -> tuple[str, ...]:
-        # ``tg.job.*.`` as published, ``.job.*.`` in a stored (partitioned) form, the inbox,
-        # the launcher's beat to its job's; the agent's subject (older launchers') is dropped
+        # ``tg.job.*.`` as published, ``.job.*.`` in a stored (partitioned) form and in the
+        # dead letters (``tg.dlq.job.*.>``), the inbox, the launcher's beat to its job's; the
+        # agent's subject (older launchers') is dropped
         return tuple(_inbox(user) if s == _inbox("worker") else
                      _LAUNCHER_BEAT[:-1] + tok if s == _LAUNCHER_BEAT else
                      s.replace("tg.job.*.", f"tg.job.{tok}.", 1).replace(".job.*.",

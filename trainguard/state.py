@@ -67,13 +67,13 @@ class LauncherConflict(RuntimeError):
     """A launcher of the same job already holds a live lease on this node
     (``StateStore.begin_run``). ``remaining_s``: seconds until that lease runs out."""
 
-    def __init__(self, job: str, node: str, remaining_s: float):
+    def __init__(self, job: str, node: str, remaining_s: float, message: str = ""):
         self.job, self.node, self.remaining_s = job, node, remaining_s
-        super().__init__(
+        super().__init__(message or (
             f"job {job!r} already has a live launcher on node {node!r} (its lease runs out in "
             f"{remaining_s:.0f} s): stop that launcher first, give this launch another --job "
             f"(or, for another node of a multi-node job, that node's --node and --node-rank), "
-            f"or, if that launcher died, launch again once its lease ran out")
+            f"or, if that launcher died, launch again once its lease ran out"))
 
 
 class RankConflict(LauncherConflict):
@@ -81,9 +81,10 @@ class RankConflict(LauncherConflict):
     (``StateStore.add_members``): ``rank`` is the first such, ``node`` its node."""
 
     def __init__(self, job: str, node: str, remaining_s: float, rank: int):
-        self.job, self.node, self.remaining_s, self.rank = job, node, remaining_s, rank
-        RuntimeError.__init__(
-            self, f"rank {rank} of job {job!r} is already run by node {node!r}, whose launcher "
+        self.rank = rank
+        super().__init__(
+            job, node, remaining_s,
+            f"rank {rank} of job {job!r} is already run by node {node!r}, whose launcher "
             f"is live (its lease runs out in {remaining_s:.0f} s): this launch would start a "
             f"second copy of it. For another node of a multi-node job give its --node-rank; "
             f"for a node that waits to replace one, --spare-node; else another --job")

@@ -114,7 +114,8 @@ local list = (cur and cur ~= '') and cjson.decode(cur) or {}
 local byrank = {}
 for _, m in ipairs(list) do byrank[tostring(m.rank)] = m end
 local now = tonumber(ARGV[2])
-for _, m in ipairs(cjson.decode(ARGV[1])) do
+local new = cjson.decode(ARGV[1])
+for _, m in ipairs(new) do
     local held = byrank[tostring(m.rank)]
     if held and held.node ~= m.node then
         local lease = redis.call('ZSCORE', KEYS[2], held.node)
@@ -124,7 +125,7 @@ for _, m in ipairs(cjson.decode(ARGV[1])) do
         end
     end
 end
-for _, m in ipairs(cjson.decode(ARGV[1])) do byrank[tostring(m.rank)] = m end
+for _, m in ipairs(new) do byrank[tostring(m.rank)] = m end
 local out = {}
 for _, m in pairs(byrank) do table.insert(out, m) end
 table.sort(out, function(a, b) return a.rank < b.rank end)
