@@ -18,11 +18,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+#: the images the container fixtures run
+_IMAGES = ("nats:2.10", "valkey/valkey:8")
+
+
 def _docker_engine_answers() -> bool:
     if os.environ.get("TG_TEST_NO_DOCKER") or not shutil.which("docker"):
         return False
     try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=3).returncode == 0
+        if subprocess.run(["docker", "info"], capture_output=True, timeout=3).returncode != 0:
+            return False
+        # an engine that cannot pull (no registry reachable) is only of use with the images on it
+        return all(subprocess.run(["docker", "image", "inspect", image], capture_output=True,
+                                  timeout=10).returncode == 0 for image in _IMAGES)
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -40,8 +48,8 @@ def servers():
         from testcontainers.core.container import DockerContainer
         from testcontainers.redis import RedisContainer
 
-        nats_c = DockerContainer("nats:2.10").with_command("-js").with_exposed_ports(4222)
-        redis_c = RedisContainer("valkey/valkey:8")
+        nats_c = DockerContainer(_IMAGES[0]).with_command("-js").with_exposed_ports(4222)
+        redis_c = RedisContainer(_IMAGES[1])
         with nats_c, redis_c:
             from testcontainers.core.waiting_utils import wait_for_logs
 
