@@ -78,26 +78,36 @@ def verdict(case: dict[str, Any]) -> tuple[str | None, str, str]:
     return str(v.fault_class), str(v.layer), str(v.confidence)
 
 
+def groups(case: dict[str, Any]) -> list[str]:
+    """The report groups a case counts in: its split, and for a held-out case also its round
+    (``heldout_round1``: gathered with the dev split, before any rule was written;
+    ``heldout_round2``: gathered after the rules were frozen)."""
+    if case["split"] == "heldout" and "round" in case:
+        return ["heldout", f"heldout_round{case['round']}"]
+    return [case["split"]]
+
+
 def score(cases: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Accuracy per split: ``{split: {cases, fault_class_accuracy, layer_accuracy,
     layer_cases_confident, layer_accuracy_confident, misses}}`` (accuracies are fractions)."""
     acc: dict[str, dict[str, Any]] = defaultdict(lambda: {
         "cases": 0, "fc_ok": 0, "layer_ok": 0, "conf_n": 0, "conf_ok": 0, "misses": []})
     for c in cases:
-        s = acc[c["split"]]
         fc, layer, conf = verdict(c)
-        s["cases"] += 1
         fc_hit = fc == c["fault_class"]
         layer_hit = layer == c["layer"]
-        s["fc_ok"] += fc_hit
-        s["layer_ok"] += layer_hit
-        if c.get("confidence") in ("medium", "high"):
-            s["conf_n"] += 1
-            s["conf_ok"] += layer_hit
-        if not (fc_hit and layer_hit):
-            s["misses"].append(
-                f"{c['id']}: got {fc}/{layer} ({conf}), label {c['fault_class']}/{c['layer']}"
-                f" ({c.get('confidence', '?')})")
+        for group in groups(c):
+            s = acc[group]
+            s["cases"] += 1
+            s["fc_ok"] += fc_hit
+            s["layer_ok"] += layer_hit
+            if c.get("confidence") in ("medium", "high"):
+                s["conf_n"] += 1
+                s["conf_ok"] += layer_hit
+            if not (fc_hit and layer_hit):
+                s["misses"].append(
+                    f"{c['id']}: got {fc}/{layer} ({conf}), label {c['fault_class']}/"
+                    f"{c['layer']} ({c.get('confidence', '?')})")
     out = {}
     for split, s in sorted(acc.items()):
         out[split] = {
