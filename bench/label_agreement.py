@@ -56,6 +56,18 @@ def agreement(first: dict[str, dict], second: dict[str, dict]) -> dict:
     return out
 
 
+def diagnose_agreement(first: dict[str, dict], second: dict[str, dict]) -> dict:
+    """How often diagnose's verdict on each doubly labelled case matches the ``first`` and the
+    ``second`` labelling: ``{"first": {fault_class, layer}, "second": {…}}`` (fractions)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from attribution import verdict  # noqa: E402 - bench/attribution.py, beside this file
+    ids = sorted(second)
+    got = {i: verdict(first[i]) for i in ids}
+    return {name: {f: sum(got[i][k] == lab[i][f] for i in ids) / len(ids)
+                   for k, f in enumerate(FIELDS)}
+            for name, lab in (("first", first), ("second", second))}
+
+
 def _read(path: Path) -> dict[str, dict]:
     return {c["id"]: c for c in (json.loads(ln) for ln in path.read_text().splitlines()
                                  if ln.strip())}
@@ -66,14 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", default=str(FIRST))
     p.add_argument("--second", default=str(SECOND))
     p.add_argument("--json", default="")
+    p.add_argument("--with-diagnose", action="store_true",
+                   help="also report how often diagnose's verdict agrees with each labelling")
     args = p.parse_args(argv)
-    res = agreement(_read(Path(args.first)), _read(Path(args.second)))
+    first, second = _read(Path(args.first)), _read(Path(args.second))
+    res = agreement(first, second)
+    if args.with_diagnose:
+        res["diagnose"] = diagnose_agreement(first, second)
     print(f"{res['cases']} held-out cases labelled twice")
     for f in FIELDS:
         r = res[f]
         print(f"{f:12s} agreement {r['agreement']:6.1%}  Cohen's kappa {r['kappa']:.3f}")
         for d in r["disagreements"]:
             print("    " + d)
+    for name, r in res.get("diagnose", {}).items():
+        print(f"diagnose vs {name:6s} labelling: fault class {r['fault_class']:6.1%}  "
+              f"layer {r['layer']:6.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
