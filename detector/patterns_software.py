@@ -382,6 +382,31 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "megatron-core 'found NaN in local grad norm', Lightning 'The loss returned in "
            "`training_step` is nan', torch.autograd anomaly mode \"Function '…' returned nan "
            "values\"): numerics or data; roll back to a checkpoint"),
+    # ==== worker processes of Ray and serving engines ==========================================
+    _p("ray_actor_died",
+       r"ActorDiedError|RayActorError: The actor died|The actor died unexpectedly before "
+       r"finishing this task|The actor is dead because its worker process has died|"
+       r"WorkerCrashedError: The worker died unexpectedly",
+       "crash", "unknown", weight=0.6,
+       source=("https://github.com/Simple-Efficient/RL-Factory/issues/8",
+               "https://github.com/hkust-nlp/simpleRL-reason/issues/25", "https://github.com/verl-project/verl/issues/383",
+               "https://github.com/OpenRLHF/OpenRLHF/issues/265"),
+       why="Ray reports that an actor's or task's worker process died (python/ray/exceptions.py "
+           "ActorDiedError / RayActorError 'The actor died unexpectedly before finishing this "
+           "task', WorkerCrashedError 'The worker died unexpectedly while executing this task'; "
+           "the raylet's 'The actor is dead because its worker process has died. Worker exit "
+           "type: SYSTEM_ERROR …'): a process crash seen from the driver, not an exception of the "
+           "program; the cause (OOM killer, segfault, ray stop) is not in the line, and Ray's own "
+           "list of 'potential root causes' is no evidence of any of them"),
+    _p("engine_core_died",
+       r"EngineCore encountered a fatal error|Engine core proc \S+ died unexpectedly|"
+       r"EngineDeadError",
+       "crash", "unknown", weight=0.6,
+       source=("https://github.com/NovaSky-AI/SkyRL/issues/797",),
+       why="vLLM's engine-core process died (vllm/v1/engine/core.py 'EngineCore encountered a "
+           "fatal error.', core_client.py 'Engine core proc %s died unexpectedly', "
+           "EngineDeadError): the process that runs the model is gone; the error above it, when "
+           "the log holds it, names the cause"),
     # ==== generic ===============================================================================
     _p("launcher_child_failed",
        r"ChildFailedError|elastic\.multiprocessing\.api:failed|Root Cause \(first observed",
