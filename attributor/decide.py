@@ -170,6 +170,11 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     if reread:
         fault_class, layer, why = reread
         notes.append(why)
+    elif layer == Layer.UNKNOWN:
+        shared = _shared_by_ranks(root, ordered_a)
+        if shared:
+            layer, why = shared
+            notes.append(why)
 
     # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
     # several OOM-killed ranks); symptoms and victims never add culprits.
@@ -306,7 +311,29 @@ REREADINGS: tuple[tuple[str, str, str, str, str], ...] = (
      "scheduler or an operator tore the job down (Slurm and torchrun send SIGTERM, then "
      "SIGKILL to what is left); the kernel's OOM killer sends SIGKILL alone, to the process "
      "it picks (mm/oom_kill.c)"),
+    ("sigkill", "slurm_memory_limit_hit", FaultClass.OOM_HOST.value, Layer.APPLICATION.value,
+     "the rank was SIGKILLed after slurmstepd reported the step over its memory limit: the "
+     "job's own memory use against its allocation (the cgroup's OOM kill), not a guess"),
 )
+
+
+#: Rows whose fault names no layer on one rank but the program's when several ranks print it:
+#: pattern -> why. A kernel's illegal access on every rank running the same code is the code's
+#: (a faulty GPU or driver hits the ranks on it, not all of them at once).
+PROGRAM_WHEN_SHARED: dict[str, str] = {
+    "cuda_illegal_access": "the same CUDA memory fault on several ranks at once: the kernel's "
+                           "code (the program or its framework), not one GPU",
+}
+
+
+def _shared_by_ranks(root: Anomaly, anomalies: list[Anomaly]) -> tuple[str, str] | None:
+    """(layer, why) when ``root``'s pattern is in ``PROGRAM_WHEN_SHARED`` and at least two
+    distinct ranks printed it; None otherwise."""
+    pattern = root.detail.get("pattern")
+    if pattern not in PROGRAM_WHEN_SHARED:
+        return None
+    ranks = {r for a in anomalies if a.detail.get("pattern") == pattern for r in a.culprit.ranks}
+    return (Layer.APPLICATION.value, PROGRAM_WHEN_SHARED[pattern]) if len(ranks) >= 2 else None
 
 
 def _reread(root: Anomaly, anomalies: list[Anomaly]) -> tuple[str, str, str] | None:
