@@ -115,7 +115,12 @@ def _default(action: argparse.Action) -> str:
     return f"`{_cell(text)}`"
 
 
-def _parser_md(name: str, p: argparse.ArgumentParser, level: int = 3) -> list[str]:
+def _parser_md(name: str, p: argparse.ArgumentParser, level: int = 3,
+               real: dict[str, argparse.ArgumentParser] | None = None) -> list[str]:
+    """Markdown of parser ``p`` shown as ``name`` and of its sub-parsers; ``real`` maps a
+    sub-command's full name to the parser its ``main`` really uses (``DISPATCHED``), which
+    replaces the stub that only carries its help line."""
+    real = {} if real is None else real
     out = [f"{'#' * level} `{name}`", ""]
     p.prog = name  # a parser built without prog= would show this script's name
     if p.description:
@@ -139,9 +144,10 @@ def _parser_md(name: str, p: argparse.ArgumentParser, level: int = 3) -> list[st
     if rows:
         out += ["| argument | default | meaning |", "|---|---|---|", *rows, ""]
     for sub_name, sp, help_ in subs:
+        sp = real.pop(f"{name} {sub_name}", sp)
         if help_:
             sp.description = sp.description or help_
-        out += _parser_md(f"{name} {sub_name}", sp, level + 1)
+        out += _parser_md(f"{name} {sub_name}", sp, level + 1, real)
     return out
 
 
@@ -160,10 +166,11 @@ def cli_page() -> str:
     out += ["", "## `trainguard` subcommands", ""]
     for name, (module, _) in cli.COMMANDS.items():
         mod = importlib.import_module(module)
-        out += _parser_md(f"trainguard {name}", capture_parser(mod.main, []))
-        for shown, cmd, argv in DISPATCHED:
-            if cmd == name:
-                out += _parser_md(shown, capture_parser(mod.main, argv), 4)
+        real = {shown: capture_parser(mod.main, argv) for shown, cmd, argv in DISPATCHED
+                if cmd == name}
+        out += _parser_md(f"trainguard {name}", capture_parser(mod.main, []), 3, real)
+        for shown, parser in real.items():  # dispatched, and no stub among the sub-parsers
+            out += _parser_md(shown, parser, 4)
     out += ["## Modules run with `python -m`", "",
             "`SERVICE` is one of `detector`, `attributor`, `remediator`, "
             "`checkpoint_validator`, `slurm_watch` (`trainguard.service.main`); `python -m "

@@ -83,6 +83,9 @@ def test_cli_reference_walks_the_real_parsers():
                 "trainguard replay decide", "trainguard node readmit"):
         assert f"`{sub}`" in page, sub
     assert "`--nproc-per-node`" in page
+    # a dispatched sub-command shows its real parser, once (not the stub that carries its help)
+    assert page.count("#### `trainguard replay decide`") == 1
+    assert "`--job-record`" in page
 
 
 def test_environment_scan_finds_reads_and_sets_not_stream_names():
