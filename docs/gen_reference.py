@@ -353,7 +353,10 @@ def env_scan(root: pathlib.Path = ROOT) -> dict[str, list[tuple[str, int, str, s
     found: dict[str, list[tuple[str, int, str, str]]] = {}
     for folder in SCANNED:
         for path in sorted((root / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
+            text = path.read_text()
+            if '"TG_' not in text and "'TG_" not in text:
+                continue
+            tree = ast.parse(text, str(path))
             parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
             for node in ast.walk(tree):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) \
