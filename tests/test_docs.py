@@ -127,3 +127,14 @@ def test_mkdocs_strict_build(tmp_path):
         assert (site / page / "index.html").exists(), page
     deploy_html = (site / "operations/deploy/index.html").read_text()
     assert "Run a training job on your cluster" in deploy_html  # deploy/README.md included
+
+
+def test_compose_page_quotes_the_compose_file():
+    """docs/operations/compose.md repeats the steps written at the head of docker-compose.yml:
+    each of its command lines must still be there."""
+    page = (ROOT / "docs/operations/compose.md").read_text()
+    block = page.split("```bash\n", 1)[1].split("```", 1)[0]
+    head = (ROOT / "docker-compose.yml").read_text().split("\nname:", 1)[0]
+    quoted = {line[1:].strip() for line in head.splitlines() if line.startswith("#")}
+    stale = [line for line in block.splitlines() if line.strip() and line.strip() not in quoted]
+    assert not stale, f"compose.md lines no longer at the head of docker-compose.yml: {stale}"
