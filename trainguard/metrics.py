@@ -1,8 +1,11 @@
 """Prometheus metrics of a trainguard process: a ``/metrics`` endpoint (``prometheus-client``).
 
 Off unless asked for: ``TG_METRICS_PORT`` (or a service's ``--metrics-port``) names the port;
-``0`` takes an ephemeral one. The port in use is in the service's health reply
-(``metrics_port``), so a tool finds it with ``tg.svc.<name>.health``.
+``0`` takes an ephemeral one; ``TG_METRICS_HOST`` the address it listens on (default every
+interface, ``0.0.0.0``: a Prometheus elsewhere scrapes it). ``trainguard up`` gives every service
+a port of its own on the stack's address and prints the URLs (``trainguard.stack_http``). The port
+in use is in the service's health reply (``metrics_port``), so a tool finds it with
+``tg.svc.<name>.health``.
 
 What is exported (every name is in ``METRIC_NAMES``; ``deploy/grafana/trainguard.json``
 queries only these, a test checks it):
@@ -197,7 +200,7 @@ def mount(service: Any, port: int | None = None) -> Metrics | None:
             return None
         m = Metrics()
         m.service_collector(service)
-        m.serve(port)
+        m.serve(port, os.environ.get("TG_METRICS_HOST") or "0.0.0.0")
     except MetricsError as exc:
         log.error("%s: no metrics: %s", service.name, exc)
         return None
