@@ -11,6 +11,7 @@ from __future__ import annotations
 from trainguard import schemas
 from trainguard.attributor.decide import decide as attribute
 from trainguard.console_page import job_page
+from trainguard.console_timeline import timeline
 from trainguard.detector.reducer import DetectorServiceConfig, DetectorState, step
 from trainguard.detector.rules import DetectorConfig
 from trainguard.goodput import ledger
@@ -94,8 +95,21 @@ def test_a_hang_is_timed_from_the_ranks_last_progress_everywhere():
     [r] = rep["recoveries"]
     assert r["seconds_from_fault"] == {"detected": 1.75, "decided": 1.756, "resumed": 3.3}
 
+    tl = timeline(events, rep["recoveries"], rep["goodput"])
+    assert tl["incidents"][0]["times_s"]["fault"] == 0.7  # from the first heartbeat, T0
+    assert [len(segs) for segs in tl["ranks"].values()] == [1, 1]
     page = job_page("j", job.to_dict(), {"source": "the stored history",
                                          "goodput": rep["goodput"],
                                          "incidents": rep["recoveries"], "flags": []},
-                    [], [], [])
+                    [], [], [], timeline=tl)
     assert '<span class="num">+1.750 s</span>' in page   # detected, from the last progress
+    # the picture: the incident's silence shaded from the last progress to the detection
+    assert page.count('<svg id="timeline"') == 1
+    assert '<g class="incident" data-fault-class="hang" data-action="restart_workers" ' \
+           'data-ranks="1" data-detected-s="1.750">' in page
+    assert '<rect class="silence"' in page and '<rect class="restart"' in page
+    assert "hang rank 1: detected +1.750 s" in page
+    # no history: the page says why there is no picture
+    bare = job_page("j", job.to_dict(), {"source": "the audit trail", "goodput": None,
+                                         "incidents": [], "flags": []}, [], [], [])
+    assert 'id="no-timeline"' in bare and "<svg" not in bare
