@@ -17,7 +17,8 @@ queries only these, a test checks it):
   ``tg_reducer_effect_errors_total``;
 * from what a service publishes (event timestamps, Unix ns): ``tg_anomalies_total{fault_class,
   kind}`` and the histogram ``tg_fault_to_anomaly_seconds{fault_class}`` (``ts - first_ts``)
-  of the detector's anomalies; ``tg_decisions_total{fault_class, action}`` and
+  of the detector's anomalies (a hang's ``first_ts`` is the rank's last progress: the silence
+  before detection counts); ``tg_decisions_total{fault_class, action}`` and
   ``tg_fault_to_decision_seconds{fault_class, action}`` (``ts - fault_ts``) of the remediator's
   decisions; the node agent's telemetry as gauges ``tg_node_cpu_percent``,
   ``tg_node_memory_used_bytes``, ``tg_node_load1`` (``node``) and ``tg_gpu_utilization_percent``,
