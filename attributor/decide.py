@@ -270,12 +270,19 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                                                       f" more lines"]
     sources = ev.agreeing_sources(root, supporting, facts)
     score = ev.score_of(len(sources), symptom_only)
-    first_ts = min((a.first_ts or a.ts) for a in ordered_a)
+    # the fault's time and its detection: of the errors when the root is one — a warning flag
+    # (a straggler on a loaded host) that joined a crash's incident is no part of the crash
+    timed = ([a for a in ordered_a if a.severity != "warning"]
+             if root.severity != "warning" else []) or ordered_a
+    first_ts = min((a.first_ts or a.ts) for a in timed)
     gens = [a.generation for a in ordered_a if a.generation is not None]
     detail = {"root_kind": root.kind, "root_anomaly": root.event_id,
               "pattern": root.detail.get("pattern") or root.detail.get("rule"),
               "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only,
-              "sources": sources, "severity": root.severity, **facts}
+              "sources": sources, "severity": root.severity,
+              # the first anomaly's publication: the decision's ``detected_ts`` (the remediator
+              # reads it), so "detected" is fault → anomaly, not fault → verdict
+              "detected_ts": min(a.ts for a in timed), **facts}
     victims = sorted({r for a, v in zip(ordered_a, is_victim) if v for r in a.culprit.ranks}
                      - set(ranks))
     if victims:
@@ -362,7 +369,7 @@ def _program(fault_class: str) -> bool:
 
 #: Keys of the root anomaly's detail a verdict's detail carries on as they came.
 ROOT_DETAIL_KEYS = ("xid", "signal", "step", "seq", "op", "in_compute", "blocked",
-                    "launcher_lost", "last_beat_ns")
+                    "launcher_lost", "last_beat_ns", "last_progress_ts")
 
 #: The facts in a verdict's detail that say more than its fault class and layer: a later verdict
 #: of an incident is published when its conclusion (fault class, layer, facts) changed.

@@ -8,8 +8,8 @@ the effects out, and a table test or an offline replay drives ``step`` through `
 dedup memory are kept in it. Wall-clock times come from the input's ``wall_ns`` (Unix ns), never
 from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts`` the finding's
 (the event's own time) or, for a finding without one, the input's — for the periodic rules
-(silence, node lost, launcher lost, stall, straggler, throughput, missing member) the
-``Tick``'s.
+(node lost, launcher lost, straggler, throughput, missing member) the ``Tick``'s; for a hang
+(silence, stall) the rank's last progress, ``detail["last_progress_ts"]`` (``_at_last_progress``).
 
 What ``step`` decides, by input:
 
@@ -269,6 +269,7 @@ def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, 
     if seen is not None and now - seen < state.config.dedup_ttl_s:
         return False
     state.emitted[key] = now
+    _at_last_progress(f, wall_ns)
     extra = {"ts": wall_ns} if wall_ns else {}
     a = schemas.Anomaly(
         event_id=anomaly_id(key, source, wall_ns, state.config.dedup_ttl_s),
@@ -286,6 +287,20 @@ def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, 
     out.append(Publish(subject, a))
     state.anomalies += 1
     return True
+
+
+def _at_last_progress(f: Finding, wall_ns: int) -> None:
+    """A hang's fault time is the rank's last progress, not the tick that found it: a finding
+    with ``detail["since_progress_s"]`` (``silence_rule``, ``stall_rule``) gets
+    ``detail["last_progress_ts"]`` = the tick's ``wall_ns`` less that many seconds (Unix ns, the
+    detector's clock, as the detection time is), and the same as its ``ts`` (the anomaly's
+    ``first_ts``), so that everything timed from the fault (the verdict's ``first_ts``, the
+    decision's ``fault_ts``, the goodput ledger, the report, the console) counts the silence
+    before detection."""
+    lag = f.detail.get("since_progress_s")
+    if (not f.ts and wall_ns and isinstance(lag, (int, float)) and not isinstance(lag, bool)
+            and lag >= 0):
+        f.ts = f.detail["last_progress_ts"] = wall_ns - int(lag * 1e9)
 
 
 def _emit_node(state: DetectorState, out: list[Effect], node: str, f: Finding, now: float,

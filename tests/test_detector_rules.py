@@ -97,6 +97,10 @@ def test_stall_names_the_rank_behind():
     assert rules.stall_rule(js, t + floor, CFG) == []
     f = rules.stall_rule(js, t + floor + 0.95, CFG)
     assert len(f) == 1 and f[0].ranks == [1] and f[0].detail["collective_seq"] == 19
+    # the fault is rank 1's last progress (its step 19 at t), not the others' entry into the
+    # next collective (t + 0.1) nor the evaluation that found it
+    assert f[0].detail["since_progress_s"] == pytest.approx(floor + 0.95)
+    assert f[0].detail["stalled_s"] == pytest.approx(floor + 0.85)
 
 
 @pytest.mark.parametrize("counts,culprit,in_compute,blocked", [

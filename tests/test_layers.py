@@ -71,9 +71,10 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.launcher", COMMAND, False),  # `trainguard launch`: may start a stack
     ("trainguard.launch_args", COMMAND, False), ("trainguard.stack", COMMAND, False),
     ("trainguard.up", COMMAND, False), ("trainguard.credentials", COMMAND, False),
+    ("trainguard.stack_http", COMMAND, False),
     ("trainguard.demo", COMMAND, False), ("trainguard.diagnose", COMMAND, False),
     ("trainguard.replay", COMMAND, False), ("trainguard.console", COMMAND, False),
-    ("trainguard.console_page", COMMAND, False),
+    ("trainguard.console_page", COMMAND, False), ("trainguard.console_timeline", COMMAND, False),
     ("trainguard.schemas_cli", COMMAND, False),
     ("trainguard.replay_decide", COMMAND, False), ("trainguard.memstore", COMMAND, False),
     ("trainguard.replay_policy", COMMAND, False),

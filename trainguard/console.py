@@ -27,8 +27,10 @@
   history, else the audit trail's decisions (times, fault class, culprit, action, reason);
   ``flags``: the decisions of action ``none``;
 * ``GET /`` — the page of jobs and nodes; ``GET /job/{job}`` — one job's page: record,
-  goodput, incidents, nodes, checkpoints, audit trail (``trainguard.console_page``: HTML
-  rendered here, no script; both reload every 5 s).
+  goodput, timeline (``trainguard.console_timeline``: an SVG of steps per rank with each fault's
+  silence, detection, decision and recovery, from the stored history), incidents, nodes,
+  checkpoints, audit trail (``trainguard.console_page``: HTML rendered here, no script; both
+  reload every 5 s).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from trainguard import schemas
 
 from .console_page import index_page, job_page
+from .console_timeline import timeline
 from .goodput import Ledger, ledger
 from .state import StateStore
 
@@ -175,8 +178,8 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                         "repeat_offender": h["repeat_offender"]})
         return out
 
-    async def incidents_view(name: str, audit: list[dict[str, Any]] | None = None
-                             ) -> dict[str, Any]:
+    async def incidents_view(name: str, audit: list[dict[str, Any]] | None = None,
+                             with_timeline: bool = False) -> dict[str, Any]:
         st = store["s"]
         if audit is None:
             audit = await st.audit_trail(name, count=100000)
@@ -189,8 +192,11 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                 ledgers[name] = ledger(events, name)
                 flags = [e.to_dict() for e in events
                          if isinstance(e, schemas.Decision) and e.action == "none"]
-                return {"source": "the stored history", "goodput": rep["goodput"],
-                        "incidents": rep["recoveries"], "flags": flags}
+                out = {"source": "the stored history", "goodput": rep["goodput"],
+                       "incidents": rep["recoveries"], "flags": flags}
+                if with_timeline:
+                    out["timeline"] = timeline(events, rep["recoveries"], rep["goodput"])
+                return out
         decs = [a.get("decision") or a for a in audit if a.get("type") == "decision"]
         incs = []
         for d in decs:
@@ -243,14 +249,14 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
         rec = await st.job(name)
         audit = await st.audit_trail(name, count=100000)  # read once: incidents and the trail
         try:
-            incs = await incidents_view(name, audit)
+            incs = await incidents_view(name, audit, with_timeline=True)
         except (ConnectionError, ValueError) as exc:
             incs = {"source": f"nothing ({exc})", "goodput": None, "incidents": [], "flags": []}
         mine = {str(m.get("node")) for m in rec.members or []} | set(rec.spare_nodes or [])
         for r in incs["incidents"]:
             mine |= set((r.get("decision") or {}).get("nodes") or [])
         return job_page(name, rec.to_dict(), incs, await nodes_view(mine),
-                        await st.checkpoints(name), audit)
+                        await st.checkpoints(name), audit, timeline=incs.pop("timeline", None))
 
     return app
 
