@@ -43,6 +43,9 @@ class MemoryStore:
         self._seeded: dict[str, set[str]] = {}
         self._observed: set[str] = set()
         self._finished: dict[str, set[int]] = {}
+        #: the fleet breaker (``StateStore.breaker``) and its trail (``breaker_audit``)
+        self.breaker_state = schemas.BreakerState()
+        self.breaker_audits: list[dict[str, Any]] = []
 
     # ---- seeding from a snapshot and from events --------------------------------------------
     def seed(self, job: str, fields: dict[str, Any]) -> None:
@@ -185,6 +188,27 @@ class MemoryStore:
 
     def audit_trail(self, job: str, count: int = 1000) -> list[dict[str, Any]]:
         return list(self.audits.get(job, [])[:count])
+
+    # ---- the fleet breaker (``trainguard.breaker_state``) -------------------------------------
+    def fleet_nodes(self) -> list[str]:
+        nodes: set[str] = set()
+        for rec in self.records.values():
+            nodes |= {str(m.get("node")) for m in rec.members if m.get("node")}
+            nodes |= set(rec.spare_nodes) | set(rec.slurm_nodes)
+        return sorted(nodes)
+
+    def breaker_view(self) -> tuple[schemas.BreakerState, int]:
+        return self.breaker_state, len(self.fleet_nodes())
+
+    def put_breaker(self, state: schemas.BreakerState, expected: int) -> int | None:
+        if self.breaker_state.version != expected:
+            return None
+        self.breaker_state = dataclasses.replace(state, version=expected + 1)
+        return expected + 1
+
+    def breaker_audit(self, record: dict[str, Any], maxlen: int = 10000) -> str:
+        self.breaker_audits.append(json.loads(json.dumps(record, default=str)))
+        return f"0-{len(self.breaker_audits)}"
 
     def record_fault(self, node: str, job: str, signature: str, record: dict[str, Any],
                      ts_ns: int | None = None) -> None:

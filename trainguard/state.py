@@ -26,6 +26,8 @@ key                             type   content
 ``tg:rep:<node>:evidence``      list   its last offences (JSON), newest last
 ``tg:rep:<node>:keys``          set    offence keys counted already (30 days)
 ``tg:rep:<node>:readmit``       string the lock of a readmit under way (its token; expires)
+``tg:breaker``, ``…:audit``     hash,  the fleet breaker and its trail (``trainguard.breaker_state``)
+                                stream
 ==============================  =====  ============================================================
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ from trainguard.schemas.job import (
 from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_reputation
 
 from .auth import redact
+from .breaker_state import BreakerKeys
 from .errors import ServerUnreachable
 from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
                             END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key,
@@ -103,7 +106,7 @@ def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
     return opts
 
 
-class StateStore:
+class StateStore(BreakerKeys):
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
     ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.auth``; ``rediss://``
     for TLS, verified as ``tls_options`` says)."""
