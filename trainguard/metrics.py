@@ -197,6 +197,9 @@ def mount(service: Any, port: int | None = None) -> Metrics | None:
             return None
         m = Metrics()
         m.service_collector(service)
+        extra = getattr(service, "metric_families", None)
+        if callable(extra):  # a service's own gauges (the remediator's fleet breaker)
+            m.add_collector(extra)
         m.serve(port)
     except MetricsError as exc:
         log.error("%s: no metrics: %s", service.name, exc)
