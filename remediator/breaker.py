@@ -23,7 +23,7 @@ large fleet (a site may not want 500 of 1,000 nodes drained before anyone looks)
 
 Modes (``BreakerConfig.mode``, env ``TG_BREAKER``): ``action`` (default) holds; ``observe``
 counts and records when it would have tripped (``would_trip_ts``, a ``would_trip``
-transition) but holds nothing; ``off`` lets everything through and counts nothing.
+transition, then ``would_hold`` for each decision it would have held) but holds nothing; ``off`` lets everything through and counts nothing.
 
 ``admit`` is idempotent per decision: an action whose nodes are all in the window already under
 the same decision id passes again, unchanged (a remediator restarted mid-chain asks again).
@@ -109,7 +109,8 @@ class Request:
 @dataclass(frozen=True)
 class Outcome:
     """What the breaker did with a request: ``allowed``; ``transition`` — ``""`` (nothing to
-    announce), ``tripped``, ``held``, ``would_trip``; ``taken`` — nodes in the window after it;
+    announce), ``tripped``, ``held``, ``would_trip`` (observe: the first time it would have tripped),
+    ``would_hold`` (observe: a decision it would have held); ``taken`` — nodes in the window after it;
     ``limit`` / ``known`` — as computed; ``reason`` — in words."""
 
     allowed: bool
@@ -165,7 +166,11 @@ def admit(state: BreakerState, req: Request, known: int, cfg: BreakerConfig
     if after <= lim:
         return replace(state, taken=taken), Outcome(True, "", after, lim, known,
                                                     f"{after} of {lim} in the window")
-    if cfg.mode == "observe":
+    if cfg.mode == "observe":  # the first time it would have tripped is kept until a reset
+        if state.would_trip_ts:
+            return replace(state, taken=taken), Outcome(
+                True, "would_hold", after, lim, known,
+                f"{words}; would have held since {state.would_trip_ts}")
         return (replace(state, taken=taken, would_trip_ts=req.ts, would_trip_reason=words),
                 Outcome(True, "would_trip", after, lim, known, words))
     return (replace(state, taken=win, status=TRIPPED, tripped_ts=req.ts, trip_reason=words,
@@ -182,5 +187,5 @@ def reset(state: BreakerState, by: str, reason: str, ts: int) -> BreakerState:
     if not by.strip():
         raise BreakerError("a breaker reset needs who resets it")
     return replace(state, status=CLOSED, taken=(), tripped_ts=0, trip_reason="", held=0,
-                   last_reset={"by": by, "ts": ts, "reason": reason,
+                   would_trip_ts=0, would_trip_reason="", last_reset={"by": by, "ts": ts, "reason": reason,
                                "was": state.status, "held": state.held})

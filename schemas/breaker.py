@@ -100,7 +100,8 @@ class BreakerChanged(Event):
     """A transition of the fleet breaker. Subject ``tg.fleet.breaker``.
 
     * ``transition`` — ``tripped`` (it holds from now on), ``held`` (a decision it held),
-      ``would_trip`` (observe mode: it would have tripped), ``reset`` (a person closed it);
+      ``would_trip`` (observe mode: it would have tripped), ``would_hold`` (observe mode: a
+      decision it would have held), ``reset`` (a person closed it);
     * ``status`` — the breaker's status after the transition;
     * ``taken`` / ``limit`` / ``known_nodes`` / ``window_s`` — nodes taken out in the window,
       the most it lets through, the nodes of the fleet it knows, the window (s);
