@@ -1,0 +1,177 @@
+"""The fleet breaker and the progress count on a real NATS and Valkey, through the remediator
+service: it trips past its limit, holds a node-taking decision (published and audited as held,
+the job respawned in place instead), stays tripped across a remediator restart, and a person's
+reset resumes exclusions; a restart loop whose failing step drifts stops; a job that makes
+progress between faults survives more faults than its retry budget."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from trainguard import breaker_cli
+from trainguard.bus import Bus
+from trainguard.remediator.breaker import BreakerConfig
+from trainguard.remediator.service import Remediator, RemediatorConfig
+from trainguard.schemas import BreakerChanged, Decision, Verdict, subjects
+from trainguard.service import ServiceConfig, health_subject
+from trainguard.state import StateStore
+
+#: 3 jobs of 3 nodes, one rank a node: 9 known nodes, limit max(2, floor(0.5 × 9)) = 4
+JOBS = {f"j{k}": [f"{c}{k}" for c in "abc"] for k in range(3)}
+BREAKER = BreakerConfig(mode="action", window_s=300, fraction=0.5, min_nodes=2, max_nodes=None,
+                        fleet_nodes=0)
+
+
+async def register_fleet(store: StateStore) -> None:
+    for job, nodes in JOBS.items():
+        await store.register_job(job, mode="action", generation=0, world_size=3,
+                                 min_world_size=1, retry_budget=5, retries_used=0,
+                                 members=[{"rank": i, "node": n, "local_rank": 0}
+                                          for i, n in enumerate(nodes)])
+
+
+@contextlib.asynccontextmanager
+async def remediator(servers, redis_url, policy=None):
+    cfg = RemediatorConfig(decision_timeout_s=600, controller="local", breaker=BREAKER,
+                           breaker_poll_s=0.1)
+    if policy is not None:
+        cfg.policy = policy
+    svc = Remediator(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_url), cfg)
+    task = asyncio.create_task(svc.run())
+    probe = await Bus(servers.nats_url, "probe").connect()
+    for _ in range(250):
+        try:
+            if json.loads(await probe.request(health_subject("remediator"), timeout=0.2)).get(
+                    "ok"):
+                break
+        except Exception:  # noqa: BLE001 - not up yet
+            await asyncio.sleep(0.02)
+    await probe.close()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+        await asyncio.wait_for(task, 10)
+
+
+@contextlib.asynccontextmanager
+async def watcher(servers):
+    """Collects every job's decisions and the breaker's transitions."""
+    bus = await Bus(servers.nats_url, "test-watch").connect()
+    got: dict[str, list] = {"decision": [], "breaker": []}
+    await bus.subscribe("tg.job.*.decision", lambda s, e: got["decision"].append(e))
+    await bus.subscribe(subjects.FLEET_BREAKER, lambda s, e: got["breaker"].append(e))
+    await bus.flush()
+    bus.got = got
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+async def wait_for(pred, timeout=10.0):
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return pred()
+
+
+def xid(job: str, node: str) -> Verdict:
+    return Verdict(job=job, fault_class="gpu_xid", layer="hardware", confidence="high",
+                   culprit={"nodes": [node]}, detail={"xid": 79}, evidence=[
+                       f"NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus ({node})"])
+
+
+async def decide(bus, job: str, node: str) -> Decision:
+    n = len(bus.got["decision"])
+    await bus.publish(subjects.job(job, "verdict"), xid(job, node))
+    assert await wait_for(lambda: len(bus.got["decision"]) > n), f"no decision for {node}"
+    return bus.got["decision"][-1]
+
+
+async def test_breaker_trips_holds_survives_a_restart_and_a_reset_resumes(servers, redis_db):
+    store = StateStore(redis_db)
+    await register_fleet(store)
+    async with watcher(servers) as bus:
+        async with remediator(servers, redis_db) as svc:
+            # four nodes of three jobs: within the limit, each excluded
+            for job, node in (("j0", "a0"), ("j1", "a1"), ("j2", "a2"), ("j0", "b0")):
+                d = await decide(bus, job, node)
+                assert d.action == "exclude_node_and_requeue" and d.nodes == [node], d.reason
+                assert not d.held
+            assert (await store.node("a0"))["status"] == "excluded"
+            # the fifth would take the window past 4: held, the job respawns in place
+            d = await decide(bus, "j1", "b1")
+            assert d.action == "restart_workers" and d.execute and d.ranks == [0]  # b1, re-ranked
+            assert d.held["action"] == "exclude_node_and_requeue" and d.held["nodes"] == ["b1"]
+            assert "held by the fleet breaker" in d.reason
+            assert await wait_for(lambda: svc.breaker()["status"] == "tripped")
+            assert svc.breaker()["held"] == 1 and svc.breaker()["taken"] == 4
+            rec = await store.job("j1")
+            assert rec.world_size == 2 and len(rec.members) == 2  # b1 still in the job
+            held = [r for r in await store.audit_trail("j1") if r["type"] == "held"]
+            assert held and held[0]["held_action"] == "exclude_node_and_requeue"
+            assert await wait_for(lambda: bus.got["breaker"])
+            ev = bus.got["breaker"][0]
+            assert isinstance(ev, BreakerChanged) and ev.transition == "tripped"
+            assert (ev.taken, ev.limit, ev.known_nodes) == (4, 4, 9) and ev.nodes == ["b1"]
+        assert (await store.node("b1")) == {}  # never excluded
+
+        # a new remediator process: the breaker is in the store, still tripped
+        async with remediator(servers, redis_db) as svc:
+            d = await decide(bus, "j2", "b2")
+            assert d.action == "restart_workers" and d.held["nodes"] == ["b2"]
+            st = await breaker_cli.status(store, BREAKER)
+            assert st["status"] == "tripped" and st["held"] == 2
+            assert [t["type"] for t in st["trail"]] == ["tripped", "held"]
+
+            # a person resets it: who, when and why in the trail; exclusions resume
+            await breaker_cli.reset(store, "ops@site", "driver rollout rolled back", bus)
+            d = await decide(bus, "j2", "c2")
+            assert d.action == "exclude_node_and_requeue" and d.nodes == ["c2"] and not d.held
+            assert await wait_for(lambda: svc.breaker()["status"] == "closed")
+        trail = await store.breaker_trail()
+        assert trail[-1]["type"] == "reset" and trail[-1]["by"] == "ops@site"
+        assert trail[-1]["reason"] == "driver rollout rolled back" and trail[-1]["was"] == \
+            "tripped"
+        assert await wait_for(lambda: any(e.transition == "reset" for e in bus.got["breaker"]))
+    await store.close()
+
+
+def crash(job: str, gen: int, step: int) -> Verdict:
+    return Verdict(job=job, fault_class="app_exception", layer="application",
+                   culprit={"ranks": [gen % 3]}, generation=gen, detail={"step": step},
+                   evidence=[f"RuntimeError: loss is NaN at step {step} (attempt {gen})"])
+
+
+async def faults(bus, job: str, steps: list[int]) -> list[Decision]:
+    out = []
+    for gen, step in enumerate(steps):
+        n = len(bus.got["decision"])
+        await bus.publish(subjects.job(job, "verdict"), crash(job, gen, step))
+        assert await wait_for(lambda: len(bus.got["decision"]) > n)
+        out.append(bus.got["decision"][-1])
+        if out[-1].action == "stop_job_notify_user":
+            break
+    return out
+
+
+async def test_restart_loop_with_drifting_step_stops_and_progress_outlives_the_budget(
+        servers, redis_db):
+    store = StateStore(redis_db)
+    await register_fleet(store)
+    async with watcher(servers) as bus, remediator(servers, redis_db):
+        # j0 restores step 100 each time and fails a few steps later, never at the same step
+        ds = await faults(bus, "j0", [103, 102, 101, 103, 102])
+        assert [d.action for d in ds] == ["restart_in_process"] * 3 + ["stop_job_notify_user"]
+        assert "restart loop: 3 restarts in a row without progress past step 103" in ds[-1].reason
+        assert (await store.job("j0")).status == "stopped"
+        # j1 trains on between faults: 7 faults against a budget of 5, never stopped
+        ds = await faults(bus, "j1", [150, 420, 700, 910, 1300, 1720, 2000])
+        assert [d.action for d in ds] == ["restart_in_process"] * 7
+        rec = await store.job("j1")
+        assert rec.retries_used == 7 and rec.last_fault["stalled"] == 0
+        assert rec.status != "stopped"
+    await store.close()
