@@ -46,6 +46,8 @@ class MemoryStore:
         #: the fleet breaker (``StateStore.breaker``) and its trail (``breaker_audit``)
         self.breaker_state = schemas.BreakerState()
         self.breaker_audits: list[dict[str, Any]] = []
+        #: node → attributes (``StateStore.set_node_attrs``)
+        self.node_attributes: dict[str, dict[str, str]] = {}
 
     # ---- seeding from a snapshot and from events --------------------------------------------
     def seed(self, job: str, fields: dict[str, Any]) -> None:
@@ -220,10 +222,17 @@ class MemoryStore:
     def node_history(self, node: str, since_ns: int = 0) -> list[dict[str, Any]]:
         return [dict(r) for r in self.history.get(node, []) if r["ts"] >= since_ns]
 
-    def fault_history(self, nodes: Any, signature: str, since_ns: int = 0
-                      ) -> tuple[dict[str, list[dict[str, Any]]], list[tuple[str, str]]]:
-        return ({n: self.node_history(n, since_ns) for n in nodes},
-                self.signature_history(signature, since_ns))
+    def fault_history(self, nodes: Any, signature: str, since_ns: int = 0,
+                      recent_since_ns: int | None = None, attrs_at: int = 0) -> tuple:
+        out = ({n: self.node_history(n, since_ns) for n in nodes},
+               self.signature_history(signature, since_ns))
+        if recent_since_ns is None:
+            return out
+        recent = self.signature_history(signature, recent_since_ns)
+        return (*out, recent, dict(self.node_attributes))
+
+    def set_node_attrs(self, node: str, attrs: dict[str, str]) -> None:
+        self.node_attributes[node] = dict(attrs)
 
     def signature_history(self, signature: str, since_ns: int = 0) -> list[tuple[str, str]]:
         seen: dict[tuple[str, str], int] = {}
