@@ -46,6 +46,7 @@ into one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -82,8 +83,10 @@ class AttributorConfig:
     max_evidence: int = 40
     #: one signature from this many nodes of this many jobs within this window is a shared
     #: cause (``attributor.shared``)
+    #: (env ``TG_SHARED_CAUSE_NODES``: the node count, 0 turns the rule off)
     shared_window_s: float = 60.0
-    shared_min_nodes: int = 4
+    shared_min_nodes: int = field(
+        default_factory=lambda: int(os.environ.get("TG_SHARED_CAUSE_NODES", "4") or 0))
     shared_min_jobs: int = 2
 
 
@@ -270,7 +273,7 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                          f"an application fault, a restart would repeat it")
 
     # one signature from many nodes of many jobs at once -> the layer they share (rule 7)
-    if root.severity == "error" and not symptom_only:
+    if root.severity == "error" and not symptom_only and cfg.shared_min_nodes > 0:
         recent = {n: set(js) for n, js in hist.recent_nodes.items()}
         for n in nodes:
             recent.setdefault(n, set()).add(hist.job)
