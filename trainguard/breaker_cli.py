@@ -58,7 +58,7 @@ async def status(store: StateStore, cfg: br.BreakerConfig | None = None,
             "fraction": cfg.fraction, "min_nodes": cfg.min_nodes, "max_nodes": cfg.max_nodes,
             "would_trip_ts": st.would_trip_ts, "would_trip_reason": st.would_trip_reason,
             "last_reset": st.last_reset, "version": st.version,
-            "trail": (await store.breaker_trail())[-trail:]}
+            "trail": (await store.breaker_trail())[-trail:] if trail > 0 else []}
 
 
 async def reset(store: StateStore, by: str, reason: str, bus: Any = None,
