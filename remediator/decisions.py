@@ -10,7 +10,7 @@ from typing import Any
 
 from trainguard.reducer import Call, Effect, Log, Publish, Reply, store
 from trainguard.schemas import ActionResult, Decision, JobRecord, Verdict, subjects
-from trainguard.schemas.vocabulary import signature, stronger
+from trainguard.schemas.vocabulary import stronger
 
 from . import gate
 from . import policy as pol

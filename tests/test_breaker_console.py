@@ -89,3 +89,7 @@ def test_breaker_through_the_console_and_the_command(redis_db):
     assert [(t["type"], t.get("by")) for t in s["trail"]] == [("reset", "ops@site"),
                                                             ("reset", "alice")]
     assert s["trail"][-1]["reason"] == "bad health rule fixed"
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "status"],
+                         env={**os.environ, "PYTHONPATH": ROOT, "REDIS_URL": redis_db},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "fleet breaker: CLOSED" in out.stdout

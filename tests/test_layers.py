@@ -81,7 +81,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.report", COMMAND, False),
     ("trainguard.canary", COMMAND, False),  # the node health canary program
     ("trainguard.node_cli", COMMAND, False),
-    ("trainguard.breaker_cli", COMMAND, False),  # `trainguard breaker status|reset`  # `trainguard node readmit|probation|show`
+    ("trainguard.breaker_cli", COMMAND, False),  # `trainguard breaker status|reset`
+    ("trainguard.status_cli", COMMAND, False),  # `trainguard status`  # `trainguard node readmit|probation|show`
     ("trainguard.cluster", COMMAND, False),  # the one-machine cluster harness (netns, Slurm)
 ]
 
