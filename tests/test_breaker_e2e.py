@@ -1,4 +1,4 @@
-"""The fleet breaker and the progress count on a real NATS and Valkey, through the remediator
+"""The fleet breaker, the shared cause and the progress count on a real NATS and Valkey, through the services
 service: it trips past its limit, holds a node-taking decision (published and audited as held,
 the job respawned in place instead), stays tripped across a remediator restart, and a person's
 reset resumes exclusions; a restart loop whose failing step drifts stops; a job that makes
@@ -175,3 +175,73 @@ async def test_restart_loop_with_drifting_step_stops_and_progress_outlives_the_b
         assert rec.retries_used == 7 and rec.last_fault["stalled"] == 0
         assert rec.status != "stopped"
     await store.close()
+
+
+async def test_the_breaker_write_is_compare_and_set(redis_db):
+    """Two writers from the same version (two replicas, or a replica and a person's reset):
+    one wins, the other is told to read again; nothing is lost."""
+    from trainguard.schemas import BreakerState
+    a, b = StateStore(redis_db), StateStore(redis_db)
+    base = await a.breaker()
+    tripped = BreakerState(status="tripped", tripped_ts=1, trip_reason="r", held=1)
+    closed = BreakerState(held=0)
+    got = await asyncio.gather(a.put_breaker(tripped, base.version),
+                               b.put_breaker(closed, base.version))
+    assert [g for g in got if g is not None] == [base.version + 1] and got.count(None) == 1
+    now = await a.breaker()
+    assert now.version == base.version + 1 and now.status in ("tripped", "closed")
+    assert await a.put_breaker(closed, base.version) is None  # a stale version never writes
+    await a.close()
+    await b.close()
+
+
+async def test_attributor_blames_one_shared_cause_with_real_servers(servers, redis_db):
+    """Node telemetry carries each node's attributes; XIDs from 4 nodes of 2 jobs within a
+    minute: the fourth verdict blames system software and names the driver they share."""
+    from trainguard.attributor.service import Attributor
+    from trainguard.schemas import Anomaly, Culprit, NodeTelemetry
+
+    svc = Attributor(ServiceConfig(nats_url=servers.nats_url, redis_url=redis_db))
+    task = asyncio.create_task(svc.run())
+    bus = await Bus(servers.nats_url, "test-attr").connect()
+    verdicts: list = []
+    await bus.subscribe("tg.job.*.verdict", lambda s, e: verdicts.append(e))
+    await bus.flush()
+    store = StateStore(redis_db)
+    try:
+        for _ in range(250):
+            try:
+                if json.loads(await bus.request(health_subject("attributor"), timeout=0.2)).get(
+                        "ok"):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.02)
+        for i in range(8):
+            await bus.publish(subjects.node(f"g{i}", "telemetry"), NodeTelemetry(
+                node=f"g{i}", cpu_percent=1.0, mem_used_bytes=1, mem_total_bytes=2,
+                attributes={"driver": "550.54" if i < 5 else "535.10", "rack": f"r{i % 2}"}))
+        assert await wait_for(lambda: len(svc.model.node_attrs) == 8)
+        assert await wait_for_async(lambda: store.node_attrs(), lambda v: len(v) == 8)
+        for i, job in enumerate(("ja", "jb", "ja", "jb")):
+            await bus.publish(subjects.job(job, "anomaly"), Anomaly(
+                job=job, kind="gpu_fault", fault_class="gpu_xid", generation=i,
+                culprit=Culprit(nodes=[f"g{i}"]), detail={"xid": 79, "layer": "hardware"},
+                evidence=["NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"]))
+            assert await wait_for(lambda: len(verdicts) > i)
+        assert [("shared_cause" in v.detail) for v in verdicts] == [False] * 3 + [True]
+        cause = verdicts[-1].detail["shared_cause"]
+        assert verdicts[-1].layer == "system_software" and cause["common"] == {"driver": "550.54"}
+        assert cause["count"] == 4 and cause["jobs"] == 2
+    finally:
+        await bus.close()
+        await store.close()
+        svc.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def wait_for_async(read, pred, timeout=10.0):
+    for _ in range(int(timeout / 0.05)):
+        if pred(await read()):
+            return True
+        await asyncio.sleep(0.05)
+    return pred(await read())
