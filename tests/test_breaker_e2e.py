@@ -1,8 +1,9 @@
-"""The fleet breaker, the shared cause and the progress count on a real NATS and Valkey, through the services
-service: it trips past its limit, holds a node-taking decision (published and audited as held,
-the job respawned in place instead), stays tripped across a remediator restart, and a person's
-reset resumes exclusions; a restart loop whose failing step drifts stops; a job that makes
-progress between faults survives more faults than its retry budget."""
+"""The fleet breaker, the shared cause and the progress count on a real NATS and Valkey,
+through the services: the breaker trips past its limit, holds a node-taking decision (published
+and audited as held, the job respawned in place instead), stays tripped across a remediator
+restart, and a person's reset resumes exclusions; its write is compare-and-set; the attributor
+blames one shared cause and names the driver the nodes share; a restart loop whose failing step
+drifts stops; a job that makes progress between faults survives more faults than its budget."""
 from __future__ import annotations
 
 import asyncio
