@@ -25,6 +25,10 @@ Modes (``BreakerConfig.mode``, env ``TG_BREAKER``): ``action`` (default) holds; 
 counts and records when it would have tripped (``would_trip_ts``, a ``would_trip``
 transition, then ``would_hold`` for each decision it would have held) but holds nothing; ``off`` lets everything through and counts nothing.
 
+The decisions of observe-mode jobs (never executed) ask a shadow breaker with mode ``observe``
+(``remediator.gate``): they show when it would have tripped and never count against the real
+one.
+
 ``admit`` is idempotent per decision: an action whose nodes are all in the window already under
 the same decision id passes again, unchanged (a remediator restarted mid-chain asks again).
 """

@@ -30,13 +30,27 @@ PUT_TRIES = 10
 
 
 def needs_gate(state: RemediatorState, dec: Decision | None) -> bool:
-    """Whether ``dec`` asks the breaker: executed, node-taking, naming nodes, breaker on."""
-    return (dec is not None and dec.execute and dec.action in br.NODE_TAKING
-            and bool(dec.nodes) and state.config.breaker.mode != "off")
+    """Whether ``dec`` asks the breaker: node-taking, naming nodes, breaker on. A decision of an
+    observe-mode job (not executed) asks the breaker's shadow (``which``), which holds nothing
+    and shows when the breaker would have tripped had the jobs been in action mode."""
+    return (dec is not None and dec.action in br.NODE_TAKING and bool(dec.nodes)
+            and dec.mode in ("action", "observe") and state.config.breaker.mode != "off")
+
+
+def _which(dec: Decision) -> str:
+    """The breaker a decision asks: ``""`` (executed) or ``"observe"`` (its shadow)."""
+    return "" if dec.execute else "observe"
+
+
+def _cfg(state: RemediatorState, dec: Decision) -> br.BreakerConfig:
+    cfg = state.config.breaker
+    return cfg if dec.execute else replace(cfg, mode="observe")
 
 
 def ask(state: RemediatorState, seq: int, then: str) -> Out:
-    return state, [store("breaker_view", reply=("breaker", seq, then))]
+    dec = state.work[seq].decision
+    assert dec is not None
+    return state, [store("breaker_view", _which(dec), reply=("breaker", seq, then))]
 
 
 def _claim(dec: Decision, tag: tuple) -> Effect:
@@ -48,14 +62,16 @@ def on_breaker(state: RemediatorState, seq: int, w: Work, inp: Reply, now: float
     dec = w.decision
     assert dec is not None and dec.job
     then = inp.tag[2]
-    state = replace(state, breaker_seen=(bstate, int(known)))
+    if dec.execute:
+        state = replace(state, breaker_seen=(bstate, int(known)))
     req = br.Request(dec.job, dec.event_id, str(dec.action), tuple(dec.nodes),
                      inp.wall_ns or dec.ts)
-    new, out = br.admit(bstate, req, int(known), state.config.breaker)
+    new, out = br.admit(bstate, req, int(known), _cfg(state, dec))
     if new == bstate:
         return _proceed(state, seq, w, out, then, inp.wall_ns)
     state, w = update(state, seq, gate=(out, new))
-    return state, [store("put_breaker", new, bstate.version, reply=("breaker_put", seq, then))]
+    return state, [store("put_breaker", new, bstate.version, _which(dec),
+                         reply=("breaker_put", seq, then))]
 
 
 def on_breaker_put(state: RemediatorState, seq: int, w: Work, inp: Reply, now: float) -> Out:
@@ -70,7 +86,8 @@ def on_breaker_put(state: RemediatorState, seq: int, w: Work, inp: Reply, now: f
         state, w = update(state, seq, tries=w.tries + 1)
         return ask(state, seq, then)
     state, w = update(state, seq, tries=0)
-    state = replace(state, breaker_seen=(replace(new, version=int(inp.value)), out.known))
+    if w.decision is not None and w.decision.execute:
+        state = replace(state, breaker_seen=(replace(new, version=int(inp.value)), out.known))
     return _proceed(state, seq, w, out, then, inp.wall_ns)
 
 
@@ -80,13 +97,14 @@ def _proceed(state: RemediatorState, seq: int, w: Work, out: br.Outcome, then: s
     assert dec is not None and w.record is not None and dec.job
     effects: list[Effect] = []
     cfg = state.config.breaker
+    shadow = {} if dec.execute else {"observe_jobs": True}
     if out.transition:
         status = "tripped" if out.transition in ("tripped", "held") else "closed"
         ev = BreakerChanged(transition=out.transition, status=status, taken=out.taken,
                             limit=out.limit, known_nodes=out.known, window_s=cfg.window_s,
                             held_action=str(dec.action) if not out.allowed else "",
                             nodes=list(dec.nodes), decision_id=dec.event_id, job=dec.job,
-                            reason=out.reason, trace=dec.child_trace(),
+                            reason=out.reason, trace=dec.child_trace(), detail=shadow,
                             **({"ts": wall_ns} if wall_ns else {}))
         effects += [Publish(subjects.FLEET_BREAKER, ev),
                     store("breaker_audit", {"type": out.transition, "job": dec.job,
@@ -94,9 +112,15 @@ def _proceed(state: RemediatorState, seq: int, w: Work, out: br.Outcome, then: s
                                             "action": str(dec.action),
                                             "nodes": list(dec.nodes), "taken": out.taken,
                                             "limit": out.limit, "known_nodes": out.known,
-                                            "reason": out.reason, "ts": wall_ns},
+                                            "reason": out.reason, "ts": wall_ns, **shadow},
                           wait=False),
-                    Log(logging.WARNING, f"fleet breaker {out.transition}: {out.reason}")]
+                    Log(logging.WARNING, f"fleet breaker {out.transition}"
+                                         f"{' (observe-mode jobs)' if shadow else ''}: "
+                                         f"{out.reason}")]
+        if out.transition in ("would_trip", "would_hold"):  # the decision says it too
+            dec = dec.model_copy(update={"reason": f"{dec.reason}; the fleet breaker would "
+                                                   f"have held this: {out.reason}"})
+            state, w = update(state, seq, decision=dec)
     if not out.allowed:
         held = holds.no_node_decision(dec, w.verdict, w.record, "breaker", out.reason,
                                       state.config.policy)

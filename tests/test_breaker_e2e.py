@@ -246,3 +246,28 @@ async def wait_for_async(read, pred, timeout=10.0):
             return True
         await asyncio.sleep(0.05)
     return pred(await read())
+
+
+async def test_observe_mode_jobs_show_when_the_breaker_would_have_tripped(servers, redis_db):
+    """Jobs in observe mode: the same decisions, never executed; the breaker's shadow counts
+    them apart, never holds, and says when it would have tripped."""
+    store = StateStore(redis_db)
+    await register_fleet(store)
+    for job in JOBS:
+        await store.update_job(job, mode="observe")
+    async with watcher(servers) as bus, remediator(servers, redis_db) as svc:
+        nodes = [("j0", "a0"), ("j1", "a1"), ("j2", "a2"), ("j0", "b0"), ("j1", "b1")]
+        ds = [await decide(bus, job, node) for job, node in nodes]
+        assert [d.action for d in ds] == ["exclude_node_and_requeue"] * 5
+        assert not any(d.execute or d.held for d in ds)
+        assert "would have held" in ds[-1].reason and "would have held" not in ds[-2].reason
+        st = await breaker_cli.status(store, BREAKER)
+        assert st["status"] == "closed" and st["taken"] == 0 and st["held"] == 0
+        assert st["would_trip_ts"] and st["observe_jobs_taken"] == 5
+        assert await wait_for(lambda: [e.transition for e in bus.got["breaker"]] == [
+            "would_trip"])
+        assert bus.got["breaker"][0].detail == {"observe_jobs": True}
+        assert svc.breaker()["status"] == "closed"
+        await breaker_cli.reset(store, "ops", "looked: one driver", None)
+        assert not (await breaker_cli.status(store, BREAKER))["would_trip_ts"]
+    await store.close()

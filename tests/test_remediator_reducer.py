@@ -42,17 +42,18 @@ class Store:
         self.restarted: list[tuple] = []          # restart_pod calls: (node, job, before_ns)
         self.stopped: list[tuple] = []            # stop calls: (job, reason, generation)
         self.outboxes: dict[str, dict[str, dict]] = {}  # job -> decision id -> decision
-        self.breaker = schemas.BreakerState()     # the fleet breaker (compare-and-set)
+        # the fleet breaker and its shadow over observe-mode jobs (compare-and-set)
+        self.breakers = {"": schemas.BreakerState(), "observe": schemas.BreakerState()}
         self.breaker_trail: list[dict] = []
 
-    def breaker_view(self):
+    def breaker_view(self, which=""):
         nodes = {m["node"] for r in self.records.values() for m in r.members}
-        return self.breaker, len(nodes)
+        return self.breakers[which], len(nodes)
 
-    def put_breaker(self, state, expected):
-        if self.breaker.version != expected:
+    def put_breaker(self, state, expected, which=""):
+        if self.breakers[which].version != expected:
             return None
-        self.breaker = dataclasses.replace(state, version=expected + 1)
+        self.breakers[which] = dataclasses.replace(state, version=expected + 1)
         return expected + 1
 
     def breaker_audit(self, record):

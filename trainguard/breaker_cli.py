@@ -2,7 +2,8 @@
 
 * ``trainguard breaker status [--json]`` — closed or tripped, since when and why, the nodes
   taken out within the window (node, job, action, time), the limit and the known nodes, the
-  decisions held, the last reset, and the last entries of the breaker's audit trail. Exit
+  decisions held, when it would have tripped (observe: the breaker's own ``observe`` mode, or
+  the decisions of observe-mode jobs, which it counts apart and never holds), the last reset, and the last entries of the breaker's audit trail. Exit
   status 0 closed, 3 tripped (scripts and health checks can test it).
 * ``trainguard breaker reset --reason TEXT [--by NAME]`` — close it: a person's act, after
   investigating (``docs/fleet-guard.md``). ``--reason`` is required; ``--by`` defaults to
@@ -49,6 +50,7 @@ async def status(store: StateStore, cfg: br.BreakerConfig | None = None,
     """The breaker as a JSON-ready dict (see the module docstring)."""
     cfg = cfg or br.BreakerConfig()
     st, known = await store.breaker_view()
+    shadow = await store.breaker("observe")
     now = time.time_ns()
     win = br.window(st, cfg, now)
     return {"status": st.status, "mode": cfg.mode, "tripped_ts": st.tripped_ts,
@@ -56,7 +58,9 @@ async def status(store: StateStore, cfg: br.BreakerConfig | None = None,
             "window": [dict(t) for t in win], "limit": br.limit(cfg, known),
             "known_nodes": max(known, cfg.fleet_nodes), "window_s": cfg.window_s,
             "fraction": cfg.fraction, "min_nodes": cfg.min_nodes, "max_nodes": cfg.max_nodes,
-            "would_trip_ts": st.would_trip_ts, "would_trip_reason": st.would_trip_reason,
+            "would_trip_ts": st.would_trip_ts or shadow.would_trip_ts,
+            "would_trip_reason": st.would_trip_reason or shadow.would_trip_reason,
+            "observe_jobs_taken": len(br.window(shadow, cfg, now)),
             "last_reset": st.last_reset, "version": st.version,
             "trail": (await store.breaker_trail())[-trail:] if trail > 0 else []}
 
@@ -67,14 +71,15 @@ async def reset(store: StateStore, by: str, reason: str, bus: Any = None,
     who, when and why to its trail, publish the ``reset`` on ``bus`` when given. Returns the
     state written. Raises ``breaker.BreakerError`` without a reason or a name."""
     ts = now_ns or time.time_ns()
-    for _ in range(20):
-        before = await store.breaker()
-        after = br.reset(before, by, reason, ts)
-        version = await store.put_breaker(after, before.version)
-        if version is not None:
-            break
-    else:
-        raise br.BreakerError("the breaker's state kept changing: try the reset again")
+    for which in ("observe", ""):  # its shadow over observe-mode jobs too; the breaker last
+        for _ in range(20):
+            before = await store.breaker(which)
+            after = br.reset(before, by, reason, ts)
+            version = await store.put_breaker(after, before.version, which)
+            if version is not None:
+                break
+        else:
+            raise br.BreakerError("the breaker's state kept changing: try the reset again")
     await store.breaker_audit({"type": "reset", "by": by, "reason": reason, "ts": ts,
                                "was": before.status, "held": before.held,
                                "taken": len(before.taken)})

@@ -4,6 +4,8 @@
 key                             type   content
 ==============================  =====  ============================================================
 ``tg:breaker``                  hash   ``schemas.breaker.BreakerState`` (``encode_breaker``)
+``tg:breaker:observe``          hash   the same for the decisions of observe-mode jobs (never
+                                       executed: it holds nothing, it shows when it would trip)
 ``tg:breaker:audit``            stream trips, holds, resets (who, when, why): one JSON record each
 ==============================  =====  ============================================================
 
@@ -19,6 +21,8 @@ from typing import Any
 from trainguard.schemas.breaker import BreakerState, decode_breaker, encode_breaker
 
 BREAKER_KEY = "tg:breaker"
+#: ``which`` → the hash: ``""`` the breaker, ``"observe"`` its shadow over observe-mode jobs
+BREAKER_KEYS = {"": BREAKER_KEY, "observe": f"{BREAKER_KEY}:observe"}
 BREAKER_AUDIT_KEY = "tg:breaker:audit"
 
 #: KEYS[1] the hash; ARGV[1] the version expected; ARGV[2..] field, value pairs. Writes them
@@ -38,19 +42,21 @@ class BreakerKeys:
 
     r: Any
 
-    async def breaker(self) -> BreakerState:
-        """The breaker's state (closed, version 0, when never written). Raises ``ValueError``
-        for a field it cannot read (the message says how to start over)."""
-        return decode_breaker(await self.r.hgetall(BREAKER_KEY))
+    async def breaker(self, which: str = "") -> BreakerState:
+        """The breaker's state (closed, version 0, when never written); ``which``:
+        ``BREAKER_KEYS``. Raises ``ValueError`` for a field it cannot read (the message says how
+        to start over) and ``KeyError`` for an unknown ``which``."""
+        return decode_breaker(await self.r.hgetall(BREAKER_KEYS[which]))
 
-    async def put_breaker(self, state: BreakerState, expected: int) -> int | None:
+    async def put_breaker(self, state: BreakerState, expected: int,
+                          which: str = "") -> int | None:
         """Write ``state`` if the stored version is ``expected``: the new version, or None when
         another write came first (read again, step again)."""
         fields = {k: v for k, v in encode_breaker(state).items() if k != "version"}
         args: list[Any] = [expected]
         for k, v in fields.items():
             args += [k, v]
-        got = int(await self.r.eval(PUT_BREAKER, 1, BREAKER_KEY, *args))
+        got = int(await self.r.eval(PUT_BREAKER, 1, BREAKER_KEYS[which], *args))
         return got if got >= 0 else None
 
     async def fleet_nodes(self) -> list[str]:
@@ -69,9 +75,9 @@ class BreakerKeys:
             nodes.add(key[len("tg:node:"):])
         return sorted(nodes)
 
-    async def breaker_view(self) -> tuple[BreakerState, int]:
+    async def breaker_view(self, which: str = "") -> tuple[BreakerState, int]:
         """``(breaker state, number of known nodes)``: what ``remediator.breaker.admit`` needs."""
-        return await self.breaker(), len(await self.fleet_nodes())
+        return await self.breaker(which), len(await self.fleet_nodes())
 
     async def breaker_audit(self, record: dict[str, Any], maxlen: int = 10000) -> str:
         """Append a record (a trip, a hold, a reset: who, when, why) to the breaker's trail."""

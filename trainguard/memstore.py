@@ -44,7 +44,7 @@ class MemoryStore:
         self._observed: set[str] = set()
         self._finished: dict[str, set[int]] = {}
         #: the fleet breaker (``StateStore.breaker``) and its trail (``breaker_audit``)
-        self.breaker_state = schemas.BreakerState()
+        self.breaker_states = {"": schemas.BreakerState(), "observe": schemas.BreakerState()}
         self.breaker_audits: list[dict[str, Any]] = []
         #: node → attributes (``StateStore.set_node_attrs``)
         self.node_attributes: dict[str, dict[str, str]] = {}
@@ -199,13 +199,14 @@ class MemoryStore:
             nodes |= set(rec.spare_nodes) | set(rec.slurm_nodes)
         return sorted(nodes)
 
-    def breaker_view(self) -> tuple[schemas.BreakerState, int]:
-        return self.breaker_state, len(self.fleet_nodes())
+    def breaker_view(self, which: str = "") -> tuple[schemas.BreakerState, int]:
+        return self.breaker_states[which], len(self.fleet_nodes())
 
-    def put_breaker(self, state: schemas.BreakerState, expected: int) -> int | None:
-        if self.breaker_state.version != expected:
+    def put_breaker(self, state: schemas.BreakerState, expected: int,
+                    which: str = "") -> int | None:
+        if self.breaker_states[which].version != expected:
             return None
-        self.breaker_state = dataclasses.replace(state, version=expected + 1)
+        self.breaker_states[which] = dataclasses.replace(state, version=expected + 1)
         return expected + 1
 
     def breaker_audit(self, record: dict[str, Any], maxlen: int = 10000) -> str:
