@@ -234,3 +234,24 @@ def test_progress_resets_the_count():
     # two stalled restarts, progress, two stalled again: never three in a row
     actions, _ = run_faults([50, 40, 45, 300, 290, 280, 500], budget=10)
     assert actions == ["restart_workers"] * 7
+
+
+def test_the_remediator_exports_the_breaker_as_gauges():
+    """``/metrics`` of the remediator (``trainguard.metrics.mount`` registers
+    ``metric_families``): tripped, nodes taken in the window, limit, known nodes, held."""
+    import time
+    from dataclasses import replace
+
+    from trainguard.remediator.service import Remediator, RemediatorConfig
+    from trainguard.service import ServiceConfig
+
+    svc = Remediator(ServiceConfig(nats_url="nats://127.0.0.1:1", redis_url="redis://127.0.0.1:1"),
+                     RemediatorConfig(breaker=CFG))
+    assert svc.breaker()["status"] == "unknown"
+    now = time.time_ns()
+    state, _ = feed(BreakerState(), [req([f"n{i}"], i, now) for i in range(6)], known=8)
+    svc.model = replace(svc.model, breaker_seen=(state, 8))
+    gauges = {f.name: f.samples[0].value for f in svc.metric_families()}
+    assert gauges == {"tg_breaker_tripped": 1.0, "tg_breaker_nodes_taken": 4.0,
+                      "tg_breaker_limit": 4.0, "tg_breaker_known_nodes": 8.0,
+                      "tg_breaker_held": 2.0}
