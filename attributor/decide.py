@@ -31,7 +31,11 @@
    * XIDs 13/31/43 (the catalog's application XIDs) from ``app_xid_pids`` (3) or more
      different processes on one GPU make that GPU suspect hardware (``gpu_xid``/``hardware``,
      ``detail["suspect_gpu"]``).
-6. Confidence (``evidence.agreeing_sources``): how many independent sources — exit status,
+7. A shared cause (``attributor.shared``): the root's signature from ``shared_min_nodes`` (4)
+   nodes of ``shared_min_jobs`` (2) jobs within ``shared_window_s`` (60 s) is blamed on the
+   layer they share, not on each node: ``detail["shared_cause"]`` names it and what the nodes
+   have in common (their telemetry's attributes), and the remediator takes no node out.
+8. Confidence (``evidence.agreeing_sources``): how many independent sources — exit status,
    the program's log, a peer's log, the kernel log, an XID, telemetry, heartbeats, history —
    agree with the verdict: one is ``medium``, two or more ``high``, symptoms alone ``low``
    (``detail["sources"]`` lists them). The detector's per-rule weights order root candidates of
@@ -42,6 +46,7 @@ into one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -50,6 +55,7 @@ from trainguard.schemas.vocabulary import (FaultClass, Layer, default_layer, fir
                                            signature, spec)
 
 from . import evidence as ev
+from . import shared
 from .evidence import root_key  # noqa: F401 - re-exported for older callers
 
 #: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
@@ -75,6 +81,13 @@ class AttributorConfig:
     app_repeat_nodes: int = 2
     app_xid_pids: int = 3
     max_evidence: int = 40
+    #: one signature from this many nodes of this many jobs within this window is a shared
+    #: cause (``attributor.shared``)
+    #: (env ``TG_SHARED_CAUSE_NODES``: the node count, 0 turns the rule off)
+    shared_window_s: float = 60.0
+    shared_min_nodes: int = field(
+        default_factory=lambda: int(os.environ.get("TG_SHARED_CAUSE_NODES", "4") or 0))
+    shared_min_jobs: int = 2
 
 
 @dataclass
@@ -89,6 +102,10 @@ class History:
     node_jobs: dict[str, set[str]] = field(default_factory=dict)
     signature_nodes: set[str] = field(default_factory=set)
     gpu_app_xid_pids: dict[str, set[int]] = field(default_factory=dict)
+    #: node → jobs that reported the root's signature within ``shared_window_s`` (any job)
+    recent_nodes: dict[str, set[str]] = field(default_factory=dict)
+    #: node → attributes (``NodeTelemetry.attributes``), read when a shared cause is likely
+    node_attrs: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -260,6 +277,24 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                          f"nodes of this job ({', '.join(sorted(sig_nodes)[:5])}): "
                          f"an application fault, a restart would repeat it")
 
+    # one signature from many nodes of many jobs at once -> the layer they share (rule 7)
+    if root.severity == "error" and not symptom_only and cfg.shared_min_nodes > 0:
+        recent = {n: set(js) for n, js in hist.recent_nodes.items()}
+        for n in nodes:
+            recent.setdefault(n, set()).add(hist.job)
+        cause = shared.shared_cause(fault_class, sig, recent, hist.node_attrs,
+                                    cfg.shared_window_s, cfg.shared_min_nodes,
+                                    cfg.shared_min_jobs)
+        if cause is not None:
+            facts["shared_cause"] = cause
+            facts.pop("repeat_offender", None)  # not this node's fault after all
+            facts.setdefault("evidence_layer", str(layer))
+            layer = cause["layer"]
+            said = ", ".join(f"{k}={v}" for k, v in cause["common"].items())
+            notes.append(f"the same failure from {cause['count']} nodes of {cause['jobs']} "
+                         f"jobs within {cause['window_s']:g} s: a shared cause "
+                         f"({layer}{'; in common: ' + said if said else ''}), not each node")
+
     evidence: list[str] = []
     for a, vic in zip(ordered_a, is_victim):
         tag = ("symptom" if a.symptom or vic else "root" if a is root else "fault")
@@ -395,7 +430,9 @@ NODE_LAYERS = (Layer.HARDWARE, Layer.SYSTEM_SOFTWARE, Layer.INFRASTRUCTURE)
 
 def history_from_records(job: str, node_records: dict[str, list[dict]],
                          signature_pairs: list[tuple[str, str]], current_gpu_pids:
-                         dict[str, set[int]] | None = None, since_ns: int = 0) -> History:
+                         dict[str, set[int]] | None = None, since_ns: int = 0,
+                         recent_pairs: list[tuple[str, str]] | None = None,
+                         node_attrs: dict[str, dict[str, str]] | None = None) -> History:
     """Build a ``History`` from ``StateStore.node_history`` records (per culprit node) and
     ``signature_history`` pairs ``[(job, node)]`` of the root's signature. Records are dicts
     with at least ``job``, ``layer``, ``ts`` and optionally ``xid``, ``gpu``, ``pid``."""
@@ -411,6 +448,10 @@ def history_from_records(job: str, node_records: dict[str, list[dict]],
             if r.get("xid") in APP_XIDS and r.get("gpu") and r.get("pid") is not None:
                 h.gpu_app_xid_pids.setdefault(str(r["gpu"]), set()).add(int(r["pid"]))
     h.signature_nodes = {n for j, n in signature_pairs if j == job and n}
+    for j, n in recent_pairs or ():
+        if n:
+            h.recent_nodes.setdefault(n, set()).add(j)
+    h.node_attrs = {n: dict(a) for n, a in (node_attrs or {}).items()}
     for g, pids in (current_gpu_pids or {}).items():
         h.gpu_app_xid_pids.setdefault(g, set()).update(pids)
     return h

@@ -59,6 +59,7 @@ from trainguard.schemas import Decision, JobRecord, Member, Verdict
 from trainguard.schemas.vocabulary import (Action, FaultClass, Layer, first_error_line, signature,
                                            stronger)
 
+from . import progress
 from .world import new_world, nodes_of, ranks_on
 
 A, F, L = Action, FaultClass, Layer
@@ -265,8 +266,13 @@ ESCALATIONS: tuple[Escalation, ...] = (
     Escalation("would_loop", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
                "would loop: {fault_class} with the same signature {where} again after "
                "the restart of generation {last_generation}"),
+    Escalation("restart_loop", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
+               "restart loop: {stalled} restarts in a row without progress past step "
+               "{high_water} (failing at steps {steps}), whatever the signature "
+               "(remediator.progress)"),
     Escalation("budget_spent", RECOVERY_ACTIONS, A.STOP_JOB_NOTIFY_USER,
-               "retry budget spent ({retries_used} of {retry_budget} used)"),
+               "retry budget spent ({retries_used} of {retry_budget} used: restarts after "
+               "which the job made no progress; one followed by progress is not counted)"),
 )
 
 #: Watchdog: executed action not followed by training again → the next stronger action.
@@ -294,6 +300,11 @@ class Policy:
     watchdog_ladder: dict[str, str] = field(default_factory=lambda: dict(WATCHDOG_LADDER))
     default_mode: str = "observe"
     default_retry_budget: int = 10
+    #: stalled restarts in a row (every fault naming a step) that stop a job as a restart
+    #: loop, whatever the signature (``remediator.progress``)
+    loop_restarts: int = 3
+    #: seconds between two faults that count as progress when neither names a step
+    progress_s: float = 1800.0
     acting_warnings: tuple[str, ...] = ACTING_WARNINGS
     pod_restarts: tuple[PodRestart, ...] = POD_RESTARTS
     migrations: tuple[Migration, ...] = MIGRATIONS
@@ -396,14 +407,23 @@ def _would_loop(v: Verdict, job: JobRecord, fault_gen: int) -> dict[str, Any] | 
             "last_generation": last_gen}
 
 
-def _budget_spent(v: Verdict, job: JobRecord, fault_gen: int) -> dict[str, Any] | None:
-    if job.retries_used >= job.retry_budget:
-        return {"retries_used": job.retries_used, "retry_budget": job.retry_budget}
+def _budget_spent(v: Verdict, job: JobRecord, fault_gen: int,
+                  policy: "Policy") -> dict[str, Any] | None:
+    """The retry budget counts stalled restarts (``remediator.progress``), not attempts."""
+    used = progress.stalled_restarts(v, job, fault_gen, policy.progress_s)
+    if used >= job.retry_budget:
+        return {"retries_used": used, "retry_budget": job.retry_budget}
     return None
 
 
-CHECKS: dict[str, Callable[[Verdict, JobRecord, int], dict[str, Any] | None]] = {
-    "would_loop": _would_loop,
+def _restart_loop(v: Verdict, job: JobRecord, fault_gen: int,
+                  policy: "Policy") -> dict[str, Any] | None:
+    return progress.loop_facts(v, job, fault_gen, policy.progress_s, policy.loop_restarts)
+
+
+CHECKS: dict[str, Callable[..., dict[str, Any] | None]] = {
+    "would_loop": lambda v, job, fault_gen, policy: _would_loop(v, job, fault_gen),
+    "restart_loop": _restart_loop,
     "budget_spent": _budget_spent,
 }
 
@@ -431,6 +451,11 @@ def decide(verdict: Verdict, job_state: JobRecord,
     fault_gen = fault_generation(verdict, job)
     action, reasons = table_action(verdict, job, policy)
     dec = plan(verdict, job, action, reasons, fault_gen, policy, requeues=requeues)
+    cause = verdict.detail.get("shared_cause")
+    if cause and dec.action in (A.EXCLUDE_NODE_AND_REQUEUE, A.RESET_GPU):
+        from . import holds  # holds builds on plan: imported here, not at the top
+        dec = holds.no_node_decision(dec, verdict, job, "shared_cause",
+                                     holds.shared_cause_words(cause), policy)
     _, why = pod_restart(dec, verdict, restarts_pods, policy)
     return dec.model_copy(update={"reason": f"{dec.reason}; {why}"}) if why else dec
 
@@ -551,7 +576,7 @@ def plan(verdict: Verdict, job: JobRecord, action: str, reasons: list[str], faul
     for esc in policy.escalations:
         if action not in esc.applies_to:
             continue
-        facts = CHECKS[esc.check](verdict, job, fault_gen)
+        facts = CHECKS[esc.check](verdict, job, fault_gen, policy)
         if facts is not None:
             reasons.append(esc.reason.format(**facts))
             action = esc.then

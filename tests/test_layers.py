@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     # core: events, bus, state, the service bases, the checkpoint format
     ("trainguard.schemas", CORE, False), ("trainguard.bus", CORE, False),
     ("trainguard.state", CORE, False), ("trainguard.state_scripts", CORE, False),
+    ("trainguard.breaker_state", CORE, False),  # the fleet breaker's key family of the store
     ("trainguard.errors", CORE, False),
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
     ("trainguard.consume", CORE, False), ("trainguard.membership", CORE, False),
@@ -80,7 +81,9 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.replay_policy", COMMAND, False),
     ("trainguard.report", COMMAND, False),
     ("trainguard.canary", COMMAND, False),  # the node health canary program
-    ("trainguard.node_cli", COMMAND, False),  # `trainguard node readmit|probation|show`
+    ("trainguard.node_cli", COMMAND, False),
+    ("trainguard.breaker_cli", COMMAND, False),  # `trainguard breaker status|reset`
+    ("trainguard.status_cli", COMMAND, False),  # `trainguard status`  # `trainguard node readmit|probation|show`
     ("trainguard.cluster", COMMAND, False),  # the one-machine cluster harness (netns, Slurm)
 ]
 

@@ -1,4 +1,4 @@
-"""A small read-only console over the state store: a JSON API and one web page.
+"""A small console over the state store (read-only but for the breaker's reset): a JSON API and one web page.
 
 ``python -m trainguard.console --redis-url URL [--nats-url URL] [--host 127.0.0.1] [--port 8080]``
 
@@ -26,11 +26,15 @@
   decision, restored step, steps rolled back, recovery path, loss check) from the stored
   history, else the audit trail's decisions (times, fault class, culprit, action, reason);
   ``flags``: the decisions of action ``none``;
-* ``GET /`` — the page of jobs and nodes; ``GET /job/{job}`` — one job's page: record,
-  goodput, timeline (``trainguard.console_timeline``: an SVG of steps per rank with each fault's
-  silence, detection, decision and recovery, from the stored history), incidents, nodes,
-  checkpoints, audit trail (``trainguard.console_page``: HTML rendered here, no script; both
-  reload every 5 s).
+* ``GET /api/breaker`` — the fleet breaker (``trainguard breaker status --json``);
+  ``POST /api/breaker/reset`` with ``{"by", "reason"}`` closes it (both required: HTTP 400
+  without; 503 when the console's store user may not write it), who, when and why into its
+  trail (``docs/fleet-guard.md``);
+* ``GET /`` — the page of jobs and nodes (and the breaker's line); ``GET /job/{job}`` — one
+  job's page: record, goodput, timeline (``trainguard.console_timeline``: an SVG of steps per
+  rank with each fault's silence, detection, decision and recovery, from the stored history),
+  incidents, nodes, checkpoints, audit trail (``trainguard.console_page``: HTML rendered here,
+  no script; both reload every 5 s).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from trainguard import schemas
+from trainguard import breaker_cli, schemas
 
 from .console_page import index_page, job_page
 from .console_timeline import timeline
@@ -237,9 +241,31 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
         except (ConnectionError, ValueError) as exc:
             raise HTTPException(503, str(exc)) from None
 
+    @app.get("/api/breaker")
+    async def api_breaker() -> dict[str, Any]:
+        try:
+            return await breaker_cli.status(store["s"])
+        except (ConnectionError, ValueError) as exc:
+            raise HTTPException(503, str(exc)) from None
+
+    @app.post("/api/breaker/reset")
+    async def api_breaker_reset(body: dict[str, Any]) -> dict[str, Any]:
+        by, reason = str(body.get("by") or ""), str(body.get("reason") or "")
+        try:
+            await breaker_cli.reset(store["s"], by, reason)
+            return await breaker_cli.status(store["s"])
+        except breaker_cli.br.BreakerError as exc:
+            raise HTTPException(400, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a read-only role, the store away
+            raise HTTPException(503, f"reset not written: {exc}") from None
+
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
-        return index_page(await jobs(), await nodes_view())
+        try:
+            b = await breaker_cli.status(store["s"], trail=0)
+        except (ConnectionError, ValueError):
+            b = None
+        return index_page(await jobs(), await nodes_view(), breaker=b)
 
     @app.get("/job/{name}", response_class=HTMLResponse)
     async def job_html(name: str) -> str:

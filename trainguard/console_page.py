@@ -79,15 +79,29 @@ NODE_HEAD = ("node", "state", "status in store", "ranks (job: ranks)", "spare fo
              "node faults (24 h)", "in jobs", "updated (UTC)", "reason")
 
 
+def breaker_line(b: dict[str, Any] | None) -> str:
+    """The fleet breaker in one paragraph (``GET /api/breaker``); empty when unknown."""
+    if not b:
+        return ""
+    text = (f'fleet breaker: {_status("stopped" if b.get("status") == "tripped" else "running")}'
+            f' {_e(b.get("status"))} — {_e(b.get("taken"))} of at most {_e(b.get("limit"))} '
+            f'node(s) taken out within {_e(b.get("window_s"))} s')
+    if b.get("status") == "tripped":
+        text += (f'; {_e(b.get("held"))} decision(s) held: {_e(b.get("trip_reason"))}; '
+                 f'reset with <code>trainguard breaker reset --reason …</code>')
+    return f'<p id="breaker">{text}</p>'
+
+
 def index_page(jobs: list[dict[str, Any]], nodes: list[dict[str, Any]],
-               refresh_s: int = 5) -> str:
-    """The front page: ``jobs`` as ``GET /jobs`` returns them, ``nodes`` as ``/api/nodes``."""
+               refresh_s: int = 5, breaker: dict[str, Any] | None = None) -> str:
+    """The front page: ``jobs`` as ``GET /jobs`` returns them, ``nodes`` as ``/api/nodes``,
+    ``breaker`` as ``/api/breaker``."""
     rows = [[f'<a href="job/{html.escape(j["job"], quote=True)}">{_e(j["job"])}</a>',
              _e(j.get("mode")), _status(j.get("status")), f'<span class="num">'
              f'{_e(j.get("generation"))}</span>', f'<span class="num">'
              f'{_e(j.get("world_size"))}</span>',
              f'{_e(j.get("retries_used") or 0)} / {_e(j.get("retry_budget"))}'] for j in jobs]
-    body = ("<h1>trainguard</h1><h2>Jobs</h2>"
+    body = ("<h1>trainguard</h1>" + breaker_line(breaker) + "<h2>Jobs</h2>"
             + (_table("jobs", ("job", "mode", "status", "generation", "world size",
                                "retries used / budget"), rows) if rows else
                '<p id="jobs" class="muted">no job in the state store</p>')

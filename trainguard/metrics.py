@@ -201,6 +201,9 @@ def mount(service: Any, port: int | None = None) -> Metrics | None:
             return None
         m = Metrics()
         m.service_collector(service)
+        extra = getattr(service, "metric_families", None)
+        if callable(extra):  # a service's own gauges (the remediator's fleet breaker)
+            m.add_collector(extra)
         m.serve(port, os.environ.get("TG_METRICS_HOST") or "0.0.0.0")
     except MetricsError as exc:
         log.error("%s: no metrics: %s", service.name, exc)
