@@ -188,9 +188,9 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
         fault_class, layer, why = reread
         notes.append(why)
     elif layer == Layer.UNKNOWN:
-        shared = _shared_by_ranks(root, ordered_a)
-        if shared:
-            layer, why = shared
+        by_ranks = _shared_by_ranks(root, ordered_a)
+        if by_ranks:
+            layer, why = by_ranks
             notes.append(why)
 
     # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
