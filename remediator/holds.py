@@ -28,7 +28,8 @@ from typing import Any
 from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.vocabulary import Action, FaultClass
 
-from . import policy as pol
+from . import plan as pol
+from .policy_table import DEFAULT_POLICY, Policy
 from .world import ranks_on
 
 __all__ = ["no_node_decision", "shared_cause_words"]
@@ -48,7 +49,7 @@ def shared_cause_words(cause: Any) -> str:
 
 
 def no_node_decision(dec: Decision, verdict: Verdict | None, job: JobRecord, by: str,
-                     why: str, policy: pol.Policy = pol.DEFAULT_POLICY) -> Decision:
+                     why: str, policy: Policy = DEFAULT_POLICY) -> Decision:
     """The decision that replaces node-taking ``dec`` when ``by`` (``breaker`` |
     ``shared_cause``) holds it, for ``why`` (words). ``verdict`` None: a watchdog escalation.
     ``job`` is the job record (defaults are applied here)."""

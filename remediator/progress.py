@@ -15,7 +15,7 @@ is not stopped. A restart loop stops sooner, whatever the signature: ``Policy.lo
 (3) stalled restarts in a row whose faults all named a step (a loop that fails soon after each
 load at a step that drifts: Megatron-LM issue 5281, 44 identical 90-second cycles from a corrupt
 local checkpoint, NaN three steps after each load). The same signature at the same step stops at
-once (``policy._would_loop``), as before.
+once (``plan._would_loop``), as before.
 
 What does not end a restart loop here: faults that named no step and come further apart than
 ``progress_s`` (each counts as progress, since a job that trained that long between restarts is
