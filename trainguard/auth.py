@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
+from .private_file import write_private  # noqa: F401 - credentials and server configs use it
+
 #: What a role may run in Valkey besides its keys: reads, writes, Lua (the atomic mutators of
 #: ``trainguard.state``), MULTI/EXEC, connection upkeep; never FLUSHALL, KEYS, CONFIG, DEBUG,
 #: ACL, SHUTDOWN and the rest of ``@dangerous``. ``client|setinfo``: redis-py sends it on connect.
@@ -364,17 +366,6 @@ def nats_permissions(role: Role) -> dict:
 
 
 # ---- credentials -----------------------------------------------------------------------------
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by this user only (0600), replacing it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
 @dataclass
 class Credentials:
     """One password per role of ``ROLES``, one per job given its own workers (``jobs``: job
