@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.reducer import ReducerService
+from trainguard.reducer_service import ReducerService
 from trainguard.service import ServiceConfig
 
 from . import incidents as _incidents

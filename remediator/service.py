@@ -24,7 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 from trainguard.controllers import NodeController, make_controller
-from trainguard.reducer import ReducerService, Tick
+from trainguard.reducer import Tick
+from trainguard.reducer_service import ReducerService
 from trainguard.schemas import Decision
 from trainguard.service import ServiceConfig
 

@@ -652,14 +652,3 @@ class Stack:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``trainguard up`` (``python -m trainguard.stack``): see ``trainguard.up``."""
-    from .up import main as up_main
-
-    return up_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
