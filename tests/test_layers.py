@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     # rank runtime: what a training process and its launcher run
     ("trainguard", RUNTIME, False),  # the package: `trainguard.run` (lazily the shim)
     ("trainguard.worker", RUNTIME, False), ("trainguard.hooks", RUNTIME, False),
+    ("trainguard.rank_runtime", RUNTIME, False),
     ("trainguard.spare", RUNTIME, False), ("trainguard.launch", RUNTIME, False),
     ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
     ("trainguard.forkserver", RUNTIME, False),

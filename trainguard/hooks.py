@@ -128,7 +128,7 @@ def install() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.optimizer import register_optimizer_step_post_hook as register_step_post_hook
 
-    from .worker import WorkerConfig
+    from .rank_state import WorkerConfig
 
     # (the module, not the function torch.distributed exports under the same name)
     rdzv = importlib.import_module("torch.distributed.rendezvous")
@@ -354,7 +354,7 @@ def _install_bucket_hook(ddp: Any) -> None:
     ddp._tg_bucket_hook = st
 
 
-from .worker import _Runtime  # noqa: E402 - after the public API: the shim imports this module
+from .rank_runtime import _Runtime  # noqa: E402 - after the public API
 
 
 class _PlainRuntime(_Runtime):
