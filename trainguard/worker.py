@@ -64,6 +64,7 @@ class _Runtime:
         self.last_step_before_fault = -1
         self.pending_resume: dict[str, Any] | None = None
         self.current_decision_id = ""
+        self.rendezvous_ts = 0  # Unix ns: this generation's groups formed (recovery.resumed)
         # trainguard.checkpoint.CheckpointResources of the Checkpointers this process made
         # (Context.checkpointer): one per process, reused by every generation
         self.ckpt_resources = None
@@ -156,6 +157,7 @@ class _Runtime:
                     self.ckpt_group, self.socks = rendezvous.form_groups(
                         self.store, cfg.job, cfg.generation, cfg.rank, cfg.world_size,
                         cfg.backend, cfg.pg_timeout_s)
+                self.rendezvous_ts = time.time_ns()
                 if self.newer_decision() is None:
                     self.abort_requested.clear()
                 rq = self.requests
@@ -306,7 +308,8 @@ class Context:
             restore_source=getattr(ck, "restore_source", "none") or "none",
             decision_id=rt.current_decision_id,
             path=getattr(ck, "recovery_path", "checkpoint"),
-            reason=(getattr(ck, "recovery_reason", "") or "")[:500]))
+            reason=(getattr(ck, "recovery_reason", "") or "")[:500],
+            rendezvous_ts=rt.rendezvous_ts))
         saved_loss = getattr(self._ckpt, "restored_loss", None)
         if saved_loss is not None and loss is not None:
             check = self._ckpt.recovery_check(float(loss))  # config.loss_tolerance
