@@ -128,3 +128,13 @@ def test_format_lists_every_phase():
     assert sum(1 for x in lines if x.startswith("| ") and not x.startswith("| phase")) \
         == len(timeline.PHASES)
     assert any("node2 3.050" in x for x in lines)
+
+
+def test_with_mark_recomputes_durations():
+    tl = timeline.build(F, _events()).to_dict()
+    assert tl["seconds"]["last_progress"] is None
+    tl2 = timeline.with_mark(tl, "last_progress", F + S // 2)
+    assert tl2["seconds"]["last_progress"] == 0.5 and tl2["durations"]["detected"] == 2.5
+    assert tl2["acted_by_node"] == tl["acted_by_node"]
+    with pytest.raises(KeyError):
+        timeline.with_mark(tl, "lunch", F)

@@ -36,8 +36,8 @@ from typing import Any, Iterable, Sequence
 
 from trainguard import schemas
 
-__all__ = ["PHASES", "Timeline", "build", "steps_from_heartbeats", "median_durations",
-           "slow_phase", "tails", "format_timeline"]
+__all__ = ["PHASES", "Timeline", "build", "steps_from_heartbeats", "with_mark",
+           "median_durations", "slow_phase", "tails", "format_timeline"]
 
 PHASES = ("fault", "last_progress", "detected", "verdict", "decision", "acted", "rendezvous",
           "first_step")
@@ -92,6 +92,24 @@ class Timeline:
                                   for n, t in sorted(self.acted_by_node.items())},
                 "first_step_by_rank": {str(r): round((t - f) / 1e9, 3)
                                        for r, t in sorted(self.first_step_by_rank.items())}}
+
+
+def with_mark(tl: dict[str, Any], phase: str, t_ns: int | None) -> dict[str, Any]:
+    """Timeline ``tl`` (``to_dict()`` form) with ``phase``'s mark set to Unix ns ``t_ns``
+    (marks read back from the dict to the millisecond), seconds and durations computed again:
+    for a phase only the caller can see (a bench's own step records). Raises KeyError for an
+    unknown phase."""
+    if phase not in PHASES:
+        raise KeyError(f"no phase {phase!r}: phases are {', '.join(PHASES)}")
+    f = int(tl["fault_ns"])
+    marks = {p: None if s is None else f + int(round(s * 1e9))
+             for p, s in tl["seconds"].items()}
+    marks[phase] = t_ns
+    out = Timeline(marks, generation=tl.get("generation"),
+                   decision_id=tl.get("decision_id", ""), action=tl.get("action", "")).to_dict()
+    out["acted_by_node"] = dict(tl.get("acted_by_node") or {})
+    out["first_step_by_rank"] = dict(tl.get("first_step_by_rank") or {})
+    return out
 
 
 def _t_ns(rec: dict[str, Any]) -> int:
