@@ -4,8 +4,8 @@ the ranks' step records; and which phase made a slow recovery slow. Pure: no I/O
 Phases, in the order recovery goes through them (``PHASES``; each mark is Unix ns):
 
 * ``fault`` — the fault injected (a bench) or first seen (a real job: the incident's fault time);
-* ``last_progress`` — the last step completed in the generation the fault hit (it may come before
-  the fault: a rank stuck in the step it was in);
+* ``last_progress`` — the last step completed in the generation the fault hit, by the decision
+  (it may come before the fault: a rank stuck in the step it was in);
 * ``detected`` — the first anomaly after the fault (else the decision's ``detected_ts``);
 * ``verdict`` — the verdict the recovery decision answered (else the first one after the fault);
 * ``decision`` — the decision recovery followed: the executed one (action other than ``none``)
@@ -227,6 +227,12 @@ def build(fault_ns: int, events: Iterable[schemas.Event] = (),
         for e in resumed:
             if e.rank is not None:
                 tl.first_step_by_rank.setdefault(e.rank, e.ts)
+    # progress stops at the latest by the decision (what a rank of the old generation records
+    # later, or one whose heartbeats still carry it, is not the progress the fault stopped)
+    stop = marks["decision"]
+    if stop is None and tl.first_step_by_rank:
+        stop = min(tl.first_step_by_rank.values())
+    old = [r for r in old if stop is None or _t_ns(r) <= stop]
     if old:
         marks["last_progress"] = _t_ns(old[-1])
     if tl.first_step_by_rank:
