@@ -278,8 +278,12 @@ def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
             c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=[
                 "--records", c.records_dir(job), *job_args(fault)])
             runner, t_f = _fire(c, job, FAULTS[fault], timeout)
+            early = [f"{d.action} g{d.generation} nodes {d.nodes}: {d.fault_class}"
+                     for d in rec.of(schemas.Decision) if d.execute and d.action != "none"
+                     and (t_f is None or d.ts < t_f * 1e9)]
             if t_f is None:
-                return {"error": "the job did not reach the fault's step"}
+                return {"error": "the job did not reach the fault's step on node1",
+                        "decided_before_fault": early}
             out: dict = {"fault_unix_s": t_f}
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -314,6 +318,8 @@ def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
             out["culprit_correct"] = (out["named_s"] is not None if fault == "slow_link"
                                       else bool(named) and named[0] == ["node1"])
             out["timeline"] = run_timeline(c, job, t_f, rec)
+            if early:  # the job moved before the fault (e.g. a straggler at start-up)
+                out["decided_before_fault"] = early
             keep_logs(c, fault, seconds_of(fault, out)[1])
             runner.cancel()
             return out
@@ -439,7 +445,8 @@ def main(argv=None) -> int:
                 extra = {k: r[k] for k in ("culprit_correct", "steps_rolled_back", "moved_work",
                                            "slurm_down_s", "decision_to_again_s",
                                            "steps_per_s_before", "steps_per_s_during",
-                                           "decisions", "eligible", "error") if k in r}
+                                           "decisions", "eligible", "error",
+                                           "decided_before_fault") if k in r}
                 tl = r.get("timeline") or {}
                 phases = " ".join(f"{k}={v}" for k, v in (tl.get("seconds") or {}).items()
                                   if k != "fault" and v is not None)

@@ -353,7 +353,7 @@ def training_again(records: list[dict[str, Any]], fault_s: float) -> dict[str, A
 class FaultRunner(threading.Thread):
     """Carries out the node faults of a schedule on ``cluster`` for ``job`` (rank faults are the
     launchers'): each at its trigger — ``step``: the first record of ``rank`` (default 0) at that
-    step; ``at_s``: seconds after ``start()`` — then its heal (``heal_after_s``) or end
+    step on the fault's node (a rank moved to another node before it does not fire it); ``at_s``: seconds after ``start()`` — then its heal (``heal_after_s``) or end
     (``duration_s``). ``fired``: ``[{"id", "kind", "node", "ts": Unix s, "end": Unix s or
     None}]``; ``error``: what stopped it (a node that is not there), else None."""
 
@@ -379,7 +379,10 @@ class FaultRunner(threading.Thread):
         if f.at_s is not None:
             return time.time() - self.t0 >= f.at_s
         rank = f.rank if f.rank is not None else 0
-        return any(r["rank"] == rank and r["step"] >= f.step
+        # a record of that rank on the fault's node: once the job moved the rank elsewhere (a
+        # decision before the fault), the node is out of the job and the fault waits
+        node = f.node_name(self.cluster.net.names)
+        return any(r["rank"] == rank and r["step"] >= f.step and r.get("host", node) == node
                    for r in self.cluster.steps(self.job))
 
     def run(self) -> None:
