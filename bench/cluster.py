@@ -56,7 +56,9 @@ records only).
 (true when every run's was), ``steps_rolled_back`` (median), ``median_phases`` (each phase's
 median seconds), ``slow_runs`` (every run over 2 × the median, or without a figure, with the
 phase that took the extra time: ``trainguard.timeline.tails``), ``runs_correct``,
-``fault_spec``, ``conditions`` and ``runs`` (every run's record). ``--keep-logs-over S DIR``
+``fault_spec``, ``conditions`` and ``runs`` (every run's record; a partition's carries
+``waited_for_heal``: training again only after the link came back, and
+``decided_before_fault``: decisions that moved the job before the fault fired). ``--keep-logs-over S DIR``
 copies the logs of each run whose figure exceeds S seconds (or is missing) to DIR.
 
 SIGTERM or SIGINT at any moment stops the cluster of the run under way (namespaces, veths,
@@ -318,6 +320,9 @@ def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
             out["culprit_correct"] = (out["named_s"] is not None if fault == "slow_link"
                                       else bool(named) and named[0] == ["node1"])
             out["timeline"] = run_timeline(c, job, t_f, rec)
+            if FAULTS[fault].get("heal_after_s") and out.get("again_s") is not None:
+                # training again only once the node was back: recovery waited for the heal
+                out["waited_for_heal"] = out["again_s"] >= FAULTS[fault]["heal_after_s"]
             if early:  # the job moved before the fault (e.g. a straggler at start-up)
                 out["decided_before_fault"] = early
             keep_logs(c, fault, seconds_of(fault, out)[1])
@@ -446,7 +451,7 @@ def main(argv=None) -> int:
                                            "slurm_down_s", "decision_to_again_s",
                                            "steps_per_s_before", "steps_per_s_during",
                                            "decisions", "eligible", "error",
-                                           "decided_before_fault") if k in r}
+                                           "decided_before_fault", "waited_for_heal") if k in r}
                 tl = r.get("timeline") or {}
                 phases = " ".join(f"{k}={v}" for k, v in (tl.get("seconds") or {}).items()
                                   if k != "fault" and v is not None)
