@@ -353,7 +353,8 @@ def training_again(records: list[dict[str, Any]], fault_s: float) -> dict[str, A
 class FaultRunner(threading.Thread):
     """Carries out the node faults of a schedule on ``cluster`` for ``job`` (rank faults are the
     launchers'): each at its trigger — ``step``: the first record of ``rank`` (default 0) at that
-    step on the fault's node (a rank moved to another node before it does not fire it); ``at_s``: seconds after ``start()`` — then its heal (``heal_after_s``) or end
+    step on the fault's node (a rank moved to another node before it does not fire it);
+    ``at_s``: seconds after ``start()`` — then its heal (``heal_after_s``) or end
     (``duration_s``). ``fired``: ``[{"id", "kind", "node", "ts": Unix s, "end": Unix s or
     None}]``; ``error``: what stopped it (a node that is not there), else None."""
 
