@@ -58,8 +58,8 @@ median seconds), ``slow_runs`` (every run over 2 × the median, or without a fig
 phase that took the extra time: ``trainguard.timeline.tails``), ``runs_correct``,
 ``fault_spec``, ``conditions`` and ``runs`` (every run's record; a partition's carries
 ``waited_for_heal``: training again only after the link came back, and
-``decided_before_fault``: decisions that moved the job before the fault fired). ``--keep-logs-over S DIR``
-copies the logs of each run whose figure exceeds S seconds (or is missing) to DIR.
+``decided_before_fault``: decisions that moved the job before the fault fired).
+``--keep-logs-over S DIR`` copies the logs of each run whose figure exceeds S seconds (or is missing) to DIR.
 
 SIGTERM or SIGINT at any moment stops the cluster of the run under way (namespaces, veths,
 daemons, processes) before the bench exits (``trainguard.cluster.stop_on_signals``).

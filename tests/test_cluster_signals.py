@@ -24,7 +24,8 @@ WHY = cnet.unavailable_reason() or (None if shutil.which("slurmctld") and shutil
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"cannot build "
                                                    f"the cluster here: {WHY}")]
 
-# The child: a cluster (with Slurm when its argument says so), a process of its own on node1, then it waits to be stopped.
+# The child: a cluster (with Slurm when its argument says so), a process of its own on node1,
+# then it waits to be stopped.
 CHILD = r"""
 import json, sys, time
 from trainguard.cluster import Cluster, ClusterConfig
