@@ -504,7 +504,7 @@ def row(system: str, fault: str, runs: list[dict]) -> dict:
     metrics = sorted({m for m, _ in figs})
     dist = timeline.tails([v for _, v in figs], [r.get("timeline") for r in runs])
     return {"system": system, "fault": fault,
-            "seconds": statistics.median(vals) if vals else None,
+            "seconds": round(statistics.median(vals), 3) if vals else None,
             "p95_s": dist["p95_s"], "recovered": f"{dist['recovered']}/{dist['n']}",
             "median_phases": dist["median_phases"], "slow_runs": dist["slow_runs"],
             "culprit_correct": bool(runs) and all(r.get("culprit_correct") for r in runs),
