@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.auth", CORE, False), ("trainguard.tls", CORE, False),
     ("trainguard.private_file", CORE, False), ("trainguard.recording", CORE, False),
     ("trainguard.metrics", CORE, False), ("trainguard.goodput", CORE, False),
+    ("trainguard.timeline", CORE, False),
     ("trainguard.auth", CORE, False), ("trainguard.fault_schedule", CORE, False),
     ("trainguard.xid", CORE, False), ("trainguard.checkpoint.format", CORE, False),
     # rules: pure decisions, shared by live services and offline tools

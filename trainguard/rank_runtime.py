@@ -44,6 +44,7 @@ class _Runtime:
         self.last_step_before_fault = -1
         self.pending_resume: dict[str, Any] | None = None
         self.current_decision_id = ""
+        self.rendezvous_ts = 0  # Unix ns: this generation's groups formed (recovery.resumed)
         # trainguard.checkpoint.CheckpointResources of the Checkpointers this process made
         # (Context.checkpointer): one per process, reused by every generation
         self.ckpt_resources = None
@@ -136,6 +137,7 @@ class _Runtime:
                     self.ckpt_group, self.socks = rendezvous.form_groups(
                         self.store, cfg.job, cfg.generation, cfg.rank, cfg.world_size,
                         cfg.backend, cfg.pg_timeout_s)
+                self.rendezvous_ts = time.time_ns()
                 if self.newer_decision() is None:
                     self.abort_requested.clear()
                 rq = self.requests

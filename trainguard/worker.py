@@ -105,7 +105,8 @@ class Context:
             restore_source=getattr(ck, "restore_source", "none") or "none",
             decision_id=rt.current_decision_id,
             path=getattr(ck, "recovery_path", "checkpoint"),
-            reason=(getattr(ck, "recovery_reason", "") or "")[:500]))
+            reason=(getattr(ck, "recovery_reason", "") or "")[:500],
+            rendezvous_ts=rt.rendezvous_ts))
         saved_loss = getattr(self._ckpt, "restored_loss", None)
         if saved_loss is not None and loss is not None:
             check = self._ckpt.recovery_check(float(loss))  # config.loss_tolerance
