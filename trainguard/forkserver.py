@@ -364,8 +364,11 @@ def serve(fd: int) -> bool:
                 if isinstance(msg, dict) and "import_from" in msg and not fds:
                     from trainguard import job_imports
 
-                    summary = job_imports.import_file(str(msg["import_from"]),
-                                                      float(msg.get("budget_s", 30.0)))
+                    try:
+                        summary = job_imports.import_file(str(msg["import_from"]),
+                                                          float(msg.get("budget_s", 30.0)))
+                    except Exception as exc:  # noqa: BLE001 - the template serves on
+                        summary = {"error": f"{type(exc).__name__}: {exc}"}
                     import gc
 
                     gc.freeze()  # as after the warm-up: shared with the spares, never scanned

@@ -133,7 +133,7 @@ def select(entries: list[list[str]], have: set[str] | frozenset[str] = frozenset
         if why:
             skipped.setdefault(why.partition(":")[0], why.partition(": ")[2])
         elif kind != "lib":
-            skipped.setdefault(top, "the job's own code (not an installed package)")
+            skipped.setdefault(top, "the job's own code, not an installed package")
         else:
             chosen.append(name)
     return chosen, skipped
@@ -141,11 +141,12 @@ def select(entries: list[list[str]], have: set[str] | frozenset[str] = frozenset
 
 def import_all(names: list[str], budget_s: float) -> dict[str, Any]:
     """Import ``names`` in order in this process until ``budget_s`` seconds are spent. Returns
-    ``{"imported": n, "failed": {name: error} (the first 10), "n_failed": k,
+    ``{"imported": n (of ``names``, now imported that were not before), "failed": {name: error} (the first 10), "n_failed": k,
     "over_budget": m (not tried), "seconds": s, "threads": [module that started a thread],
     "cuda": bool (CUDA initialised after)}``."""
     t0 = time.monotonic()
-    imported, failed, n_failed, threads = 0, {}, 0, []
+    before = set(sys.modules)
+    failed, n_failed, threads = {}, 0, []
     over = 0
     for i, name in enumerate(names):
         if time.monotonic() - t0 > budget_s:
@@ -153,16 +154,16 @@ def import_all(names: list[str], budget_s: float) -> dict[str, Any]:
             break
         if name in sys.modules:
             continue
-        before = threading.active_count()
+        threads_before = threading.active_count()
         try:
             importlib.import_module(name)
-            imported += 1
         except BaseException as exc:  # noqa: BLE001 - any module may fail; SystemExit too
             n_failed += 1
             if len(failed) < 10:
                 failed[name] = f"{type(exc).__name__}: {exc}"[:200]
-        if threading.active_count() > before:
+        if threading.active_count() > threads_before:
             threads.append(name)
+    imported = sum(1 for n in names if n in sys.modules and n not in before)
     cuda = False
     torch = sys.modules.get("torch")
     if torch is not None:
