@@ -239,8 +239,9 @@ class ForkServer:
         """Have the template import the modules listed in file ``path`` (a JSON list, in order,
         for up to ``budget_s`` seconds);
         ``on_done(summary)`` is called from the reader thread when it has
-        (``trainguard.job_imports.import_all``'s summary). False when the template is not
-        usable (nothing is asked)."""
+        (``trainguard.job_imports.import_all``'s summary). Waits up to ``ready_wait_s`` for
+        the template to be warm; False when it is not usable (nothing is asked)."""
+        self._ready.wait(self.ready_wait_s)
         if not self._usable or self._sock is None:
             return False
         with self._lock:
