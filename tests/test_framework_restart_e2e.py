@@ -124,7 +124,7 @@ def jobs():
                 pass
 
 
-def _restart_and_check(job: Job, plant, newest, framework_module: str) -> int:
+def _restart_and_check(job: Job, plant, newest) -> int:
     """The shared course of both tests (module docstring); returns the step resumed at."""
     job.wait_for("spares renewed with the job's imports",
                  lambda: "renewing the idle spares" in job.text(), 150)
@@ -154,7 +154,6 @@ def _restart_and_check(job: Job, plant, newest, framework_module: str) -> int:
     starts = job.starts()
     assert {(s[0], s[3]) for s in starts if s[2] == 0} == {(0, 0), (1, 0)}, starts
     assert {(s[0], s[3]) for s in starts if s[2] == 1} == {(0, 1), (1, 1)}, starts
-    assert framework_module  # the module the job's note_start asked about
     return step
 
 
@@ -171,7 +170,7 @@ def test_an_unmodified_lightning_job_restarted_as_a_group_resumes_warm(stack, tm
         p.write_bytes(b"")
         return str(p)
 
-    step = _restart_and_check(job, plant, newest, "lightning.pytorch")
+    step = _restart_and_check(job, plant, newest)
     assert "Trainer.fit was given no ckpt_path" in job.text()
     assert step % 4 == 0  # --ckpt-every 4
 
@@ -198,6 +197,6 @@ def test_an_unmodified_hf_trainer_job_restarted_as_a_group_resumes_warm(stack, t
                 f'"global_step": {good.name.split("-")[1]}', '"global_step": 99999'))
         return str(p)
 
-    step = _restart_and_check(job, plant, newest, "transformers.trainer")
+    step = _restart_and_check(job, plant, newest)
     assert "Trainer.train was given no checkpoint" in job.text()
     assert step % 4 == 0
