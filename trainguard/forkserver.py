@@ -255,6 +255,12 @@ class ForkServer:
                 return False
         return True
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (default ``ready_wait_s``) for the template to be warm
+        (or to fail); True when it is usable."""
+        self._ready.wait(self.ready_wait_s if timeout is None else timeout)
+        return self._usable
+
     @property
     def importing(self) -> bool:
         """An import of the job's modules is in flight."""

@@ -10,9 +10,10 @@ also go on the bus (at most 50 a second). When a rank's process ends the pool po
 It also holds the node's checkpoint writer daemon and frees the ranks' staging buffers at the end.
 
 The job's own imports: local rank 0 writes the modules it imported to ``job_imports.json`` in
-the run directory (``trainguard.job_imports``); a watcher thread reads it, has the template
-import what may be imported twice, and once it has, the run loop replaces the idle spares
-forked before (``RenewSpares``): a replacement rank then finds its framework imported.
+the run directory (``trainguard.job_imports``); ``JobImportsWatch``
+(``trainguard.launcher_imports``) has the template import what may be imported twice, and
+once it has, the run loop replaces the idle spares forked before (``renew_spares``): a
+replacement rank then finds its framework imported.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from trainguard.schemas import subjects
 
 from .executor import LocalRank
 from .forkserver import ForkedProcess, ForkServer, child_output_pump, pdeathsig_kill
-from .launcher_loop import RankExited, RefillPool, RenewSpares
+from .launcher_imports import JobImportsWatch
+from .launcher_loop import RankExited, RefillPool
 from .rdzv_gate import TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -204,8 +206,8 @@ class ProcessPool:
         #: why spares no longer fork from the template ("" while they do): its import of the
         #: job's modules initialised CUDA or started threads a fork would not carry
         self._template_tainted = ""
-        self._imports_watch: threading.Thread | None = None
-        self._closing = threading.Event()
+        self.imports = JobImportsWatch(cfg.node, cfg.job_imports_budget_s,
+                                       lambda: self._template, post, self._taint)
 
     # ---- environment --------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -318,67 +320,8 @@ class ProcessPool:
         os.makedirs(d, exist_ok=True)
         return os.path.join(d, "job_imports.json")
 
-    def _say(self, text: str) -> None:
-        print(f"trainguard launch [{self.cfg.node}]: {text}", file=sys.stderr, flush=True)
-
-    def _watch_imports(self, path: str) -> None:
-        """Wait for local rank 0's record, then have the template import the job's modules."""
-        from . import job_imports
-
-        while not os.path.exists(path):
-            if self._closing.wait(0.25):
-                return
-        try:
-            with open(path) as fh:
-                rec = json.load(fh)
-            chosen, skipped = job_imports.select(rec["modules"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            self._say(f"cannot read the job's imports from {path} ({exc}): the spares keep "
-                      f"only their own")
-            return
-        tops = list(dict.fromkeys(n.partition(".")[0] for n in chosen))
-        why = "; ".join(f"{k} ({v})" for k, v in skipped.items()) or "none"
-        template = self._template
-        if template is None or not template.usable:
-            self._say(f"the job's ranks imported {len(chosen)} more modules (top level: "
-                      f"{', '.join(tops[:12])}{' …' if len(tops) > 12 else ''}); the spares "
-                      f"start cold here, so they are not pre-imported")
-            return
-        listing = path[:-len(".json")] + ".chosen.json"
-        with open(listing, "w") as fh:
-            json.dump(chosen, fh)
-        self._say(f"the job's ranks imported {len(chosen)} more modules (top level: "
-                  f"{', '.join(tops[:12])}{' …' if len(tops) > 12 else ''}): the spares' "
-                  f"template imports them (budget {self.cfg.job_imports_budget_s:g} s); "
-                  f"skipped: {why}")
-        template.import_modules(listing, self.cfg.job_imports_budget_s, self._on_warmed)
-
-    def _on_warmed(self, summary: dict) -> None:
-        """The template's import summary (its reader thread): say it; the loop replaces the idle
-        spares (``renew_spares``)."""
-        if summary.get("error"):
-            self._say(f"the spares' template could not import the job's modules: "
-                      f"{summary['error']}")
-        else:
-            failed = summary.get("n_failed", 0)
-            first = "; ".join(f"{k}: {v}" for k, v in list(summary.get("failed", {}).items())[:3])
-            self._say(f"the spares' template imported {summary.get('imported', 0)} of the job's "
-                      f"modules in {summary.get('seconds', 0):.1f} s"
-                      + (f", {failed} failed ({first})" if failed else "")
-                      + (f", {summary['over_budget']} not tried (over the budget)"
-                         if summary.get("over_budget") else "")
-                      + "; renewing the idle spares")
-        taint = []
-        if summary.get("cuda"):
-            taint.append("CUDA was initialised")
-        if summary.get("threads"):
-            taint.append(f"threads were started by {summary['threads'][:5]}")
-        if taint:
-            self._template_tainted = " and ".join(taint)
-            self._say(f"importing the job's modules in the spares' template: "
-                      f"{self._template_tainted}, which a forked rank would not carry: spares "
-                      f"start cold from now on")
-        self.post(RenewSpares())
+    def _taint(self, why: str) -> None:
+        self._template_tainted = why
 
     def renew_spares(self) -> None:
         """Replace the idle spares (forked before the template imported the job's modules) with
@@ -418,11 +361,7 @@ class ProcessPool:
             from .job_imports import ENV_FILE
 
             env[ENV_FILE] = self._imports_path()
-            if self._imports_watch is None:
-                self._imports_watch = threading.Thread(
-                    target=self._watch_imports, args=(env[ENV_FILE],), daemon=True,
-                    name="tg-job-imports")
-                self._imports_watch.start()
+            self.imports.start(env[ENV_FILE])  # once per launch
         if cfg.no_python:
             proc = RankProcess(self, {**self.base_env(), **env}, [cfg.script, *cfg.script_args])
         else:
@@ -510,7 +449,7 @@ class ProcessPool:
     def shutdown(self) -> None:
         """Kill every rank and spare (waiting up to 5 s for each), let the node writer finish
         its saves in flight, free the staging buffers."""
-        self._closing.set()
+        self.imports.close()
         self.kill_all()
         for proc in self.spares:
             try:
