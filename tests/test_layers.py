@@ -65,6 +65,10 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.spare", RUNTIME, False), ("trainguard.launch", RUNTIME, False),
     ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
     ("trainguard.forkserver", RUNTIME, False),
+    # a restarted Trainer resumes from its newest complete checkpoint; the job's imports,
+    # recorded in a rank and pre-imported by the spares' template (docs/frameworks.md)
+    ("trainguard.auto_resume", RUNTIME, False), ("trainguard.job_imports", RUNTIME, False),
+    ("trainguard.launcher_imports", RUNTIME, False),
     ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
     ("trainguard.rendezvous", RUNTIME, False), ("trainguard.rdzv_gate", RUNTIME, False),
     ("trainguard.rdzv_endpoint", RUNTIME, False),
