@@ -43,6 +43,8 @@ ENV = "TG_AUTO_RESUME"
 
 _done: set[str] = set()  # "hf", "lightning": the first call of that framework was seen
 _installed = False
+#: told the completed step (0-based) a framework resumed from (``hooks.restored``)
+_on_restored: Callable[[int], None] | None = None
 
 
 def _int_env(name: str) -> int:
@@ -64,9 +66,8 @@ def _say(text: str) -> None:
 
 
 def _restored(step: int) -> None:
-    from . import hooks
-
-    hooks.restored(step - 1)  # a checkpoint of `step` completed steps: 0 … step-1
+    if _on_restored is not None:
+        _on_restored(step - 1)  # a checkpoint of `step` completed steps: 0 … step-1
 
 
 def _first(framework: str) -> bool:
@@ -201,11 +202,13 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-def install() -> None:
+def install(on_restored: Callable[[int], None] | None = None) -> None:
     """Wrap the frameworks' entry points in this process (idempotent; cheap when neither is
     imported: one finder on ``sys.meta_path``). Installed in every rank; the wrappers decide
-    at call time (``wanted``)."""
-    global _installed
+    at call time (``wanted``). ``on_restored(step)`` is told the completed step (0-based) a
+    framework resumed from (``trainguard.hooks`` passes its ``restored``)."""
+    global _installed, _on_restored
+    _on_restored = on_restored or _on_restored
     if _installed:
         return
     _installed = True

@@ -132,7 +132,8 @@ def install() -> None:
     from . import auto_resume, job_imports
 
     job_imports.baseline()  # what the spare brought: the rest is the job's (job_imports.record)
-    auto_resume.install()  # a restarted Lightning / HF job resumes from its newest checkpoint
+    # a restarted Lightning / HF job resumes from its newest checkpoint, and says which
+    auto_resume.install(on_restored=restored)
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.optimizer import register_optimizer_step_post_hook as register_step_post_hook
