@@ -376,7 +376,8 @@ def _explain(exc: OSError, where: str) -> str:
                 "CheckpointConfig.root")
     else:
         hint = "check the checkpoint storage"
-    return f"cannot write checkpoint under {where}: {exc.strerror or exc} ({hint})"
+    what = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return f"cannot write checkpoint under {where}: {exc.strerror or exc}{what} ({hint})"
 
 
 def serve_connection(sock: socket.socket) -> None:
