@@ -1,23 +1,29 @@
-"""Checkpoint cost, side by side: torch.save (sync), DCP save (sync), DCP async_save (thread and
-process), trainguard, and the disk's own cost — 2 ranks with gloo, a state of ``--mb`` MB per rank
-(default 200).
+"""Checkpoint cost, side by side, in a fair race: trainguard, DCP async_save, torch.save (and on
+request DCP save and DCP async_save with a process), and the disk's own cost — 2 ranks with
+gloo, a state of ``--mb`` MB per rank (default 200).
 
-    python bench/checkpoint.py --json PATH            # ≈ 200 MB per rank (≈ 15 minutes)
-    python bench/checkpoint.py --quick --json PATH    # 20 MB per rank, fewer steps
+    python bench/checkpoint.py --runs 3 --json PATH   # 200 MB per rank, 3 whole races
+    python bench/checkpoint.py --quick --json PATH    # 20 MB per rank, fewer repetitions
 
-Per system, in fresh rank processes: ``blocking_s`` (median seconds the training loop is blocked
-per save, each save right after a reference copy of the state in the same processes),
-``durable_s`` (median seconds from the call until the checkpoint is durable / committed),
-``efficiency`` (save interval in steps → time of the same steps without saves / with saves,
-measured in alternating windows without and with saves, two rounds; the three intervals are
-1×, 3× and 10× trainguard's durable time in steps, found by the first trainguard run),
-``peak_rss_bytes`` (rank 0 and its child processes; for trainguard, which writes through a node
-writer daemon as ``trainguard launch`` runs it, rank 0's share of the daemon and its writers:
-their unique memory divided by the 2 ranks they serve), ``validation_gbps``
-(trainguard: the validator's check of the committed checkpoint). ``memcpy_s`` is the reference
-copy of the state into reused buffers, in a run of its own; ``memcpy_in_run_s`` the same copy
-made just before each measured save of a system's run (its median), which trainguard's blocking
-ratio divides by.
+The race: a reference run first (the copy of the state into reused buffers, the training
+step, the disk's own write time of the state); then ``--runs`` whole races, each running every
+system once, in fresh rank processes, the order rotated by one system per race (the first
+system of race 1 is the second of race 2 …), the page cache put in the same state before each
+system (``reset_page_cache``: sync, then drop_caches where allowed). Every figure is reported
+per race and as median, min and max over the races (``summary``); ``targets`` checks the
+issue's goals on the medians; ``settings`` says what each system was given.
+
+Per system: ``blocking_s`` (median seconds the training loop is blocked per save, each save
+right after a reference copy of the state in the same processes: ``memcpy_in_run_s``, and
+``blocking_vs_copy`` their ratio), ``durable_s`` (median seconds from the call until the
+checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
+steps without saves / with saves, measured in alternating windows without and with saves,
+``--rounds`` rounds; the intervals are 1×, 3× and 10× the disk's own write time of the state in
+steps, unless ``--intervals`` gives them), ``peak_rss_bytes`` (rank 0 and its child processes;
+for trainguard, which writes through a node writer daemon as ``trainguard launch`` runs it,
+rank 0's share of the daemon and its writers: their unique memory divided by the 2 ranks they
+serve), ``validation_gbps`` (trainguard: the validator's check of the committed checkpoint,
+page cache warm as for the validator right after a save).
 
 ``write_only`` is the floor, not a checkpointer: at each save a helper process that already
 holds the state's bytes in shared memory writes them to a file and fsyncs it, nothing else (no
@@ -25,10 +31,8 @@ staging copy, no checksum, no metadata). Its efficiency is what writing this man
 disk costs the training by itself; no checkpointer that writes them can do better.
 
 ``efficiency_ceiling`` (top level): at each interval, the efficiency a checkpointer would reach
-if a save cost the training nothing but one copy of the state into reused buffers (the
-issue's staging requirement): interval time / (interval time + the same-run copy). No system
-that stages the state can do better; the 99 % target is above it when the copy takes more than
-1 % of the interval.
+if a save cost the training nothing but one copy of the state into reused buffers:
+interval time / (interval time + the reference copy).
 
 A training step here updates every parameter (as an optimizer does) and does a fixed matmul
 workload and a gloo all-reduce.
@@ -50,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SYSTEMS = ("torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process", "trainguard",
            "write_only")
+DEFAULT_SYSTEMS = ("trainguard", "dcp_async_thread", "torch_save", "write_only")
 
 
 def rank_main(a) -> None:
@@ -58,6 +63,10 @@ def rank_main(a) -> None:
     import torch
     import torch.distributed as dist
 
+    import warnings
+
+    # DCP warns at every save that overwrites one of the bench's three rotating directories
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0,
                           timeout=datetime.timedelta(seconds=120))
@@ -125,6 +134,20 @@ def rank_main(a) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - what any DCP-format saver imports
 
         out["dcp_import_bytes"] = _smaps_rollup().get("rssanon", 0) - anon
+        floor = _FloorWriter(params, a.rank)
+        writes = []
+        for i in range(3):  # the disk's own time for this state: sets the save intervals
+            dist.barrier()
+            t0 = time.perf_counter()
+            floor.start(os.path.join(root, f"w{i}_r{a.rank}.bin"))
+            floor.wait()
+            writes.append(time.perf_counter() - t0)
+        floor.close()
+        out["write_s"] = statistics.median(writes)
+        if not a.intervals:  # 1x, 3x, 10x the disk's own write time, in steps
+            k = torch.tensor([max(1, round(out["write_s"] / out["step_s"]))])
+            dist.broadcast(k, 0)
+            out["intervals"] = [int(k), 3 * int(k), 10 * int(k)]
         _finish(a, out)
         return
     import torch.distributed.checkpoint as dcp
@@ -135,12 +158,33 @@ def rank_main(a) -> None:
     if a.system == "trainguard":
         from trainguard.checkpoint import CheckpointConfig, Checkpointer
 
-        ck = Checkpointer(model, None, config=CheckpointConfig(root=root, keep=2),
+        # certify=False: the bench's ranks hold different tensors (shards), not replicas whose
+        # digests should agree (with it, every save here would be marked uncertified)
+        # staging in a directory of its own under /dev/shm: a test session on the same machine
+        # removes every /dev/shm/trainguard-* file created while it ran (tests/conftest.py),
+        # which took this bench's staging buffers from under its saves
+        shm = os.path.join("/dev/shm", f"tg-bench-{a.port}")
+        os.makedirs(shm, exist_ok=True)
+        ck = Checkpointer(model, None, config=CheckpointConfig(root=root, keep=2, certify=False,
+                                                               shm_dir=shm),
                           job=f"bench-{os.getpid() if a.rank == 0 else 'x'}-{a.port}",
                           rank=a.rank, world_size=a.world, group=ckg)
         ck.job = f"bench{a.port}"
     if a.system == "dcp_async_process":
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    stager = None
+    if a.system in ("dcp_async_thread", "dcp_async_process"):
+        # DCP's best settings on a CPU build: one stager kept across saves, so that its
+        # StateDictStager reuses the staging buffers (cached) instead of allocating them per
+        # save; pinned memory, non-blocking copies and async staging need an accelerator here
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=(
+            a.system == "dcp_async_process"), use_async_staging=False,
+            use_non_blocking_copy=False))
+    if a.system == "torch_save":
+        # its fastest setting: no CRC32 over every byte in the zip writer
+        torch.serialization.set_crc32_options(False)
     floor = _FloorWriter(params, a.rank) if a.system == "write_only" else None
 
     def save() -> tuple[float, callable]:
@@ -162,11 +206,12 @@ def rank_main(a) -> None:
         if a.system in ("dcp_async_thread", "dcp_async_process"):
             if pending[0] is not None:
                 pending[0].result()
-            kw = {}
+            kw = {"async_stager": stager}
             if a.system == "dcp_async_process":
                 kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
             f = dcp.async_save({"model": model.state_dict()}, checkpoint_id=path,
                                process_group=ckg, **kw)
+            f = getattr(f, "upload_completion", f)  # an AsyncSaveResponse with async staging
             pending[0] = f
             return time.perf_counter() - t0, lambda: f.result()
         if floor is not None:
@@ -198,13 +243,6 @@ def rank_main(a) -> None:
         durs.append(time.perf_counter() - t0)
     out["durable_s"] = statistics.median(durs)
     intervals = a.intervals
-    if not intervals:  # first trainguard run: 1x, 3x, 10x its durable time, in steps
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step()
-        k = torch.tensor([max(1, round(out["durable_s"] / ((time.perf_counter() - t0) / 5)))])
-        dist.broadcast(k, 0)
-        intervals = [int(k), 3 * int(k), 10 * int(k)]
     out["intervals"] = intervals
     # efficiency: windows of the same steps without (A) and with (B) saves, A B A B
     eff = {}
@@ -212,7 +250,7 @@ def rank_main(a) -> None:
         saves = max(1, min(a.saves_per_window, a.max_window_steps // interval))
         n = interval * saves
         base = with_saves = 0.0
-        for _round in range(2):
+        for _round in range(a.rounds):
             wait_all()
             dist.barrier()
             t0 = time.perf_counter()
@@ -267,6 +305,8 @@ def rank_main(a) -> None:
         ck.finalize()
     if floor is not None:
         floor.close()
+    if stager is not None:
+        stager.close()
     _finish(a, out)
 
 
@@ -385,7 +425,7 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
            "--port", str(port), "--mb", str(args.mb), "--dir", tmp, "--out", out,
            "--reps", str(args.reps), "--matmuls", str(args.matmuls),
            "--saves-per-window", str(args.saves_per_window),
-           "--max-window-steps", str(args.max_window_steps),
+           "--max-window-steps", str(args.max_window_steps), "--rounds", str(args.rounds),
            "--intervals", ",".join(map(str, intervals))] + (["--fsdp"] if args.fsdp else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("TG_CKPT_WRITER", None)
@@ -407,7 +447,79 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
     with open(out) as fh:
         res = json.load(fh)
     shutil.rmtree(os.path.join(tmp, system), ignore_errors=True)
+    shutil.rmtree(os.path.join("/dev/shm", f"tg-bench-{port}"), ignore_errors=True)
     return res
+
+
+def reset_page_cache(tmp: str) -> str:
+    """Put the page cache in the same state before every system: write back everything dirty
+    (``sync``), then drop the clean page cache (``/proc/sys/vm/drop_caches``, root only); where
+    that is not allowed, drop this bench's own files from the cache (``posix_fadvise``
+    DONTNEED after the sync). Returns which of the two was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+        return "sync + drop_caches=1"
+    except OSError:
+        pass
+    for d, _, files in os.walk(tmp):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "sync + fadvise DONTNEED on the bench's files"
+
+
+FIGURES = ("blocking_s", "durable_s", "memcpy_in_run_s", "blocking_vs_copy", "peak_rss_bytes",
+           "children_uss_bytes", "validation_gbps", "first_blocking_s")
+
+
+def _spread(values: list[float]) -> dict | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "n": len(vals)}
+
+
+def summarize(runs: list[dict], systems: list[str], intervals: list[int]) -> dict:
+    """Per system: median, min and max over the runs of every figure (efficiency per
+    interval)."""
+    out = {}
+    for s in systems:
+        rs = [r["results"][s] for r in runs if s in r["results"]]
+        fig = {f: _spread([r.get(f) for r in rs]) for f in FIGURES}
+        fig["efficiency"] = {str(i): _spread([r["efficiency"].get(str(i)) for r in rs])
+                             for i in intervals}
+        out[s] = fig
+    return out
+
+
+def verdicts(summary: dict, intervals: list[int]) -> dict:
+    """The issue's targets, on the medians of the runs (None where a system did not run)."""
+    tg, dcp, floor = (summary.get(k) for k in ("trainguard", "dcp_async_thread", "write_only"))
+    if not tg:
+        return {}
+    med = lambda d, f: (d or {}).get(f, {}) and d[f]["median"]  # noqa: E731
+    out: dict = {
+        "blocking_le_1.2x_copy": med(tg, "blocking_vs_copy") <= 1.2,
+        "validation_ge_1_gbps": (med(tg, "validation_gbps") or 0) >= 1.0,
+    }
+    if floor:
+        out["durable_le_1.2x_write_only"] = med(tg, "durable_s") <= 1.2 * med(floor, "durable_s")
+    if dcp:
+        out["durable_le_dcp_async"] = med(tg, "durable_s") <= med(dcp, "durable_s")
+        out["blocking_le_dcp_async"] = med(tg, "blocking_s") <= med(dcp, "blocking_s")
+        out["efficiency_ge_dcp_async"] = {
+            str(i): tg["efficiency"][str(i)]["median"] >= dcp["efficiency"][str(i)]["median"]
+            for i in intervals}
+    return out
 
 
 def main() -> None:
@@ -415,14 +527,23 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--mb", type=int, default=200)
     p.add_argument("--quick", action="store_true", help="20 MB per rank, fewer repetitions")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"any of {', '.join(SYSTEMS)}")
+    p.add_argument("--runs", type=int, default=1,
+                   help="whole races: every system once per run, the order rotated by one "
+                        "system each run")
     p.add_argument("--dir", default="", help="checkpoint directory (default: a temporary one)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--matmuls", type=int, default=20)
-    p.add_argument("--saves-per-window", type=int, default=3,
+    p.add_argument("--saves-per-window", type=int, default=2,
                    help="saves per measured window (fewer when the window would pass "
                         "--max-window-steps)")
     p.add_argument("--max-window-steps", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="windows without and with saves per interval (A B, A B …)")
+    p.add_argument("--intervals", default="",
+                   help="save intervals in steps (default: 1x, 3x and 10x the disk's own "
+                        "write time of the state, measured first)")
     p.add_argument("--fsdp", action="store_true",
                    help="the state as FSDP2 shards (fully_shard) instead of plain tensors")
     p.add_argument("--private-writer", action="store_true",
@@ -434,7 +555,6 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--port", type=int)
     p.add_argument("--out")
-    p.add_argument("--intervals", default="")
     p.add_argument("--node-writer-pid", type=int, default=0)
     a = p.parse_args()
     if a.rank_main:
@@ -443,88 +563,93 @@ def main() -> None:
         return
     if a.quick:
         a.mb, a.reps = min(a.mb, 20), 2
+    systems = [s for s in a.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     tmp = a.dir or tempfile.mkdtemp(prefix="tg-bench-ckpt-", dir=os.getcwd())
     os.makedirs(tmp, exist_ok=True)
     try:
-        ref = run_system("memcpy", a, tmp, [])
+        cache = reset_page_cache(tmp)
+        given = [int(x) for x in a.intervals.split(",") if x]
+        ref = run_system("memcpy", a, tmp, given)
+        intervals = given or ref["intervals"]
         print(f"state {ref['state_bytes'] / 1e6:.0f} MB per rank; memcpy into reused buffers "
-              f"{ref['memcpy_s'] * 1e3:.1f} ms; training step {ref['step_s'] * 1e3:.1f} ms",
-              flush=True)
-        systems = [s for s in a.systems.split(",") if s]
-        unknown = sorted(set(systems) - set(SYSTEMS))
-        if unknown:
-            raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-        intervals = [int(x) for x in a.intervals.split(",") if x]
-        if not intervals and "trainguard" not in systems:
-            raise SystemExit("give --intervals (save intervals in steps) or include trainguard, "
-                             "whose durable time sets them")
-        results = {}
-        # trainguard first: its durable time sets the intervals (1x, 3x, 10x, in steps)
-        for s in sorted(systems, key=lambda x: x != "trainguard"):
-            results[s] = r = run_system(s, a, tmp, intervals)
-            if not intervals:
-                intervals = r["intervals"]
-                print(f"trainguard durable {r['durable_s']:.2f} s ≈ {intervals[0]} steps; "
-                      f"intervals {intervals}", flush=True)
-            print(f"{s:18s} blocking {r['blocking_s'] * 1e3:8.1f} ms  durable "
-                  f"{r['durable_s']:6.2f} s  efficiency "
-                  f"{ {k: f'{v:.3f}' for k, v in r['efficiency'].items()} }  peak RSS "
-                  f"{r['peak_rss_bytes'] / 1e6:6.0f} MB"
-                  + (f"  validation {r['validation_gbps']:.2f} GB/s"
-                     if "validation_gbps" in r else ""), flush=True)
-        out = {"mb_per_rank": a.mb, "world_size": 2, "fsdp": a.fsdp, "memcpy_s": ref["memcpy_s"],
-               "step_s": ref["step_s"], "intervals": intervals,
+              f"{ref['memcpy_s'] * 1e3:.1f} ms; training step {ref['step_s'] * 1e3:.1f} ms; "
+              f"the disk's own write {ref['write_s']:.2f} s; intervals {intervals} steps; "
+              f"page cache before each system: {cache}", flush=True)
+        runs = []
+        for run in range(a.runs):
+            order = systems[run % len(systems):] + systems[:run % len(systems)]
+            results = {}
+            for s in order:
+                reset_page_cache(tmp)
+                r = run_system(s, a, tmp, intervals)
+                r["blocking_vs_copy"] = r["blocking_s"] / r["memcpy_in_run_s"]
+                results[s] = r
+                print(f"run {run + 1}/{a.runs} {s:18s} blocking {r['blocking_s'] * 1e3:7.1f} ms "
+                      f"(copy {r['memcpy_in_run_s'] * 1e3:5.1f} ms)  durable "
+                      f"{r['durable_s']:6.2f} s  efficiency "
+                      f"{ {k: round(v, 3) for k, v in r['efficiency'].items()} }  peak RSS "
+                      f"{r['peak_rss_bytes'] / 1e6:6.0f} MB"
+                      + (f"  validation {r['validation_gbps']:.2f} GB/s"
+                         if "validation_gbps" in r else ""), flush=True)
+            runs.append({"order": order, "results": results})
+        summary = summarize(runs, systems, intervals)
+        checks = verdicts(summary, intervals)
+        print("median [min–max] over the runs:")
+        for s, f in summary.items():
+            g = lambda k, m=1.0: f"{f[k]['median'] * m:.3g} [{f[k]['min'] * m:.3g}–" \
+                f"{f[k]['max'] * m:.3g}]" if f[k] else "-"  # noqa: E731
+            eff = ", ".join(f"{i}: {v['median']:.3f} [{v['min']:.3f}–{v['max']:.3f}]"
+                            for i, v in f["efficiency"].items() if v)
+            print(f"  {s:18s} blocking {g('blocking_s', 1e3)} ms  durable {g('durable_s')} s  "
+                  f"peak RSS {g('peak_rss_bytes', 1e-6)} MB  efficiency {eff}", flush=True)
+        print(f"targets (medians): {checks}", flush=True)
+        out = {"mb_per_rank": a.mb, "world_size": 2, "fsdp": a.fsdp, "runs": a.runs,
+               "private_writer": a.private_writer, "memcpy_s": ref["memcpy_s"],
+               "step_s": ref["step_s"], "write_s": ref["write_s"], "intervals": intervals,
                "baseline_peak_rss_bytes": ref["rss_before_copies"],
-               "systems": [{"system": s, "blocking_s": r["blocking_s"],
-                            "durable_s": r["durable_s"], "efficiency": r["efficiency"],
-                            "validation_gbps": r.get("validation_gbps"),
-                            "peak_rss_bytes": r["peak_rss_bytes"],
-                            "memcpy_in_run_s": r["memcpy_in_run_s"],
-                            "children_uss_bytes": r.get("children_uss_bytes"),
-                            "memory_at_end": r.get("memory_now"),
-                            "first_blocking_s": r["first_blocking_s"]}
-                           for s, r in results.items()]}
-        out["dcp_import_bytes"] = ref["dcp_import_bytes"]
-        tg = results.get("trainguard")
-        if tg:
-            extra = tg["peak_rss_bytes"] - ref["rss_before_copies"]
-            out["trainguard_blocking_vs_memcpy"] = tg["blocking_s"] / tg["memcpy_in_run_s"]
+               "state_bytes": ref["state_bytes"], "dcp_import_bytes": ref["dcp_import_bytes"],
+               "conditions": {"page_cache_before_each_system": cache,
+                              "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+                              "order": "each run rotates the system order by one",
+                              "processes": "each system in fresh rank processes"},
+               "settings": SETTINGS, "summary": summary, "targets": checks,
+               "per_run": [{"order": r["order"], "systems": {
+                   s: {k: v for k, v in x.items() if k not in ("memory_now",)}
+                   for s, x in r["results"].items()}} for r in runs]}
+        if "trainguard" in summary:
+            tgm = summary["trainguard"]
+            extra = tgm["peak_rss_bytes"]["median"] - ref["rss_before_copies"]
             out["trainguard_extra_rss_ratio"] = extra / ref["state_bytes"]
-            out["trainguard_extra_rss_ratio_beyond_dcp_import"] = \
-                (extra - ref["dcp_import_bytes"]) / ref["state_bytes"]
-            staging = (tg.get("memory_now") or {}).get("rssshmem", 0)
-            writer = tg.get("children_uss_bytes") or 0
-            out["trainguard_memory"] = {  # rank 0's extra host memory, by part (bytes)
-                "staging": staging, "dcp_import": ref["dcp_import_bytes"],
-                "writer_share": writer,
-                "rest": extra - staging - ref["dcp_import_bytes"] - writer}
             out["efficiency_ceiling"] = {
-                str(i): round(i * ref["step_s"] / (i * ref["step_s"] + tg["memcpy_in_run_s"]), 4)
+                str(i): round(i * ref["step_s"] / (i * ref["step_s"] + ref["memcpy_s"]), 4)
                 for i in intervals}
-            print("trainguard extra memory by part: " + ", ".join(
-                f"{k} {v / 1e6:.0f} MB" for k, v in out["trainguard_memory"].items()),
-                flush=True)
-            print(f"efficiency ceiling of any staging checkpointer (interval / (interval + one "
-                  f"copy)) = {out['efficiency_ceiling']}", flush=True)
-            print(f"trainguard blocking / memcpy in the same processes "
-                  f"({tg['memcpy_in_run_s'] * 1e3:.1f} ms) = "
-                  f"{out['trainguard_blocking_vs_memcpy']:.2f}; "
-                  f"extra host memory = {out['trainguard_extra_rss_ratio']:.2f} × state "
-                  f"({out['trainguard_extra_rss_ratio_beyond_dcp_import']:.2f} × beyond the "
-                  f"{ref['dcp_import_bytes'] / 1e6:.0f} MB that importing DCP costs)", flush=True)
-        floor = results.get("write_only")
-        if tg and floor:
-            out["trainguard_efficiency_vs_write_only"] = {
-                k: round(tg["efficiency"][k] / floor["efficiency"][k], 4)
-                for k in tg["efficiency"] if k in floor["efficiency"]}
-            print(f"trainguard efficiency / the disk's own (write_only) = "
-                  f"{out['trainguard_efficiency_vs_write_only']}", flush=True)
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(out, fh, indent=2)
     finally:
         if not a.dir:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: what each system is given (reported in the JSON)
+SETTINGS = {
+    "trainguard": "Checkpointer defaults (xxh3_64 checksums, NaN/Inf count, fsync on) except "
+                  "certify=False (the bench's ranks hold shards, not replicas); written through "
+                  "a node writer (nice 0) as `trainguard launch` runs it, or --private-writer",
+    "dcp_async_thread": "torch.distributed.checkpoint.async_save, thread executor, one "
+                        "DefaultStager kept across saves (cached staging buffers; pinned memory, "
+                        "non-blocking copies and async staging need an accelerator), "
+                        "FileSystemWriter defaults (one file per rank, sync_files=True)",
+    "dcp_async_process": "as dcp_async_thread with the process executor and shared-memory "
+                         "staging",
+    "dcp_sync": "torch.distributed.checkpoint.save, FileSystemWriter defaults",
+    "torch_save": "torch.save of the state dict to one file per rank, CRC32 off, fsync",
+    "write_only": "the floor: a helper process writes the state's bytes from shared memory "
+                  "to a file with sendfile and fsyncs it",
+}
 
 
 if __name__ == "__main__":

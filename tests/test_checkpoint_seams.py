@@ -323,3 +323,45 @@ def test_no_module_of_the_checkpoint_package_is_over_400_lines():
     sizes = {n: sum(1 for _ in open(os.path.join(pkg, n))) for n in os.listdir(pkg)
              if n.endswith(".py")}
     assert max(sizes.values()) <= 400, sizes
+
+
+def test_the_coordinator_rereads_a_result_note_still_being_written(tmp_path):
+    """Result notes are written in place (no rename): the coordinator that finds a note without
+    its last bytes reads it again, and commits once every note is whole."""
+    import json
+    import socket
+    import threading
+
+    from trainguard.checkpoint import format as fmt
+    from trainguard.checkpoint.serve import WriterConnection
+
+    root = tmp_path / "ck"
+    tmp = root / ".tmp-step_0000000007_g0000-1"
+    tmp.mkdir(parents=True)
+    notes = {}
+    for r in range(2):
+        data = f"rank {r}".encode() * 100
+        (tmp / fmt.shard_file(r)).write_bytes(data)
+        notes[r] = json.dumps({"rank": r, "file": fmt.shard_file(r), "bytes": len(data),
+                               "checksum": "0" * 16, "items": [], "nonfinite": []}).encode()
+    (tmp / fmt.result_file(0)).write_bytes(notes[0])
+    partial = tmp / fmt.result_file(1)
+    partial.write_bytes(notes[1][:-5])  # rank 1's writer is still writing its note
+    finish = threading.Timer(0.3, lambda: partial.write_bytes(notes[1]))
+    ours, theirs = socket.socketpair()
+    finish.start()
+    try:
+        total, bad = WriterConnection(theirs)._commit({
+            "id": 1, "tmp_dir": str(tmp), "final_dir": str(root / fmt.checkpoint_name(7, 0)),
+            "world_size": 2, "commit_timeout_s": 30, "metadata": b"meta", "fsync": True,
+            "manifest": {"job": "j", "step": 7, "generation": 0}})
+    finally:
+        finish.cancel()
+        ours.close()
+        theirs.close()
+    final = root / fmt.checkpoint_name(7, 0)
+    m = fmt.read_manifest(str(final))
+    assert [f["rank"] for f in m["files"]] == [0, 1, None]
+    assert total == sum(f["bytes"] for f in m["files"]) and bad == []
+    assert not tmp.exists() and not list(final.glob("*.result.json"))
+    assert (final / fmt.METADATA).read_bytes() == b"meta"
