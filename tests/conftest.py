@@ -82,13 +82,43 @@ def redis_db(servers):
 @pytest.fixture(scope="session", autouse=True)
 def _no_staging_left_behind():
     """Checkpoint staging buffers live in /dev/shm (node-local shared memory): remove the ones
-    this test run created, so tests leave nothing behind."""
+    this test run created, so tests leave nothing behind. A buffer that a live process still
+    has open or mapped is not this run's leftover (another job or a benchmark on the same
+    machine created it while the tests ran): it is kept."""
     import glob
 
     before = set(glob.glob("/dev/shm/trainguard-*"))
     yield
-    for path in set(glob.glob("/dev/shm/trainguard-*")) - before:
+    left = set(glob.glob("/dev/shm/trainguard-*")) - before
+    in_use = _shm_in_use() if left else set()
+    for path in left - in_use:
         try:
             os.unlink(path)
         except OSError:
             pass
+
+
+def _shm_in_use() -> set[str]:
+    """Paths under /dev/shm that a live process has open (``/proc/PID/fd``) or mapped
+    (``/proc/PID/maps``); processes this user may not read are skipped."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+            maps = (proc / "maps").read_text().splitlines()
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("/dev/shm/"):
+                used.add(target)
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                used.add(fields[5].removesuffix(" (deleted)"))
+    return used
