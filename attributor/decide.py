@@ -56,7 +56,6 @@ from trainguard.schemas.vocabulary import (FaultClass, Layer, default_layer, fir
 
 from . import evidence as ev
 from . import shared
-from .evidence import root_key  # noqa: F401 - re-exported for older callers
 
 #: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
 APP_XIDS = (13, 31, 43)

@@ -209,7 +209,7 @@ def signature(ev: Any) -> str:
     return f"{ev.fault_class}|{rule}|{text}"
 
 
-#: The plain strings of each enum, in order (for schemas' docs and older callers).
+#: The plain strings of each enum, in order (for the schemas' docs and the tables).
 FAULT_CLASSES: tuple[str, ...] = tuple(f.value for f in FaultClass)
 LAYERS: tuple[str, ...] = tuple(x.value for x in Layer)
 ACTIONS: tuple[str, ...] = tuple(a.value for a in Action)

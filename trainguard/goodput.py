@@ -70,10 +70,6 @@ class IncidentCost:
     seconds: dict[str, float | None] = field(default_factory=dict)
     gpu_seconds: dict[str, float | None] = field(default_factory=dict)
 
-    @property
-    def lost_gpu_s(self) -> float:
-        return sum(v for v in self.gpu_seconds.values() if v)
-
 
 @dataclass
 class Ledger:

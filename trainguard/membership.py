@@ -157,10 +157,6 @@ class Membership:
                 if m == self.replica)
         return self._owned
 
-    def owns_partition(self, p: int) -> bool:
-        """Whether this replica serves partition ``p``."""
-        return p in self.owned_partitions()
-
     def owns(self, key: str | None) -> bool:
         """Whether this replica serves partition ``key`` (None: everyone does). A replica alone
         serves every key, and caches none: the cache would keep every job and node name a
