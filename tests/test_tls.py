@@ -753,3 +753,24 @@ async def test_wrong_credentials_are_said_at_once(tls_stack):
         assert "trainguard up" in str(tb.error) and "password" in str(tb.error)
     finally:
         os.environ.pop(tls.CA_ENV, None)
+
+
+@pytest.mark.parametrize("command", ["status", "breaker"])
+async def test_status_with_a_workers_credentials_says_whose_it_needs(tls_stack, monkeypatch,
+                                                                     capsys, command):
+    """``trainguard status`` / ``breaker status`` with the line ``trainguard up`` prints (the
+    worker's, which may not read the breaker or the job list) ended in a traceback; they say
+    whose credentials read them, and work with the reader's."""
+    from trainguard import breaker_cli, status_cli
+
+    monkeypatch.setenv(tls.CA_ENV, tls_stack.tls_ca)
+    run = status_cli.main if command == "status" else breaker_cli.main
+    argv = [] if command == "status" else ["status"]
+    monkeypatch.setenv("REDIS_URL", tls_stack.urls("worker")[1])
+    rc = await asyncio.to_thread(run, argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and "reader.env" in err and "Traceback" not in err, err
+    monkeypatch.setenv("REDIS_URL", tls_stack.urls("reader")[1])
+    rc = await asyncio.to_thread(run, argv)
+    out = capsys.readouterr().out
+    assert rc == 0 and "fleet breaker" in out.lower(), out

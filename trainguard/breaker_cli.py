@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from trainguard.remediator import breaker as br
 from trainguard.schemas import BreakerChanged, BreakerState, subjects
 
@@ -125,6 +127,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def refused_words(prog: str, exc: Exception) -> str:
+    """What to say when the state store refuses this user a key (``redis``'s
+    ``NoPermissionError``): the breaker and the job records are read with the ``reader`` role's
+    credentials (``trainguard up`` writes them to ``<data dir>/env/reader.env``; the line it
+    prints is the worker's, which may not read them)."""
+    return (f"{prog}: the state store refused this user ({exc}): reading the fleet breaker and "
+            f"the jobs needs the reader role's credentials: `. <data dir>/env/reader.env` "
+            f"(trainguard up writes it; the export line it prints is the workers'); a reset "
+            f"needs the remediator's or the console's")
+
+
 async def _run(a: argparse.Namespace) -> int:
     url = os.environ.get("REDIS_URL", "")
     if not url:
@@ -160,6 +173,9 @@ async def _run(a: argparse.Namespace) -> int:
     except br.BreakerError as exc:
         print(f"trainguard breaker: {exc}", file=sys.stderr)
         return 2
+    except NoPermissionError as exc:
+        print(refused_words("trainguard breaker", exc), file=sys.stderr)
+        return 1
     finally:
         await store.close()
 

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from . import breaker_cli
 from .state import StateStore
 
@@ -47,6 +49,9 @@ async def _run(a: argparse.Namespace) -> int:
         await store.ping()
         b = await breaker_cli.status(store, trail=3)
         jobs = await _jobs(store)
+    except NoPermissionError as exc:
+        print(breaker_cli.refused_words("trainguard status", exc), file=sys.stderr)
+        return 1
     finally:
         await store.close()
     if a.json:
