@@ -92,20 +92,21 @@ def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
     steps = [h.step for h in hbs]
     assert hbs and all(h.generation == 3 and h.rank == 0 for h in hbs)
     assert all(h.phase == "startup" for h in hbs if h.step == -1)  # before the first step
-    assert 2 in steps and 100 in steps          # optimizer-hook count, then the framework's
-    at2 = next(h for h in hbs if h.step == 2)
+    # optimizer-hook count, on from the restored step 41 (0-based), then the framework's
+    assert 44 in steps and 100 in steps
+    at2 = next(h for h in hbs if h.step == 44)
     # collectives entered and completed: one gradient bucket per step
     assert at2.phase == "train" and (at2.collective_seq, at2.collectives_completed) == (3, 3)
     assert at2.compute_s is not None and at2.compute_s >= 0
     # + a sync and an async all_reduce, + the script's own comm hook's all_reduce
-    at_step2 = {(h.collective_seq, h.collectives_completed) for h in hbs if h.step == 2}
+    at_step2 = {(h.collective_seq, h.collectives_completed) for h in hbs if h.step == 44}
     assert (6, 6) in at_step2 and max(at_step2) == (7, 7), at_step2
     assert next(h for h in hbs if h.step == 100).loss == 0.25
     # once a framework reports steps, an optimizer step only advances the collective count
-    assert max(h.collective_seq for h in hbs if h.step == 2) == 7
-    assert 3 not in steps
+    assert max(h.collective_seq for h in hbs if h.step == 44) == 7
+    assert 45 not in steps
     resumed = [e for e in got if isinstance(e, schemas.TrainingResumed)]
-    assert len(resumed) == 1 and resumed[0].resumed_step == 0
+    assert len(resumed) == 1 and resumed[0].resumed_step == 42
     assert resumed[0].restored_step == 41  # as the framework said (else -1: unknown)
     assert resumed[0].restore_source == "script" and resumed[0].decision_id == "d1"
     faults = [e for e in got if isinstance(e, schemas.LogLine) and e.stream == "exception"]

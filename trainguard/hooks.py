@@ -398,7 +398,9 @@ class _PlainRuntime(_Runtime):
                 job_imports.record()  # the model, Trainer and data pipeline are built by now
             if self.framework_steps:
                 return  # the framework's own step count is the one reported
-            step = self.opt_steps - 1
+            # counted on from the checkpoint a framework said it restored (``restored``: an
+            # automatic resume), else from 0 (what a plain script restored is not known)
+            step = self.opt_steps - 1 + (self.restored_step + 1 if self.restored_step >= 0 else 0)
         p.advance(int(step), p.loss if loss is None else loss)  # a loss stays until the next
         fault_inject.at_step(self.cfg.rank, int(step))  # `trainguard launch --faults`
         if self.resume_pending:
