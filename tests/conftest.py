@@ -122,3 +122,21 @@ def _shm_in_use() -> set[str]:
             if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
                 used.add(fields[5].removesuffix(" (deleted)"))
     return used
+
+
+
+#: Test modules that take a host-wide resource (network namespaces and links of the one-machine
+#: cluster, Slurm's daemons and ports): with ``pytest -n 2`` (pytest-xdist, ``--dist
+#: loadgroup``, as ``make test`` runs) they all run on one worker, one after another. Every
+#: other module runs whole on one worker (its module-scoped servers and stacks start once), two
+#: modules at a time.
+HOST_WIDE = ("cluster", "slurm")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        stem = item.path.stem
+        group = "host-wide" if any(w in stem for w in HOST_WIDE) else stem
+        item.add_marker(pytest.mark.xdist_group(group))
