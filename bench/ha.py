@@ -15,10 +15,12 @@ train, the target is SIGKILLed; ``--rank-fault-after`` seconds later, still insi
 * ``step_rate_before`` / ``step_rate_during`` (rank 0's steps/s in the 4 s before the kill and
   between the kill and the rank fault) and their ``ratio``;
 * ``failover_s`` — kill → the control plane answers again: a JetStream-acknowledged publish to
-  the events stream (NATS) or a write through the state store's URL (Valkey), from a fresh
-  client every 0.2 s; null when it did not answer within ``--recovery-timeout``;
-* the rank fault: ``detected`` (an anomaly of the job stored), ``decisions`` (decisions of the
-  job's generation 0 seen: stored, else live), ``carried_out`` (decisions the launcher
+  the events stream and every stream's info answered by its leader (NATS), or a write through
+  the state store's URL (Valkey), from a fresh client every 0.2 s; null when it did not answer
+  within ``--recovery-timeout``;
+* the rank fault: ``detected`` (an anomaly of the job stored), ``decisions`` (decisions that
+  act on it, for generation 1: stored, else as the launcher printed them; every stored
+  decision is listed in ``decisions_seen``), ``carried_out`` (decisions the launcher
   executed), ``recovered`` (both ranks stepping at generation ≥ 1) and ``recovery_s``,
   ``decisions_lost`` (0 decisions) and ``decisions_duplicated`` (more than 1).
 
@@ -133,11 +135,16 @@ async def _answers(stack, target: str) -> bool:
     from trainguard.state import StateStore
 
     if target == "nats":
+        from trainguard.bus import STREAMS
+
         bus = Bus(stack.nats_url, "ha-probe")
         try:
             await bus.connect(timeout=1.0, retry=False)
             await bus.publish_stored(subjects.job("ha-probe", "log"),
                                      schemas.LogLine(job="ha-probe", line="probe"), timeout=1.0)
+            js = bus.nc.jetstream(timeout=1.0)
+            for name, _subs, _age in STREAMS:  # every stream has a leader again
+                await js.stream_info(name)
             return True
         except Exception:  # noqa: BLE001 - not answering yet
             return False
@@ -180,17 +187,19 @@ async def _stored(stack, job: str, kind: str) -> list | None:
         await bus.close()
 
 
-def run_row(kind: str, target: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_row(kind: str, target: str, a: argparse.Namespace, work: Path,
+            trial: int = 0) -> dict[str, Any]:
     from trainguard.stack import Stack
 
-    row: dict[str, Any] = {"stack": kind, "target": target, "fault_kind": "sigkill"}
-    d = work / f"{kind}-{target}"
+    row: dict[str, Any] = {"stack": kind, "target": target, "fault_kind": "sigkill",
+                           "trial": trial}
+    d = work / f"{kind}-{target}-{trial}"
     progress, ckpt = d / "progress", d / "ckpt"
     progress.mkdir(parents=True)
     ckpt.mkdir()
     script = d / "train.py"
     script.write_text(SCRIPT.format(progress=progress))
-    job = f"ha-{kind}-{target}"
+    job = f"ha-{kind}-{target}-{trial}"
     stack = Stack(services=SERVICES, rendezvous=True, log_dir=str(d / "logs"),
                   ha=(kind == "ha"))
     t = time.monotonic()
@@ -252,7 +261,14 @@ def run_row(kind: str, target: str, a: argparse.Namespace, work: Path) -> dict[s
             row["decisions"] = len(re.findall(r"decision \S+ \([^)]*\) generation 1", text))
             row["detected"] = None
         else:
-            row["decisions"] = len([x for x in decisions if x.generation == 1])
+            # the decisions that act on the rank fault (flags such as a failed checkpoint
+            # save's ``none`` are listed, not counted)
+            row["decisions"] = len([x for x in decisions if x.generation == 1 and x.execute])
+            row["decisions_seen"] = [
+                {"id": x.event_id, "action": x.action, "generation": x.generation,
+                 "execute": x.execute, "ranks": x.ranks, "key": x.idempotency_key,
+                 "verdict": x.verdict_id, "reason": x.reason[:100]}
+                for x in decisions]
             row["detected"] = bool(anomalies)
         row["decisions_lost"] = int(row["decisions"] == 0)
         row["decisions_duplicated"] = max(0, row["decisions"] - 1,
@@ -277,14 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-fault-after", type=float, default=1.5,
                    help="seconds from the server kill to the rank fault")
     p.add_argument("--recovery-timeout", type=float, default=45.0)
+    p.add_argument("--keep", default=None, help="keep logs and outputs in this directory")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every row (interleaved)")
     a = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tg-bench-ha-") as tmp:
-        for target in a.targets.split(","):
+        if a.keep:
+            tmp = a.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        for trial in range(a.repeat):
+          for target in a.targets.split(","):  # noqa: E111
             for kind in a.stacks.split(","):  # interleaved: ha and single back to back
                 t = time.monotonic()
                 try:
-                    row = run_row(kind, target, a, Path(tmp))
+                    row = run_row(kind, target, a, Path(tmp), trial)
                 except Exception as exc:  # noqa: BLE001 - a row that failed says why
                     row = {"stack": kind, "target": target, "error": f"{type(exc).__name__}: "
                                                                      f"{exc}"[:2000]}

@@ -95,13 +95,13 @@ def _verdict(job: str) -> Verdict:
                    culprit={"nodes": ["n2"]}, generation=0, first_ts=2000)
 
 
-async def test_event_streams_have_three_copies_and_telemetry_one(ha):
+async def test_every_stream_has_three_copies(ha):
     bus = await Bus(ha.nats_url, "admin").connect()
     try:
         js = bus.nc.jetstream()
         copies = {n: (await js.stream_info(n)).config.num_replicas
                   for n in ("TG_EVENTS", "TG_DLQ", "TG_TELEMETRY")}
-        assert copies == {"TG_EVENTS": 3, "TG_DLQ": 3, "TG_TELEMETRY": 1}
+        assert copies == {"TG_EVENTS": 3, "TG_DLQ": 3, "TG_TELEMETRY": 3}
         info = await js.stream_info("TG_EVENTS")
         assert info.cluster is not None and len(info.cluster.replicas or []) == 2
     finally:

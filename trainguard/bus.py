@@ -137,10 +137,12 @@ STREAM_LIMITS: dict[str, StreamLimits] = {
 #: ``stream_replicas``): a stream acknowledges a message once a majority of its copies stored
 #: it, so with 3 copies the loss of any one server loses no acknowledged decision, verdict,
 #: action or dead letter (the design card: "JetStream R3 for decisions, outbox, audit and
-#: verdicts"; the outbox and the audit trail themselves live in Valkey). Telemetry and
-#: heartbeats are re-sent every few seconds and kept an hour: one copy, no RAFT round per
-#: heartbeat.
-STREAM_REPLICAS: dict[str, int] = {"TG_EVENTS": 3, "TG_TELEMETRY": 1, "TG_DLQ": 3}
+#: verdicts"; the outbox and the audit trail themselves live in Valkey). Telemetry gets 3 too,
+#: though it is re-sent every few seconds: the detector reads heartbeats through the stream
+#: (``trainguard.consume``), so a one-copy telemetry stream on the server that died is silence
+#: from every rank and node at once — ``bench/ha.py`` saw that become a node declared lost and
+#: the job stopped.
+STREAM_REPLICAS: dict[str, int] = {"TG_EVENTS": 3, "TG_TELEMETRY": 3, "TG_DLQ": 3}
 
 
 def stream_replicas(name: str, cluster_size: int) -> int:

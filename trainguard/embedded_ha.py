@@ -9,7 +9,7 @@ the process that started them.
 
 * NATS: servers ``tg-0`` … ``tg-<n-1>``, routes between them on their own ports (with a route
   user when users are required), JetStream clustered (RAFT meta group over the 3). Streams get
-  ``bus.stream_replicas`` copies (R3 for events and dead letters, R1 for telemetry): a stream
+  ``bus.stream_replicas`` copies (3: ``bus.STREAM_REPLICAS`` says why telemetry too): a stream
   acknowledges a message once a majority of its copies stored it.
 * Valkey: the primary and ``replicas`` replicas (``--replicaof``, authenticated as ``admin``
   when users are required), every one with the ACL of ``trainguard.auth``; ``sentinels``
