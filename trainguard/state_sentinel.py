@@ -117,6 +117,7 @@ class FailoverRetry(Retry):
         super().__init__(NoBackoff(), 1, (RedisConnectionError, RedisTimeoutError,
                                           ReadOnlyError, OSError))
         self.sentinel, self.master, self.auth, self.wait_s = sentinel, master, auth, wait_s
+        self._waiting: asyncio.Future | None = None
         #: failovers waited for (counted once per failed command)
         self.waits = 0
 
@@ -145,13 +146,24 @@ class FailoverRetry(Retry):
             await r.aclose()
 
     async def wait_for_primary(self) -> bool:
-        """Poll until a primary answers (True) or ``wait_s`` passed (False)."""
+        """Poll every ``POLL_S`` until a primary answers (True) or ``wait_s`` passed (False).
+        The commands of one client that fail together share one wait (one poll at a time,
+        not one per command)."""
+        task = self._waiting
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            task = self._waiting = asyncio.ensure_future(self._poll())
+        return await asyncio.shield(task)
+
+    #: seconds between polls of the sentinels while waiting for a primary
+    POLL_S = 0.2
+
+    async def _poll(self) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         while loop.time() < deadline:
             if await self.primary_answers() is not None:
                 return True
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(self.POLL_S)
         return False
 
     async def call_with_retry(self, do: Callable[[], Awaitable[Any]], fail: Callable[..., Any],
