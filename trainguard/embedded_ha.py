@@ -24,7 +24,9 @@ one and moves to another when it goes), Valkey as a sentinel URL
 (``trainguard.state_sentinel``). Valkey is plaintext here (the wheel's build has no TLS): keep
 ``host`` loopback. Without ``data_dir`` everything lives in a temporary directory removed by
 ``stop``; with one, the same layout as ``EmbeddedServers`` under ``nats-<i>/``, ``valkey-<i>/``,
-``sentinel-<i>/``. A restarted stack starts its first Valkey as the primary again.
+``sentinel-<i>/``, and ``ha.json``: the ports, tried first at the next start, and which Valkey
+node was the primary when the stack stopped (it starts as the primary again, the others as its
+replicas).
 """
 from __future__ import annotations
 
@@ -32,22 +34,14 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from .auth import Credentials, write_private
-from .embedded import (EmbeddedServer, ServerStartError, _die_with_parent, _lock_dir,
-                       _wait_port, free_port, valkey_server_binary)
-
-#: What every role may run on a sentinel: find the primary (redis-py's ``Sentinel`` asks
-#: ``SENTINEL MASTERS`` / ``SENTINELS`` / ``REPLICAS``), nothing that changes it.
-SENTINEL_READ_RULES = ("-@all +ping +auth +hello +role +sentinel|masters +sentinel|master "
-                       "+sentinel|sentinels +sentinel|replicas +sentinel|slaves "
-                       "+sentinel|get-master-addr-by-name")
-
+from .embedded import EmbeddedServer, ServerStartError, _lock_dir, free_port, port_free
+from .embedded_sentinel import SENTINEL_READ_RULES, SentinelProcess, sentinel_config
 
 class NatsClusterNode(EmbeddedServer):
     """One nats-server of a cluster: ``EmbeddedServer``'s configuration plus a unique server
@@ -89,59 +83,6 @@ class ValkeyNode(EmbeddedServer):
         if self.creds is not None:  # a replica (a promoted one's too) authenticates as admin
             cmd += ["--masteruser", "admin", "--masterauth", self.creds.password("admin")]
         return cmd
-
-
-def sentinel_config(host: str, port: int, workdir: str, master_name: str,
-                    primary: tuple[str, int], quorum: int, down_after_ms: int,
-                    failover_timeout_ms: int, creds: Credentials | None) -> str:
-    """A sentinel's configuration file (text): listen address, the primary it monitors, its
-    timings, and with ``creds`` the users (``admin`` may do anything, every other role
-    ``SENTINEL_READ_RULES``), how it authenticates to Valkey and to the other sentinels."""
-    lines = [f"port {port}", f"bind {host}", f"dir {workdir}", "protected-mode no",
-             f"sentinel monitor {master_name} {primary[0]} {primary[1]} {quorum}",
-             f"sentinel down-after-milliseconds {master_name} {down_after_ms}",
-             f"sentinel failover-timeout {master_name} {failover_timeout_ms}",
-             f"sentinel parallel-syncs {master_name} 1"]
-    if creds is not None:
-        admin = creds.password("admin")
-        lines += [f"sentinel auth-user {master_name} admin",
-                  f"sentinel auth-pass {master_name} {admin}",
-                  "sentinel sentinel-user admin", f"sentinel sentinel-pass {admin}",
-                  "user default off"]
-        for name, pw, _role in creds.users():
-            rules = "~* &* +@all" if name == "admin" else SENTINEL_READ_RULES
-            lines.append(f"user {name} on >{pw} {rules}")
-    return "\n".join(lines) + "\n"
-
-
-class SentinelProcess:
-    """One sentinel (``valkey-server <conf> --sentinel``) on ``port`` of ``host``."""
-
-    def __init__(self, host: str, port: int, workdir: str):
-        self.host, self.port, self.workdir = host, port, workdir
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, config: str, timeout: float = 10.0) -> "SentinelProcess":
-        """Write ``config`` and start; raises ServerStartError with the log tail."""
-        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
-        conf = Path(self.workdir) / "sentinel.conf"
-        write_private(conf, config)  # the sentinel rewrites it (what it learnt): writable
-        log = Path(self.workdir) / "sentinel.log"
-        self.proc = subprocess.Popen(
-            [valkey_server_binary(), str(conf), "--sentinel", "--logfile", str(log)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent)
-        _wait_port(self.host, self.port, self.proc, timeout, log)
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class HAServers:
@@ -229,33 +170,47 @@ class HAServers:
             self.tls_files = tlsmod.ensure(self.dir / "tls",
                                            tlsmod.default_names(self.host, self.tls_names),
                                            rotate=self.rotate)
+        kept = self._read_layout()
+
+        def port(kind: str, i: int) -> int:  # the last start's, when it is free again
+            ports = kept.get(kind) or []
+            p = int(ports[i]) if i < len(ports) else 0
+            return p if p and port_free(self.host, p) else free_port(self.host)
+
         try:
-            routes = [free_port(self.host) for _ in range(self.n_nats)]
+            routes = [port("routes", i) for i in range(self.n_nats)]
             for i in range(self.n_nats):
                 s = NatsClusterNode(host=self.host, workdir=str(self.dir / f"nats-{i}"),
-                                    creds=self.creds, tls=self.tls_files,
+                                    port=port("nats", i), creds=self.creds, tls=self.tls_files,
                                     max_file_store=streams_max_bytes() + 256 * 1024 ** 2,
                                     name=f"tg-{i}", route_port=routes[i],
                                     peers=[p for j, p in enumerate(routes) if j != i])
                 self.nats.append(s)
                 s.start()
             persistent = self.data_dir is not None
-            primary = ValkeyNode(host=self.host, workdir=str(self.dir / "valkey-0"),
-                                 creds=self.creds, persistent=persistent).start()
-            self.valkey.append(primary)
-            for i in range(1, self.n_replicas + 1):
-                self.valkey.append(ValkeyNode(
-                    host=self.host, workdir=str(self.dir / f"valkey-{i}"), creds=self.creds,
-                    persistent=persistent, primary=(self.host, primary.port)).start())
+            # the node that was primary when the stack stopped starts as the primary again (a
+            # failover promoted the replica: its data is the newest); the others replicate it
+            first = int(kept.get("primary") or 0) if persistent else 0
+            first = first if 0 <= first <= self.n_replicas else 0
+            nodes = [ValkeyNode(host=self.host, workdir=str(self.dir / f"valkey-{i}"),
+                                port=port("valkey", i), creds=self.creds, persistent=persistent)
+                     for i in range(self.n_replicas + 1)]
+            primary = nodes[first].start()
+            for i, v in enumerate(nodes):
+                if i != first:
+                    v.primary = (self.host, primary.port)
+                    v.start()
+            self.valkey.extend(nodes)
             quorum = self.n_sentinels // 2 + 1
             for i in range(self.n_sentinels):
-                sp = SentinelProcess(self.host, free_port(self.host),
+                sp = SentinelProcess(self.host, port("sentinels", i),
                                      str(self.dir / f"sentinel-{i}"))
                 self.sentinels.append(sp)
                 sp.start(sentinel_config(self.host, sp.port, sp.workdir, self.master_name,
                                          (self.host, primary.port), quorum, self.down_after_ms,
                                          self.failover_timeout_ms, self.creds))
             self.wait_ready(self.ready_timeout)
+            self._write_layout(first)
         except BaseException:
             self.stop()
             raise
@@ -315,7 +270,7 @@ class HAServers:
         why = ""
         while time.monotonic() < deadline:
             try:
-                for v in self.valkey[1:]:
+                for v in (v for v in self.valkey if v.primary is not None):
                     with self._admin(v.host, v.port) as r:
                         if r.info("replication").get("master_link_status") != "up":
                             raise RuntimeError(f"replica {v.port} not in sync yet")
@@ -384,7 +339,30 @@ class HAServers:
 
     revoke_job = issue_job
 
+    # ---- what a restart keeps (``data_dir``'s ``ha.json``) --------------------------------------
+    def _read_layout(self) -> dict:
+        if self.data_dir is None:
+            return {}
+        try:
+            return json.loads((self.dir / "ha.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write_layout(self, primary: int) -> None:
+        """Keep the ports (so that a launcher's URLs outlive a restart, as the single-server
+        stack's ``ports.json`` does) and which Valkey node is the primary."""
+        if self.data_dir is None or self.dir is None:
+            return
+        write_private(self.dir / "ha.json", json.dumps({
+            "host": self.host, "nats": [s.port for s in self.nats],
+            "routes": [s.route_port for s in self.nats], "valkey": [v.port for v in self.valkey],
+            "sentinels": [s.port for s in self.sentinels], "primary": primary}) + "\n")
+
     def stop(self) -> None:
+        if self.valkey and self.sentinels and self.data_dir is not None:
+            now = self.primary()  # a failover moved it: that node starts as the primary next
+            if now is not None:
+                self._write_layout(self.valkey.index(now))
         for p in [*self.sentinels, *self.valkey, *self.nats]:
             p.stop()
         self.sentinels.clear()
