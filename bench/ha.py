@@ -187,6 +187,31 @@ async def _stored(stack, job: str, kind: str) -> list | None:
         await bus.close()
 
 
+def account(decisions: list | None, anomalies: list | None, launcher_text: str) -> dict:
+    """The rank fault's fate from the job's stored decisions and anomalies (None: the bus could
+    not be read) and the launcher's output: ``decisions`` (those that act on the fault, for
+    generation 1; flags such as a failed checkpoint save's ``none`` are listed in
+    ``decisions_seen``, not counted; without the bus, the launcher's lines),
+    ``carried_out`` (decisions the launcher executed), ``detected``, ``decisions_lost`` (1 when
+    none) and ``decisions_duplicated`` (past the first, decided or carried out)."""
+    row: dict[str, Any] = {"carried_out": len(re.findall(
+        r"decision \S+ \(executing\) generation 1 ", launcher_text))}
+    if decisions is None:
+        row["decisions"] = len(re.findall(r"decision \S+ \([^)]*\) generation 1 ",
+                                          launcher_text))
+        row["detected"] = None
+    else:
+        row["decisions"] = len([x for x in decisions if x.generation == 1 and x.execute])
+        row["decisions_seen"] = [
+            {"id": x.event_id, "action": x.action, "generation": x.generation,
+             "execute": x.execute, "ranks": x.ranks, "key": x.idempotency_key,
+             "verdict": x.verdict_id, "reason": x.reason[:100]} for x in decisions]
+        row["detected"] = bool(anomalies)
+    row["decisions_lost"] = int(row["decisions"] == 0)
+    row["decisions_duplicated"] = max(0, row["decisions"] - 1, row["carried_out"] - 1)
+    return row
+
+
 def run_row(kind: str, target: str, a: argparse.Namespace, work: Path,
             trial: int = 0) -> dict[str, Any]:
     from trainguard.stack import Stack
@@ -255,24 +280,7 @@ def run_row(kind: str, target: str, a: argparse.Namespace, work: Path,
         time.sleep(2.0)  # late duplicates
         decisions = asyncio.run(_stored(stack, job, "decision"))
         anomalies = asyncio.run(_stored(stack, job, "anomaly"))
-        text = out.read_text()
-        row["carried_out"] = len(re.findall(r"decision \S+ \(executing\) generation 1", text))
-        if decisions is None:  # no bus to read: what the launcher saw
-            row["decisions"] = len(re.findall(r"decision \S+ \([^)]*\) generation 1", text))
-            row["detected"] = None
-        else:
-            # the decisions that act on the rank fault (flags such as a failed checkpoint
-            # save's ``none`` are listed, not counted)
-            row["decisions"] = len([x for x in decisions if x.generation == 1 and x.execute])
-            row["decisions_seen"] = [
-                {"id": x.event_id, "action": x.action, "generation": x.generation,
-                 "execute": x.execute, "ranks": x.ranks, "key": x.idempotency_key,
-                 "verdict": x.verdict_id, "reason": x.reason[:100]}
-                for x in decisions]
-            row["detected"] = bool(anomalies)
-        row["decisions_lost"] = int(row["decisions"] == 0)
-        row["decisions_duplicated"] = max(0, row["decisions"] - 1,
-                                          row["carried_out"] - 1)
+        row.update(account(decisions, anomalies, out.read_text()))
     finally:
         sampler.stop.set()
         if launcher is not None and launcher.poll() is None:

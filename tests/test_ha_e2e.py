@@ -161,3 +161,24 @@ async def test_the_valkey_primary_killed_mid_incident_one_decision(ha, procs):
     finally:
         await store.close()
         await bus.close()
+
+
+def test_a_restarted_stack_keeps_its_urls_and_the_promoted_primary(tmp_path):
+    """After a failover the promoted replica has the newest data: a stack stopped and started
+    again on the same data directory starts it as the primary (the old primary replicates
+    it), on the same ports, so the URLs a launcher was given still work."""
+    with HAServers(data_dir=tmp_path / "state") as srv:
+        urls = srv.urls("worker")
+        srv.valkey[0].proc.kill()
+        deadline = time.monotonic() + 30
+        while srv.primary() in (None, srv.valkey[0]):
+            assert time.monotonic() < deadline, "no failover"
+            time.sleep(0.1)
+        promoted = srv.primary()
+        with srv._admin(promoted.host, promoted.port) as r:
+            r.set("tg:after-failover", "kept")
+    with HAServers(data_dir=tmp_path / "state") as again:
+        assert again.urls("worker") == urls
+        assert again.primary() is again.valkey[1]
+        with again._admin(again.valkey[1].host, again.valkey[1].port) as r:
+            assert r.get("tg:after-failover") == "kept"
