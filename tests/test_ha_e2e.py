@@ -19,8 +19,6 @@ from trainguard.remediator.model import decision_id
 from trainguard.schemas import Verdict, subjects
 from trainguard.state import StateStore
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
 def ha(tmp_path):
