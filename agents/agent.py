@@ -47,6 +47,19 @@ log = logging.getLogger("trainguard.agent")
 KERNEL_KIND = "kernel"
 
 
+def node_attributes(env: str | None = None) -> dict[str, str]:
+    """The node's attributes from ``TG_NODE_ATTRS`` (``driver=550.54,rack=r3,switch=s1,…``):
+    what the attributor compares when one fault comes from many nodes at once. A malformed
+    entry (no ``=``) is skipped."""
+    text = os.environ.get("TG_NODE_ATTRS", "") if env is None else env
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        k, sep, v = part.partition("=")
+        if sep and k.strip() and v.strip():
+            out[k.strip()[:64]] = v.strip()[:128]
+    return out
+
+
 @dataclass
 class AgentConfig:
     """Settings of the node agent (all durations in seconds).
@@ -239,7 +252,7 @@ class NodeAgent(Service):
         await self._publish("telemetry", NodeTelemetry(
             node=self.node, cpu_percent=h.cpu_percent, mem_used_bytes=h.mem_used_bytes,
             mem_total_bytes=h.mem_total_bytes, load1=h.load1, net_latency_s=latency,
-            nvml=self.nvml.available, gpus=gpus))
+            nvml=self.nvml.available, gpus=gpus, attributes=node_attributes()))
 
     async def _publish(self, kind: str, event: Event) -> None:
         await self.bus.publish(subjects.node(self.node, kind), event)

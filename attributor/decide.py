@@ -31,7 +31,11 @@
    * XIDs 13/31/43 (the catalog's application XIDs) from ``app_xid_pids`` (3) or more
      different processes on one GPU make that GPU suspect hardware (``gpu_xid``/``hardware``,
      ``detail["suspect_gpu"]``).
-6. Confidence (``evidence.agreeing_sources``): how many independent sources — exit status,
+7. A shared cause (``attributor.shared``): the root's signature from ``shared_min_nodes`` (4)
+   nodes of ``shared_min_jobs`` (2) jobs within ``shared_window_s`` (60 s) is blamed on the
+   layer they share, not on each node: ``detail["shared_cause"]`` names it and what the nodes
+   have in common (their telemetry's attributes), and the remediator takes no node out.
+8. Confidence (``evidence.agreeing_sources``): how many independent sources — exit status,
    the program's log, a peer's log, the kernel log, an XID, telemetry, heartbeats, history —
    agree with the verdict: one is ``medium``, two or more ``high``, symptoms alone ``low``
    (``detail["sources"]`` lists them). The detector's per-rule weights order root candidates of
@@ -42,6 +46,7 @@ into one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -50,6 +55,7 @@ from trainguard.schemas.vocabulary import (FaultClass, Layer, default_layer, fir
                                            signature, spec)
 
 from . import evidence as ev
+from . import shared
 from .evidence import root_key  # noqa: F401 - re-exported for older callers
 
 #: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
@@ -75,6 +81,13 @@ class AttributorConfig:
     app_repeat_nodes: int = 2
     app_xid_pids: int = 3
     max_evidence: int = 40
+    #: one signature from this many nodes of this many jobs within this window is a shared
+    #: cause (``attributor.shared``)
+    #: (env ``TG_SHARED_CAUSE_NODES``: the node count, 0 turns the rule off)
+    shared_window_s: float = 60.0
+    shared_min_nodes: int = field(
+        default_factory=lambda: int(os.environ.get("TG_SHARED_CAUSE_NODES", "4") or 0))
+    shared_min_jobs: int = 2
 
 
 @dataclass
@@ -89,6 +102,10 @@ class History:
     node_jobs: dict[str, set[str]] = field(default_factory=dict)
     signature_nodes: set[str] = field(default_factory=set)
     gpu_app_xid_pids: dict[str, set[int]] = field(default_factory=dict)
+    #: node → jobs that reported the root's signature within ``shared_window_s`` (any job)
+    recent_nodes: dict[str, set[str]] = field(default_factory=dict)
+    #: node → attributes (``NodeTelemetry.attributes``), read when a shared cause is likely
+    node_attrs: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,6 +187,11 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
     if reread:
         fault_class, layer, why = reread
         notes.append(why)
+    elif layer == Layer.UNKNOWN:
+        by_ranks = _shared_by_ranks(root, ordered_a)
+        if by_ranks:
+            layer, why = by_ranks
+            notes.append(why)
 
     # culprit: the root's, plus other root-cause anomalies of the same class (several XIDs,
     # several OOM-killed ranks); symptoms and victims never add culprits.
@@ -255,6 +277,24 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                          f"nodes of this job ({', '.join(sorted(sig_nodes)[:5])}): "
                          f"an application fault, a restart would repeat it")
 
+    # one signature from many nodes of many jobs at once -> the layer they share (rule 7)
+    if root.severity == "error" and not symptom_only and cfg.shared_min_nodes > 0:
+        recent = {n: set(js) for n, js in hist.recent_nodes.items()}
+        for n in nodes:
+            recent.setdefault(n, set()).add(hist.job)
+        cause = shared.shared_cause(fault_class, sig, recent, hist.node_attrs,
+                                    cfg.shared_window_s, cfg.shared_min_nodes,
+                                    cfg.shared_min_jobs)
+        if cause is not None:
+            facts["shared_cause"] = cause
+            facts.pop("repeat_offender", None)  # not this node's fault after all
+            facts.setdefault("evidence_layer", str(layer))
+            layer = cause["layer"]
+            said = ", ".join(f"{k}={v}" for k, v in cause["common"].items())
+            notes.append(f"the same failure from {cause['count']} nodes of {cause['jobs']} "
+                         f"jobs within {cause['window_s']:g} s: a shared cause "
+                         f"({layer}{'; in common: ' + said if said else ''}), not each node")
+
     evidence: list[str] = []
     for a, vic in zip(ordered_a, is_victim):
         tag = ("symptom" if a.symptom or vic else "root" if a is root else "fault")
@@ -265,12 +305,19 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
                                                       f" more lines"]
     sources = ev.agreeing_sources(root, supporting, facts)
     score = ev.score_of(len(sources), symptom_only)
-    first_ts = min((a.first_ts or a.ts) for a in ordered_a)
+    # the fault's time and its detection: of the errors when the root is one — a warning flag
+    # (a straggler on a loaded host) that joined a crash's incident is no part of the crash
+    timed = ([a for a in ordered_a if a.severity != "warning"]
+             if root.severity != "warning" else []) or ordered_a
+    first_ts = min((a.first_ts or a.ts) for a in timed)
     gens = [a.generation for a in ordered_a if a.generation is not None]
     detail = {"root_kind": root.kind, "root_anomaly": root.event_id,
               "pattern": root.detail.get("pattern") or root.detail.get("rule"),
               "symptoms": len(symptoms), "notes": notes, "symptom_only": symptom_only,
-              "sources": sources, "severity": root.severity, **facts}
+              "sources": sources, "severity": root.severity,
+              # the first anomaly's publication: the decision's ``detected_ts`` (the remediator
+              # reads it), so "detected" is fault → anomaly, not fault → verdict
+              "detected_ts": min(a.ts for a in timed), **facts}
     victims = sorted({r for a, v in zip(ordered_a, is_victim) if v for r in a.culprit.ranks}
                      - set(ranks))
     if victims:
@@ -306,7 +353,29 @@ REREADINGS: tuple[tuple[str, str, str, str, str], ...] = (
      "scheduler or an operator tore the job down (Slurm and torchrun send SIGTERM, then "
      "SIGKILL to what is left); the kernel's OOM killer sends SIGKILL alone, to the process "
      "it picks (mm/oom_kill.c)"),
+    ("sigkill", "slurm_memory_limit_hit", FaultClass.OOM_HOST.value, Layer.APPLICATION.value,
+     "the rank was SIGKILLed after slurmstepd reported the step over its memory limit: the "
+     "job's own memory use against its allocation (the cgroup's OOM kill), not a guess"),
 )
+
+
+#: Rows whose fault names no layer on one rank but the program's when several ranks print it:
+#: pattern -> why. A kernel's illegal access on every rank running the same code is the code's
+#: (a faulty GPU or driver hits the ranks on it, not all of them at once).
+PROGRAM_WHEN_SHARED: dict[str, str] = {
+    "cuda_illegal_access": "the same CUDA memory fault on several ranks at once: the kernel's "
+                           "code (the program or its framework), not one GPU",
+}
+
+
+def _shared_by_ranks(root: Anomaly, anomalies: list[Anomaly]) -> tuple[str, str] | None:
+    """(layer, why) when ``root``'s pattern is in ``PROGRAM_WHEN_SHARED`` and at least two
+    distinct ranks printed it; None otherwise."""
+    pattern = root.detail.get("pattern")
+    if pattern not in PROGRAM_WHEN_SHARED:
+        return None
+    ranks = {r for a in anomalies if a.detail.get("pattern") == pattern for r in a.culprit.ranks}
+    return (Layer.APPLICATION.value, PROGRAM_WHEN_SHARED[pattern]) if len(ranks) >= 2 else None
 
 
 def _reread(root: Anomaly, anomalies: list[Anomaly]) -> tuple[str, str, str] | None:
@@ -335,7 +404,7 @@ def _program(fault_class: str) -> bool:
 
 #: Keys of the root anomaly's detail a verdict's detail carries on as they came.
 ROOT_DETAIL_KEYS = ("xid", "signal", "step", "seq", "op", "in_compute", "blocked",
-                    "launcher_lost", "last_beat_ns")
+                    "launcher_lost", "last_beat_ns", "last_progress_ts")
 
 #: The facts in a verdict's detail that say more than its fault class and layer: a later verdict
 #: of an incident is published when its conclusion (fault class, layer, facts) changed.
@@ -361,7 +430,9 @@ NODE_LAYERS = (Layer.HARDWARE, Layer.SYSTEM_SOFTWARE, Layer.INFRASTRUCTURE)
 
 def history_from_records(job: str, node_records: dict[str, list[dict]],
                          signature_pairs: list[tuple[str, str]], current_gpu_pids:
-                         dict[str, set[int]] | None = None, since_ns: int = 0) -> History:
+                         dict[str, set[int]] | None = None, since_ns: int = 0,
+                         recent_pairs: list[tuple[str, str]] | None = None,
+                         node_attrs: dict[str, dict[str, str]] | None = None) -> History:
     """Build a ``History`` from ``StateStore.node_history`` records (per culprit node) and
     ``signature_history`` pairs ``[(job, node)]`` of the root's signature. Records are dicts
     with at least ``job``, ``layer``, ``ts`` and optionally ``xid``, ``gpu``, ``pid``."""
@@ -377,6 +448,10 @@ def history_from_records(job: str, node_records: dict[str, list[dict]],
             if r.get("xid") in APP_XIDS and r.get("gpu") and r.get("pid") is not None:
                 h.gpu_app_xid_pids.setdefault(str(r["gpu"]), set()).add(int(r["pid"]))
     h.signature_nodes = {n for j, n in signature_pairs if j == job and n}
+    for j, n in recent_pairs or ():
+        if n:
+            h.recent_nodes.setdefault(n, set()).add(j)
+    h.node_attrs = {n: dict(a) for n, a in (node_attrs or {}).items()}
     for g, pids in (current_gpu_pids or {}).items():
         h.gpu_app_xid_pids.setdefault(g, set()).update(pids)
     return h

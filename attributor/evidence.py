@@ -74,8 +74,13 @@ SYMPTOM_ONLY_SCORES = {0: 0.25, 1: 0.35, 2: 0.45}
 
 
 def onset_ns(a: Anomaly) -> int:
-    """When the fault of ``a`` began (Unix ns): ``first_ts`` (else ``ts``) less the silence or
-    stall (``detail["silent_s"]`` / ``["stalled_s"]``, seconds) its rule waited for."""
+    """When the fault of ``a`` began (Unix ns): a hang's ``detail["last_progress_ts"]`` (the
+    detector puts the same in ``first_ts``); else ``first_ts`` (else ``ts``) less the silence or
+    stall (``detail["silent_s"]`` / ``["stalled_s"]``, seconds) its rule waited for (a node
+    lost, and anomalies recorded before hangs carried their last progress)."""
+    last = a.detail.get("last_progress_ts")
+    if isinstance(last, int) and not isinstance(last, bool) and last > 0:
+        return last
     t = a.first_ts or a.ts
     for k in LAG_KEYS:
         v = a.detail.get(k)

@@ -102,6 +102,8 @@ class AttributorState:
     reading: dict[int, Reading] = field(default_factory=dict)
     seq: int = 0
     published: int = 0
+    #: node → the attributes last written to the store (``_on_telemetry``)
+    node_attrs: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def step(state: AttributorState, inp: Input, now: float) -> tuple[AttributorState, list[Effect]]:
@@ -109,6 +111,8 @@ def step(state: AttributorState, inp: Input, now: float) -> tuple[AttributorStat
     if isinstance(inp, Received):
         if isinstance(inp.event, schemas.Anomaly):
             return _on_anomaly(state, inp.subject, inp.event, now, inp.wall_ns)
+        if isinstance(inp.event, schemas.NodeTelemetry):
+            return _on_telemetry(state, inp.event)
         return state, []
     if isinstance(inp, Tick):
         return _on_tick(state, now, inp.wall_ns)
@@ -118,6 +122,21 @@ def step(state: AttributorState, inp: Input, now: float) -> tuple[AttributorStat
     if isinstance(inp, Released):
         return _forget_job(state, inp.key), []
     return state, []
+
+
+#: nodes whose last attributes are remembered (past it, forgotten: written again)
+MAX_NODE_ATTRS = 100_000
+
+
+def _on_telemetry(state: AttributorState, ev: schemas.NodeTelemetry
+                  ) -> tuple[AttributorState, list[Effect]]:
+    """A node's attributes (driver, image, rack …) go to the store when they change, where
+    every replica reads them for a shared cause (``attributor.shared``)."""
+    if not ev.node or not ev.attributes or state.node_attrs.get(ev.node) == ev.attributes:
+        return state, []
+    known = state.node_attrs if len(state.node_attrs) < MAX_NODE_ATTRS else {}
+    return (replace(state, node_attrs={**known, ev.node: dict(ev.attributes)}),
+            [store("set_node_attrs", ev.node, dict(ev.attributes), wait=False)])
 
 
 def _forget_job(state: AttributorState, job: str) -> AttributorState:
@@ -288,7 +307,10 @@ def _attribute(state: AttributorState, key: Key, wall_ns: int
     r = Reading(key, nodes, since, wall_ns)
     state = replace(state, seq=seq, reading={**state.reading, seq: r})
     root = choose_root(list(inc.anomalies), state.config)
-    return state, [store("fault_history", nodes, signature(root), since,
+    cfg = state.config
+    recent = wall_ns - int(cfg.shared_window_s * 1e9)
+    return state, [store("fault_history", nodes, signature(root), since, recent_since_ns=recent,
+                         attrs_at=max(1, cfg.shared_min_nodes - len(nodes)),
                          reply=("history", seq))]
 
 
@@ -299,9 +321,11 @@ def _on_history(state: AttributorState, inp: Reply, now: float
         return state, []
     if inp.error:
         return _complete(state, seq, {}, [], [_no_history(inp.error)])
-    records, pairs = inp.value or ({}, [])
+    records, pairs, *shared = inp.value or ({}, [])
+    recent, attrs = (shared + [[], {}])[:2] if shared else ([], {})
     return _complete(state, seq, {n: list(rs) for n, rs in dict(records).items()},
-                     [tuple(p) for p in pairs], [])
+                     [tuple(p) for p in pairs], [],
+                     recent=[tuple(p) for p in recent or ()], attrs=dict(attrs or {}))
 
 
 def _no_history(error: str) -> Log:
@@ -310,7 +334,9 @@ def _no_history(error: str) -> Log:
 
 
 def _complete(state: AttributorState, seq: int, records: dict[str, list[dict]], pairs: list,
-              effects: list[Effect]) -> tuple[AttributorState, list[Effect]]:
+              effects: list[Effect], recent: list | None = None,
+              attrs: dict[str, dict[str, str]] | None = None
+              ) -> tuple[AttributorState, list[Effect]]:
     """Decide with the history read; publish unless the conclusion is the one published."""
     r = state.reading[seq]
     state = replace(state, reading={k: v for k, v in state.reading.items() if k != seq})
@@ -323,7 +349,8 @@ def _complete(state: AttributorState, seq: int, records: dict[str, list[dict]], 
         xid, pid = a.detail.get("xid"), a.detail.get("pid")
         if xid in APP_XIDS and pid is not None and a.culprit.gpus:
             current.setdefault(a.culprit.gpus[0], set()).add(int(pid))
-    hist = history_from_records(inc.job, records, pairs, current, r.since_ns)
+    hist = history_from_records(inc.job, records, pairs, current, r.since_ns,
+                                recent_pairs=recent, node_attrs=attrs)
     spec = decide(anomalies, hist, state.config)
     if inc.concluded is not None and conclusion(spec) == inc.concluded:
         return state, effects  # folded into the verdict already published

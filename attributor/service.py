@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.reducer import ReducerService
+from trainguard.reducer_service import ReducerService
 from trainguard.service import ServiceConfig
 
 from . import incidents as _incidents
@@ -23,7 +23,8 @@ class Attributor(ReducerService[AttributorState]):
     """The attributor (see ``attributor.incidents`` for what it decides)."""
 
     name = "attributor"
-    topics = ("tg.job.*.anomaly",)
+    #: node telemetry for the nodes' attributes (driver, image, rack …: ``attributor.shared``)
+    topics = ("tg.job.*.anomaly", "tg.node.*.telemetry")
 
     def __init__(self, config: ServiceConfig | None = None,
                  attributor_config: AttributorConfig | None = None):

@@ -45,18 +45,33 @@ answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm 22.05 ma
 batch job eligible again only about 2 minutes later (``EligibleTime``, recorded per run), so its
 figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
 
+Every run records its ``timeline`` (``trainguard.timeline``: when the fault was injected,
+the last progress, detection, verdict, decision, each node's executor, the rendezvous and every
+rank's first step, from the bus, the audit trail and the step records; Slurm alone: the step
+records only).
+
 ``--json PATH`` writes a list of rows, one per (system, fault) (``row``): ``system``,
 ``fault``, ``seconds`` (the median of the runs' figures: ``again_s``, ``named_s`` or
-``acted_s``, named in ``metric``), ``culprit_correct`` (true when every run's was),
-``steps_rolled_back`` (median), and ``max_s``, ``runs_correct``, ``fault_spec`` and ``runs``
-(every run's record).
+``acted_s``, named in ``metric``), ``p95_s`` and ``max_s`` beside it, ``culprit_correct``
+(true when every run's was), ``steps_rolled_back`` (median), ``median_phases`` (each phase's
+median seconds), ``slow_runs`` (every run over 2 × the median, or without a figure, with the
+phase that took the extra time: ``trainguard.timeline.tails``), ``runs_correct``,
+``fault_spec``, ``conditions`` and ``runs`` (every run's record; a partition's carries
+``waited_for_heal``: training again only after the link came back, and
+``decided_before_fault``: decisions that moved the job before the fault fired).
+``--keep-logs-over S DIR`` copies the logs of each run whose figure exceeds S seconds (or is missing) to DIR.
+
+SIGTERM or SIGINT at any moment stops the cluster of the run under way (namespaces, veths,
+daemons, processes) before the bench exits (``trainguard.cluster.stop_on_signals``).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -64,8 +79,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainguard import schemas  # noqa: E402
+from trainguard import schemas, timeline  # noqa: E402
 from trainguard.cluster import Cluster, ClusterConfig, FaultRunner, training_again  # noqa: E402
+from trainguard.cluster.harness import stop_on_signals  # noqa: E402
 from trainguard.fault_schedule import parse  # noqa: E402
 
 FAULTS = {
@@ -107,6 +123,42 @@ def rolled_back(recs: list[dict], again: dict | None) -> int | None:
         return None
     common = min(max(r["step"] for r in old if r["rank"] == k) for k in {r["rank"] for r in old})
     return common - (again["first_step"] - 1)
+
+
+def audit_trail(c: Cluster, job: str) -> list[dict]:
+    """The job's audit trail from the cluster's state store (role ``reader``); [] when it
+    cannot be read."""
+    from trainguard.state import StateStore
+
+    async def read() -> list[dict]:
+        st = StateStore(c.stack.urls("reader")[1])
+        try:
+            return await st.audit_trail(job, count=10000)
+        finally:
+            await st.close()
+
+    try:
+        return asyncio.run(read())
+    except Exception:  # noqa: BLE001 - the timeline goes without it
+        return []
+
+
+def run_timeline(c: Cluster, job: str, t_f: float, rec=None) -> dict:
+    """The run's recovery timeline (``trainguard.timeline``), ``to_dict()`` form."""
+    return timeline.build(int(t_f * 1e9), rec.of(schemas.Event, int(t_f * 1e9)) if rec else (),
+                          audit_trail(c, job) if rec else (), c.steps(job)).to_dict()
+
+
+KEEP: dict = {}  # --keep-logs-over: {"over": seconds, "dir": path}
+
+
+def keep_logs(c: Cluster, fault: str, value: float | None) -> None:
+    """Copy the cluster's logs of a run whose figure exceeds ``--keep-logs-over``."""
+    if not KEEP or (value is not None and value <= KEEP["over"]):
+        return
+    dest = os.path.join(KEEP["dir"], f"{fault}-{int(time.time())}")
+    shutil.copytree(os.path.join(c.run_dir, "logs"), dest, dirs_exist_ok=True)
+    print(f"  logs of this run kept in {dest}", flush=True)
 
 
 def _fire(c: Cluster, job: str, spec: dict, timeout: float) -> tuple[FaultRunner, float | None]:
@@ -208,6 +260,8 @@ def run_trainguard_slurm(fault: str, timeout: float, nproc: int = 2) -> dict:
                     out["decision_to_again_s"] = round(again["t"] - named[0].ts / 1e9, 3)
             st = c.slurm.job_state(jid)
             out.update(slurm_state=st.get("JobState"), restarts=st.get("Restarts"))
+            out["timeline"] = run_timeline(c, job, t_f, rec)
+            keep_logs(c, fault, out["again_s"])
             runner.cancel()
             return out
         finally:
@@ -226,8 +280,12 @@ def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
             c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=[
                 "--records", c.records_dir(job), *job_args(fault)])
             runner, t_f = _fire(c, job, FAULTS[fault], timeout)
+            early = [f"{d.action} g{d.generation} nodes {d.nodes}: {d.fault_class}"
+                     for d in rec.of(schemas.Decision) if d.execute and d.action != "none"
+                     and (t_f is None or d.ts < t_f * 1e9)]
             if t_f is None:
-                return {"error": "the job did not reach the fault's step"}
+                return {"error": "the job did not reach the fault's step on node1",
+                        "decided_before_fault": early}
             out: dict = {"fault_unix_s": t_f}
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -261,6 +319,13 @@ def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
             named = [d.nodes for d in decs if d.nodes]
             out["culprit_correct"] = (out["named_s"] is not None if fault == "slow_link"
                                       else bool(named) and named[0] == ["node1"])
+            out["timeline"] = run_timeline(c, job, t_f, rec)
+            if FAULTS[fault].get("heal_after_s") and out.get("again_s") is not None:
+                # training again only once the node was back: recovery waited for the heal
+                out["waited_for_heal"] = out["again_s"] >= FAULTS[fault]["heal_after_s"]
+            if early:  # the job moved before the fault (e.g. a straggler at start-up)
+                out["decided_before_fault"] = early
+            keep_logs(c, fault, seconds_of(fault, out)[1])
             runner.cancel()
             return out
         finally:
@@ -335,6 +400,7 @@ def run_slurm(fault: str, timeout: float) -> dict:
         st = c.slurm.job_state(jid)
         out.update(slurm_state=st.get("JobState"), restarts=st.get("Restarts"),
                    eligible=st.get("EligibleTime"), started=st.get("StartTime"))
+        out["timeline"] = run_timeline(c, job, t_f)
         runner.cancel()
         return out
 
@@ -353,7 +419,15 @@ def main(argv=None) -> int:
                         "on a 2-core machine, as nodes have")
     p.add_argument("--slurm-timeout", type=float, default=330.0,
                    help="the same for Slurm alone (it holds a requeued job ≈ 2 min)")
+    p.add_argument("--keep-logs-over", nargs=2, metavar=("SECONDS", "DIR"), default=None,
+                   help="copy the logs of every run slower than SECONDS (or with no figure) "
+                        "to DIR")
+    p.add_argument("--conditions", default="",
+                   help="what else ran on the machine meanwhile (recorded in the JSON)")
     a = p.parse_args(argv)
+    if a.keep_logs_over:
+        KEEP.update(over=float(a.keep_logs_over[0]), dir=a.keep_logs_over[1])
+    stop_on_signals()
     faults = [f for f in a.faults.split(",") if f]
     bad = [f for f in faults if f not in FAULTS]
     if bad:
@@ -376,19 +450,35 @@ def main(argv=None) -> int:
                 extra = {k: r[k] for k in ("culprit_correct", "steps_rolled_back", "moved_work",
                                            "slurm_down_s", "decision_to_again_s",
                                            "steps_per_s_before", "steps_per_s_during",
-                                           "decisions", "eligible", "error") if k in r}
-                print(f"{system:<10} {fault:<17} run {i + 1}: {metric} = {val} {extra}",
+                                           "decisions", "eligible", "error",
+                                           "decided_before_fault", "waited_for_heal") if k in r}
+                tl = r.get("timeline") or {}
+                phases = " ".join(f"{k}={v}" for k, v in (tl.get("seconds") or {}).items()
+                                  if k != "fault" and v is not None)
+                print(f"{system:<10} {fault:<17} run {i + 1}: {metric} = {val} {extra}"
+                      + (f"\n    timeline (s from fault): {phases}" if phases else ""),
                       flush=True)
             rows.append(row(system, fault, runs))
+            rows[-1]["conditions"] = conditions(a.conditions)
             if a.json:  # after every (system, fault): an interrupted run keeps what it measured
                 with open(a.json, "w") as fh:
                     json.dump(rows, fh, indent=2)
-    print(f"\n{'system':<10} {'fault':<17} {'metric':<8} {'seconds':>8} culprit_correct "
-          f"steps_rolled_back")
+    print(f"\n{'system':<10} {'fault':<17} {'metric':<8} {'median':>8} {'p95':>8} {'max':>8} "
+          f"recovered culprit_correct steps_rolled_back")
     for r in rows:
         print(f"{r['system']:<10} {r['fault']:<17} {r['metric']:<8} {str(r['seconds']):>8} "
+              f"{str(r['p95_s']):>8} {str(r['max_s']):>8} {r['recovered']:>9} "
               f"{str(r['culprit_correct']):>15} {str(r['steps_rolled_back']):>17}")
+        for s in r["slow_runs"]:
+            print(f"    slow run {s['run'] + 1}: {s['seconds']} s, slow phase {s['slow_phase']} "
+                  f"(+{s['extra_s']} s over its median)")
     return 0
+
+
+def conditions(note: str = "") -> dict:
+    """What the figures were taken under: cores, load average at the end, the note given."""
+    return {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "note": note}
 
 
 def seconds_of(fault: str, r: dict) -> tuple[str, float | None]:
@@ -404,15 +494,19 @@ def seconds_of(fault: str, r: dict) -> tuple[str, float | None]:
 
 def row(system: str, fault: str, runs: list[dict]) -> dict:
     """One row of the JSON list: ``system``, ``fault``, ``seconds`` (the median of the runs'
-    figures; null when none had one), ``culprit_correct`` (every run's), ``steps_rolled_back``
-    (median), and ``metric``, ``runs_correct``, ``max_s``, ``runs`` (each run's record),
-    ``fault_spec``."""
+    figures; null when none had one), ``p95_s``, ``max_s``, ``recovered`` (runs with a figure /
+    runs), ``median_phases``, ``slow_runs`` (``trainguard.timeline.tails``),
+    ``culprit_correct`` (every run's), ``steps_rolled_back`` (median), and ``metric``,
+    ``runs_correct``, ``runs`` (each run's record), ``fault_spec``."""
     figs = [seconds_of(fault, r) for r in runs]
     vals = [v for _, v in figs if v is not None]
     lost = [r["steps_rolled_back"] for r in runs if r.get("steps_rolled_back") is not None]
     metrics = sorted({m for m, _ in figs})
+    dist = timeline.tails([v for _, v in figs], [r.get("timeline") for r in runs])
     return {"system": system, "fault": fault,
-            "seconds": statistics.median(vals) if vals else None,
+            "seconds": round(statistics.median(vals), 3) if vals else None,
+            "p95_s": dist["p95_s"], "recovered": f"{dist['recovered']}/{dist['n']}",
+            "median_phases": dist["median_phases"], "slow_runs": dist["slow_runs"],
             "culprit_correct": bool(runs) and all(r.get("culprit_correct") for r in runs),
             "steps_rolled_back": statistics.median(lost) if lost else None,
             "metric": "/".join(metrics), "max_s": max(vals) if vals else None,

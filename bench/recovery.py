@@ -31,6 +31,11 @@ Figures per (system, fault), over ``--runs`` runs (medians):
 * ``culprit_correct``: whether the rank(s) the system named as the cause (trainguard's verdict)
   are exactly the injected ones, in every run; null for systems that name none.
 * ``ratio_to_trainguard``: ``median_s`` / trainguard's ``median_s`` for the same fault, this run.
+* ``p95_s`` (nearest rank) beside ``median_s`` and ``max_s``; ``timelines``: each fault's phases
+  (trainguard: ``trainguard.timeline``, seconds from the fault: last progress, detected,
+  verdict, decision, executors acted, rendezvous, first step on every rank; the whole timeline
+  per run in ``detail.json``); ``median_phases``; ``slow_runs``: every run over 2 × the median
+  (or without a recovery) with the phase that took the extra time against the median timeline.
 
 Faults that need a registered spare node (``SPARE_FAULTS``; trainguard only: the peers have no
 spare node to move to): ``straggler_spare`` — rank 2 slowed 3×, with a spare node;
@@ -299,6 +304,13 @@ def aggregate(system: str, fault: str, runs: list[dict[str, Any]], names_culprit
                                     if p})) or None}
     if names_culprit:
         row["culprit_correct_n"] = f"{sum(1 for c in cc if c)}/{len(samples)}"
+    from trainguard import timeline
+
+    dist = timeline.tails([s["recovery_s"] for s in samples],
+                          [s.get("timeline") for s in samples])
+    row.update(p95_s=dist["p95_s"], median_phases=dist["median_phases"],
+               slow_runs=dist["slow_runs"],
+               timelines=[(s.get("timeline") or {}).get("seconds") for s in samples])
     return row
 
 
@@ -320,7 +332,7 @@ def _f(x: Any, fmt: str = "{:.2f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) else str(x)
 
 
-COLUMNS = ("system", "fault", "median s", "max s", "recovered", "rolled back", "path",
+COLUMNS = ("system", "fault", "median s", "p95 s", "max s", "recovered", "rolled back", "path",
            "train goodput", "infra goodput", "culprit ok", "× trainguard")
 
 
@@ -330,7 +342,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         if r.get("available") is False:
             out.append([r["system"], r["fault"], "n/a"] + ["-"] * (len(COLUMNS) - 3))
             continue
-        out.append([r["system"], r["fault"], _f(r["median_s"]), _f(r["max_s"]), r["recovered"],
+        out.append([r["system"], r["fault"], _f(r["median_s"]), _f(r.get("p95_s")),
+                    _f(r["max_s"]), r["recovered"],
                     _f(r["steps_rolled_back"], "{:g}"), _f(r.get("path")),
                     _f(r["training_goodput"], "{:.3f}"),
                     _f(r["infra_goodput"], "{:.3f}"),
@@ -439,11 +452,32 @@ def run_one(system: str, fault: str, s: BenchSettings, run_dir: str) -> dict[str
     res["notes"] = out.notes
     if system == "trainguard":
         _harness_fallback(res, out)
+        with open(out.progress) as fh:
+            recs, _ = load_progress(fh)
         for smp, inj in zip(res["faults"], out.injected):
             smp["path"] = (inj.get("harness") or {}).get("path")
+            smp["timeline"] = _timeline(inj, recs)
         if fault in SPARE_FAULTS:
             _on_the_spare(res, out, faults)
     return res
+
+
+def _timeline(inj: dict[str, Any], recs: list[Rec]) -> dict[str, Any] | None:
+    """The harness's timeline of one fault (``trainguard.timeline``) with its last progress
+    from the progress file: the newest step any rank completed before the decision (before
+    the ranks' first new steps when there was none)."""
+    from trainguard import timeline
+
+    tl = (inj.get("harness") or {}).get("timeline")
+    if not tl:
+        return None
+    sec = tl["seconds"]
+    until = next((sec[p] for p in ("decision", "first_step") if sec.get(p) is not None), None)
+    if until is None:
+        return tl
+    end = tl["fault_ns"] + int(until * 1e9)
+    before = [r.t for r in recs if r.t <= end]
+    return timeline.with_mark(tl, "last_progress", before[-1]) if before else tl
 
 
 def _on_the_spare(res: dict[str, Any], out, faults: list[dict[str, Any]]) -> None:
@@ -606,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrecovery benchmark — 4 ranks (2 simulated nodes × 2), gloo, demo MLP; "
           f"{s.runs} run(s); {time.monotonic() - t_start:.0f} s total\n")
     print_table(rows)
+    for r in rows:
+        for sr in r.get("slow_runs") or []:
+            print(f"  slow: {r['system']} {r['fault']} sample {sr['run'] + 1}: {sr['seconds']} s, "
+                  f"slow phase {sr['slow_phase']} (+{sr['extra_s']} s over its median)")
     for system, why in missing.items():
         print(f"\n{system}: not run — {why}")
     if a.json:

@@ -1,16 +1,13 @@
-"""The detector reducer's memory upkeep (``detector.reducer``): the node → jobs index, forgetting
+"""The detector reducer's memory upkeep (``detector.reducer``; the state is ``detector.state``'s): the node → jobs index, forgetting
 a job another replica serves now, restarting the clocks after a bus outage, and the periodic
 collection of ranks, nodes, jobs and incident keys. Pure: each function changes the state in
 place and returns nothing."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 from trainguard.schemas import JobRecord
 
-if TYPE_CHECKING:
-    from .reducer import DetectorState
+from .state import DetectorState
 
 
 def bus_back(state: DetectorState, now: float, gap_s: float) -> None:

@@ -21,6 +21,10 @@ class LogPattern:
     symptom: bool = False
     weight: float = 0.7
     why: str = ""
+    #: where the row was learned: the URLs of the real incidents (public issue threads of
+    #: ``bench/corpus/real_logs.jsonl``'s dev split) whose logs it was written for; empty for the
+    #: rows written from the components' message formats alone (their ``why`` names the file)
+    source: tuple[str, ...] = ()
 
 
 @dataclass
@@ -36,9 +40,10 @@ class PatternMatch:
 
 
 def row(name: str, regex: str, fault_class: str, layer: str, symptom: bool = False,
-       weight: float = 0.7, why: str = "", flags: int = re.IGNORECASE) -> LogPattern:
+       weight: float = 0.7, why: str = "", flags: int = re.IGNORECASE,
+       source: tuple[str, ...] = ()) -> LogPattern:
     return LogPattern(name, re.compile(regex, flags), FaultClass(fault_class), Layer(layer),
-                      symptom, weight, why)
+                      symptom, weight, why, tuple(source))
 
 
 _PCI = r"(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)"

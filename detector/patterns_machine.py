@@ -81,13 +81,17 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
        r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_(?:ALLOC_FAILED|NOT_ENOUGH_WORKSPACE)|"
        r"Cuda failure (?:\d+ )?'out of memory'|cudaMalloc\w* failed.{0,40}out of memory|"
        r"OOM when allocating tensor|RESOURCE_EXHAUSTED: Out of memory while trying to allocate|"
-       r"NPU out of memory|MPS backend out of memory|XPU out of memory",
+       r"NPU out of memory|MPS backend out of memory|XPU out of memory|"
+       r"Free memory on device .{0,40} on startup is less than desired GPU memory utilization",
        "oom_gpu", "application", weight=0.95,
+       source=("https://github.com/ovg-project/kvcached/issues/110",),
        why="device memory ran out: torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp "
            "'CUDA out of memory. Tried to allocate'), the CUDA runtime (cudaErrorMemoryAllocation "
            "2, 'out of memory'), NCCL's CUDACHECK (src/include/checks.h \"Cuda failure '%s'\"), "
            "cuBLAS/cuDNN allocation statuses, TensorFlow/XLA RESOURCE_EXHAUSTED: batch, model or "
-           "activations too large for the GPU, or stray processes on it"),
+           "activations too large for the GPU, or stray processes on it; vLLM's start-up check "
+           "(vllm/worker 'Free memory on device (%s/%s GiB) on startup is less than desired GPU "
+           "memory utilization'): the memory budget does not fit what other processes left"),
     # ==== memory: host (kernel, cgroup, scheduler, container runtime, framework monitors) =======
     _p("host_oom_kill",
        r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)|oom-kill:|invoked oom-killer|"
@@ -128,6 +132,7 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "'System OOM encountered, victim process: %v, pid: %v' (pkg/kubelet/oom)"),
     _p("framework_host_oom",
        r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError|"
+       r"Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)|"
        r"exceeds the memory usage threshold of|DefaultCPUAllocator: (?:can't|not enough memory)|"
        r"Torch: not enough memory: you tried to allocate|"
        r"exceeded \d+% memory budget|killed by YARN for exceeding memory limits|"
@@ -136,6 +141,7 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
        r"^(?!.*(?:ibv_|NET/IB|NET/OFI|NCCL)).*\[Errno 12\] Cannot allocate memory|"
        r"std::bad_alloc|^(?:\[[\w, ]+\](?:<std\w+>)?:\s*)?MemoryError\b",
        "oom_host", "application", weight=0.9,
+       source=("https://github.com/jchengai/planTF/issues/28", "https://github.com/flwrlabs/flower/issues/2157"),
        why="a framework ran out of host memory or its own memory monitor killed a worker: Ray's "
            "memory monitor ('Task was killed due to the node running low on memory … exceeds "
            "the memory usage threshold of', docs.ray.io 'Out-Of-Memory Prevention'), torch's CPU "
@@ -145,7 +151,8 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "memory limits', 'Container killed by YARN for exceeding memory limits'), ECS/AWS Batch "
            "stop reason 'OutOfMemoryError: Container killed due to memory usage', Colab's 'Your "
            "session crashed after using all available RAM', ENOMEM from Python (errno 12), C++ "
-           "std::bad_alloc, Python MemoryError"),
+           "std::bad_alloc, Python MemoryError; the raylet's periodic summary (src/ray/raylet/"
+           "node_manager.cc '%d Workers (tasks / actors) killed due to memory pressure (OOM)')"),
     _p("k8s_eviction_memory",
        r"The node was low on resource: memory|node had condition: \[MemoryPressure\]|"
        r"evict\w* .{0,80}\bmemory pressure",
@@ -184,15 +191,21 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
        r"exit(?:ed)? with code 137\b|^(?:\[[\d,]+\]<std\w+>:)?Killed\s*$|"
        r"\btasks? [\d,-]+: Killed\b|exit code:? 137\b|return code = -9\b|"
        r"terminated with signal SIGKILL|Exited \(137\)|^zsh: killed\s|<Signals\.SIGKILL: 9>|"
-       r"^(?:.*: line \d+: )?(?:\[\d+\]\+?\s+)?(?:\d+\s+)?Killed\s+\S*python",
-       "oom_host", "application", weight=0.45,
+       r"^(?:.*: line \d+: )?\s*(?:\[\d+\]\+?\s+)?(?:\d+\s+)?Killed\s+(?:\S+\s+){0,3}\S*python",
+       "oom_host", "unknown", weight=0.45,
+       source=("https://github.com/lmzpai/roboMamba/issues/10",
+               "https://github.com/deepspeedai/DeepSpeed/issues/3232",
+               "https://github.com/argoproj/argo-workflows/issues/8981"),
        why="SIGKILL that the launcher did not send: the kernel OOM killer is its usual sender "
            "on a training host (check `dmesg | grep -i oom`); low weight because an operator or "
            "scheduler can send it too (srun: src/srun/launch.c '%s: task %s: %s' with the "
            "signal's name; DeepSpeed deepspeed/launcher/launch.py '%s exits with return code = "
            "%d'; torch/multiprocessing/spawn.py 'process %d terminated with signal %s'; "
            "Python's CalledProcessError 'died with <Signals.SIGKILL: 9>' (the old "
-           "torch.distributed.launch); the shell's 'Killed' job report)"),
+           "torch.distributed.launch); the shell's 'Killed' job report, also behind a wrapper "
+           "such as 'pyenv exec python'). Layer unknown: a bare SIGKILL does not say whether "
+           "the program's memory, another process or an operator caused it — in the real "
+           "threads the layer was undecided as often as it was the program's"),
     _p("sigabrt",
        r"Signal 6 \(SIGABRT\)|exit ?code\s*:\s*-6\b|Aborted \(core dumped\)|"
        r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)|"
@@ -223,12 +236,14 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
     _p("scheduler_node_failure",
        r"CANCELLED AT \S+ DUE TO (?:NODE ?FAILURE|PREEMPTION)|Node failure on \S+|"
        r"(?-i:\bNODE_FAIL\b|\bPREEMPTED\b)|JobState=(?:NODE_FAIL|PREEMPTED)|"
-       r"Reason=Node(?:Fail|Down)\b",
+       r"Reason=Node(?:Fail|Down)\b|^\s*\w+_node_fail\s+\S+\s+\d{4}-\d\d-\d\dT",
        "node_lost", "infrastructure", weight=0.85,
+       source=("https://github.com/Azure/az-hop/issues/1210",),
        why="Slurm ended the job because a node failed or the job was preempted "
            "(src/slurmd/slurmstepd/req.c '*** %s ON %s CANCELLED AT %s DUE TO PREEMPTION ***' / "
            "'DUE TO NODE FAILURE'; src/srun/allocate.c 'Node failure on %s'; job states "
-           "NODE_FAIL, PREEMPTED): requeue elsewhere"),
+           "NODE_FAIL, PREEMPTED; `sinfo -R` rows whose REASON a cloud plugin sets, e.g. "
+           "Azure CycleCloud's 'cyclecloud_node_fail'): requeue elsewhere"),
     _p("scheduler_time_limit",
        r"CANCELLED AT \S+ DUE TO TIME LIMIT|JobState=TIMEOUT|\bDUE TO TIME LIMIT\b",
        "crash", "infrastructure", weight=0.6,

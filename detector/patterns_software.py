@@ -43,12 +43,17 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
        r"ibv_poll_cq.*fail|NET/IB.*async fatal event|"
        r"NET/IB\s*:.{0,40}Got async event\s*:\s*[^(]{0,40}?(?:error|catastrophic)|"
        r"mlx5\w*:.*(?:CQE error|syndrome)",
-       "network", "hardware", weight=0.8,
+       "network", "infrastructure", weight=0.6,
+       source=("https://github.com/NVIDIA/nccl-tests/issues/24", "https://github.com/NVIDIA/nccl/issues/905",
+               "https://github.com/NVIDIA/nccl/issues/1710"),
        why="RDMA work completion with an error status (NCCL src/transport/net_ib 'Got "
            "completion from peer %s with status=%s(%d) … vendor_err', 'async fatal event'; e.g. "
-           "12 = IBV_WC_RETRY_EXC_ERR: the remote side stopped acknowledging) — a link, cable or "
-           "HCA fault on that path, which stays broken until the node is serviced (a hardware "
-           "layer: the policy's network/hardware row moves the job off the node); a non-fatal "
+           "12 = IBV_WC_RETRY_EXC_ERR: the remote side stopped acknowledging) — a link, cable, "
+           "switch port or HCA on that path, or the fabric's configuration (RoCE lossless "
+           "settings, GPUDirect RDMA): the line names no node, and the maintainers' reading in "
+           "the real threads was the fabric (a flapping link, 'sanitize your IB fabric'), so the "
+           "layer is the infrastructure's, at a medium weight; a node's own HCA shows up as "
+           "repeated errors from that node (the history rule); a non-fatal "
            "async event (NET/IB 'Got non-fatal async event'; before 2.19 every event was "
            "'Got async event : %s' — only ibv_event_type_str's error/catastrophic ones count, "
            "not 'GID table change' or 'port active') is no fault"),
@@ -107,15 +112,45 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "'Message truncated : received %d bytes instead of %d', NET/Socket 'message "
            "truncated'; ncclInvalidUsage 'invalid usage' e.g. 'Duplicate GPU detected' — two "
            "ranks on one GPU): a program or launch-configuration error on every rank"),
+    _p("nccl_shm_segment",
+       r"Error while creating shared memory segment|"
+       r"shm\.h:\d+ NCCL WARN Call to posix_fallocate failed|"
+       r"NCCL WARN Call to posix_fallocate failed\s*:\s*No space left on device|"
+       r"in ncclShmOpen\(",
+       "crash", "infrastructure", weight=0.85,
+       source=("https://github.com/NVIDIA/nccl/issues/342", "https://github.com/NVIDIA/nccl/issues/290",
+               "https://github.com/fal-ai-community/video-diffusion-speedrun/issues/2",
+               "https://github.com/NVIDIA/JAX-Toolbox/issues/183"),
+       why="NCCL could not create or grow its intra-node shared-memory segment in /dev/shm "
+           "(src/misc/shmutils.cc 'Error while creating shared memory segment %s (size %zu)', "
+           "older include/shm.h 'Call to posix_fallocate failed : No space left on device'; a "
+           "SIGBUS inside ncclShmOpen): the container's /dev/shm is too small (docker's 64 MB "
+           "default) — a crash of the container's configuration, not a network or disk fault"),
+    _p("nccl_no_interface",
+       r"Bootstrap : no socket interface found|NET/Socket : No usable listening interface found|"
+       r"No valid <IPv4_or_hostname>:<port>|ncclSocketInit: connecting to address .{0,40}"
+       r"is neither AF_INET|Socket creation failed : Address family not supported",
+       "network", "infrastructure", weight=0.8,
+       source=("https://github.com/marin-community/marin/issues/6940", "https://github.com/NVIDIA/nccl/issues/1837",
+               "https://github.com/NVIDIA/nccl/issues/210"),
+       why="NCCL found no usable IP interface for its bootstrap (src/bootstrap.cc 'Bootstrap : "
+           "no socket interface found'; src/misc/socket.cc ncclSocketInit '… is neither "
+           "AF_INET(2) nor AF_INET6(10)' when NCCL_SOCKET_IFNAME matches nothing; old "
+           "include/socket.h 'Socket creation failed'): the node's interfaces or the job's "
+           "NCCL_SOCKET_IFNAME — the cluster's network configuration"),
     _p("nccl_system_error",
-       r"unhandled system error|ncclSystemError|Bootstrap : no socket interface found|"
-       r"NET/Socket : No usable listening interface found|No valid <IPv4_or_hostname>:<port>|"
+       r"unhandled system error|ncclSystemError|"
        r"internal error - please report this issue to the NCCL developers|ncclInternalError",
-       "network", "system_software", weight=0.6,
+       "network", "infrastructure", symptom=True, weight=0.5,
+       source=("https://github.com/NVIDIA/nccl/issues/207", "https://github.com/NVIDIA/nccl/issues/375",
+               "https://github.com/NVIDIA/nccl/issues/286"),
        why="NCCL: a system call failed (socket, connect, shared memory) or it found no usable "
            "interface (src/init.cc ncclGetErrorString 'unhandled system error', 'internal error "
-           "- please report…'; src/bootstrap.cc 'Bootstrap : no socket interface found') — "
-           "interfaces, firewall, NCCL_SOCKET_IFNAME or /dev/shm"),
+           "- please report…') — interfaces, firewall, NCCL_SOCKET_IFNAME or /dev/shm. A "
+           "wrapper: NCCL's 'Last error:' line (a socket, shm or IB row) names the cause, so "
+           "the row is a symptom; alone it is read as the cluster's network configuration (the "
+           "real threads: nodes that could not reach each other, a firewall, the wrong "
+           "interface), at a low weight"),
     _p("nccl_cuda_error",
        r"unhandled cuda error|ncclUnhandledCudaError",
        "crash", "system_software", symptom=True, weight=0.4,
@@ -144,8 +179,10 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "ranks: …]') lists the ranks that are ready; the missing ones are hung"),
     _p("collective_mismatch",
        r"Detected mismatch between collectives|Expected to have finished reduction in the prior "
-       r"iteration|Parameters which did not receive grad",
+       r"iteration|Parameters which did not receive grad|"
+       r"Expected to mark a variable ready only once",
        "app_exception", "application", weight=0.9,
+       source=("https://github.com/pytorch/pytorch/issues/43259",),
        why="ranks took different code paths (collective fingerprint or DDP unused parameters): "
            "a program error on every rank, restarting repeats it (torch/csrc/distributed/c10d/"
            "ProcessGroupWrapper.cpp 'Detected mismatch between collectives on ranks', reducer.cpp "
@@ -158,11 +195,17 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
        r"illegal instruction was encountered|misaligned address|CUDA_ERROR_ILLEGAL_ADDRESS|"
        r"CUDA error: unspecified launch failure|cudaErrorLaunchFailure|"
        r"Cuda failure (?:\d+ )?'unspecified launch failure'",
-       "app_exception", "application", weight=0.7,
+       "crash", "unknown", weight=0.7,
+       source=("https://github.com/RVC-Boss/GPT-SoVITS/issues/1341",
+               "https://github.com/tensorflow/tensorflow/issues/25866",
+               "https://github.com/skhu101/GauHuman/issues/21"),
        why="a kernel touched memory it does not own or faulted (cudaErrorIllegalAddress 700, "
            "cudaErrorLaunchFailure 719 'an exception occurred on the device while executing a "
-           "kernel', CUDA Runtime API docs; kernel log: XID 13/31/43); application bug unless it "
-           "recurs on one GPU across processes"),
+           "kernel', CUDA Runtime API docs; kernel log: XID 13/31/43). The CUDA context is "
+           "corrupt and the process is lost (no in-process recovery), so a crash; its layer "
+           "is unknown from the line: a kernel bug of the program or its framework, the CUDA "
+           "toolkit (GauHuman: fixed by a newer CUDA) or the GPU when it recurs on one GPU "
+           "across processes"),
     _p("cuda_device_assert",
        r"device-side assert(?:ion)? triggered|Assertion `.*` failed\.?$",
        "app_exception", "application", weight=0.9,
@@ -225,7 +268,6 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
     _p("store_connect_timeout",
        r"The client socket has timed out after \S+ while trying to connect to|"
        r"connect\(\) timed out\. Original timeout was|"
-       r"Timed out initializing process group in store based barrier|"
        r"The server socket has failed to (?:listen on any local network address|bind to)|"
        r"EADDRINUSE|DistNetworkError: .{0,80}(?:timed out|refused|Address already in use)|"
        r"^(?!.*\[W)(?!.*\bW\d{4} ).*(?:The client socket has failed to connect to any "
@@ -241,22 +283,41 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "any network address of (%s, %d)', 'The IPv6 network addresses of (%s, %d) cannot be "
            "retrieved (gai error …)': MASTER_ADDR does not resolve) — a wrong MASTER_ADDR/port, a "
            "firewall, a missing node; the W-level per-attempt retries are no fault"),
+    _p("store_barrier_timeout",
+       r"Timed out initializing process group in store based barrier",
+       "rendezvous", "unknown", weight=0.5,
+       source=("https://github.com/tczhangzhi/pytorch-distributed/issues/18",
+               "https://github.com/SpongebBob/Finetune-ChatGLM2-6B/issues/6"),
+       why="init_process_group's store-based barrier timed out (torch/distributed/"
+           "distributed_c10d.py 'Timed out initializing process group in store based barrier on "
+           "rank %d, for key … (world_size=%d, worker_count=%d, timeout=…)'): the store was "
+           "reached, but not every rank arrived in time — a rank still busy (data preparation "
+           "before init) or a launch that started a different number of workers than the world "
+           "size (worker_count > world_size), or a node whose ranks never started "
+           "(worker_count < world_size) — the line cannot tell the program from the cluster, "
+           "so the layer is unknown, at a low weight"),
     _p("store_unique_id",
        r"(?:retrieving|retreiving) ncclUniqueId from \[\d+\] via c10d key-value store",
-       "rendezvous", "infrastructure", symptom=True, weight=0.55,
+       "rendezvous", "application", symptom=True, weight=0.55,
+       source=("https://github.com/pytorch/pytorch/issues/107177", "https://github.com/bytedance/HLLM/issues/20"),
        why="a rank could not fetch NCCL's unique id from rank 0 through the c10d store "
            "(torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp broadcastUniqueNCCLID: '[%d] is "
            "setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value "
            "store by key '%s', but store->get('%s') got error: …'; 'This may indicate a possible "
            "application crash on rank 0 or a network set up issue'): rank 0 never got there or "
-           "the store is unreachable — a symptom when rank 0's own fault is in the log"),
+           "the store is unreachable — a symptom when rank 0's own fault is in the log; alone, "
+           "the store answered (the key was missing, not the store), so rank 0 was late: in the "
+           "real threads a straggling rank 0 (data set construction before its first "
+           "collective) — the program's"),
     _p("store_socket_timeout",
        r"\bSocket Timeout\b|\bWait timeout\b.{0,40}keys?:",
-       "rendezvous", "infrastructure", symptom=True, weight=0.5,
+       "rendezvous", "unknown", symptom=True, weight=0.5,
+       source=("https://github.com/alibaba/Pai-Megatron-Patch/issues/468",),
        why="a c10d store request timed out (torch/csrc/distributed/c10d/Utils.hpp recvBytes: "
            "'Socket Timeout' when the socket's receive timeout expires; TCPStore 'wait timeout "
            "after %dms, keys: …'): a rank waited for a key that a peer never wrote — the peer is "
-           "missing or dead; a symptom when the peer's own fault is in the log"),
+           "missing, dead or late; a symptom when the peer's own fault is in the log, and of an "
+           "unknown layer alone (the line cannot tell a late rank from a lost node)"),
     _p("store_peer_closed",
        r"DistNetworkError: Failed to recv, got 0 bytes|"
        r"^(?!.*\[W)(?!.*\bW\d{4} ).*Failed to recv, got 0 bytes",
@@ -321,6 +382,31 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "megatron-core 'found NaN in local grad norm', Lightning 'The loss returned in "
            "`training_step` is nan', torch.autograd anomaly mode \"Function '…' returned nan "
            "values\"): numerics or data; roll back to a checkpoint"),
+    # ==== worker processes of Ray and serving engines ==========================================
+    _p("ray_actor_died",
+       r"ActorDiedError|RayActorError: The actor died|The actor died unexpectedly before "
+       r"finishing this task|The actor is dead because its worker process has died|"
+       r"WorkerCrashedError: The worker died unexpectedly",
+       "crash", "unknown", weight=0.6,
+       source=("https://github.com/Simple-Efficient/RL-Factory/issues/8",
+               "https://github.com/hkust-nlp/simpleRL-reason/issues/25", "https://github.com/verl-project/verl/issues/383",
+               "https://github.com/OpenRLHF/OpenRLHF/issues/265"),
+       why="Ray reports that an actor's or task's worker process died (python/ray/exceptions.py "
+           "ActorDiedError / RayActorError 'The actor died unexpectedly before finishing this "
+           "task', WorkerCrashedError 'The worker died unexpectedly while executing this task'; "
+           "the raylet's 'The actor is dead because its worker process has died. Worker exit "
+           "type: SYSTEM_ERROR …'): a process crash seen from the driver, not an exception of the "
+           "program; the cause (OOM killer, segfault, ray stop) is not in the line, and Ray's own "
+           "list of 'potential root causes' is no evidence of any of them"),
+    _p("engine_core_died",
+       r"EngineCore encountered a fatal error|Engine core proc \S+ died unexpectedly|"
+       r"EngineDeadError",
+       "crash", "unknown", weight=0.6,
+       source=("https://github.com/NovaSky-AI/SkyRL/issues/797",),
+       why="vLLM's engine-core process died (vllm/v1/engine/core.py 'EngineCore encountered a "
+           "fatal error.', core_client.py 'Engine core proc %s died unexpectedly', "
+           "EngineDeadError): the process that runs the model is gone; the error above it, when "
+           "the log holds it, names the cause"),
     # ==== generic ===============================================================================
     _p("launcher_child_failed",
        r"ChildFailedError|elastic\.multiprocessing\.api:failed|Root Cause \(first observed",

@@ -228,7 +228,12 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
     such rank, ``now`` plus the base timeout). A heartbeat only moves a rank's deadline later,
     and a rank that becomes a candidate (it beats again, a new generation) does so with a
     heartbeat at or after ``now``, so a caller may skip the job until then; a changed record
-    (``hang_timeout_s``) must reset it to -inf."""
+    (``hang_timeout_s``) must reset it to -inf.
+
+    ``detail["since_progress_s"]``: seconds from the silent rank's last progress (its
+    ``last_advance``: a step or collective it completed, or its start) to ``now``: the hang's
+    fault is that last progress, not the tick that found it (the reducer turns it into
+    ``detail["last_progress_ts"]``, Unix ns, and the anomaly's ``first_ts``)."""
     jc = jc or JobRecord()
     explicit = jc.hang_timeout_s
     base = explicit or cfg.silence_timeout_s
@@ -253,6 +258,7 @@ def silence_rule(job: JobState, now: float, cfg: DetectorConfig,
                       f"{silent:.2f} s (timeout {timeout:.2f} s) at step {rs.step}, "
                       f"phase {rs.phase}"],
             detail={"rule": "silence", "silent_s": round(silent, 3), "timeout_s": timeout,
+                    "since_progress_s": round(now - min(rs.last_advance, rs.last_hb), 3),
                     "step": rs.step, "collective_seq": rs.seq, "layer": "unknown",
                     "weight": 0.85},
             generation=rs.generation))
@@ -270,7 +276,10 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
     evidence says where each rank is: ``detail["in_compute"]`` — ranks that completed every
     collective they entered (busy in their own step: the rank behind is one of them),
     ``detail["blocked"]`` — ranks inside a collective (more entered than completed), waiting for
-    the rank behind; they are never culprits."""
+    the rank behind; they are never culprits.
+
+    ``detail["since_progress_s"]``: seconds from the last progress of the rank behind (of the
+    job, when all are level) to ``now``: the hang's fault time (see ``silence_rule``)."""
     silence = (jc.hang_timeout_s if jc else None) or cfg.silence_timeout_s
     live = [rs for rs in job.ranks.values()
             if not rs.exited and rs.phase != "done" and rs.last_hb > 0.0
@@ -300,7 +309,9 @@ def stall_rule(job: JobState, now: float, cfg: DetectorConfig,
              f"wait for them in the next collective" if not level or len(live) == 1
              else f"all {len(live)} ranks level at step {low[0]} / collective {low[1]}")
           + where]
+    last = max((rs.last_advance for rs in live if rs.rank in ranks), default=last_adv)
     detail = {"rule": "no_progress", "stalled_s": round(stalled, 3), "timeout_s": timeout,
+              "since_progress_s": round(now - last, 3),
               "step": low[0], "collective_seq": low[1], "layer": "unknown",
               "weight": 0.6 if level else 0.8}
     if counted:

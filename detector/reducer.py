@@ -8,8 +8,8 @@ the effects out, and a table test or an offline replay drives ``step`` through `
 dedup memory are kept in it. Wall-clock times come from the input's ``wall_ns`` (Unix ns), never
 from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts`` the finding's
 (the event's own time) or, for a finding without one, the input's — for the periodic rules
-(silence, node lost, launcher lost, stall, straggler, throughput, missing member) the
-``Tick``'s.
+(node lost, launcher lost, straggler, throughput, missing member) the ``Tick``'s; for a hang
+(silence, stall) the rank's last progress, ``detail["last_progress_ts"]`` (``_at_last_progress``).
 
 What ``step`` decides, by input:
 
@@ -61,8 +61,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Callable
 
 from trainguard import schemas
 from trainguard.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Publish, Received,
@@ -71,13 +69,14 @@ from trainguard.schemas import JobRecord, subjects
 from trainguard.schemas.job import ENDED_STATUSES
 
 from . import scheduler
-from .core import DetectorConfig, Finding
+from .core import Finding
 from .memory import bus_back, forget_job, gc, index
 from .progress import (JobState, missing_member_rule, nan_loss_rule, observe_heartbeat,
                        silence_rule, stall_rule, straggler_rule, throughput_rule)
 from .signals import (NodeState, crash_rule, launcher_lost_rule, log_rule, node_lost_rule,
                       observe_node_heartbeat, recovery_check_finding, save_failed_finding,
                       telemetry_rule, xid_rule)
+from .state import DetectorServiceConfig, DetectorState  # re-exported: the reducer's types
 from .telemetry import cpu_context, host_rules, link_rules
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
@@ -95,93 +94,6 @@ TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckp
 #: own exit (``worker.exited``, ``oom_killed``) is what its job hears.
 NODE_WIDE_KERNEL_CLASSES = frozenset({"gpu_xid", "ecc", "nvlink", "network", "filesystem",
                                       "thermal", "node_lost"})
-
-
-@dataclass
-class DetectorServiceConfig:
-    """The detector's service parameters; times in seconds.
-
-    ``rules`` — rule parameters (``DetectorConfig``). ``job_refresh_s`` — how often the job
-    records (members, timeouts, generation) are re-read (2 s). ``eval_s`` — period of the
-    per-job stall / straggler / throughput / missing-member evaluation (0.25 s; silence and
-    node-lost run on every tick, 50 ms by ``ServiceConfig.tick_s``). ``forget_after_s`` — a rank
-    or node silent this long, and a job with no rank left first seen this long ago, is dropped
-    from memory (600 s). ``dedup_ttl_s`` — how long an incident key is remembered: the same
-    incident is published again after it (3600 s). ``gc_s`` — period of that collection
-    (30 s). ``refresh_timeout_s`` — a record read with no reply after this long is issued again
-    (10 s: a call lost with a dropped connection must not stop a job's refreshes for good).
-    ``max_reads_in_flight`` — record reads out at once; more jobs wait for the next tick (16:
-    thousands of new job names at once exhausted the store client's connection pool and
-    failed every job's read, bench/fuzz.py).
-
-    Capacity (``capacity``): ``max_jobs`` jobs, ``max_ranks`` ranks over all jobs and
-    ``max_nodes`` nodes tracked at once. An event that would track one more past a bound is
-    refused (counted in ``DetectorState.refused``, a warning at most every
-    ``refused_log_s``) and what is tracked already is kept: without the bounds, memory was
-    bounded only by ``forget_after_s``, so a flood of new job names, ranks or nodes (≈ 2 KB a
-    job, 0.3 KB a rank) at 3,000 messages/s could hold gigabytes for ten minutes. The defaults
-    (20,000 jobs, 200,000 ranks, 65,536 nodes, at most ≈ 150 MB) are far above what one replica
-    serves (bench/scale.py: 10,000 ranks over 3 replicas).
-    """
-
-    rules: DetectorConfig = field(default_factory=DetectorConfig)
-    job_refresh_s: float = 2.0
-    eval_s: float = 0.25
-    forget_after_s: float = 600.0
-    dedup_ttl_s: float = 3600.0
-    gc_s: float = 30.0
-    refresh_timeout_s: float = 10.0
-    max_reads_in_flight: int = 16
-    max_jobs: int = 20_000
-    max_ranks: int = 200_000
-    max_nodes: int = 65_536
-    refused_log_s: float = 60.0
-
-
-@dataclass
-class DetectorState:
-    """The detector's memory. Times are service-clock seconds (``now``).
-
-    ``jobs`` — per-job windows; ``job_seen`` — when each job (or its current run) was first
-    seen; ``records`` — the last job record read for each job (absent until one was read);
-    ``nodes`` — per-node liveness and GPU counters; ``node_jobs`` — node → jobs with members on
-    it, from the records; ``node_timeouts`` — node → its ``node_timeout`` (a cache, emptied of
-    a node when a record naming it changes); ``emitted`` — incident key → when it was
-    published; ``reads`` — job → (sequence number, when issued) of its record read in flight,
-    numbered by ``read_seq``;
-    ``due`` — jobs to read at the next tick (first seen since the last refresh);
-    ``last_eval`` / ``last_refresh`` / ``last_gc`` — when the periodic parts last ran (−inf: at
-    the first tick); ``anomalies`` — anomalies published so far; ``serves`` — whether this
-    replica serves a partition key (``node:<node>``; every key when alone); ``blind`` — the
-    bus is not answering (``BusDown``): the silence rules (silence, node lost, stall, missing
-    member) are not judged until it answers again; ``ranks`` — ranks tracked over all jobs (an
-    upper bound between collections, exact after each); ``refused`` — bound → events refused
-    by it (``capacity``), ``refused_logged`` — when that was last logged; ``nodes_due`` — no
-    node can be found lost before this time, so a tick before it skips the nodes (the earliest
-    node deadline of the last look, lowered by every change that could bring one nearer: a
-    heartbeat, a changed node timeout; a node with a launcher is looked at every tick)."""
-
-    config: DetectorServiceConfig = field(default_factory=DetectorServiceConfig)
-    jobs: dict[str, JobState] = field(default_factory=dict)
-    job_seen: dict[str, float] = field(default_factory=dict)
-    records: dict[str, JobRecord] = field(default_factory=dict)
-    nodes: dict[str, NodeState] = field(default_factory=dict)
-    node_jobs: dict[str, set[str]] = field(default_factory=dict)
-    node_timeouts: dict[str, float] = field(default_factory=dict)
-    emitted: dict[tuple, float] = field(default_factory=dict)
-    reads: dict[str, tuple[int, float]] = field(default_factory=dict)
-    due: set[str] = field(default_factory=set)
-    read_seq: int = 0
-    last_eval: float = -math.inf
-    last_refresh: float = -math.inf
-    last_gc: float = -math.inf
-    anomalies: int = 0
-    serves: Callable[[str], bool] = field(default=lambda key: True, repr=False)
-    blind: bool = False
-    ranks: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
-    refused_logged: float = -math.inf
-    nodes_due: float = -math.inf
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -269,6 +181,7 @@ def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, 
     if seen is not None and now - seen < state.config.dedup_ttl_s:
         return False
     state.emitted[key] = now
+    _at_last_progress(f, wall_ns)
     extra = {"ts": wall_ns} if wall_ns else {}
     a = schemas.Anomaly(
         event_id=anomaly_id(key, source, wall_ns, state.config.dedup_ttl_s),
@@ -286,6 +199,20 @@ def _emit(state: DetectorState, out: list[Effect], job: str | None, f: Finding, 
     out.append(Publish(subject, a))
     state.anomalies += 1
     return True
+
+
+def _at_last_progress(f: Finding, wall_ns: int) -> None:
+    """A hang's fault time is the rank's last progress, not the tick that found it: a finding
+    with ``detail["since_progress_s"]`` (``silence_rule``, ``stall_rule``) gets
+    ``detail["last_progress_ts"]`` = the tick's ``wall_ns`` less that many seconds (Unix ns, the
+    detector's clock, as the detection time is), and the same as its ``ts`` (the anomaly's
+    ``first_ts``), so that everything timed from the fault (the verdict's ``first_ts``, the
+    decision's ``fault_ts``, the goodput ledger, the report, the console) counts the silence
+    before detection."""
+    lag = f.detail.get("since_progress_s")
+    if (not f.ts and wall_ns and isinstance(lag, (int, float)) and not isinstance(lag, bool)
+            and lag >= 0):
+        f.ts = f.detail["last_progress_ts"] = wall_ns - int(lag * 1e9)
 
 
 def _emit_node(state: DetectorState, out: list[Effect], node: str, f: Finding, now: float,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.reducer import ReducerService
+from trainguard.reducer_service import ReducerService
 from trainguard.schemas import JobRecord
 from trainguard.service import ServiceConfig
 

@@ -10,9 +10,11 @@ from typing import Any
 
 from trainguard.reducer import Call, Effect, Log, Publish, Reply, store
 from trainguard.schemas import ActionResult, Decision, JobRecord, Verdict, subjects
-from trainguard.schemas.vocabulary import signature, stronger
+from trainguard.schemas.vocabulary import stronger
 
+from . import gate
 from . import policy as pol
+from . import progress
 from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
                     FOLDED, decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
                     token_replica, update, verdict_key, verdict_token, without_pending)
@@ -131,6 +133,8 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
     if dec.action == "none":
         # a flag for an incident that already has its decision adds nothing
         return state, [store("claimed_by", f"{w.job}:g{fault_gen}", reply=("flag_owner", seq))]
+    if gate.needs_gate(state, w.decision):  # node-taking: the fleet breaker first
+        return gate.ask(state, seq, "claim")
     return state, [claim_call(w.decision, ("claim", seq))]
 
 
@@ -223,9 +227,9 @@ def on_bump(state, seq, w: Work, inp: Reply, now) -> Out:
     dec = w.decision.model_copy(update={"generation": got})
     state, w = update(state, seq, decision=dec, tries=tries)
     v = w.verdict
-    last_fault = None if v is None else {
-        "fault_class": v.fault_class, "step": pol.fault_step(v), "signature": signature(v),
-        "generation": w.fault_gen, "ts": v.first_ts or v.ts}
+    policy = state.config.policy
+    last_fault = None if v is None else progress.next_last_fault(
+        v, pol.with_defaults(w.record, policy), w.fault_gen, policy.progress_s)
     world: dict[str, Any] = {}
     if dec.members:
         new_nodes = {m.node for m in dec.members}

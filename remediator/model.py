@@ -11,6 +11,7 @@ from trainguard.reducer import Effect, store
 from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.job import ENDED_STATUSES
 
+from . import breaker as br
 from . import policy as pol
 
 #: job record statuses of a run that is over: its lingering anomalies decide nothing
@@ -47,6 +48,11 @@ class RemediatorConfig:
     store_retry_s: float = 0.25
     store_retry_max_s: float = 4.0
     store_retries: int = 25
+    #: the fleet breaker over node-taking actions (``remediator.breaker``; env ``TG_BREAKER…``)
+    breaker: br.BreakerConfig = field(default_factory=br.BreakerConfig)
+    #: seconds between reads of the breaker for ``/metrics`` and health (a reset by a person
+    #: shows within this long)
+    breaker_poll_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ class Work:
     retry_at: float | None = None
     store_tries: int = 0
     resumed: bool = False
+    #: the fleet breaker's answer being written: ``(breaker.Outcome, new BreakerState)``
+    gate: Any = None
 
 
 def _zero_counts() -> dict[str, int]:
@@ -135,6 +143,10 @@ class RemediatorState:
     replica: str = "remediator"
     outbox_counts: dict[str, int] = field(default_factory=lambda: {"stored": 0,
                                                                    "republished": 0})
+    #: the breaker as last read: ``(BreakerState, known nodes)``, None before the first read;
+    #: ``last_breaker_poll`` — service time of the last periodic read
+    breaker_seen: Any = None
+    last_breaker_poll: float = float("-inf")
 
 
 Out = tuple[RemediatorState, list[Effect]]

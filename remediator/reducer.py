@@ -87,6 +87,7 @@ from trainguard.reducer import (BusUp, Call, Effect, Gained, Input, Log, Receive
 from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict
 
 from . import decisions as d
+from . import gate
 from . import watchdog as wd
 from .model import (Out, Pending, RemediatorConfig, RemediatorState, Work, count_outbox,
                     done, in_flight, update, without_pending)
@@ -159,6 +160,9 @@ def _step(state: RemediatorState, inp: Input, now: float) -> Out:
         if now - state.last_sweep >= state.config.outbox_sweep_s:
             state = replace(state, last_sweep=now)
             effects = effects + [store("outbox", reply=("outbox",))]
+        if now - state.last_breaker_poll >= state.config.breaker_poll_s:
+            state = replace(state, last_breaker_poll=now)
+            effects = effects + [store("breaker_view", reply=("breaker_seen",))]
         return state, effects
     if isinstance(inp, Gained):
         return replace(state, last_sweep=float("-inf")), [
@@ -175,6 +179,8 @@ def _step(state: RemediatorState, inp: Input, now: float) -> Out:
             return d.on_published(state, inp)
         if inp.tag[0] == "outbox":
             return _on_outbox(state, inp)
+        if inp.tag[0] == "breaker_seen":  # the periodic read for /metrics and health
+            return (state if inp.error else replace(state, breaker_seen=tuple(inp.value))), []
         seq = inp.tag[1] if len(inp.tag) > 1 else None
         w = state.work.get(seq)  # type: ignore[arg-type]
         handler = _STAGES.get(inp.tag[0])
@@ -217,5 +223,6 @@ _STAGES = {
     "commit": d.on_commit, "outbox_put": d.on_outbox_put,
     "node_claim": d.on_node_claim, "node_step": d.on_node_step,
     "wd_job": wd.on_wd_job, "wd_claim": wd.on_wd_claim,
+    "breaker": gate.on_breaker, "breaker_put": gate.on_breaker_put,
 }
 

@@ -24,11 +24,12 @@ from dataclasses import replace
 from typing import Any
 
 from trainguard.controllers import NodeController, make_controller
-from trainguard.reducer import ReducerService, Tick
+from trainguard.reducer import Tick
+from trainguard.reducer_service import ReducerService
 from trainguard.schemas import Decision
 from trainguard.service import ServiceConfig
 
-from . import reducer
+from . import breaker, reducer
 from .reducer import RemediatorConfig, RemediatorState
 
 __all__ = ["Remediator", "RemediatorConfig"]
@@ -101,6 +102,39 @@ class Remediator(ReducerService[RemediatorState]):
         """decisions, folded, escalations, ignored: verdicts and escalations so far."""
         return self.model.counts
 
+    def breaker(self) -> dict[str, Any]:
+        """The fleet breaker as this replica last read it (``RemediatorConfig.breaker_poll_s``):
+        status, nodes taken in the window, the limit, known nodes, decisions held, mode."""
+        cfg = self.rconfig.breaker
+        seen = self.model.breaker_seen
+        if seen is None:
+            return {"status": "unknown", "mode": cfg.mode}
+        st, known = seen
+        return {"status": st.status, "mode": cfg.mode,
+                "taken": len(breaker.window(st, cfg, time.time_ns())),
+                "limit": breaker.limit(cfg, known), "known_nodes": max(known, cfg.fleet_nodes),
+                "held": st.held, "tripped_ts": st.tripped_ts, "trip_reason": st.trip_reason,
+                "would_trip_ts": st.would_trip_ts, "window_s": cfg.window_s}
+
+    def metric_families(self):
+        """``/metrics`` gauges of the fleet breaker (``trainguard.metrics.mount``)."""
+        from prometheus_client.core import GaugeMetricFamily
+        b = self.breaker()
+        rows = (("tg_breaker_tripped", "1 while the fleet breaker holds node-taking actions",
+                 1 if b.get("status") == "tripped" else 0),
+                ("tg_breaker_nodes_taken", "nodes taken out within the breaker's window",
+                 b.get("taken", 0)),
+                ("tg_breaker_limit", "most nodes the breaker lets out within its window",
+                 b.get("limit", 0)),
+                ("tg_breaker_known_nodes", "nodes of the fleet the breaker knows",
+                 b.get("known_nodes", 0)),
+                ("tg_breaker_held", "node-taking decisions held since the breaker tripped",
+                 b.get("held", 0)))
+        for name, doc, value in rows:
+            fam = GaugeMetricFamily(name, doc)
+            fam.add_metric([], float(value))
+            yield fam
+
     def health(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "pending": sorted(self.model.pending),
-                "controller": self.rconfig.controller}
+                "controller": self.rconfig.controller, "breaker": self.breaker()}

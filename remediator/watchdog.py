@@ -10,6 +10,7 @@ from trainguard import schemas
 from trainguard.reducer import Effect, Log, Reply, store
 from trainguard.schemas import ActionResult, Decision, JobRecord, TrainingResumed
 
+from . import gate
 from . import policy as pol
 from .decisions import claim_call, commit
 from .model import (Out, Pending, RemediatorState, Work, count, done, stamp, start, update,
@@ -69,6 +70,8 @@ def on_wd_job(state, seq, w: Work, inp: Reply, now) -> Out:
         return done(state, seq), [store("clear_pending", w.job)]
     state, w = update(state, seq, record=rec, decision=stamp(dec, inp.wall_ns),
                       fault_gen=prev.generation)
+    if gate.needs_gate(state, w.decision):  # node-taking: the fleet breaker first
+        return gate.ask(state, seq, "wd_claim")
     return state, [claim_call(w.decision, ("wd_claim", seq))]
 
 

@@ -31,6 +31,7 @@ from .decision import (
     Member,
     Verdict,
 )
+from .breaker import BreakerChanged, BreakerState
 from .job import JobRecord, JobRecordError, JobSettings
 from .vocabulary import (
     ACTIONS,
@@ -64,7 +65,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Anomaly, Verdict, Decision, ActionResult,
         CheckpointSaved, CheckpointValidated, CheckpointInvalid, CheckpointSaveFailed,
         CheckpointRequest, CheckpointRequestDone,
-        SlurmNodeEvent, SlurmJobEvent,
+        SlurmNodeEvent, SlurmJobEvent, BreakerChanged,
     )
 }
 
@@ -213,7 +214,7 @@ __all__ = [
     "NodeTelemetry", "NodeHeartbeat", "XidEvent", "GpuSample",
     "RankHeartbeat", "WorkerStarted", "WorkerExited", "LogLine", "TrainingResumed",
     "RecoveryVerified", "PHASES",
-    "Anomaly", "Verdict", "Decision", "ActionResult", "Culprit", "Member",
+    "Anomaly", "Verdict", "Decision", "ActionResult", "BreakerChanged", "BreakerState", "Culprit", "Member",
     "FAULT_CLASSES", "LAYERS", "ACTIONS", "FaultClass", "Layer", "Action", "FaultSpec",
     "VOCABULARY", "signature", "stronger", "vocabulary",
     "CheckpointSaved", "CheckpointValidated", "CheckpointInvalid", "CheckpointSaveFailed",

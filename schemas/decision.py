@@ -109,7 +109,10 @@ class Decision(Event):
       its scheduler requeues it elsewhere);
     * ``idempotency_key`` — executors act at most once per key;
     * ``reason`` — why, in words, for the audit trail;
-    * ``fault_ts``/``detected_ts`` — Unix ns of the fault and of its first anomaly (timeline).
+    * ``fault_ts``/``detected_ts`` — Unix ns of the fault and of its first anomaly (timeline);
+    * ``held`` — the node-taking action this decision would have taken and did not
+      (``{action, nodes, by, reason}``; ``by``: ``breaker`` — the fleet breaker is tripped —
+      or ``shared_cause`` — the attributor blamed a layer many nodes share); empty: nothing held.
     """
 
     SCHEMA = "decision"
@@ -129,6 +132,7 @@ class Decision(Event):
     detected_ts: int = 0
     retries_used: int = 0
     retry_budget: int = 0
+    held: Entries[Any] = Field(default_factory=dict)
 
 
 class ActionResult(Event):

@@ -159,7 +159,10 @@ class JobRecord(JobSettings):
                            "recovery actions taken in this run", "actions")
     last_fault: dict[str, Any] | None = _f(None, JSON, "remediation",
                                            "{fault_class, step, signature, generation, ts "
-                                           "(Unix ns)} of the last fault acted on (loop check)")
+                                           "(Unix ns)} of the last fault acted on (loop check), "
+                                           "and {high_water, stalled, steps}: the highest "
+                                           "failing step, restarts in a row without progress, "
+                                           "their failing steps (remediator.progress)")
     last_decision: dict[str, Any] | None = _f(None, JSON, "remediation",
                                               "{id, action, generation, fault_generation, key, "
                                               "execute, ts (Unix ns)} of the last decision")

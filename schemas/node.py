@@ -40,6 +40,9 @@ class NodeTelemetry(Event):
 
     ``nvml`` is False when NVML is unavailable (no GPU / no driver); ``gpus`` is then empty.
     ``net_latency_s`` maps a peer or ``"bus"`` to a round-trip time in seconds.
+    ``attributes`` — what the node has that others may not: ``driver`` (version), ``image``,
+    ``rack``, ``switch``, ``mount`` … (the agent's ``TG_NODE_ATTRS``, ``k=v,k=v``); the
+    attributor names the ones a shared cause's nodes have in common.
     """
 
     SCHEMA = "node.telemetry"
@@ -50,6 +53,7 @@ class NodeTelemetry(Event):
     net_latency_s: Entries[float] = Field(default_factory=dict)
     nvml: bool = False
     gpus: Items[GpuSample] = Field(default_factory=list)
+    attributes: Entries[str] = Field(default_factory=dict)
 
 
 class NodeHeartbeat(Event):

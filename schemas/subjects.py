@@ -119,6 +119,9 @@ def job_dead_letter(job: str, client: str) -> str:
 
 
 ALL_JOBS = f"{PREFIX}.job.>"
+#: the fleet breaker's transitions (``schemas.breaker.BreakerChanged``): one subject for the
+#: whole control plane, since the breaker spans every job
+FLEET_BREAKER = f"{PREFIX}.fleet.breaker"
 ALL_NODES = f"{PREFIX}.node.>"
 
 

@@ -114,6 +114,9 @@ class TrainingResumed(Event):
     (on ``"checkpoint"``: why no peer could give the state). ``restore_source`` is ``"peer"``,
     ``"disk"``, ``"shm"``, ``"script"`` or ``"none"``. ``path`` and ``reason`` were added to
     version 1 with defaults (``"checkpoint"``, ``""``): older events decode unchanged.
+    ``rendezvous_ts``: Unix ns when this rank had passed the generation's barrier and formed
+    its process groups (0: unknown, e.g. an unmodified script's own rendezvous); added to
+    version 1 with that default.
     """
 
     SCHEMA = "recovery.resumed"
@@ -127,6 +130,7 @@ class TrainingResumed(Event):
     decision_id: str = ""
     path: str = "checkpoint"
     reason: str = ""
+    rendezvous_ts: int = 0
 
 
 class RecoveryVerified(Event):

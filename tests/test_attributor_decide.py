@@ -197,3 +197,18 @@ def test_one_exception_reported_twice_keeps_the_ranks_step():
     # another rank's step is not this rank's
     assert "step" not in decide([relayed, other_rank]).detail
     assert "step" not in decide([relayed]).detail
+
+
+def test_a_flag_in_a_crashs_incident_neither_times_its_fault_nor_its_detection():
+    """A straggler flag of rank 3 (a loaded host) seen a second before rank 1's crash joins the
+    crash's incident: the fault and its detection are the crash's, not the flag's (the goodput
+    ledger's fault-free step time stops at the first fault; the console times detection)."""
+    flag = _warning("straggler", "straggler", 100, [3], ["n0"], 0.5, "application")
+    flag = flag.model_copy(update={"ts": 100})
+    c = crash(1, 1_000, node="n1").model_copy(update={"ts": 1_006})
+    v = decide([flag, c])
+    assert v.fault_class == "crash" and v.ranks == [1]
+    assert v.first_ts == 1_000 and v.detail["detected_ts"] == 1_006
+    # a verdict of flags alone is timed by them
+    w = decide([flag])
+    assert w.first_ts == 100 and w.detail["detected_ts"] == 100

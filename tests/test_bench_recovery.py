@@ -147,6 +147,9 @@ def test_aggregate_ratio_json_and_table(R):
     assert tg["culprit_correct_n"] == "3/3" and tg["ratio_to_trainguard"] == 1.0
     assert tr["median_s"] == 5.5 and tr["recovered"] == "2/3" and tr["culprit_correct"] is None
     assert tr["ratio_to_trainguard"] == pytest.approx(9.17, abs=0.01)
+    # the tails: p95 beside the median; the run without a recovery listed as slow
+    assert tg["p95_s"] == 0.7 and tg["slow_runs"] == [] and tr["p95_s"] == 6.0
+    assert [x["run"] for x in tr["slow_runs"]] == [1]
     keys = {"system", "fault", "median_s", "max_s", "runs", "steps_rolled_back",
             "training_goodput", "infra_goodput", "culprit_correct"}
     for r in json.loads(json.dumps(rows)):

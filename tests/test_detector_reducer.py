@@ -425,13 +425,13 @@ def test_a_failed_first_read_stores_no_record_and_does_not_reset_later():
 
 
 # ---- periodic rules ------------------------------------------------------------------------
-def test_a_silent_rank_gives_exactly_one_hang_with_the_ticks_time():
+def test_a_silent_rank_gives_exactly_one_hang_timed_from_its_last_progress():
     inputs = []
     for k in range(40):                                        # 0.1 s beats for 4 s
         t = T0 + 0.1 * k
-        inputs += [hb(t, rank=0, phase="train")]
-        if k < 10:                                             # rank 1 stops at T0 + 0.9
-            inputs += [hb(t, rank=1, phase="train")]
+        inputs += [hb(t, rank=0, phase="train", step_=k)]
+        if k < 10:                                             # rank 1 stops at T0 + 0.9,
+            inputs += [hb(t, rank=1, phase="train", step_=min(k, 7))]  # its last step at 0.7
         inputs += [tick(t + 0.05)]
     _, eff = run_offline(step, state(), inputs)
     [hang] = published(eff)
@@ -441,7 +441,11 @@ def test_a_silent_rank_gives_exactly_one_hang_with_the_ticks_time():
     # at T0 + 0.9: the first tick past it is T0 + 2.45, which is no evaluation tick (those are
     # T0 + 0.05 + k * eval_s 0.25): silence is judged on every tick
     assert a.detail["timeout_s"] == 1.5
-    assert a.first_ts == a.ts == wall(T0 + 2.45)
+    assert a.ts == wall(T0 + 2.45)                              # found by that tick
+    # the fault is the rank's last progress (its step 7 at T0 + 0.7), not the tick that found
+    # it: what is timed from the fault counts the 1.75 s of silence before detection
+    assert a.first_ts == a.detail["last_progress_ts"] == wall(T0 + 0.7)
+    assert a.detail["since_progress_s"] == 1.75
     assert hang.subject == "tg.job.j.anomaly"
 
 

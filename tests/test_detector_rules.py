@@ -97,6 +97,10 @@ def test_stall_names_the_rank_behind():
     assert rules.stall_rule(js, t + floor, CFG) == []
     f = rules.stall_rule(js, t + floor + 0.95, CFG)
     assert len(f) == 1 and f[0].ranks == [1] and f[0].detail["collective_seq"] == 19
+    # the fault is rank 1's last progress (its step 19 at t), not the others' entry into the
+    # next collective (t + 0.1) nor the evaluation that found it
+    assert f[0].detail["since_progress_s"] == pytest.approx(floor + 0.95)
+    assert f[0].detail["stalled_s"] == pytest.approx(floor + 0.85)
 
 
 @pytest.mark.parametrize("counts,culprit,in_compute,blocked", [
@@ -314,13 +318,13 @@ LINES = [
      "nccl_watchdog_timeout", "hang", True),
     ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled "
      "system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5",
-     "nccl_system_error", "network", False),
+     "nccl_system_error", "network", True),
     ("gpu7:1122:1187 [3] NCCL INFO NET/IB : Got completion from peer 10.1.2.3<33012> with error "
      "12, opcode 0, len 0, vendor err 129 (Send)", "ib_completion_error", "network", False),
     ("RuntimeError: [/opt/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
      "[10.0.0.4]:29501: Connection reset by peer", "gloo_peer_reset", "network", True),
     ("RuntimeError: CUDA error: an illegal memory access was encountered",
-     "cuda_illegal_access", "app_exception", False),
+     "cuda_illegal_access", "crash", False),
     ("RuntimeError: CUDA error: device-side assert triggered", "cuda_device_assert",
      "app_exception", False),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "

@@ -157,3 +157,25 @@ def test_in_observe_mode_a_lost_lease_stops_nothing():
     loop.handle(LeaseLost(20.0))
     assert loop.state == LaunchState.HEALTHY and not loop.fenced and loop.exit_status is None
     assert "kill_all" not in loop.pool.calls
+
+
+def test_a_node_fault_fires_only_on_its_nodes_rank(tmp_path):
+    """A partition of node1 "when rank 3 completes step 15" waits for node1's rank 3: a job
+    that already moved rank 3 to the spare node (a decision before the fault) does not fire it
+    there (seen: a straggler exclusion at start-up, then the partition of a node out of the job,
+    counted as a recovery that never came)."""
+    from types import SimpleNamespace
+
+    from trainguard import fault_schedule
+    from trainguard.cluster import FaultRunner
+
+    recs: list[dict] = [{"rank": 3, "step": s, "host": "node1", "gen": 0} for s in range(10)]
+    cluster = SimpleNamespace(net=SimpleNamespace(names=["node0", "node1", "node2"]),
+                              steps=lambda job: recs)
+    (f,) = fault_schedule.parse([{"kind": "partition", "node": "node1", "step": 15, "rank": 3}])
+    runner = FaultRunner(cluster, "j", [f])
+    assert not runner._due(f)
+    recs += [{"rank": 3, "step": s, "host": "node2", "gen": 1} for s in range(10, 20)]
+    assert not runner._due(f)  # rank 3 on the spare node: not node1's
+    recs.append({"rank": 3, "step": 15, "host": "node1", "gen": 0})
+    assert runner._due(f)

@@ -158,3 +158,31 @@ def test_a_template_whose_warm_up_fails_says_why_and_forks_nothing(tmp_path):
         assert "RuntimeError: no licence server" in fs.failure, fs.failure
     finally:
         fs.close()
+
+
+def test_the_template_imports_the_jobs_modules_and_spares_forked_after_have_them(template,
+                                                                                 tmp_path):
+    """``import_modules``: the template imports the listed modules (one that does not exist is
+    reported, not fatal), says so, and the spares forked afterwards find them imported."""
+    listing = tmp_path / "chosen.json"
+    listing.write_text(json.dumps(["xml.dom.minidom", "a_module_that_does_not_exist_here",
+                                   "wave"]))
+    got = []
+    import threading
+
+    done = threading.Event()
+    assert template.import_modules(str(listing), 30.0, lambda s: (got.append(s), done.set()))
+    assert done.wait(60)
+    [summary] = got
+    assert summary["imported"] >= 1 and summary["n_failed"] == 1, summary
+    assert "a_module_that_does_not_exist_here" in summary["failed"], summary
+    assert summary["threads"] == [] and summary["cuda"] is False
+    assert not template.importing
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint('xml.dom.minidom' in sys.modules, "
+                      "'wave' in sys.modules)\n")
+    proc = template.spawn({**os.environ})
+    assert proc is not None, template.failure
+    _assign(proc, script)
+    assert proc.stdout.read().split() == ["True", "True"]
+    assert proc.wait(30) == 0

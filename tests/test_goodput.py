@@ -127,7 +127,13 @@ def test_report_of_the_hand_computed_run(tmp_path):
     assert r["loss_before"] == pytest.approx(9.1) and r["loss_after"] == pytest.approx(9.4)
     assert r["verdict"]["ranks"] == [1] and r["decision"]["action"] == "restart_workers"
     assert rep["audit"]["by_type"] == {"decision": 1, "folded": 1}
+    # the timeline: the last step before the fault, the verdict the decision answered, every
+    # rank's first step after the resume (from the heartbeats)
+    tl = r["timeline"]["seconds"]
+    assert (tl["last_progress"], tl["detected"], tl["verdict"], tl["decision"],
+            tl["first_step"]) == (-0.5, 0.5, 0.7, 1.0, 3.0)
     md = to_markdown(rep)
+    assert "| verdict | 0.700 | 0.200 |" in md
     assert "## Recovery 1: crash → restart_workers (generation 1)" in md
     assert "training goodput **69.8%**" in md
     assert "start-up 1.0 s, then 21.5 s training on 4 ranks" in md

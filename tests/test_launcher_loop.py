@@ -13,8 +13,8 @@ from trainguard import schemas
 from trainguard.executor import EXIT_STOPPED, LocalRank
 from trainguard.launcher import LaunchConfig
 from trainguard.launcher_loop import (DecisionReceived, GroupRestarted, LaunchState,
-                                      LeaseRenewalFailed, RankExited, RefillPool, RunLoop,
-                                      StopRequested)
+                                      LeaseRenewalFailed, RankExited, RefillPool,
+                                      RenewSpares, RunLoop, StopRequested)
 from trainguard.schemas import Member
 
 S = LaunchState
@@ -64,6 +64,9 @@ class StubPool:
 
     def fill(self):
         self.calls.append("fill")
+
+    def renew_spares(self):
+        self.calls.append("renew_spares")
 
     def kill(self, local_rank):
         self.calls.append(f"kill {local_rank}")
@@ -180,6 +183,16 @@ def test_run_answers_events_until_a_terminal_state():
     loop.post(_exit(loop, 1, 0))
     assert loop.run() == 0
     assert loop.pool.calls == ["fill", "fill"]
+
+
+def test_spares_are_renewed_once_the_template_has_the_jobs_imports_not_after_the_end():
+    loop = _loop()
+    loop.handle(RenewSpares())
+    assert loop.pool.calls[-1] == "renew_spares"
+    loop.handle(StopRequested(143))
+    n = len(loop.pool.calls)
+    loop.handle(RenewSpares())  # a late answer from the template: the launch is over
+    assert len(loop.pool.calls) == n
 
 
 @pytest.mark.parametrize("nnodes, published", [(1, []), (2, [(0, 1)])])

@@ -10,8 +10,10 @@ on an embedded stack whose services serve ``/metrics`` on ephemeral ports:
 * a real Prometheus (Debian's ``prometheus`` binary, on a free port, its own config and data
   directory) scraping the services and the console during the run answers the decision count,
   the fault → decision latency and every query of the Grafana dashboard;
-* the console's pages, opened in headless Chromium (Playwright), show the job, its incidents
-  (times, verdicts, decisions) and the node table;
+* the console's pages, opened in headless Chromium (Playwright), show the job, its timeline
+  picture (steps per rank, each recovery's silence, decision and restart), its incidents
+  (times, verdicts, decisions; the hang's detection counted from the rank's last progress) and
+  the node table;
 * the console's goodput API, its ``/metrics`` gauge and the report give the same training
   goodput, and it agrees with ``bench/recovery.py``'s definition computed from the ranks' own
   per-step records of the same run.
@@ -104,6 +106,7 @@ def run():
         yield {"stack": st, "demo": rep, "path": path, "records": list(read_recording(
             io.StringIO(buf.getvalue()))), "snapshot": snap, "tmp": tmp,
             "console_port": console[1], "prometheus": prom and prom[1],
+            "hang_timeout_s": cfg.hang_timeout_s,
             "progress": progress}
     finally:
         for p in (console, prom):
@@ -417,6 +420,21 @@ def test_console_in_a_browser_shows_the_job_its_incidents_and_the_nodes(run):
                 assert r["layer"] not in ("", "–") and r["reason"] not in ("", "–"), r
                 assert r["recovery path"] in ("peer", "checkpoint"), r
                 assert r["steps rolled back"].isdigit(), r
+            # the timeline picture, drawn on the server: steps per rank, every recovery marked
+            assert page.locator("svg#timeline").count() == 1
+            assert page.locator("svg#timeline polyline.rank").count() >= 4
+            assert page.locator("svg#timeline g.incident").count() == len(rows)
+            for mark in ("silence", "decision", "restart"):
+                assert page.locator(f"svg#timeline g.incident rect.{mark}").count() >= 1, mark
+            # the hang's detection counts from rank 3's last progress: at least the job's hang
+            # timeout (the silence the rule waits for), never the tick's milliseconds
+            hang = page.locator('svg#timeline g.incident[data-fault-class="hang"]'
+                                '[data-ranks="3"]').first
+            detected = float(hang.get_attribute("data-detected-s"))
+            assert detected >= run["hang_timeout_s"], detected
+            row = next(r for r in rows if r["fault class"] == "hang"
+                       and r["culprit"].startswith("ranks 3"))
+            assert row["detected"] == f"+{detected:.3f} s", (row, detected)
             job_nodes = {r[0] for r in _rows(page, "#nodes")}
             assert {"node0", "node1"} <= job_nodes
             gp = page.locator("#goodput").inner_text()

@@ -11,8 +11,8 @@ import pytest
 
 from trainguard import schemas
 from trainguard.bus import Bus
-from trainguard.reducer import (Call, Publish, Received, ReducerService, Reply, Tick, run_offline,
-                                store)
+from trainguard.reducer import Call, Publish, Received, Reply, Tick, run_offline, store
+from trainguard.reducer_service import ReducerService
 from trainguard.schemas import subjects
 from trainguard.service import ServiceConfig
 

@@ -42,6 +42,22 @@ class Store:
         self.restarted: list[tuple] = []          # restart_pod calls: (node, job, before_ns)
         self.stopped: list[tuple] = []            # stop calls: (job, reason, generation)
         self.outboxes: dict[str, dict[str, dict]] = {}  # job -> decision id -> decision
+        # the fleet breaker and its shadow over observe-mode jobs (compare-and-set)
+        self.breakers = {"": schemas.BreakerState(), "observe": schemas.BreakerState()}
+        self.breaker_trail: list[dict] = []
+
+    def breaker_view(self, which=""):
+        nodes = {m["node"] for r in self.records.values() for m in r.members}
+        return self.breakers[which], len(nodes)
+
+    def put_breaker(self, state, expected, which=""):
+        if self.breakers[which].version != expected:
+            return None
+        self.breakers[which] = dataclasses.replace(state, version=expected + 1)
+        return expected + 1
+
+    def breaker_audit(self, record):
+        self.breaker_trail.append(record)
 
     def __call__(self, call: Call):
         if self.fail_times.get(call.method, 0) > 0:
@@ -797,7 +813,7 @@ def test_rearm_after_a_restart():
     st.records["j"].pending_decision["deadline_ns"] = WALL + 5 * 10**9
     fresh = RemediatorState(config=RemediatorConfig(decision_timeout_s=60, controller="local"))
     state, eff = run(st, [(10.0, Tick(WALL)), (14.0, Tick(WALL + 4 * 10**9))], fresh)
-    assert [c.method for c in eff if isinstance(c, Call) and c.method != "outbox"] == [
+    assert [c.method for c in eff if isinstance(c, Call) and c.method not in ("outbox", "breaker_view")] == [
         "jobs", "job"]
     assert state.armed and state.pending["j"].decision.event_id == d.event_id
     assert state.pending["j"].deadline == pytest.approx(15.0)

@@ -31,6 +31,9 @@ SAMPLES = {
     "ckpt.request_done": dict(request_id="drain-1", ok=True, step=12, path="/tmp/c"),
     "slurm.node": dict(change="down", state="down", flags=["NOT_RESPONDING"],
                        reason="Not responding", jobs=["train-a"], slurm_jobs=["7"]),
+    "breaker": dict(transition="held", status="tripped", taken=32, limit=32, known_nodes=64,
+                    window_s=300.0, held_action="exclude_node_and_requeue", nodes=["n9"],
+                    decision_id="d1", reason="33 of 64 nodes in 300 s"),
     "slurm.job": dict(change="nodes_lost", slurm_job_id="7", state="RUNNING",
                       nodes=["node0"], lost_nodes=["node1"], directive={"mode": "action"}),
 }

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard import schemas
-from trainguard.reducer import Call, Effect, Input, Log, Received, ReducerService, Reply
+from trainguard.reducer import Call, Effect, Input, Log, Received, Reply
+from trainguard.reducer_service import ReducerService
 from trainguard.service import ServiceConfig
 
 __all__ = ["ALERT_ACTIONS", "AlertState", "step", "payload", "Webhook", "Alerts", "main"]

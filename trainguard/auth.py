@@ -50,6 +50,8 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
+from .private_file import write_private  # noqa: F401 - credentials and server configs use it
+
 #: What a role may run in Valkey besides its keys: reads, writes, Lua (the atomic mutators of
 #: ``trainguard.state``), MULTI/EXEC, connection upkeep; never FLUSHALL, KEYS, CONFIG, DEBUG,
 #: ACL, SHUTDOWN and the rest of ``@dangerous``. ``client|setinfo``: redis-py sends it on connect.
@@ -210,19 +212,22 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          responses=True),
     Role("attributor",
          ("tg.job.*.verdict", _dlq("attributor")) + _consumer("attributor")[0],
-         ("tg.job.*.anomaly", "tg.node.*.anomaly", "tg.svc.attributor.health")
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", "tg.node.*.telemetry",
+          "tg.svc.attributor.health")
          + _consumer("attributor")[1],
-         "resetkeys ~tg:hist:* ~tg:members:attributor %R~tg:* " + _SERVICE_CMDS,
-         "turns anomalies into verdicts; writes the cross-job fault history (`tg:hist:*`) and "
-         "its replica's lease; consumes the streams durably.",
+         "resetkeys ~tg:hist:* ~tg:nodeattrs:* ~tg:members:attributor %R~tg:* " + _SERVICE_CMDS,
+         "turns anomalies into verdicts; writes the cross-job fault history (`tg:hist:*`), the "
+         "nodes' attributes from their telemetry (`tg:nodeattrs:*`: a shared cause names what "
+         "its nodes have in common) and its replica's lease; consumes the streams durably.",
          responses=True),
     Role("remediator",
-         ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", _dlq("remediator"))
+         ("tg.job.*.decision", "tg.job.*.control", "tg.job.*.action", "tg.fleet.breaker",
+          _dlq("remediator"))
          + _consumer("remediator")[0] + _DRAIN[0],
          ("tg.job.*.verdict", "tg.job.*.action", "tg.job.*.recovery",
           "tg.svc.remediator.health") + _consumer("remediator")[1] + _DRAIN[1],
          "resetkeys ~tg:jobs ~tg:job:* ~tg:outboxes ~tg:outbox:* ~tg:audit:* ~tg:idem:* "
-         "~tg:node:* ~tg:rep:* "
+         "~tg:node:* ~tg:rep:* ~tg:breaker ~tg:breaker:* "
          "~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
@@ -230,7 +235,8 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "requests to the "
          "ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
          "actions it carries out itself (node exclusion); writes the job record, the audit "
-         "trail (`tg:audit:<job>`), idempotency keys, node status (exclusion) and its replica's lease. The "
+         "trail (`tg:audit:<job>`), idempotency keys, node status (exclusion), the fleet breaker "
+         "(`tg:breaker`, its trail; its transitions on `tg.fleet.breaker`) and its replica's lease. The "
          "Kubernetes drain handshake runs as this role too (its own health subjects).",
          responses=True),
     Role("checkpoint_validator",
@@ -361,17 +367,6 @@ def nats_permissions(role: Role) -> dict:
 
 
 # ---- credentials -----------------------------------------------------------------------------
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by this user only (0600), replacing it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
 @dataclass
 class Credentials:
     """One password per role of ``ROLES``, one per job given its own workers (``jobs``: job

@@ -1,5 +1,5 @@
 """``trainguard`` command line: up, launch, demo, diagnose, replay, report, schemas,
-slurm-watch, node.
+slurm-watch, status, breaker, node.
 
 Each subcommand lives in its own module and is imported only when used (start-up stays fast).
 """
@@ -21,6 +21,10 @@ COMMANDS = {
     "schemas": ("trainguard.schemas_cli", "Export the event JSON Schemas."),
     "slurm-watch": ("trainguard.slurm_watch.__main__", "Watch Slurm (squeue/sinfo) for the jobs "
                                                        "that opted in; publish its signals."),
+    "status": ("trainguard.status_cli", "The control plane at a glance: the fleet breaker "
+                                        "and every job."),
+    "breaker": ("trainguard.breaker_cli", "The fleet breaker over node-taking actions: "
+                                          "status, reset --reason."),
     "node": ("trainguard.node_cli", "Node reputation: readmit a drained node after its canary, "
                                     "the probation loop, show, forgive."),
 }

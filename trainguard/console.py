@@ -1,4 +1,4 @@
-"""A small read-only console over the state store: a JSON API and one web page.
+"""A small console over the state store (read-only but for the breaker's reset): a JSON API and one web page.
 
 ``python -m trainguard.console --redis-url URL [--nats-url URL] [--host 127.0.0.1] [--port 8080]``
 
@@ -26,9 +26,15 @@
   decision, restored step, steps rolled back, recovery path, loss check) from the stored
   history, else the audit trail's decisions (times, fault class, culprit, action, reason);
   ``flags``: the decisions of action ``none``;
-* ``GET /`` — the page of jobs and nodes; ``GET /job/{job}`` — one job's page: record,
-  goodput, incidents, nodes, checkpoints, audit trail (``trainguard.console_page``: HTML
-  rendered here, no script; both reload every 5 s).
+* ``GET /api/breaker`` — the fleet breaker (``trainguard breaker status --json``);
+  ``POST /api/breaker/reset`` with ``{"by", "reason"}`` closes it (both required: HTTP 400
+  without; 503 when the console's store user may not write it), who, when and why into its
+  trail (``docs/fleet-guard.md``);
+* ``GET /`` — the page of jobs and nodes (and the breaker's line); ``GET /job/{job}`` — one
+  job's page: record, goodput, timeline (``trainguard.console_timeline``: an SVG of steps per
+  rank with each fault's silence, detection, decision and recovery, from the stored history),
+  incidents, nodes, checkpoints, audit trail (``trainguard.console_page``: HTML rendered here,
+  no script; both reload every 5 s).
 """
 from __future__ import annotations
 
@@ -44,9 +50,10 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from trainguard import schemas
+from trainguard import breaker_cli, schemas
 
 from .console_page import index_page, job_page
+from .console_timeline import timeline
 from .goodput import Ledger, ledger
 from .state import StateStore
 
@@ -175,8 +182,8 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                         "repeat_offender": h["repeat_offender"]})
         return out
 
-    async def incidents_view(name: str, audit: list[dict[str, Any]] | None = None
-                             ) -> dict[str, Any]:
+    async def incidents_view(name: str, audit: list[dict[str, Any]] | None = None,
+                             with_timeline: bool = False) -> dict[str, Any]:
         st = store["s"]
         if audit is None:
             audit = await st.audit_trail(name, count=100000)
@@ -189,8 +196,11 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
                 ledgers[name] = ledger(events, name)
                 flags = [e.to_dict() for e in events
                          if isinstance(e, schemas.Decision) and e.action == "none"]
-                return {"source": "the stored history", "goodput": rep["goodput"],
-                        "incidents": rep["recoveries"], "flags": flags}
+                out = {"source": "the stored history", "goodput": rep["goodput"],
+                       "incidents": rep["recoveries"], "flags": flags}
+                if with_timeline:
+                    out["timeline"] = timeline(events, rep["recoveries"], rep["goodput"])
+                return out
         decs = [a.get("decision") or a for a in audit if a.get("type") == "decision"]
         incs = []
         for d in decs:
@@ -231,9 +241,31 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
         except (ConnectionError, ValueError) as exc:
             raise HTTPException(503, str(exc)) from None
 
+    @app.get("/api/breaker")
+    async def api_breaker() -> dict[str, Any]:
+        try:
+            return await breaker_cli.status(store["s"])
+        except (ConnectionError, ValueError) as exc:
+            raise HTTPException(503, str(exc)) from None
+
+    @app.post("/api/breaker/reset")
+    async def api_breaker_reset(body: dict[str, Any]) -> dict[str, Any]:
+        by, reason = str(body.get("by") or ""), str(body.get("reason") or "")
+        try:
+            await breaker_cli.reset(store["s"], by, reason)
+            return await breaker_cli.status(store["s"])
+        except breaker_cli.br.BreakerError as exc:
+            raise HTTPException(400, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a read-only role, the store away
+            raise HTTPException(503, f"reset not written: {exc}") from None
+
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
-        return index_page(await jobs(), await nodes_view())
+        try:
+            b = await breaker_cli.status(store["s"], trail=0)
+        except (ConnectionError, ValueError):
+            b = None
+        return index_page(await jobs(), await nodes_view(), breaker=b)
 
     @app.get("/job/{name}", response_class=HTMLResponse)
     async def job_html(name: str) -> str:
@@ -243,14 +275,14 @@ def create_app(redis_url: str, nats_url: str = "", refresh_s: float = 15.0) -> F
         rec = await st.job(name)
         audit = await st.audit_trail(name, count=100000)  # read once: incidents and the trail
         try:
-            incs = await incidents_view(name, audit)
+            incs = await incidents_view(name, audit, with_timeline=True)
         except (ConnectionError, ValueError) as exc:
             incs = {"source": f"nothing ({exc})", "goodput": None, "incidents": [], "flags": []}
         mine = {str(m.get("node")) for m in rec.members or []} | set(rec.spare_nodes or [])
         for r in incs["incidents"]:
             mine |= set((r.get("decision") or {}).get("nodes") or [])
         return job_page(name, rec.to_dict(), incs, await nodes_view(mine),
-                        await st.checkpoints(name), audit)
+                        await st.checkpoints(name), audit, timeline=incs.pop("timeline", None))
 
     return app
 

@@ -2,8 +2,9 @@
 CSS, no script): pure functions of plain data, so a test renders them without servers.
 
 * ``index_page(jobs, nodes)`` — the job list and the node table;
-* ``job_page(job, record, incidents, nodes, checkpoints, audit, goodput)`` — one job: its record,
-  its goodput, its incidents (fault, detected and decided times, the verdict: fault class,
+* ``job_page(job, record, incidents, nodes, checkpoints, audit, refresh_s, timeline)`` — one job:
+  its record, its goodput, its timeline (``trainguard.console_timeline``: steps per rank, each
+  fault's silence, detection, decision and recovery), its incidents (fault, detected and decided times, the verdict: fault class,
   layer, culprit; the decision: action, reason; the recovery: training again, restored step,
   steps rolled back, path), its nodes, checkpoints and audit trail.
 
@@ -78,15 +79,29 @@ NODE_HEAD = ("node", "state", "status in store", "ranks (job: ranks)", "spare fo
              "node faults (24 h)", "in jobs", "updated (UTC)", "reason")
 
 
+def breaker_line(b: dict[str, Any] | None) -> str:
+    """The fleet breaker in one paragraph (``GET /api/breaker``); empty when unknown."""
+    if not b:
+        return ""
+    text = (f'fleet breaker: {_status("stopped" if b.get("status") == "tripped" else "running")}'
+            f' {_e(b.get("status"))} — {_e(b.get("taken"))} of at most {_e(b.get("limit"))} '
+            f'node(s) taken out within {_e(b.get("window_s"))} s')
+    if b.get("status") == "tripped":
+        text += (f'; {_e(b.get("held"))} decision(s) held: {_e(b.get("trip_reason"))}; '
+                 f'reset with <code>trainguard breaker reset --reason …</code>')
+    return f'<p id="breaker">{text}</p>'
+
+
 def index_page(jobs: list[dict[str, Any]], nodes: list[dict[str, Any]],
-               refresh_s: int = 5) -> str:
-    """The front page: ``jobs`` as ``GET /jobs`` returns them, ``nodes`` as ``/api/nodes``."""
+               refresh_s: int = 5, breaker: dict[str, Any] | None = None) -> str:
+    """The front page: ``jobs`` as ``GET /jobs`` returns them, ``nodes`` as ``/api/nodes``,
+    ``breaker`` as ``/api/breaker``."""
     rows = [[f'<a href="job/{html.escape(j["job"], quote=True)}">{_e(j["job"])}</a>',
              _e(j.get("mode")), _status(j.get("status")), f'<span class="num">'
              f'{_e(j.get("generation"))}</span>', f'<span class="num">'
              f'{_e(j.get("world_size"))}</span>',
              f'{_e(j.get("retries_used") or 0)} / {_e(j.get("retry_budget"))}'] for j in jobs]
-    body = ("<h1>trainguard</h1><h2>Jobs</h2>"
+    body = ("<h1>trainguard</h1>" + breaker_line(breaker) + "<h2>Jobs</h2>"
             + (_table("jobs", ("job", "mode", "status", "generation", "world size",
                                "retries used / budget"), rows) if rows else
                '<p id="jobs" class="muted">no job in the state store</p>')
@@ -108,9 +123,13 @@ def _culprit(v: dict[str, Any] | None) -> str:
 
 def job_page(job: str, record: dict[str, Any], incidents: dict[str, Any],
              nodes: list[dict[str, Any]], checkpoints: list[dict[str, Any]],
-             audit: list[dict[str, Any]], refresh_s: int = 5) -> str:
+             audit: list[dict[str, Any]], refresh_s: int = 5,
+             timeline: dict[str, Any] | None = None) -> str:
     """One job's page. ``incidents``: ``/api/jobs/<job>/incidents`` (``{"source", "goodput",
-    "incidents": [...], "flags": [...]}``); ``record``: the job record as a dict."""
+    "incidents": [...], "flags": [...]}``); ``record``: the job record as a dict; ``timeline``:
+    ``trainguard.console_timeline.timeline`` of the job's stored history, drawn under the
+    record (None: the page says the picture needs the stored history)."""
+    from .console_timeline import svg
     g = incidents.get("goodput")
     gp = "–" if not g or g.get("training_goodput") is None else \
         f"{100 * g['training_goodput']:.1f} %"
@@ -152,10 +171,14 @@ def job_page(job: str, record: dict[str, Any], incidents: dict[str, Any],
     audit_rows = [[_e(utc(a.get("ts"))), _e(a.get("type")), _e(a.get("action")),
                    _e(a.get("generation")), _e(a.get("execute")),
                    f'<span class="reason">{_e(a.get("reason"))}</span>'] for a in audit[-50:]]
+    picture = ('<p id="no-timeline" class="muted">no timeline: it is drawn from the stored '
+               "history (the console needs --nats-url) and its heartbeats</p>"
+               if not timeline or not timeline.get("ranks") else svg(timeline))
     body = (f'<p><a href="../">← all jobs</a></p><h1>Job <span id="job">{_e(job)}</span></h1>'
-            + summary
+            + summary + "<h2>Timeline</h2>" + picture
             + f'<h2>Incidents</h2><p class="muted">times from {html.escape(src)}; seconds '
-              f"from the fault</p>" + incident_html + flag_html
+              f"from the fault (a hang's fault: the rank's last progress, so detection "
+              f"includes the silence)</p>" + incident_html + flag_html
             + "<h2>Nodes</h2>" + (_table("nodes", NODE_HEAD, _node_rows(nodes)) if nodes
                                   else '<p id="nodes" class="muted">no node known</p>')
             + "<h2>Checkpoints (newest first)</h2>" + (_table(

@@ -39,7 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-from .auth import Credentials, write_private
+from .auth import Credentials
+from .private_file import write_private
 from .embedded import EmbeddedServer, ServerStartError, _lock_dir, free_port, port_free
 from .embedded_sentinel import SENTINEL_READ_RULES, SentinelProcess, sentinel_config
 

@@ -8,7 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from .auth import Credentials, write_private
+from .auth import Credentials
+from .private_file import write_private
 from .embedded import _die_with_parent, _wait_port, valkey_server_binary
 
 #: What every role may run on a sentinel: find the primary (redis-py's ``Sentinel`` asks

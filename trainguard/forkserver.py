@@ -15,7 +15,10 @@ The protocol, over a ``SOCK_SEQPACKET`` socket pair (one JSON object a packet):
 - launcher → template ``{"env": {...}}`` with four descriptors (``SCM_RIGHTS``): the spare's
   stdin (read end), stdout and stderr (write ends) and its launcher pipe (``TG_LAUNCHER_FD``);
 - template → launcher ``{"pid": n}``: the spare forked; later ``{"exit": n, "code": c}`` when it
-  ends (``c`` as ``Popen.returncode``: negative for the signal that ended it).
+  ends (``c`` as ``Popen.returncode``: negative for the signal that ended it);
+- launcher → template ``{"import_from": path, "budget_s": s}`` (no descriptors): import the
+  job's own modules (``trainguard.job_imports``; ``path``: a JSON list of module names, which
+  may be longer than a packet) so that the spares forked from now on have them; template → launcher ``{"warmed": {…}}`` (``job_imports.import_all``'s summary) when done.
 
 Lifetimes: the template gets ``PR_SET_PDEATHSIG`` (SIGKILL) from the launcher's main thread as
 every child does; each forked spare gets it from the template, so the launcher's death still
@@ -101,6 +104,10 @@ class ForkServer:
         self.died_after_ready = False        # it warmed, forked, then exited (killed by hand?)
         #: seconds ``spawn`` waits for the template to warm by default
         self.ready_wait_s = READY_TIMEOUT_S
+        #: an import of the job's modules is in flight (``import_modules``) for up to this
+        #: many seconds: a spawn asked meanwhile waits that much longer for its answer
+        self.importing_s = 0.0
+        self._on_warmed: Callable[[dict], None] | None = None
 
     def start(self, env: dict[str, str], preexec_fn: Callable[[], None] | None = None,
               on_output: Callable[[IO[str]], None] | None = None) -> "ForkServer":
@@ -150,6 +157,10 @@ class ForkServer:
                         self._exits[int(msg["exit"])] = int(msg["code"])
                 if child is not None:
                     child._set_exit(int(msg["code"]))
+            elif "warmed" in msg:
+                self.importing_s, cb = 0.0, self._on_warmed
+                if cb is not None:
+                    cb(msg["warmed"] if isinstance(msg["warmed"], dict) else {})
             elif "ready" in msg:
                 self._usable = True
                 self._ready.set()
@@ -163,6 +174,7 @@ class ForkServer:
         # the template is gone: so are its spares (PR_SET_PDEATHSIG), which nobody reaps now
         self.died_after_ready = self._usable
         self._usable = False
+        self.importing_s = 0.0
         self.failure = self.failure or "the template exited"
         self._ready.set()
         with self._reply:
@@ -197,7 +209,8 @@ class ForkServer:
                 socket.send_fds(self._sock, [json.dumps({"env": env}).encode()], fds)
                 with self._reply:
                     ok = bool(self._reply.wait_for(
-                        lambda: self._replies or not self._usable, timeout=30.0))
+                        lambda: self._replies or not self._usable,
+                        timeout=30.0 + self.importing_s))
                     msg = self._replies.pop(0) if self._replies else {}
             except OSError as exc:
                 self.failure, ok, msg = f"the template did not answer: {exc}", False, {}
@@ -220,6 +233,38 @@ class ForkServer:
             elif not self._usable:  # the template went between its answer and now
                 child._set_exit(-signal.SIGKILL)
             return child
+
+    def import_modules(self, path: str, budget_s: float,
+                       on_done: Callable[[dict], None]) -> bool:
+        """Have the template import the modules listed in file ``path`` (a JSON list, in order,
+        for up to ``budget_s`` seconds);
+        ``on_done(summary)`` is called from the reader thread when it has
+        (``trainguard.job_imports.import_all``'s summary). Waits up to ``ready_wait_s`` for
+        the template to be warm; False when it is not usable (nothing is asked)."""
+        self._ready.wait(self.ready_wait_s)
+        if not self._usable or self._sock is None:
+            return False
+        with self._lock:
+            self._on_warmed = on_done
+            self.importing_s = float(budget_s) + 10.0
+            try:
+                self._sock.send(json.dumps({"import_from": path,
+                                            "budget_s": float(budget_s)}).encode())
+            except OSError:
+                self.importing_s = 0.0
+                return False
+        return True
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (default ``ready_wait_s``) for the template to be warm
+        (or to fail); True when it is usable."""
+        self._ready.wait(self.ready_wait_s if timeout is None else timeout)
+        return self._usable
+
+    @property
+    def importing(self) -> bool:
+        """An import of the job's modules is in flight."""
+        return self.importing_s > 0
 
     @property
     def usable(self) -> bool:
@@ -322,8 +367,24 @@ def serve(fd: int) -> bool:
             if not data:
                 return False
             try:
-                env = {str(k): str(v) for k, v in json.loads(data)["env"].items()}
-            except (ValueError, KeyError, AttributeError):
+                msg = json.loads(data)
+                if isinstance(msg, dict) and "import_from" in msg and not fds:
+                    from trainguard import job_imports
+
+                    try:
+                        summary = job_imports.import_file(str(msg["import_from"]),
+                                                          float(msg.get("budget_s", 30.0)))
+                    except Exception as exc:  # noqa: BLE001 - the template serves on
+                        summary = {"error": f"{type(exc).__name__}: {exc}"}
+                    import gc
+
+                    gc.freeze()  # as after the warm-up: shared with the spares, never scanned
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    sock.send(json.dumps({"warmed": summary}).encode())
+                    continue
+                env = {str(k): str(v) for k, v in msg["env"].items()}
+            except (ValueError, KeyError, AttributeError, TypeError):
                 for f in fds:
                     os.close(f)
                 sock.send(json.dumps({"error": "bad request"}).encode())

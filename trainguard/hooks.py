@@ -22,7 +22,12 @@ The warm spare that becomes a rank calls ``install()`` before it runs the script
   for it and are not culprits. Cost: ``bench/collective_counting.py``.
 * **The fault first.** An exception that ends the script is published (``log.line``
   stream=exception, or stderr for a collective error caused by a peer) before the process exits.
-* **Resumed.** The first step after a group restart publishes ``recovery.resumed``.
+* **Resumed.** The first step after a group restart publishes ``recovery.resumed``. A
+  Lightning or Hugging Face ``Trainer`` whose script gives no checkpoint to resume from resumes
+  from its newest complete one in a restart generation (``trainguard.auto_resume``).
+* **Warm replacements.** At the first optimizer step, local rank 0 records the modules the job
+  imported (``trainguard.job_imports``) for the launcher, whose spares' template imports them:
+  a replacement rank never imports its framework after a fault.
 
 Nothing here changes what the script computes; the hooks cost a few microseconds per step.
 When ``trainguard.run`` takes over the rank, it calls ``handover()`` and the shim's own
@@ -124,11 +129,16 @@ def install() -> None:
         return
     import importlib
 
+    from . import auto_resume, job_imports
+
+    job_imports.baseline()  # what the spare brought: the rest is the job's (job_imports.record)
+    # a restarted Lightning / HF job resumes from its newest checkpoint, and says which
+    auto_resume.install(on_restored=restored)
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.optimizer import register_optimizer_step_post_hook as register_step_post_hook
 
-    from .worker import WorkerConfig
+    from .rank_state import WorkerConfig
 
     # (the module, not the function torch.distributed exports under the same name)
     rdzv = importlib.import_module("torch.distributed.rendezvous")
@@ -354,7 +364,7 @@ def _install_bucket_hook(ddp: Any) -> None:
     ddp._tg_bucket_hook = st
 
 
-from .worker import _Runtime  # noqa: E402 - after the public API: the shim imports this module
+from .rank_runtime import _Runtime  # noqa: E402 - after the public API
 
 
 class _PlainRuntime(_Runtime):
@@ -382,6 +392,10 @@ class _PlainRuntime(_Runtime):
             self.framework_steps = True
         else:
             self.opt_steps += 1
+            if self.opt_steps == 1:
+                from . import job_imports
+
+                job_imports.record()  # the model, Trainer and data pipeline are built by now
             if self.framework_steps:
                 return  # the framework's own step count is the one reported
             step = self.opt_steps - 1

@@ -217,6 +217,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     own.add_argument("--no-fork-spares", action="store_true",
                      help="start each spare as a process of its own instead of forking it from "
                           "the node's warm template (each then imports torch itself)")
+    own.add_argument("--no-job-imports", action="store_true",
+                     help="do not pre-import the modules the job's ranks imported in the spares' "
+                          "template (by default a replacement rank finds its framework imported)")
+    own.add_argument("--no-auto-resume", action="store_true",
+                     help="a restarted Lightning / Hugging Face Trainer given no checkpoint "
+                          "starts from step 0 instead of its newest complete checkpoint "
+                          "(exports TG_AUTO_RESUME=0)")
     own.add_argument("--faults", default="", metavar="SCHEDULE",
                      help="a fault schedule (YAML or JSON, trainguard.fault_schedule): its rank "
                           "faults fire inside the ranks at their step or time")
@@ -379,7 +386,8 @@ def parse(argv: list[str], description: str = ""):
         hang_timeout_s=a.hang_timeout, startup_timeout_s=startup,
         node_timeout_s=a.node_timeout, retry_budget=budget, min_world_size=min_world,
         warm_imports=a.warm_import, node_writer=not a.no_node_writer,
-        fork_spares=not a.no_fork_spares,
+        fork_spares=not a.no_fork_spares, job_imports=not a.no_job_imports,
+        auto_resume=not a.no_auto_resume,
         max_restarts=a.max_restarts or 0, role=a.role, log_dir=a.log_dir or "",
         redirects=redirects, tee=tee, local_ranks_filter=frozenset(filt),
         no_python=a.no_python, monitor_interval_s=a.monitor_interval,

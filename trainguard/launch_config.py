@@ -40,6 +40,13 @@ class LaunchConfig:
     ``fork_spares`` [True]: fork the spares from one warm template process per node
     (``trainguard.forkserver``: torch imported and warmed once, not once per rank); False, or
     a template that fails to warm: each spare is a process of its own, started cold.
+    ``job_imports`` [True]: local rank 0 records the modules the job imported
+    (``trainguard.job_imports``) and the template imports them too, within
+    ``job_imports_budget_s`` [60: importing Lightning alone took 13 s on 2 busy cores], so that
+    a replacement rank never imports its framework after a fault; idle spares forked before
+    are replaced. ``auto_resume`` [True]: a restarted Lightning / Hugging Face ``Trainer``
+    given no checkpoint resumes from its newest complete one (``trainguard.auto_resume``;
+    False exports ``TG_AUTO_RESUME=0``).
     torchrun's settings (``trainguard.launch_args``): ``max_restarts`` [0] (observe mode: group
     restarts after a failure), ``role`` ["default"], ``log_dir`` [""], ``redirects``/``tee``
     (which local ranks' stdout/stderr go to files), ``local_ranks_filter`` [all] (console),
@@ -75,6 +82,9 @@ class LaunchConfig:
     warm_imports: str = ""
     node_writer: bool = True
     fork_spares: bool = True
+    job_imports: bool = True
+    job_imports_budget_s: float = 60.0
+    auto_resume: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     role: str = "default"

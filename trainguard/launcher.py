@@ -145,7 +145,7 @@ class Launcher:
         endpoint on this machine that nothing serves yet is hosted here, as torchrun's c10d
         backend hosts its store (``python -m trainguard.rendezvous``, dies with the launcher);
         another node waits up to ``startup_timeout_s`` for its host."""
-        from .rendezvous import is_tls, parse_endpoint
+        from .rdzv_endpoint import is_tls, parse_endpoint
 
         try:
             host, port = parse_endpoint(self.cfg.rdzv_endpoint)

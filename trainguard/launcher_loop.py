@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .launch_config import LaunchConfig
 
 __all__ = ["LaunchState", "RankExited", "DecisionReceived", "GroupRestarted", "RefillPool",
+           "RenewSpares",
            "StopRequested", "LeaseRenewalFailed", "LeaseLost", "RunLoop"]
 
 log = logging.getLogger("trainguard.launcher")
@@ -108,6 +109,12 @@ class RefillPool:
 
 
 @dataclass(frozen=True)
+class RenewSpares:
+    """The spares' template imported the job's modules (``trainguard.job_imports``): replace
+    the idle spares forked before it did."""
+
+
+@dataclass(frozen=True)
 class StopRequested:
     """Stop this node's launch with exit ``status`` (SIGTERM: 143, SIGINT: 130)."""
 
@@ -143,6 +150,7 @@ class Pool(Protocol):
               attempt: int, restart_count: int, decision: schemas.Decision | None = None,
               refill: bool = True) -> Any: ...
     def fill(self) -> None: ...
+    def renew_spares(self) -> None: ...
     def kill(self, local_rank: int) -> None: ...
     def kill_all(self) -> None: ...
     def stop_ranks(self, wait_s: float) -> None: ...
@@ -188,6 +196,7 @@ class RunLoop:
         self._steps: dict[type, Callable[[Any], None]] = {
             RankExited: self._on_rank_exited, DecisionReceived: self._on_decision,
             GroupRestarted: self._on_group_restarted, RefillPool: lambda ev: self.pool.fill(),
+            RenewSpares: self._on_renew_spares,
             StopRequested: self._on_stop, LeaseRenewalFailed: self._on_lease_renewal_failed,
             LeaseLost: self._on_lease_lost}
 
@@ -345,6 +354,10 @@ class RunLoop:
             job=cfg.job, node=cfg.node, decision_id=d.event_id,
             idempotency_key=d.idempotency_key, executor=f"launcher-{cfg.node}", action=d.action,
             ok=True, detail=plan.why, trace=d.child_trace()))
+
+    def _on_renew_spares(self, ev: RenewSpares) -> None:
+        if not self.state.terminal and self.state != LaunchState.STOPPING:
+            self.pool.renew_spares()
 
     def _on_stop(self, ev: StopRequested) -> None:
         self._say(f"stopping (exit status {ev.status}): ranks and spares stopped, staging "

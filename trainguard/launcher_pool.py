@@ -8,6 +8,12 @@ interpreter or torch start-up. Each process's stdout and stderr are pumped to th
 also go on the bus (at most 50 a second). When a rank's process ends the pool posts
 ``RankExited`` for the run loop (``trainguard.launcher_loop``), which decides what it means.
 It also holds the node's checkpoint writer daemon and frees the ranks' staging buffers at the end.
+
+The job's own imports: local rank 0 writes the modules it imported to ``job_imports.json`` in
+the run directory (``trainguard.job_imports``); ``JobImportsWatch``
+(``trainguard.launcher_imports``) has the template import what may be imported twice, and
+once it has, the run loop replaces the idle spares forked before (``renew_spares``): a
+replacement rank then finds its framework imported.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from trainguard.schemas import subjects
 
 from .executor import LocalRank
 from .forkserver import ForkedProcess, ForkServer, child_output_pump, pdeathsig_kill
+from .launcher_imports import JobImportsWatch
 from .launcher_loop import RankExited, RefillPool
 from .rdzv_gate import TOKEN_ENV
 
@@ -196,6 +203,11 @@ class ProcessPool:
         self._template: ForkServer | None = None
         self._template_said = False
         self._template_restarts = 0
+        #: why spares no longer fork from the template ("" while they do): its import of the
+        #: job's modules initialised CUDA or started threads a fork would not carry
+        self._template_tainted = ""
+        self.imports = JobImportsWatch(cfg.node, cfg.job_imports_budget_s,
+                                       lambda: self._template, post, self._taint)
 
     # ---- environment --------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -223,6 +235,8 @@ class ProcessPool:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                               "1"),
         })
+        if not cfg.auto_resume:
+            env["TG_AUTO_RESUME"] = "0"  # trainguard.auto_resume
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: oversubscribed cores stall collectives
         if cfg.ckpt_dir:
@@ -260,6 +274,8 @@ class ProcessPool:
             return  # the program is not Python: there is nothing to warm
         if self.cfg.mode != "action" and not self.cfg.max_restarts:
             return  # observe mode without restarts: a spare would only cost memory
+        if self._template is not None and self._template.importing and not self._template_tainted:
+            return  # forked once the template has the job's modules (``renew_spares``)
         while len(self.spares) < self.cfg.spares:
             self.spares.append(RankProcess(self, self.base_env()))
 
@@ -277,7 +293,7 @@ class ProcessPool:
         warmed and then died (its ranks with it) is replaced, up to ``TEMPLATE_RESTARTS``
         times; spares start cold until the new one is warm (a spawn never waits for it). One
         that could not warm is not: why is said once, and the spares start cold."""
-        if not self.cfg.fork_spares or self.cfg.no_python:
+        if not self.cfg.fork_spares or self.cfg.no_python or self._template_tainted:
             return None
         if self._template is None:
             self._template = self._start_template()
@@ -294,6 +310,26 @@ class ProcessPool:
             print(f"trainguard launch [{self.cfg.node}]: spares start cold "
                   f"({self._template.failure})", file=sys.stderr, flush=True)
         return self._template
+
+    # ---- the job's own imports (trainguard.job_imports) ---------------------------------------
+    def _imports_path(self) -> str:
+        """``<log dir>/<job>/job_imports.json``: where local rank 0 records its imports."""
+        if not self.cfg.log_dir:
+            self.cfg.log_dir = tempfile.mkdtemp(prefix=f"trainguard-{self.cfg.job}-")
+        d = os.path.join(self.cfg.log_dir, self.cfg.job)
+        os.makedirs(d, exist_ok=True)
+        return os.path.join(d, "job_imports.json")
+
+    def _taint(self, why: str) -> None:
+        self._template_tainted = why
+
+    def renew_spares(self) -> None:
+        """Replace the idle spares (forked before the template imported the job's modules) with
+        new ones. Main thread (PR_SET_PDEATHSIG)."""
+        old, self.spares = self.spares, []
+        for proc in old:
+            proc.kill()
+        self.fill()
 
     def _rank_dir(self, local_rank: int, restart_count: int) -> str:
         """torchrun's per-rank directory: ``<log dir>/<job>/attempt_<n>/<local rank>``
@@ -321,6 +357,11 @@ class ProcessPool:
                "TORCHELASTIC_ERROR_FILE": os.path.join(rank_dir, "error.json"),
                "TG_FAULT_TS": str(decision.fault_ts if decision else 0),
                "TG_DECISION_ID": decision.event_id if decision else ""}
+        if cfg.job_imports and not cfg.no_python and local_rank == 0 and cfg.fork_spares:
+            from .job_imports import ENV_FILE
+
+            env[ENV_FILE] = self._imports_path()
+            self.imports.start(env[ENV_FILE])  # once per launch
         if cfg.no_python:
             proc = RankProcess(self, {**self.base_env(), **env}, [cfg.script, *cfg.script_args])
         else:
@@ -408,6 +449,7 @@ class ProcessPool:
     def shutdown(self) -> None:
         """Kill every rank and spare (waiting up to 5 s for each), let the node writer finish
         its saves in flight, free the staging buffers."""
+        self.imports.close()
         self.kill_all()
         for proc in self.spares:
             try:

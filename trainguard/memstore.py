@@ -43,6 +43,11 @@ class MemoryStore:
         self._seeded: dict[str, set[str]] = {}
         self._observed: set[str] = set()
         self._finished: dict[str, set[int]] = {}
+        #: the fleet breaker (``StateStore.breaker``) and its trail (``breaker_audit``)
+        self.breaker_states = {"": schemas.BreakerState(), "observe": schemas.BreakerState()}
+        self.breaker_audits: list[dict[str, Any]] = []
+        #: node → attributes (``StateStore.set_node_attrs``)
+        self.node_attributes: dict[str, dict[str, str]] = {}
 
     # ---- seeding from a snapshot and from events --------------------------------------------
     def seed(self, job: str, fields: dict[str, Any]) -> None:
@@ -186,6 +191,28 @@ class MemoryStore:
     def audit_trail(self, job: str, count: int = 1000) -> list[dict[str, Any]]:
         return list(self.audits.get(job, [])[:count])
 
+    # ---- the fleet breaker (``trainguard.breaker_state``) -------------------------------------
+    def fleet_nodes(self) -> list[str]:
+        nodes: set[str] = set()
+        for rec in self.records.values():
+            nodes |= {str(m.get("node")) for m in rec.members if m.get("node")}
+            nodes |= set(rec.spare_nodes) | set(rec.slurm_nodes)
+        return sorted(nodes)
+
+    def breaker_view(self, which: str = "") -> tuple[schemas.BreakerState, int]:
+        return self.breaker_states[which], len(self.fleet_nodes())
+
+    def put_breaker(self, state: schemas.BreakerState, expected: int,
+                    which: str = "") -> int | None:
+        if self.breaker_states[which].version != expected:
+            return None
+        self.breaker_states[which] = dataclasses.replace(state, version=expected + 1)
+        return expected + 1
+
+    def breaker_audit(self, record: dict[str, Any], maxlen: int = 10000) -> str:
+        self.breaker_audits.append(json.loads(json.dumps(record, default=str)))
+        return f"0-{len(self.breaker_audits)}"
+
     def record_fault(self, node: str, job: str, signature: str, record: dict[str, Any],
                      ts_ns: int | None = None) -> None:
         ts = int(ts_ns or 0)
@@ -196,10 +223,17 @@ class MemoryStore:
     def node_history(self, node: str, since_ns: int = 0) -> list[dict[str, Any]]:
         return [dict(r) for r in self.history.get(node, []) if r["ts"] >= since_ns]
 
-    def fault_history(self, nodes: Any, signature: str, since_ns: int = 0
-                      ) -> tuple[dict[str, list[dict[str, Any]]], list[tuple[str, str]]]:
-        return ({n: self.node_history(n, since_ns) for n in nodes},
-                self.signature_history(signature, since_ns))
+    def fault_history(self, nodes: Any, signature: str, since_ns: int = 0,
+                      recent_since_ns: int | None = None, attrs_at: int = 0) -> tuple:
+        out = ({n: self.node_history(n, since_ns) for n in nodes},
+               self.signature_history(signature, since_ns))
+        if recent_since_ns is None:
+            return out
+        recent = self.signature_history(signature, recent_since_ns)
+        return (*out, recent, dict(self.node_attributes))
+
+    def set_node_attrs(self, node: str, attrs: dict[str, str]) -> None:
+        self.node_attributes[node] = dict(attrs)
 
     def signature_history(self, signature: str, since_ns: int = 0) -> list[tuple[str, str]]:
         seen: dict[tuple[str, str], int] = {}

@@ -1,8 +1,11 @@
 """Prometheus metrics of a trainguard process: a ``/metrics`` endpoint (``prometheus-client``).
 
 Off unless asked for: ``TG_METRICS_PORT`` (or a service's ``--metrics-port``) names the port;
-``0`` takes an ephemeral one. The port in use is in the service's health reply
-(``metrics_port``), so a tool finds it with ``tg.svc.<name>.health``.
+``0`` takes an ephemeral one; ``TG_METRICS_HOST`` the address it listens on (default every
+interface, ``0.0.0.0``: a Prometheus elsewhere scrapes it). ``trainguard up`` gives every service
+a port of its own on the stack's address and prints the URLs (``trainguard.stack_http``). The port
+in use is in the service's health reply (``metrics_port``), so a tool finds it with
+``tg.svc.<name>.health``.
 
 What is exported (every name is in ``METRIC_NAMES``; ``deploy/grafana/trainguard.json``
 queries only these, a test checks it):
@@ -14,7 +17,8 @@ queries only these, a test checks it):
   ``tg_reducer_effect_errors_total``;
 * from what a service publishes (event timestamps, Unix ns): ``tg_anomalies_total{fault_class,
   kind}`` and the histogram ``tg_fault_to_anomaly_seconds{fault_class}`` (``ts - first_ts``)
-  of the detector's anomalies; ``tg_decisions_total{fault_class, action}`` and
+  of the detector's anomalies (a hang's ``first_ts`` is the rank's last progress: the silence
+  before detection counts); ``tg_decisions_total{fault_class, action}`` and
   ``tg_fault_to_decision_seconds{fault_class, action}`` (``ts - fault_ts``) of the remediator's
   decisions; the node agent's telemetry as gauges ``tg_node_cpu_percent``,
   ``tg_node_memory_used_bytes``, ``tg_node_load1`` (``node``) and ``tg_gpu_utilization_percent``,
@@ -197,7 +201,10 @@ def mount(service: Any, port: int | None = None) -> Metrics | None:
             return None
         m = Metrics()
         m.service_collector(service)
-        m.serve(port)
+        extra = getattr(service, "metric_families", None)
+        if callable(extra):  # a service's own gauges (the remediator's fleet breaker)
+            m.add_collector(extra)
+        m.serve(port, os.environ.get("TG_METRICS_HOST") or "0.0.0.0")
     except MetricsError as exc:
         log.error("%s: no metrics: %s", service.name, exc)
         return None

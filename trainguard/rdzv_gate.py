@@ -252,7 +252,7 @@ class Relay(_Server):
 
     def __init__(self, remote: str, token: str, ca: str | None = None):
         super().__init__("127.0.0.1", 0)
-        from .rendezvous import is_tls, parse_endpoint
+        from .rdzv_endpoint import is_tls, parse_endpoint
         from .tls import client_context
 
         self.remote = parse_endpoint(remote)
@@ -291,7 +291,7 @@ def relay_for(endpoint: str, token: str | None = None) -> str:
     to it (started on first use, one per endpoint and token; to a ``tls://`` endpoint over
     TLS, ``Relay``). Raises OSError when the relay cannot listen or its CA cannot be read,
     ValueError for a ``tls://`` endpoint without a token."""
-    from .rendezvous import is_tls
+    from .rdzv_endpoint import is_tls
 
     token = os.environ.get(TOKEN_ENV, "") if token is None else token
     if not token:

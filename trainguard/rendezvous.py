@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .rdzv_endpoint import TLS_SCHEME, is_tls, parse_endpoint  # noqa: F401 - re-exported
+
 
 def unwrap_rank_excepthook() -> None:
     """Remove the traceback hooks ``init_process_group`` stacked on ``sys.excepthook``.
@@ -50,29 +52,6 @@ class RendezvousError(RuntimeError):
 
 class Superseded(RendezvousError):
     """A newer decision arrived while waiting at the barrier: join its generation instead."""
-
-
-#: Scheme of an endpoint whose gate serves TLS (``trainguard up`` with TLS prints
-#: ``TG_RDZV_ENDPOINT=tls://host:port``): its clients reach it through a relay
-#: (``rdzv_gate.relay_for``), which needs the store's token and verifies the gate's certificate
-#: against ``TG_TLS_CA``.
-TLS_SCHEME = "tls://"
-
-
-def is_tls(endpoint: str) -> bool:
-    """True for an endpoint whose gate serves TLS (``tls://host:port``)."""
-    return endpoint.startswith(TLS_SCHEME)
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"tls://host:port"`` → (host, port); raises ValueError saying the
-    expected form."""
-    if is_tls(endpoint):
-        endpoint = endpoint[len(TLS_SCHEME):]
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"rendezvous endpoint {endpoint!r} must be host:port")
-    return host or "127.0.0.1", int(port)
 
 
 def connect_store(endpoint: str, timeout_s: float = 60.0):

@@ -59,7 +59,7 @@ from trainguard.remediator import reducer as rem
 from trainguard.remediator import policy as pol
 
 from .memstore import MemoryController, MemoryStore
-from .replay import Record, read_recording
+from .recording import Record, read_recording
 from .replay_policy import ReplayError, Row, load_policy_file, parse_row, policy_with
 
 __all__ = ["ReplayError", "Row", "DecisionRow", "ReplayResult", "parse_row", "policy_with",

@@ -12,7 +12,10 @@ heartbeat before the fault) and after (the first after the resume; ``recovery.ve
 present, with its verdict ``ok``), all of one rank (the lowest reporting a loss: each rank's
 loss is its own shard's), the verdict (fault class, layer, culprit, confidence) and
 the decision (action, generation, executed, reason), the recovery path (``peer`` or
-``checkpoint``, and why: ``recovery.resumed``). The job's goodput ledger
+``checkpoint``, and why: ``recovery.resumed``), and the recovery's timeline
+(``trainguard.timeline``: last progress, detected, verdict, decision, each node's executor,
+rendezvous, every rank's first step; seconds from the fault and each phase's own), so a slow
+recovery shows where it spent its time. The job's goodput ledger
 (``trainguard.goodput``) heads the report.
 
 Needs ``NATS_URL`` (history: the ``reader`` role suffices) and, for the audit trail,
@@ -30,6 +33,7 @@ from typing import Any
 
 from trainguard import schemas
 
+from . import timeline
 from .goodput import Ledger, ledger
 
 __all__ = ["job_events", "build_report", "to_markdown", "plot_timeline", "main"]
@@ -84,7 +88,11 @@ def build_report(job: str, events: list[schemas.Event],
                 and (loss_rank is None or e.rank in (None, loss_rank))]
     resumes = [e for e in evs if isinstance(e, schemas.TrainingResumed)]
     recoveries = []
-    for inc in led.incidents:
+    steps = timeline.steps_from_heartbeats(hbs)
+    faults = [inc.fault_ns for inc in led.incidents]
+    for k, inc in enumerate(led.incidents):
+        tl = timeline.build(inc.fault_ns, evs, audit or (), steps, decision_id=inc.decision_id,
+                            until_ns=faults[k + 1] - 1 if k + 1 < len(faults) else None)
         back = [r for r in resumes if inc.resumed_ns is not None
                 and inc.decided_ns <= r.ts <= inc.resumed_ns and r.generation >= inc.generation]
         dec = decisions.get(inc.decision_id)
@@ -114,7 +122,7 @@ def build_report(job: str, events: list[schemas.Event],
             "decision": None if dec is None else {
                 "action": dec.action, "generation": dec.generation, "executed": dec.execute,
                 "mode": dec.mode, "ranks": dec.ranks, "nodes": dec.nodes, "reason": dec.reason},
-            "gpu_seconds_lost": inc.gpu_seconds})
+            "gpu_seconds_lost": inc.gpu_seconds, "timeline": tl.to_dict()})
     summary = {k: v for k, v in led.to_dict().items() if k != "incidents"}
     return {"job": job, "events": len(evs), "goodput": summary, "recoveries": recoveries,
             "audit": None if audit is None else {
@@ -167,6 +175,9 @@ def to_markdown(rep: dict[str, Any], picture: str | None = None) -> str:
         if d:
             lines.append(f"* decision: {d['action']} ({d['mode']}, executed {d['executed']}): "
                          f"{d['reason']}")
+        if r.get("timeline"):
+            lines += ["", "Timeline (first steps from the ranks' heartbeats):", "",
+                      *timeline.format_timeline(r["timeline"])]
         lines.append("")
     if not rep["recoveries"]:
         lines += ["No recovery: no decision other than a flag.", ""]

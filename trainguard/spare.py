@@ -7,7 +7,9 @@ an assignment: one JSON line on stdin ``{"env": {...}, "argv": [script, args...]
 It then becomes the rank by running the script as ``__main__`` — so a respawn costs no
 interpreter or torch start-up. Before the script runs it installs ``trainguard.hooks`` (progress,
 per-generation rendezvous and fault reports for a script that never calls ``trainguard.run``).
-Extra modules to import ahead: env ``TG_WARM_IMPORTS`` (comma-separated).
+Extra modules to import ahead: env ``TG_WARM_IMPORTS`` (comma-separated). As the launcher's
+template (``--fork-server``) it also imports, on request, the modules the job's ranks imported
+(``trainguard.job_imports``), so that the spares forked afterwards have them.
 """
 from __future__ import annotations
 

@@ -50,6 +50,8 @@ from .auth import ROLES, write_private
 from .embedded import EmbeddedServers, _die_with_parent, free_port
 from .rdzv_gate import TOKEN_ENV as RDZV_TOKEN_ENV
 from .service import health_subject
+from .stack_http import console_command, kept_ports, wait_http
+from .stack_http import url as stack_url
 from .tls import CA_ENV as TLS_CA_ENV
 
 #: The services of the design, in start order.
@@ -160,7 +162,12 @@ class Stack:
     * ``rdzv_token`` — the rendezvous store admits only clients with its token
       (``trainguard.rdzv_gate``; ``trainguard up`` by default, off here as ``tls``): kept in
       ``<data dir>/rdzv.token`` (0600) across starts, given as ``TG_RDZV_TOKEN`` on the
-      export lines and to the store alone among the children.
+      export lines and to the store alone among the children;
+    * ``console`` — also run the console (``python -m trainguard.console``, ``reader`` role) on
+      ``host``: ``console_url`` (``trainguard up`` by default, off here as ``tls``);
+    * ``metrics`` — every service serves Prometheus ``/metrics`` on ``host`` at a port of its
+      own: ``metrics_urls`` (``trainguard up`` by default, off here). Both take the ports of the
+      last start while free (``trainguard.stack_http.kept_ports``).
     """
 
     def __init__(self, nats_url: str | None = None, redis_url: str | None = None,
@@ -172,7 +179,8 @@ class Stack:
                  rotate_credentials: bool = False, replicas: int = 1,
                  host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None,
                  tls: bool = False, tls_names: Sequence[str] = (),
-                 rdzv_token: bool = False, ha: bool = False):
+                 rdzv_token: bool = False, console: bool = False, metrics: bool = False,
+                 ha: bool = False):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -211,6 +219,10 @@ class Stack:
         self._want_rdzv_token = rdzv_token
         self._rdzv_log_offset = 0
         self._started = False
+        self.console = console
+        self.metrics = metrics
+        #: endpoint name ("console", "metrics-<process>") → port, given at start
+        self.http_ports: dict[str, int] = {}
 
     # ---- URLs ------------------------------------------------------------------------------------
     @property
@@ -291,9 +303,13 @@ class Stack:
         which other users cannot read, unlike a command line."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
+        env = self._child_env(role)
+        port = self.http_ports.get(f"metrics-{name}")
+        if port is not None:
+            env.update(TG_METRICS_PORT=str(port), TG_METRICS_HOST=self.host)
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=self._child_env(role),
+                                    stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent)
         finally:
             log.close()
@@ -372,15 +388,69 @@ class Stack:
             self._servers.start()
             _run_async(self._ensure_streams)
             rdzv = self._start_rendezvous()
+            self._give_http_ports()
             for name in self.service_names():
                 self._spawn(name, *self._service_cmd(name))
+            if self.console:
+                self._spawn("console", console_command(self.host, self.http_ports["console"]),
+                            "reader")
             if rdzv is not None:
                 self._wait_rendezvous(rdzv, deadline)
             self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
+            if self.console:
+                self._wait_console(deadline)
+            if self.metrics:
+                self._check_metrics_ports()
         except BaseException:
             self.stop()
             raise
         return self
+
+    # ---- the operator's endpoints (trainguard.stack_http) ------------------------------------------
+    def _give_http_ports(self) -> None:
+        names = (["console"] if self.console else []) + (
+            [f"metrics-{n}" for n in self.service_names()] if self.metrics else [])
+        if names:
+            self.http_ports = kept_ports(names, self.host, self.data_dir)
+
+    @property
+    def console_url(self) -> str:
+        """The console's page (``""`` without ``console``)."""
+        port = self.http_ports.get("console")
+        return stack_url(self.host, port) if port else ""
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Service process name → its ``/metrics`` URL (with ``console``, the console's too:
+        the jobs' goodput); empty without ``metrics``."""
+        out = {n[len("metrics-"):]: stack_url(self.host, p, "/metrics")
+               for n, p in self.http_ports.items() if n.startswith("metrics-")}
+        if out and self.console_url:
+            out["console"] = self.console_url + "metrics"
+        return out
+
+    def _wait_console(self, deadline: float) -> None:
+        log = self.log_dir / "console.log"
+        try:
+            wait_http(self.console_url + "healthz", self.procs["console"],
+                      max(deadline, time.monotonic() + 5.0))
+        except (ChildProcessError, TimeoutError) as exc:
+            raise StackError(f"console: {exc}; log {log}:\n{_tail(log)}") from None
+
+    def _check_metrics_ports(self) -> None:
+        """Every service serves ``/metrics`` on the port it was given (its health reply says);
+        one that could not (the port taken meanwhile: the service logs it and runs on) loses
+        its URL, with a line on stderr."""
+        for name in self.service_names():
+            key = f"metrics-{name}"
+            try:
+                got = self.health(name, timeout=2.0).get("metrics_port")
+            except Exception:  # noqa: BLE001 - no answer: as no metrics
+                got = None
+            if got != self.http_ports.get(key):
+                print(f"trainguard up: {name} serves no /metrics on port "
+                      f"{self.http_ports.get(key)} (see {self.log_dir / (name + '.log')})",
+                      file=sys.stderr)
+                self.http_ports.pop(key, None)
 
     async def _ensure_streams(self) -> None:
         from .bus import Bus
@@ -561,7 +631,9 @@ class Stack:
             raise KeyError(f"no child named {name!r}; running: {', '.join(self.procs)}")
         self.kill_service(name, signal.SIGTERM, self.grace_s)
         self._spawn(name, self.commands[name], self.roles[name])
-        if name != "rendezvous":
+        if name == "console":
+            self._wait_console(time.monotonic() + timeout)
+        elif name != "rendezvous":
             self.wait_healthy([name], timeout)
 
     def stop(self) -> None:
@@ -594,14 +666,3 @@ class Stack:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``trainguard up`` (``python -m trainguard.stack``): see ``trainguard.up``."""
-    from .up import main as up_main
-
-    return up_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,6 +26,9 @@ key                             type   content
 ``tg:rep:<node>:evidence``      list   its last offences (JSON), newest last
 ``tg:rep:<node>:keys``          set    offence keys counted already (30 days)
 ``tg:rep:<node>:readmit``       string the lock of a readmit under way (its token; expires)
+``tg:nodeattrs:<node>``         hash   the node's attributes (driver, image, rack, switch, mount …)
+``tg:breaker``, ``…:audit``     hash,  the fleet breaker and its trail (``trainguard.breaker_state``)
+                                stream
 ==============================  =====  ============================================================
 """
 from __future__ import annotations
@@ -52,6 +55,7 @@ from trainguard.schemas.job import (
 from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_reputation
 
 from .auth import redact
+from .breaker_state import BreakerKeys
 from .errors import ServerUnreachable
 from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
                             END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key,
@@ -104,7 +108,7 @@ def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
     return opts
 
 
-class StateStore:
+class StateStore(BreakerKeys):
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
     ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.auth``; ``rediss://``
     for TLS, verified as ``tls_options`` says; ``redis+sentinel://…/<master name>/<db>`` for a
@@ -473,6 +477,22 @@ class StateStore:
             out[node] = await self.r.hgetall(key)
         return out
 
+    async def set_node_attrs(self, node: str, attrs: dict[str, str]) -> None:
+        """The node's attributes (``NodeTelemetry.attributes``) as ``tg:nodeattrs:<node>``,
+        replacing the last ones."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(f"tg:nodeattrs:{node}")
+        if attrs:
+            pipe.hset(f"tg:nodeattrs:{node}", mapping=dict(attrs))
+        await pipe.execute()
+
+    async def node_attrs(self) -> dict[str, dict[str, str]]:
+        """Every node's attributes: node → ``{key: value}`` (SCAN)."""
+        out: dict[str, dict[str, str]] = {}
+        async for key in self.r.scan_iter(match="tg:nodeattrs:*", count=500):
+            out[key[len("tg:nodeattrs:"):]] = await self.r.hgetall(key)
+        return out
+
     # ---- node reputation: schemas.reputation; the policy is trainguard.reputation's ------------
     async def reputation(self, node: str) -> NodeReputation:
         """``node``'s reputation (defaults when it has none). Raises ValueError for a field
@@ -596,18 +616,31 @@ class StateStore:
         rows = await self.r.zrangebyscore(f"tg:hist:node:{node}", since_ns, "+inf")
         return [json.loads(r) for r in rows]
 
-    async def fault_history(self, nodes: Sequence[str], signature: str, since_ns: int = 0
-                            ) -> tuple[dict[str, list[dict[str, Any]]], list[tuple[str, str]]]:
+    async def fault_history(self, nodes: Sequence[str], signature: str, since_ns: int = 0,
+                            recent_since_ns: int | None = None, attrs_at: int = 0) -> tuple:
         """``node_history`` of each of ``nodes`` and ``signature_history`` of ``signature``
         since ``since_ns`` (Unix ns), in one round trip (a pipeline, no transaction): what the
-        attributor reads before it decides. Returns (node → records, ``[(job, node)]``)."""
+        attributor reads before it decides. Returns (node → records, ``[(job, node)]``).
+        With ``recent_since_ns``: a third item, the ``[(job, node)]`` that saw the signature
+        since then (a shared cause's nodes), and a fourth, every node's attributes
+        (``node_attrs``) when those pairs name ``attrs_at`` nodes or more (else ``{}``)."""
         pipe = self.r.pipeline(transaction=False)
         for node in nodes:
             pipe.zrangebyscore(f"tg:hist:node:{node}", since_ns, "+inf")
         pipe.zrangebyscore(f"tg:hist:sig:{signature}", since_ns, "+inf")
-        *per_node, sig = await pipe.execute()
-        return ({n: [json.loads(r) for r in rows] for n, rows in zip(nodes, per_node)},
-                [tuple(r.split("|", 1)) for r in sig])  # type: ignore[misc]
+        if recent_since_ns is not None:
+            pipe.zrangebyscore(f"tg:hist:sig:{signature}", recent_since_ns, "+inf")
+        results = await pipe.execute()
+        per_node, sig = results[:len(nodes)], results[len(nodes)]
+        recent = results[len(nodes) + 1] if recent_since_ns is not None else None
+        out = ({n: [json.loads(r) for r in rows] for n, rows in zip(nodes, per_node)},
+               [tuple(r.split("|", 1)) for r in sig])
+        if recent is None:
+            return out
+        pairs = [tuple(r.split("|", 1)) for r in recent]
+        attrs = (await self.node_attrs()
+                 if attrs_at and len({p[-1] for p in pairs}) >= attrs_at else {})
+        return (*out, pairs, attrs)
 
     async def history_nodes(self) -> list[str]:
         """Every node with a cross-job fault history (``tg:hist:node:<node>``), by name (SCAN)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .auth import write_private
+from .private_file import write_private
 
 #: Env var naming the CA certificate (PEM) that ``tls://`` / ``rediss://`` servers are checked
 #: against.

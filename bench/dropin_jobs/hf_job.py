@@ -2,16 +2,21 @@
 ``PreTrainedModel`` with its own config: nothing is downloaded): ``TrainingArguments`` with
 step checkpoints, ``train(resume_from_checkpoint=...)`` from the newest ``checkpoint-N`` when
 there is one. The Trainer takes its ranks from the launcher's environment.
-``--records PATH``: a line per completed step."""
+``--records PATH``: a line per completed step. ``--no-own-resume``: ``train()`` with no
+checkpoint always, as the current examples are written; ``--sleep S``: seconds of pause per
+step (a job slow enough to be hit mid-way)."""
 import argparse
 import os
+import time
 
-import torch
-from transformers import (PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback,
-                          TrainingArguments)
-from transformers.trainer_utils import get_last_checkpoint
+from records import Records, note_start
 
-from records import Records
+note_start("transformers.trainer")  # before the import: was it warm in this process?
+
+import torch  # noqa: E402
+from transformers import (PretrainedConfig, PreTrainedModel, Trainer,  # noqa: E402
+                          TrainerCallback, TrainingArguments)
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=100000)
@@ -20,6 +25,8 @@ p.add_argument("--records", default="")
 p.add_argument("--width", type=int, default=512)
 p.add_argument("--batch", type=int, default=64)
 p.add_argument("--ckpt-every", type=int, default=32)
+p.add_argument("--no-own-resume", action="store_true")
+p.add_argument("--sleep", type=float, default=0.0)
 args = p.parse_args()
 
 
@@ -71,6 +78,8 @@ class Record(TrainerCallback):
         if self.rec is None:
             self.rec = Records(self.path, targs.process_index)
         self.rec.step(state.global_step - 1)
+        if args.sleep:
+            time.sleep(args.sleep)
 
 
 targs = TrainingArguments(
@@ -80,5 +89,6 @@ targs = TrainingArguments(
     dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False, seed=0)
 trainer = Trainer(model=TinyModel(TinyConfig(width=args.width)), args=targs, train_dataset=Data(),
                   callbacks=[Record(args.records)])
-last = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
+last = get_last_checkpoint(args.out) if os.path.isdir(args.out) and not args.no_own_resume \
+    else None
 trainer.train(resume_from_checkpoint=last)

@@ -2,9 +2,29 @@
 optimizer step, ``<rank> <step> <unix_ns> <pid> <restart count>``, appended by one ``write`` on
 an ``O_APPEND`` descriptor (well under ``PIPE_BUF``: lines of concurrent ranks never interleave).
 Every figure of ``bench/dropin.py`` is computed from these lines, the same way for every
-launcher."""
+launcher.
+
+``note_start(module)``, called by a job before it imports its framework, appends
+``<rank> <pid> <restart count> <1 when module was already imported, else 0>`` to
+``<records>.starts``: whether the process that became the rank found its framework imported."""
 import os
+import sys
 import time
+
+
+def note_start(module: str) -> None:
+    """One line in ``<--records>.starts`` (nothing without ``--records``)."""
+    argv = sys.argv
+    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--records"), "")
+    if not path:
+        return
+    fd = os.open(path + ".starts", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{os.environ.get('RANK', '0')} {os.getpid()} "
+                     f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} "
+                     f"{int(module in sys.modules)}\n".encode())
+    finally:
+        os.close(fd)
 
 
 class Records:

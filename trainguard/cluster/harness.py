@@ -22,9 +22,11 @@ Step records (``trainguard/cluster/train.py``): ``<run_dir>/<job>/steps.jsonl``;
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,9 +39,46 @@ from trainguard.fault_schedule import Fault
 
 from .net import ClusterNet
 
-__all__ = ["Cluster", "ClusterConfig", "FaultRunner", "training_again", "TRAIN_SCRIPT"]
+__all__ = ["Cluster", "ClusterConfig", "FaultRunner", "training_again", "TRAIN_SCRIPT",
+           "stop_on_signals"]
 
 TRAIN_SCRIPT = os.path.join(os.path.dirname(__file__), "train.py")
+
+#: Clusters started and not yet stopped (what ``stop_on_signals`` and atexit stop).
+_LIVE: list["Cluster"] = []
+#: How many ``Cluster.stop`` calls are under way, and the signal that came meanwhile: a stop is
+#: never cut short by SIGTERM or SIGINT; the signal takes effect once it is done.
+_stopping = 0
+_deferred: list[int] = []
+
+
+def _stop_all() -> None:
+    _deferred.clear()
+    for c in list(_LIVE):
+        try:
+            c.stop()
+        except Exception:  # noqa: BLE001 - at exit: stop the others anyway
+            pass
+
+
+atexit.register(_stop_all)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _stopping:
+        _deferred.append(signum)
+        return
+    raise SystemExit(128 + signum)
+
+
+def stop_on_signals() -> None:
+    """Make SIGTERM and SIGINT end this process through ``SystemExit(128 + signal)``, so that
+    every ``with Cluster(...)`` block unwinds and stops its cluster; a signal that arrives while
+    a cluster is being stopped waits until that is done; atexit stops any cluster still live.
+    For commands that build clusters (benches): call once from the main thread. A SIGKILL
+    cannot be caught: the next ``Cluster.start`` removes what it left (``cleanup_leftovers``)."""
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
 
 
 @dataclass
@@ -83,6 +122,7 @@ class Cluster:
         self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="trainguard-cluster-")
         self._own_dir = not cfg.run_dir and not cfg.keep
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        _LIVE.append(self)
         try:
             self.net.start()
             env = dict(cfg.env)
@@ -104,7 +144,20 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Everything down, nothing left (see the module docstring). Idempotent."""
+        """Everything down, nothing left (see the module docstring). Idempotent. SIGTERM and
+        SIGINT wait until it is done (``stop_on_signals``)."""
+        global _stopping
+        _stopping += 1
+        try:
+            self._stop()
+        finally:
+            _stopping -= 1
+            if self in _LIVE:
+                _LIVE.remove(self)
+        if not _stopping and _deferred:
+            raise SystemExit(128 + _deferred.pop())
+
+    def _stop(self) -> None:
         for nodes in self.launchers.values():
             for p in nodes.values():
                 if p.poll() is None:
@@ -300,7 +353,8 @@ def training_again(records: list[dict[str, Any]], fault_s: float) -> dict[str, A
 class FaultRunner(threading.Thread):
     """Carries out the node faults of a schedule on ``cluster`` for ``job`` (rank faults are the
     launchers'): each at its trigger — ``step``: the first record of ``rank`` (default 0) at that
-    step; ``at_s``: seconds after ``start()`` — then its heal (``heal_after_s``) or end
+    step on the fault's node (a rank moved to another node before it does not fire it);
+    ``at_s``: seconds after ``start()`` — then its heal (``heal_after_s``) or end
     (``duration_s``). ``fired``: ``[{"id", "kind", "node", "ts": Unix s, "end": Unix s or
     None}]``; ``error``: what stopped it (a node that is not there), else None."""
 
@@ -326,7 +380,10 @@ class FaultRunner(threading.Thread):
         if f.at_s is not None:
             return time.time() - self.t0 >= f.at_s
         rank = f.rank if f.rank is not None else 0
-        return any(r["rank"] == rank and r["step"] >= f.step
+        # a record of that rank on the fault's node: once the job moved the rank elsewhere (a
+        # decision before the fault), the node is out of the job and the fault waits
+        node = f.node_name(self.cluster.net.names)
+        return any(r["rank"] == rank and r["step"] >= f.step and r.get("host", node) == node
                    for r in self.cluster.steps(self.job))
 
     def run(self) -> None:

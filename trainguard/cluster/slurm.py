@@ -22,7 +22,7 @@ import subprocess
 import time
 from typing import Sequence
 
-from trainguard.embedded import free_port
+from trainguard.embedded import _die_with_parent, free_port
 
 from .net import ClusterNet
 
@@ -115,9 +115,11 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
         os.makedirs(self.dir, exist_ok=True)
         self.write_config()
         log = open(os.path.join(self.dir, "slurmctld.out"), "ab")
+        # SIGTERM when this process dies, even by SIGKILL (the namespaces' processes go with
+        # ``cleanup_leftovers``; slurmctld runs on the host side and would be left)
         self.ctld = subprocess.Popen(["slurmctld", "-D", "-i", "-f", self.conf],
                                      stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         log.close()
         for n in self.net.nodes:
             self.start_slurmd(n.name)

@@ -407,6 +407,12 @@ class Demo:
                 out["recovered"] = True
                 break
             time.sleep(0.01)
+        if injected:
+            from trainguard import timeline
+
+            out["timeline"] = timeline.build(
+                injected, self.rec.of(schemas.Event, injected),
+                decision_id=decision.event_id if decision is not None else "").to_dict()
         return out
 
     def full_restart(self) -> None:

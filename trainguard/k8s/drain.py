@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard import schemas
-from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, ReducerService, \
-    Reply, Tick
+from trainguard.reducer import Call, Effect, Input, Log, Publish, Received, Reply, Tick
+from trainguard.reducer_service import ReducerService
 from trainguard.schemas import subjects
 
 from .api import DRAIN_READY, DRAIN_REQUESTED, DRAIN_STATUS, Kube, KubeConfig

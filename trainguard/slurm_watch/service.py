@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.reducer import ReducerService
+from trainguard.reducer_service import ReducerService
 from trainguard.service import ServiceConfig
 
 from . import reducer
