@@ -22,6 +22,8 @@ LAYERS: list[tuple[str, int, bool]] = [
     # core: events, bus, state, the service bases, the checkpoint format
     ("trainguard.schemas", CORE, False), ("trainguard.bus", CORE, False),
     ("trainguard.state", CORE, False), ("trainguard.state_scripts", CORE, False),
+    ("trainguard.state_sentinel", CORE, False),  # the store's client of a replicated Valkey
+    ("trainguard.embedded_ha", CORE, False), ("trainguard.embedded_sentinel", CORE, False),
     ("trainguard.breaker_state", CORE, False),  # the fleet breaker's key family of the store
     ("trainguard.errors", CORE, False),
     ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),

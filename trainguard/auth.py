@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -489,7 +490,11 @@ def rdzv_token() -> str:
 
 
 def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for messages and logs)."""
+    """``url`` with its password replaced by ``***`` (for messages and logs); every password of
+    a comma-separated list (a NATS cluster's URLs, a sentinel URL's hosts) too."""
+    if "," in url:
+        return ",".join(re.sub(r"^([a-z+]+://[^:/@]*):[^@/]*@", r"\1:***@", part)
+                        for part in url.split(","))
     try:
         parts = urlsplit(url)
     except ValueError:

@@ -61,6 +61,29 @@ def tls_context(url: str, ca: str | None = None) -> ssl.SSLContext | None:
     return None
 
 
+def server_options(url: str) -> dict[str, Any]:
+    """nats-py's ``connect`` options for NATS ``url``, one URL or a comma-separated list of the
+    servers of one cluster (``nats://u:p@h1:4222,nats://u:p@h2:4222``): ``servers`` (a list when
+    there are several: the client connects to one and, when it goes, to another, as it does to
+    the servers the cluster announces), and ``user``/``password`` of the first URL that has them,
+    so that an announced server (named without credentials) is logged into as the same user.
+    Raises ValueError for an empty ``url``."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("empty NATS URL")
+    opts: dict[str, Any] = {"servers": urls if len(urls) > 1 else urls[0]}
+    if len(urls) > 1:
+        for u in urls:
+            try:
+                parts_ = urlsplit(u)
+            except ValueError:
+                continue
+            if parts_.username and parts_.password:
+                opts["user"], opts["password"] = parts_.username, parts_.password
+                break
+    return opts
+
+
 class NotStored(ConnectionError):
     """A JetStream publish that no stream acknowledged (``Bus.publish_stored``)."""
 
@@ -109,6 +132,25 @@ STREAM_LIMITS: dict[str, StreamLimits] = {
                            "dead letters keep the reason headers and a 1 KiB prefix "
                            "(``DLQ_PREFIX_BYTES``): enough to see what was sent, never a copy"),
 }
+
+#: Copies of each stream of ``STREAMS`` in a NATS cluster (capped at its size,
+#: ``stream_replicas``): a stream acknowledges a message once a majority of its copies stored
+#: it, so with 3 copies the loss of any one server loses no acknowledged decision, verdict,
+#: action or dead letter (the design card: "JetStream R3 for decisions, outbox, audit and
+#: verdicts"; the outbox and the audit trail themselves live in Valkey). Telemetry gets 3 too,
+#: though it is re-sent every few seconds: the detector reads heartbeats through the stream
+#: (``trainguard.consume``), so a one-copy telemetry stream on the server that died is silence
+#: from every rank and node at once — ``bench/ha.py`` saw that become a node declared lost and
+#: the job stopped.
+STREAM_REPLICAS: dict[str, int] = {"TG_EVENTS": 3, "TG_TELEMETRY": 3, "TG_DLQ": 3}
+
+
+def stream_replicas(name: str, cluster_size: int) -> int:
+    """Copies stream ``name`` gets on a cluster of ``cluster_size`` servers (1 for a single
+    server): ``STREAM_REPLICAS`` capped at the cluster size (JetStream refuses more copies than
+    servers)."""
+    return max(1, min(STREAM_REPLICAS.get(name, 1), cluster_size))
+
 
 #: How much of an undecodable message its dead letter keeps (bytes); headers carry its size.
 DLQ_PREFIX_BYTES = 1024
@@ -202,7 +244,7 @@ class Bus:
             # nats-py retries its first connection too (as later reconnects, without end): a
             # refusal of the credentials is not worth another try, so it ends the attempt
             attempt = asyncio.ensure_future(nats.connect(
-                self.url, name=self.name, connect_timeout=min(timeout, 2.0),
+                **server_options(self.url), name=self.name, connect_timeout=min(timeout, 2.0),
                 max_reconnect_attempts=-1, reconnect_time_wait=0.2, allow_reconnect=True,
                 error_cb=_err, reconnected_cb=self._reconnected,
                 pending_size=8 * 1024 * 1024, inbox_prefix=self.inbox,
@@ -425,19 +467,30 @@ class Bus:
         msg = await self.nc.request(subject, payload, timeout=timeout)
         return msg.data
 
+    def cluster_size(self) -> int:
+        """Servers of the NATS cluster this client is connected to, as the server announces
+        them (``connect_urls`` of its INFO); 1 for a server without a cluster."""
+        assert self.nc is not None, "call connect() first"
+        info = getattr(self.nc, "_server_info", None) or {}
+        return max(1, len(info.get("connect_urls") or ()))
+
     async def ensure_streams(self, limits: dict[str, StreamLimits] | None = None,
-                             partitions: int | None = None) -> None:
+                             partitions: int | None = None,
+                             cluster_size: int | None = None) -> None:
         """Create (or update) the JetStream streams in ``STREAMS`` with their age limit and the
         size bounds of ``limits`` (default ``STREAM_LIMITS``); those of ``PARTITIONED_STREAMS``
         store job subjects in ``partitions`` partitions (default ``partitions.configured()``:
         env ``TG_PARTITIONS``, else 32; 0: as published). Idempotent. Needs the ``admin`` role
         (stream creation is nobody else's). Raises ValueError for a bad ``TG_PARTITIONS``.
         Changing the count of a running bus: restart the partitioned services after it (they
-        read it at start)."""
+        read it at start). Each stream gets ``stream_replicas`` copies for ``cluster_size``
+        servers (default: ``cluster_size()``, the cluster connected to); an existing stream is
+        scaled to it."""
         assert self.nc is not None
         js = self.nc.jetstream()
         limits = limits or STREAM_LIMITS
         n = parts.configured() if partitions is None else partitions
+        size = self.cluster_size() if cluster_size is None else cluster_size
         for name, subs, max_age in STREAMS:
             lim = limits[name]
             tr = None
@@ -448,7 +501,8 @@ class Bus:
                                max_bytes=lim.max_bytes, max_msg_size=lim.max_msg_size,
                                discard=DiscardPolicy.OLD, subject_transform=tr,
                                allow_direct=True,  # Bus.last_stored: a get per subject
-                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE)
+                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                               num_replicas=stream_replicas(name, size))
             try:
                 await js.add_stream(cfg)
             except Exception:  # noqa: BLE001 - exists with other config: update it

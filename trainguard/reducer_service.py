@@ -100,6 +100,14 @@ class ReducerService(Service, Generic[S]):
             # that arrives after that flush timed out kills nats-py's read loop (2.16)
             await self.bus.request(health_subject(self.name, self.config.replica),
                                    timeout=self.bus_probe_timeout_s)
+            size = getattr(self.bus, "cluster_size", None)
+            if getattr(self.bus, "nc", None) is not None and size is not None and size() > 1:
+                # in a cluster the server may answer while a stream or consumer whose leader
+                # died delivers nothing until another is elected (seconds): that silence is
+                # the bus's too, not the ranks' (``bench/ha.py`` saw it read as a lost node)
+                for dc in list(getattr(self, "_durables", ())):
+                    await dc.js.consumer_info(dc.stream, dc.name,
+                                              timeout=self.bus_probe_timeout_s)
             ok = True
         except Exception:  # noqa: BLE001 - timeout, not connected: the bus is not answering
             ok = False

@@ -156,6 +156,9 @@ class Stack:
     * ``tls`` — the embedded servers serve TLS (``trainguard.embedded``; ``trainguard up`` by
       default, off here so that the demo and the tests stay as they were), with a certificate
       for loopback, this host and ``tls_names``; the children get the CA in ``TG_TLS_CA``;
+    * ``ha`` — the replicated control plane instead of one NATS and one Valkey
+      (``trainguard.embedded_ha``: 3 NATS servers, a Valkey primary, a replica and 3
+      sentinels; the URLs are a NATS server list and a ``redis+sentinel://`` URL);
     * ``rdzv_token`` — the rendezvous store admits only clients with its token
       (``trainguard.rdzv_gate``; ``trainguard up`` by default, off here as ``tls``): kept in
       ``<data dir>/rdzv.token`` (0600) across starts, given as ``TG_RDZV_TOKEN`` on the
@@ -176,7 +179,8 @@ class Stack:
                  rotate_credentials: bool = False, replicas: int = 1,
                  host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None,
                  tls: bool = False, tls_names: Sequence[str] = (),
-                 rdzv_token: bool = False, console: bool = False, metrics: bool = False):
+                 rdzv_token: bool = False, console: bool = False, metrics: bool = False,
+                 ha: bool = False):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -184,9 +188,16 @@ class Stack:
         if unknown:
             raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
                              f"{', '.join(SERVICE_SPECS)}")
-        self._servers = EmbeddedServers(nats_url, redis_url, data_dir=data_dir, auth=auth,
-                                        rotate=rotate_credentials, host=host, tls=tls,
-                                        tls_names=tuple(tls_names))
+        if ha:  # the replicated control plane (``trainguard.embedded_ha``)
+            from .embedded_ha import ha_servers
+
+            self._servers = ha_servers(nats_url, redis_url, data_dir=data_dir, auth=auth,
+                                       rotate=rotate_credentials, host=host, tls=tls,
+                                       tls_names=tuple(tls_names))
+        else:
+            self._servers = EmbeddedServers(nats_url, redis_url, data_dir=data_dir, auth=auth,
+                                            rotate=rotate_credentials, host=host, tls=tls,
+                                            tls_names=tuple(tls_names))
         self.host = host
         self.services = tuple(services)
         self.agent_nodes = tuple(agent_nodes or (subjects.default_node(),))
@@ -592,7 +603,10 @@ class Stack:
 
     def dead_servers(self) -> list[str]:
         """The embedded NATS / Valkey servers this stack started that have exited, as
-        ``"the embedded <kind> server at <address> exited (<status>)"``."""
+        ``"the embedded <kind> server at <address> exited (<status>)"`` (the replicated set:
+        only once a majority of a kind is gone, ``HAServers.dead_servers``)."""
+        if hasattr(self._servers, "dead_servers"):
+            return self._servers.dead_servers()
         return [f"the embedded {s.kind} server at {s.address} exited ({s.proc.returncode})"
                 for s in self._servers.servers if s.proc is not None and s.proc.poll() is not None]
 

@@ -60,6 +60,7 @@ from .errors import ServerUnreachable
 from .state_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
                             END_RUN, OUTBOX_DONE, OUTBOX_INDEX, TAKE_CLAIM, idem_key, job_key,
                             members_key, outbox_key, audit_key, rep_key, settings_fields)
+from .state_sentinel import close_client, is_sentinel_url, sentinel_client
 from .tls import ca_file
 
 IDEMPOTENCY_TTL_S = 7 * 86400
@@ -110,13 +111,20 @@ def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
 class StateStore(BreakerKeys):
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
     ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.auth``; ``rediss://``
-    for TLS, verified as ``tls_options`` says)."""
+    for TLS, verified as ``tls_options`` says; ``redis+sentinel://…/<master name>/<db>`` for a
+    replicated Valkey, whose failovers its commands outlive: ``trainguard.state_sentinel``)."""
 
     def __init__(self, url: str, tls_ca: str | None = None):
         self.url = url
-        self.r = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2.0,
-                                         socket_timeout=5.0, health_check_interval=10,
-                                         **tls_options(url, tls_ca))
+        if is_sentinel_url(url):  # a replicated Valkey: the primary its sentinels name
+            self.r = sentinel_client(url, tls_options(url.replace("+sentinel", "", 1), tls_ca),
+                                     decode_responses=True, socket_connect_timeout=2.0,
+                                     socket_timeout=5.0, health_check_interval=10)
+        else:
+            self.r = aioredis.Redis.from_url(url, decode_responses=True,
+                                             socket_connect_timeout=2.0, socket_timeout=5.0,
+                                             health_check_interval=10,
+                                             **tls_options(url, tls_ca))
         self._records: dict[str, tuple[dict[str, str], JobRecord]] = {}
         self._outbox_scanned = False  # ``outbox``'s one full scan done
 
@@ -130,7 +138,7 @@ class StateStore(BreakerKeys):
                                     "REDIS_URL") from None
 
     async def close(self) -> None:
-        await self.r.aclose()
+        await close_client(self.r)
 
     # ---- jobs: the record is schemas.job.JobRecord, one encoding per field -------------------
     async def job(self, job: str) -> JobRecord:

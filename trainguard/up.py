@@ -137,17 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-san", action="append", default=[], metavar="NAME",
                    help="a further host name or address the server certificate covers "
                         "(repeatable; loopback and this host's name always are)")
-    p.add_argument("--replicas", type=int, default=1,
+    p.add_argument("--replicas", type=int, default=None,
                    help="replicas of each partitioned service (detector, attributor, "
                         "remediator, checkpoint validator); they share the jobs by rendezvous "
                         "hashing over their leases, and a killed one's jobs move to the others "
-                        "within seconds (docs/design.md, 'Scale past one machine')")
+                        "within seconds (docs/design.md, 'Scale past one machine'); default 1, "
+                        "2 with --ha")
     p.add_argument("--no-console", action="store_true",
                    help="do not serve the web console (default: served on the listen address; "
                         "its URL is printed)")
     p.add_argument("--no-metrics", action="store_true",
                    help="services serve no Prometheus /metrics (default: each on a port of its "
                         "own; the URLs are printed)")
+    p.add_argument("--ha", action="store_true",
+                   help="the replicated control plane (docs/operations/ha.md): 3 NATS servers "
+                        "in a JetStream cluster and a Valkey primary with a replica under 3 "
+                        "sentinels; NATS_URL is then a comma list, REDIS_URL a "
+                        "redis+sentinel:// URL")
     p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout, seconds")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of a service that dies, each, before it is left down")
@@ -172,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack = Stack(args.nats_url, args.redis_url, services=services, agent_nodes=nodes,
                       rendezvous=not args.no_rendezvous, log_dir=log_dir, data_dir=data_dir,
-                      rotate_credentials=args.rotate_credentials, replicas=args.replicas,
+                      rotate_credentials=args.rotate_credentials,
+                      replicas=(args.replicas if args.replicas is not None
+                                else 2 if args.ha else 1),
                       tls=not args.no_tls, tls_names=args.tls_san,
                       rdzv_token=not args.no_rdzv_token, console=not args.no_console,
-                      metrics=not args.no_metrics)
+                      metrics=not args.no_metrics, ha=args.ha)
     except ValueError as exc:
         print(f"trainguard up: {exc}", file=sys.stderr)
         return 2
