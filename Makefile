@@ -26,8 +26,10 @@ demo: install
 up: install
 	$(VENV)/bin/trainguard up
 
+# two workers (pytest-xdist): a test module runs whole on one of them, the modules that take
+# host-wide resources (the one-machine cluster, Slurm) one after another (tests/conftest.py)
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 bench: install
 	$(PY) bench/attribution.py --corpus ../shared/corpus/failure_logs.jsonl
