@@ -18,6 +18,8 @@ from trainguard.schemas import BreakerChanged, Decision, Verdict, subjects
 from trainguard.service import ServiceConfig, health_subject
 from trainguard.state import StateStore
 
+from test_remediator_service import wait_for
+
 #: 3 jobs of 3 nodes, one rank a node: 9 known nodes, limit max(2, floor(0.5 × 9)) = 4
 JOBS = {f"j{k}": [f"{c}{k}" for c in "abc"] for k in range(3)}
 BREAKER = BreakerConfig(mode="action", window_s=300, fraction=0.5, min_nodes=2, max_nodes=None,
@@ -69,14 +71,6 @@ async def watcher(servers):
         yield bus
     finally:
         await bus.close()
-
-
-async def wait_for(pred, timeout=10.0):
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return True
-        await asyncio.sleep(0.02)
-    return pred()
 
 
 def xid(job: str, node: str) -> Verdict:

@@ -60,7 +60,7 @@ async def client(servers, job):
         await bus.close()
 
 
-async def wait_for(pred, timeout=5.0):
+async def wait_for(pred, timeout=10.0):
     for _ in range(int(timeout / 0.02)):
         if pred():
             return True
