@@ -92,6 +92,19 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def stop_process(proc: subprocess.Popen | None, timeout: float = 5.0) -> None:
+    """End a server process this module started: SIGTERM, then SIGKILL after ``timeout``
+    seconds; waits for it (no zombie). None or an ended process: nothing to do."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -327,13 +340,7 @@ class EmbeddedServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout`` seconds; removes its temporary directory."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         if self._owned_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

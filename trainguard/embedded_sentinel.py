@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .auth import Credentials
 from .private_file import write_private
-from .embedded import _die_with_parent, _wait_port, valkey_server_binary
+from .embedded import _die_with_parent, _wait_port, stop_process, valkey_server_binary
 
 #: What every role may run on a sentinel: find the primary (redis-py's ``Sentinel`` asks
 #: ``SENTINEL MASTERS`` / ``SENTINELS`` / ``REPLICAS``), nothing that changes it.
@@ -63,10 +63,4 @@ class SentinelProcess:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
