@@ -92,6 +92,25 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def open_state_dir(data_dir: Path | None, prefix: str) -> tuple[Path, int | None, bool]:
+    """The directory a stack keeps its state in: ``data_dir`` (created 0700 and locked, so two
+    stacks never share it: ``_lock_dir``), else a new temporary one named ``prefix…``. Returns
+    ``(directory, lock fd or None, whether it is temporary)``; ``close_state_dir`` undoes it."""
+    if data_dir is not None:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(data_dir, 0o700)
+        return data_dir, _lock_dir(data_dir), False
+    return Path(tempfile.mkdtemp(prefix=prefix)), None, True
+
+
+def close_state_dir(directory: Path | None, lock: int | None, owned: bool) -> None:
+    """Remove a temporary state directory (``owned``) and release a kept one's lock."""
+    if owned and directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+    if lock is not None:
+        os.close(lock)  # releases the flock
+
+
 def stop_process(proc: subprocess.Popen | None, timeout: float = 5.0) -> None:
     """End a server process this module started: SIGTERM, then SIGKILL after ``timeout``
     seconds; waits for it (no zombie). None or an ended process: nothing to do."""
@@ -465,14 +484,7 @@ class EmbeddedServers:
             return self
         from .bus import streams_max_bytes  # the JetStream cap follows the streams' limits
 
-        if self.data_dir is not None:
-            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.data_dir, 0o700)
-            self._lock = _lock_dir(self.data_dir)
-            self.dir = self.data_dir
-        else:
-            self.dir = Path(tempfile.mkdtemp(prefix="trainguard-"))
-            self._owned_dir = True
+        self.dir, self._lock, self._owned_dir = open_state_dir(self.data_dir, "trainguard-")
         if self.auth:
             self.creds = Credentials.load_or_create(self.dir / "credentials.json", self.rotate)
         if self.tls:
@@ -502,12 +514,8 @@ class EmbeddedServers:
         for s in self.servers:
             s.stop()
         self.servers.clear()
-        if self._owned_dir and self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self._owned_dir = False
-        if self._lock is not None:
-            os.close(self._lock)  # releases the flock
-            self._lock = None
+        close_state_dir(self.dir, self._lock, self._owned_dir)
+        self._owned_dir, self._lock = False, None
 
     def __enter__(self) -> "EmbeddedServers":
         return self.start()

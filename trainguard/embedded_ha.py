@@ -33,16 +33,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from .auth import Credentials
 from .private_file import write_private
-from .embedded import EmbeddedServer, ServerStartError, _lock_dir, free_port, port_free
+from .embedded import (EmbeddedServer, ServerStartError, close_state_dir, free_port,
+                       open_state_dir, port_free)
 from .embedded_sentinel import SENTINEL_READ_RULES, SentinelProcess, sentinel_config
+
 
 class NatsClusterNode(EmbeddedServer):
     """One nats-server of a cluster: ``EmbeddedServer``'s configuration plus a unique server
@@ -156,13 +156,7 @@ class HAServers:
     def start(self) -> "HAServers":
         from .bus import streams_max_bytes
 
-        if self.data_dir is not None:
-            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._lock = _lock_dir(self.data_dir)
-            self.dir = self.data_dir
-        else:
-            self.dir = Path(tempfile.mkdtemp(prefix="trainguard-ha-"))
-            self._owned_dir = True
+        self.dir, self._lock, self._owned_dir = open_state_dir(self.data_dir, "trainguard-ha-")
         if self.auth:
             self.creds = Credentials.load_or_create(self.dir / "credentials.json", self.rotate)
         if self.tls:
@@ -369,12 +363,8 @@ class HAServers:
         self.sentinels.clear()
         self.valkey.clear()
         self.nats.clear()
-        if self._owned_dir and self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self._owned_dir = False
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        close_state_dir(self.dir, self._lock, self._owned_dir)
+        self._owned_dir, self._lock = False, None
 
     def __enter__(self) -> "HAServers":
         return self.start()
