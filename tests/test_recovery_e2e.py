@@ -217,7 +217,8 @@ def test_exception_repeating_at_the_same_step_stops_the_job(stack, tmp_path):
 
     rep = _tried(stack, tmp_path, "e2e-loop", [{"id": 1, "kind": "exception", "rank": 2,
                                                "step": 45, "repeat": True}], ok=stopped_by_loop)
-    actions = [d["action"] for d in rep["decisions"]]
+    # the recovery decisions (a straggler flag on a loaded machine is decision `none`: no action)
+    actions = [d["action"] for d in rep["decisions"] if d["action"] != "none"]
     assert actions[0] == "restart_in_process", [(d["action"], d.get("reason")) for d in rep["decisions"]]
     assert actions[-1] == "stop_job_notify_user", rep["decisions"]
     assert "loop" in rep["decisions"][-1]["reason"] or "same" in rep["decisions"][-1]["reason"]
