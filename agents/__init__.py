@@ -4,10 +4,10 @@ Run one per node: ``python -m trainguard.agents --node NAME --nats-url URL``. Se
 what it publishes, ``agents.nvml``, ``agents.host`` and ``agents.kernel_log`` for the parts.
 """
 
-from .agent import KERNEL_KIND, AgentConfig, NodeAgent
-from .host import HostSampler, probe_latencies
-from .kernel_log import KernelLogConfig, open_follower
-from .nvml import NvmlConfig, NvmlSampler, decode_clock_event_reasons, normalise_pci
+from trainguard.agents.agent import KERNEL_KIND, AgentConfig, NodeAgent
+from trainguard.agents.host import HostSampler, probe_latencies
+from trainguard.agents.kernel_log import KernelLogConfig, open_follower
+from trainguard.agents.nvml import NvmlConfig, NvmlSampler, decode_clock_event_reasons, normalise_pci
 
 __all__ = ["NodeAgent", "AgentConfig", "KERNEL_KIND", "HostSampler", "probe_latencies",
            "KernelLogConfig", "open_follower", "NvmlConfig", "NvmlSampler",

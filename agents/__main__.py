@@ -24,11 +24,11 @@ import os
 import sys
 
 from trainguard.schemas import subjects
-from trainguard.service import ServiceConfig, main
+from trainguard.services.base import ServiceConfig, main
 
-from .agent import AgentConfig, NodeAgent
-from .kernel_log import KernelLogConfig
-from .nvml import NvmlConfig
+from trainguard.agents.agent import AgentConfig, NodeAgent
+from trainguard.agents.kernel_log import KernelLogConfig
+from trainguard.agents.nvml import NvmlConfig
 
 
 def parse_agent_args(argv: list[str]) -> tuple[AgentConfig, str]:

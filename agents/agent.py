@@ -12,7 +12,7 @@ Publishes (subjects from ``schemas.subjects.node``):
   there (``nvml=True``). Without NVML the agent says so once in its log and publishes host
   metrics with ``nvml=False``.
 * ``tg.node.<node>.xid`` — ``XidEvent`` for every XID: from the kernel log (``source`` =
-  ``kmsg`` | ``journal`` | ``file``; parsed by ``trainguard.xid.parse_xid_line``) and from the
+  ``kmsg`` | ``journal`` | ``file``; parsed by ``trainguard.core.xid.parse_xid_line``) and from the
   NVML event set (``source="nvml"``). The PCI address is mapped to ``gpu_index``/``gpu_uuid``
   through NVML, or to the UUID alone from the driver's ``NVRM: GPU at PCI:…: GPU-…`` line when
   NVML is absent. One fault may arrive from both sources.
@@ -34,12 +34,12 @@ from typing import Any
 
 from trainguard.schemas import LogLine, NodeHeartbeat, NodeTelemetry, XidEvent, subjects
 from trainguard.schemas.base import Event
-from trainguard.service import Service, ServiceConfig
-from trainguard.xid import parse_gpu_uuid_line, parse_xid_line
+from trainguard.services.base import Service, ServiceConfig
+from trainguard.core.xid import parse_gpu_uuid_line, parse_xid_line
 
-from .host import HostSampler, NodeMemory, nats_target, parse_peer, probe_latencies
-from .kernel_log import Follower, KernelLogConfig, classify_kernel_line, open_follower
-from .nvml import NvmlConfig, NvmlSampler, NvmlXid, load_module, normalise_pci
+from trainguard.agents.host import HostSampler, NodeMemory, nats_target, parse_peer, probe_latencies
+from trainguard.agents.kernel_log import Follower, KernelLogConfig, classify_kernel_line, open_follower
+from trainguard.agents.nvml import NvmlConfig, NvmlSampler, NvmlXid, load_module, normalise_pci
 
 log = logging.getLogger("trainguard.agent")
 

@@ -39,7 +39,7 @@ class HostSample:
 
 
 #: The environment variable that says which node a process was started for (set by the
-#: launcher for every rank and warm spare of a node: ``trainguard.launcher_pool``).
+#: launcher for every rank and warm spare of a node: ``trainguard.launch.pool``).
 NODE_ENV = "TG_NODE"
 
 

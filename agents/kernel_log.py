@@ -3,7 +3,7 @@
 Each follower is a daemon thread that calls ``on_line(message)`` for every new kernel message
 (text only: the ``/dev/kmsg`` record header and the dictionary continuation lines are removed;
 journal and file lines are passed as printed, prefixes included, because
-``trainguard.xid.parse_xid_line`` accepts every prefix). ``stop()`` ends the thread within about
+``trainguard.core.xid.parse_xid_line`` accepts every prefix). ``stop()`` ends the thread within about
 ``poll_s`` seconds.
 
 * ``KmsgFollower`` — ``/dev/kmsg`` records ``<prio>,<seq>,<ts_usec>,<flags>;<message>`` (kernel

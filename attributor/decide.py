@@ -54,8 +54,8 @@ from trainguard.schemas import Anomaly
 from trainguard.schemas.vocabulary import (FaultClass, Layer, default_layer, first_error_line,
                                            signature, spec)
 
-from . import evidence as ev
-from . import shared
+from trainguard.attributor import evidence as ev
+from trainguard.attributor import shared
 
 #: The XIDs NVIDIA's catalog names as application errors (13, 31, 43).
 APP_XIDS = (13, 31, 43)
@@ -326,7 +326,7 @@ def decide(anomalies: list[Anomaly], history: History | None = None,
             detail[k] = root.detail[k]
     if detail.get("step") is None:
         # one fault, two reports: the launcher relays the traceback as the rank prints it (it
-        # knows no step) and the rank's own report follows with its step (trainguard.hooks
+        # knows no step) and the rank's own report follows with its step (trainguard.rank.hooks
         # .finish, the shim): the step is the rank's, whichever came first (the remediator's
         # loop check compares it with the last fault's)
         step = next((a.detail["step"] for a in ordered_a if a is not root

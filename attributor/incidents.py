@@ -1,6 +1,6 @@
 """The attributor as a reducer: anomalies in, one verdict per incident out. Pure.
 
-``step(state, input, now) -> (state, effects)`` (``trainguard.reducer``); ``now`` is the service
+``step(state, input, now) -> (state, effects)`` (``trainguard.core.reducer``); ``now`` is the service
 clock in seconds, wall-clock fields come from the inputs' ``wall_ns`` (Unix ns).
 
 * An incident is (job, generation); a new one starts when the first anomaly of the current one
@@ -50,13 +50,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard import schemas
-from trainguard.reducer import (Call, Effect, Input, Log, Publish, Received, Released, Reply,
+from trainguard.core.reducer import (Call, Effect, Input, Log, Publish, Received, Released, Reply,
                                 Tick, store)
 from trainguard.schemas import subjects
 
-from .decide import (APP_XIDS, ROOT_DETAIL_KEYS, AttributorConfig, VerdictSpec, choose_root,
+from trainguard.attributor.decide import (APP_XIDS, ROOT_DETAIL_KEYS, AttributorConfig, VerdictSpec, choose_root,
                      conclusion, decide, history_from_records, signature)
-from .evidence import LAG_KEYS, SOURCES, is_exit_report, is_peer_report
+from trainguard.attributor.evidence import LAG_KEYS, SOURCES, is_exit_report, is_peer_report
 
 Key = tuple[str, int]  # (job, generation)
 

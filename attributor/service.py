@@ -3,18 +3,18 @@
 Subscribes ``tg.job.*.anomaly``; publishes on ``tg.job.<job>.verdict``. The logic (incident
 grouping, symptom hold, fold or republish, cross-job history) is the reducer
 ``attributor.incidents.step``; this module wires it to the bus and the state store
-(``trainguard.reducer.ReducerService``: the ``"state"`` call target is the ``StateStore``).
+(``trainguard.core.reducer.ReducerService``: the ``"state"`` call target is the ``StateStore``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from trainguard.reducer_service import ReducerService
-from trainguard.service import ServiceConfig
+from trainguard.services.live_reducer import ReducerService
+from trainguard.services.base import ServiceConfig
 
-from . import incidents as _incidents
-from .decide import AttributorConfig
-from .incidents import AttributorState, Incident
+from trainguard.attributor import incidents as _incidents
+from trainguard.attributor.decide import AttributorConfig
+from trainguard.attributor.incidents import AttributorState, Incident
 
 __all__ = ["Attributor", "AttributorConfig", "Incident", "factory"]
 

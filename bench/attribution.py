@@ -36,7 +36,7 @@ from typing import Any, Iterable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainguard.diagnose import diagnose_lines  # noqa: E402
+from trainguard.tools.diagnose import diagnose_lines  # noqa: E402
 
 REAL = ROOT / "bench" / "corpus" / "real_logs.jsonl"
 #: the reference corpus beside the checkout (../shared, or ../../shared from a worktree)

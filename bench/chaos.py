@@ -340,7 +340,7 @@ def _demo_class():
 
 
 def _audit(redis_url: str, job: str) -> list[dict[str, Any]]:
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def go() -> list[dict[str, Any]]:
         st = StateStore(redis_url)
@@ -354,7 +354,7 @@ def _audit(redis_url: str, job: str) -> list[dict[str, Any]]:
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from trainguard import schemas
     from trainguard.demo.harness import DemoConfig
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     rmod = _recovery_module()
     root = a.keep or tempfile.mkdtemp(prefix="tg-chaos-")

@@ -45,7 +45,7 @@ answered for ``SlurmdTimeout`` (10 s here) and starting it again; Slurm 22.05 ma
 batch job eligible again only about 2 minutes later (``EligibleTime``, recorded per run), so its
 figure is bounded by ``--slurm-timeout`` (330 s), not ``--timeout``.
 
-Every run records its ``timeline`` (``trainguard.timeline``: when the fault was injected,
+Every run records its ``timeline`` (``trainguard.core.timeline``: when the fault was injected,
 the last progress, detection, verdict, decision, each node's executor, the rendezvous and every
 rank's first step, from the bus, the audit trail and the step records; Slurm alone: the step
 records only).
@@ -55,7 +55,7 @@ records only).
 ``acted_s``, named in ``metric``), ``p95_s`` and ``max_s`` beside it, ``culprit_correct``
 (true when every run's was), ``steps_rolled_back`` (median), ``median_phases`` (each phase's
 median seconds), ``slow_runs`` (every run over 2 × the median, or without a figure, with the
-phase that took the extra time: ``trainguard.timeline.tails``), ``runs_correct``,
+phase that took the extra time: ``trainguard.core.timeline.tails``), ``runs_correct``,
 ``fault_spec``, ``conditions`` and ``runs`` (every run's record; a partition's carries
 ``waited_for_heal``: training again only after the link came back, and
 ``decided_before_fault``: decisions that moved the job before the fault fired).
@@ -79,10 +79,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainguard import schemas, timeline  # noqa: E402
+from trainguard import schemas  # noqa: E402
+
+from trainguard.core import timeline
 from trainguard.cluster import Cluster, ClusterConfig, FaultRunner, training_again  # noqa: E402
 from trainguard.cluster.harness import stop_on_signals  # noqa: E402
-from trainguard.fault_schedule import parse  # noqa: E402
+from trainguard.core.fault_schedule import parse  # noqa: E402
 
 FAULTS = {
     "power_off": {"kind": "power_off", "node": "node1", "step": 15, "rank": 3},
@@ -128,7 +130,7 @@ def rolled_back(recs: list[dict], again: dict | None) -> int | None:
 def audit_trail(c: Cluster, job: str) -> list[dict]:
     """The job's audit trail from the cluster's state store (role ``reader``); [] when it
     cannot be read."""
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def read() -> list[dict]:
         st = StateStore(c.stack.urls("reader")[1])
@@ -144,7 +146,7 @@ def audit_trail(c: Cluster, job: str) -> list[dict]:
 
 
 def run_timeline(c: Cluster, job: str, t_f: float, rec=None) -> dict:
-    """The run's recovery timeline (``trainguard.timeline``), ``to_dict()`` form."""
+    """The run's recovery timeline (``trainguard.core.timeline``), ``to_dict()`` form."""
     return timeline.build(int(t_f * 1e9), rec.of(schemas.Event, int(t_f * 1e9)) if rec else (),
                           audit_trail(c, job) if rec else (), c.steps(job)).to_dict()
 
@@ -495,7 +497,7 @@ def seconds_of(fault: str, r: dict) -> tuple[str, float | None]:
 def row(system: str, fault: str, runs: list[dict]) -> dict:
     """One row of the JSON list: ``system``, ``fault``, ``seconds`` (the median of the runs'
     figures; null when none had one), ``p95_s``, ``max_s``, ``recovered`` (runs with a figure /
-    runs), ``median_phases``, ``slow_runs`` (``trainguard.timeline.tails``),
+    runs), ``median_phases``, ``slow_runs`` (``trainguard.core.timeline.tails``),
     ``culprit_correct`` (every run's), ``steps_rolled_back`` (median), and ``metric``,
     ``runs_correct``, ``runs`` (each run's record), ``fault_spec``."""
     figs = [seconds_of(fault, r) for r in runs]

@@ -1,4 +1,4 @@
-"""What counting collectives costs an unmodified script (``trainguard.hooks``).
+"""What counting collectives costs an unmodified script (``trainguard.rank.hooks``).
 
     python bench/collective_counting.py [--n 20000] [--steps 300]
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from trainguard import hooks
+    from trainguard.rank import hooks
 
     torch.set_num_threads(1)
     plain_ddp = DDP.__init__

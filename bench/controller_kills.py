@@ -5,8 +5,8 @@ slurmctld, and count what Slurm was actually told to do.
 
 The world: 3 nodes (``trainguard.cluster.net``), a real Slurm over them
 (``trainguard.cluster.slurm.SlurmCluster``: slurmctld and one slurmd per node), a Valkey
-(``trainguard.embedded``). The actor — a process that carries out decisions with
-``trainguard.slurm_controller.SlurmController`` (``requeue=always``), as the remediator does
+(``trainguard.stack.embedded``). The actor — a process that carries out decisions with
+``trainguard.scheduler.slurm.controller.SlurmController`` (``requeue=always``), as the remediator does
 with ``TG_NODE_CONTROLLER=slurm`` — takes decisions from a queue in Valkey in order and marks
 each done once the controller returned ``ok``; killed before that, its restart carries the
 decision out again (at-least-once), so only the controller's own checks (it re-reads Slurm's
@@ -138,8 +138,8 @@ def count(decisions: list[dict[str, Any]], log_lines: list[str]) -> dict[str, An
 
 # ---- the actor: carries out the queue's decisions with the Slurm controller ---------------------
 async def actor(redis_url: str, shims: dict[str, str], phase: str) -> None:
-    from trainguard.slurm_controller import SlurmConfig, SlurmController
-    from trainguard.state import StateStore
+    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.clients.store import StateStore
 
     st = StateStore(redis_url)
     ctl = SlurmController(st, SlurmConfig(scontrol=shims["scontrol"], scancel=shims["scancel"],
@@ -240,7 +240,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
 
     from trainguard.cluster.net import ClusterNet
     from trainguard.cluster.slurm import SlurmCluster
-    from trainguard.embedded import EmbeddedServers
+    from trainguard.stack.embedded import EmbeddedServers
     from trainguard.schemas import JobSettings  # noqa: F401 - fields of the job record
 
     rng = random.Random(a.seed)

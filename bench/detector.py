@@ -34,8 +34,8 @@ import psutil  # noqa: E402
 from trainguard import schemas  # noqa: E402
 from trainguard.detector import rules  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
-from trainguard.bus import Bus  # noqa: E402
-from trainguard.embedded import EmbeddedServers  # noqa: E402
+from trainguard.clients.bus import Bus  # noqa: E402
+from trainguard.stack.embedded import EmbeddedServers  # noqa: E402
 
 
 def layout(ranks: int, nodes: int, jobs: int) -> list[tuple[str, str, int, int]]:

@@ -206,7 +206,7 @@ class Stack:
 
 def bus_events(stack: Stack, job: str, kind: str) -> list[dict[str, Any]]:
     """What JetStream kept on ``tg.job.<job>.<kind>``, oldest first."""
-    from trainguard.replay import history
+    from trainguard.tools.replay import history
 
     buf = io.StringIO()
     try:
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [sy for sy in a.systems if sy not in missing]
     root = a.keep or tempfile.mkdtemp(prefix="tg-bench-dropin-")
     os.makedirs(root, exist_ok=True)
-    from trainguard.stack import Stack as TgStack
+    from trainguard.stack.local import Stack as TgStack
 
     print(f"drop-in benchmark: jobs {','.join(a.jobs)}; launchers {','.join(systems)}; "
           f"{asdict(s)}; starting the trainguard services (shared by every run)…", flush=True)

@@ -46,12 +46,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainguard import breaker_cli, schemas  # noqa: E402
-from trainguard.bus import Bus  # noqa: E402
-from trainguard.embedded import EmbeddedServers  # noqa: E402
+from trainguard import schemas  # noqa: E402
+
+from trainguard.tools import breaker as breaker_cli
+from trainguard.clients.bus import Bus  # noqa: E402
+from trainguard.stack.embedded import EmbeddedServers  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
-from trainguard.service import health_subject  # noqa: E402
-from trainguard.state import StateStore  # noqa: E402
+from trainguard.services.base import health_subject  # noqa: E402
+from trainguard.clients.store import StateStore  # noqa: E402
 
 SERVICES = ("detector", "attributor", "remediator")
 ARMS: dict[str, dict[str, str]] = {

@@ -13,8 +13,8 @@ alternates per round, so a drift of the shared machine's load cancels out):
 * ``by_hand``: as ``bench/dropin.py`` runs it: ``--warm-import <the framework's module>``
   named by hand, ``--no-job-imports``, the script's own resume;
 * ``after``: nothing named by hand: the ranks record their imports, the template imports
-  them (``trainguard.job_imports``), and the scripts run with ``--no-own-resume``: the
-  restarted Trainer resumes through ``trainguard.auto_resume``.
+  them (``trainguard.rank.job_imports``), and the scripts run with ``--no-own-resume``: the
+  restarted Trainer resumes through ``trainguard.rank.auto_resume``.
 
 Each run is ``bench/dropin.py``'s ``run_one`` without the hang phase: the fault-free rate over a
 short window once the launcher's other processes are idle (the template done importing, the
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [j for j in a.jobs.split(",") if j]
     s = dropin.Settings(window_s=a.window, rounds=a.rounds, hang=False)
     root = a.keep or tempfile.mkdtemp(prefix="tg-bench-fw-")
-    from trainguard.stack import Stack as TgStack
+    from trainguard.stack.local import Stack as TgStack
 
     load0 = os.getloadavg()
     tg = TgStack(services=("agent", "detector", "attributor", "remediator"),

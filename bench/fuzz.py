@@ -15,7 +15,7 @@ The messages (``hostile_messages``):
 * valid envelopes of the subject's event types with absurd values drawn by ``hypothesis``
   strategies: negative or 2^62 ranks and steps, NaN/±inf, empty / dotted / unicode / 100 KiB
   strings, unknown fields, lists of 50,000 items, dicts nested 200 deep;
-* strings close to the server's payload limit (``trainguard.auth.MAX_PAYLOAD``, 1 MiB: a
+* strings close to the server's payload limit (``trainguard.security.auth.MAX_PAYLOAD``, 1 MiB: a
   larger message is refused by the server before any service sees it);
 * a valid event of another type on the subject, and job/node tokens never seen before.
 
@@ -68,7 +68,7 @@ import msgpack
 
 from trainguard import schemas
 from trainguard.schemas import subjects
-from trainguard.auth import MAX_PAYLOAD
+from trainguard.security.auth import MAX_PAYLOAD
 
 #: (family, subject template, event types a producer sends there). ``{job}``, ``{node}`` and
 #: ``{rank}`` are filled per message. Source: ``schemas.subjects`` and the services' topics.
@@ -359,7 +359,7 @@ class Monitor:
             # the stream keeps it once, so a durable consumer gets it once
             self.deduplicated += 1
         elif len(msg.data) > stream_max_msg_size(msg.subject):
-            # the stream refuses it (trainguard.bus.STREAM_LIMITS), so no durable consumer is
+            # the stream refuses it (trainguard.clients.bus.STREAM_LIMITS), so no durable consumer is
             # ever given it: bounded by design, counted apart from what a service must receive
             self.refused[msg.subject] = self.refused.get(msg.subject, 0) + 1
         else:
@@ -382,7 +382,7 @@ class Monitor:
 def stream_max_msg_size(subject: str) -> float:
     """The ``max_msg_size`` (bytes) of the stream that keeps ``subject``; inf when none does
     (a plain subscription gets any message the server's payload limit lets through)."""
-    from trainguard.bus import STREAM_LIMITS, STREAMS
+    from trainguard.clients.bus import STREAM_LIMITS, STREAMS
 
     for name, subs, _age in STREAMS:
         if any(subjects.matches(p, subject) for p in subs):
@@ -391,7 +391,7 @@ def stream_max_msg_size(subject: str) -> float:
 
 
 async def _health(nc: Any, name: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    from trainguard.service import health_subject
+    from trainguard.services.base import health_subject
 
     try:
         return json.loads((await nc.request(health_subject(name), b"", timeout=timeout)).data)
@@ -529,8 +529,8 @@ def real_fault(stack: Any, job: str = "fuzz-real", timeout_s: float = 240.0) -> 
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from trainguard.service import Service
-    from trainguard.stack import Stack
+    from trainguard.services.base import Service
+    from trainguard.stack.local import Stack
 
     run_dir = tempfile.mkdtemp(prefix="tg-fuzz-")
     stack = Stack(agent_nodes=("node0", "node1"), rendezvous=True,

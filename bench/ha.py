@@ -130,12 +130,12 @@ def _target(stack, kind: str, target: str):
 async def _answers(stack, target: str) -> bool:
     """One probe with a fresh client: True when the control plane took a write."""
     from trainguard import schemas
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
     from trainguard.schemas import subjects
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     if target == "nats":
-        from trainguard.bus import STREAMS
+        from trainguard.clients.bus import STREAMS
 
         bus = Bus(stack.nats_url, "ha-probe")
         try:
@@ -172,8 +172,8 @@ def _failover(stack, target: str, t_kill: float, timeout: float, out: dict) -> N
 
 async def _stored(stack, job: str, kind: str) -> list | None:
     from trainguard import schemas
-    from trainguard.bus import Bus
-    from trainguard.consume import replay
+    from trainguard.clients.bus import Bus
+    from trainguard.services.durable import replay
     from trainguard.schemas import subjects
 
     bus = Bus(stack.nats_url, "ha-count")
@@ -214,7 +214,7 @@ def account(decisions: list | None, anomalies: list | None, launcher_text: str) 
 
 def run_row(kind: str, target: str, a: argparse.Namespace, work: Path,
             trial: int = 0) -> dict[str, Any]:
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     row: dict[str, Any] = {"stack": kind, "target": target, "fault_kind": "sigkill",
                            "trial": trial}

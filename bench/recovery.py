@@ -32,7 +32,7 @@ Figures per (system, fault), over ``--runs`` runs (medians):
   are exactly the injected ones, in every run; null for systems that name none.
 * ``ratio_to_trainguard``: ``median_s`` / trainguard's ``median_s`` for the same fault, this run.
 * ``p95_s`` (nearest rank) beside ``median_s`` and ``max_s``; ``timelines``: each fault's phases
-  (trainguard: ``trainguard.timeline``, seconds from the fault: last progress, detected,
+  (trainguard: ``trainguard.core.timeline``, seconds from the fault: last progress, detected,
   verdict, decision, executors acted, rendezvous, first step on every rank; the whole timeline
   per run in ``detail.json``); ``median_phases``; ``slow_runs``: every run over 2 × the median
   (or without a recovery) with the phase that took the extra time against the median timeline.
@@ -304,7 +304,7 @@ def aggregate(system: str, fault: str, runs: list[dict[str, Any]], names_culprit
                                     if p})) or None}
     if names_culprit:
         row["culprit_correct_n"] = f"{sum(1 for c in cc if c)}/{len(samples)}"
-    from trainguard import timeline
+    from trainguard.core import timeline
 
     dist = timeline.tails([s["recovery_s"] for s in samples],
                           [s.get("timeline") for s in samples])
@@ -463,10 +463,10 @@ def run_one(system: str, fault: str, s: BenchSettings, run_dir: str) -> dict[str
 
 
 def _timeline(inj: dict[str, Any], recs: list[Rec]) -> dict[str, Any] | None:
-    """The harness's timeline of one fault (``trainguard.timeline``) with its last progress
+    """The harness's timeline of one fault (``trainguard.core.timeline``) with its last progress
     from the progress file: the newest step any rank completed before the decision (before
     the ranks' first new steps when there was none)."""
-    from trainguard import timeline
+    from trainguard.core import timeline
 
     tl = (inj.get("harness") or {}).get("timeline")
     if not tl:

@@ -8,8 +8,8 @@
 
 Embedded NATS (with the streams) and Valkey with the roles' users, ``--replicas`` processes
 each of ``python -m trainguard.detector|attributor|remediator --replica r<i>`` sharing the jobs
-by rendezvous hashing of the streams' partitions (``trainguard.membership``,
-``trainguard.partitions``; ``--partitions 0``: jobs hashed one by one and every replica reads
+by rendezvous hashing of the streams' partitions (``trainguard.services.membership``,
+``trainguard.core.partitions``; ``--partitions 0``: jobs hashed one by one and every replica reads
 every message, the layout before partitions), ``--publishers`` processes sending a rank
 heartbeat for every rank every ``--hb-interval`` seconds and a node heartbeat per node. Jobs
 are registered in action mode. Printed (``--json``: one JSON object):
@@ -54,13 +54,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainguard import schemas  # noqa: E402
-from trainguard.bus import Bus  # noqa: E402
-from trainguard.embedded import EmbeddedServers  # noqa: E402
-from trainguard.membership import job_owner  # noqa: E402
-from trainguard.partitions import configured as partition_count  # noqa: E402
+from trainguard.clients.bus import Bus  # noqa: E402
+from trainguard.stack.embedded import EmbeddedServers  # noqa: E402
+from trainguard.services.membership import job_owner  # noqa: E402
+from trainguard.core.partitions import configured as partition_count  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
-from trainguard.service import health_subject  # noqa: E402
-from trainguard.state import StateStore  # noqa: E402
+from trainguard.services.base import health_subject  # noqa: E402
+from trainguard.clients.store import StateStore  # noqa: E402
 
 SERVICES = ("detector", "attributor", "remediator")
 

@@ -36,7 +36,7 @@ JOB = "demo-console"
 def _console(st, port: int) -> subprocess.Popen:
     nats_url, redis_url = st.urls("reader")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NATS_URL": nats_url, "REDIS_URL": redis_url}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.tools.console", "--port", str(port),
                              "--refresh-s", "2"], env=env)
     for _ in range(300):
         try:
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from trainguard.demo.harness import Demo, DemoConfig
-    from trainguard.embedded import free_port
-    from trainguard.report import job_events, write
-    from trainguard.stack import Stack
+    from trainguard.stack.embedded import free_port
+    from trainguard.tools.report import job_events, write
+    from trainguard.stack.local import Stack
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ Thin: the verdict is ``trainguard.checkpoint.verify.validate_checkpoint`` (pure,
 shared with the rank-side restore); the check runs in a worker thread so that the service keeps
 answering health requests while it reads a large checkpoint. A failure on one message is logged and counted by the bus; the service goes on.
 
-Replicas partition the jobs (``trainguard.service``); a replica that takes a job over validates
+Replicas partition the jobs (``trainguard.services.base``); a replica that takes a job over validates
 the checkpoints of the job saved within ``consume.RELEVANCE`` that are still ``pending`` in the
 state store (saved while their replica was gone).
 """
@@ -17,11 +17,13 @@ import logging
 import time
 from typing import Any
 
-from trainguard import consume, schemas
-from trainguard import partitions as P  # noqa: N812 - the module is 'partitions' here too
+from trainguard import schemas
+
+from trainguard.services import durable as consume
+from trainguard.core import partitions as P  # noqa: N812 - the module is 'partitions' here too
 from trainguard.checkpoint.verify import validate_checkpoint
 from trainguard.schemas import subjects
-from trainguard.service import Service, ServiceConfig, main
+from trainguard.services.base import Service, ServiceConfig, main
 
 log = logging.getLogger("checkpoint_validator")
 

@@ -1,7 +1,7 @@
 """``python -m trainguard.detector --nats-url URL --redis-url URL``: run the detector service."""
-from trainguard.service import main
+from trainguard.services.base import main
 
-from .service import factory
+from trainguard.detector.service import factory
 
 if __name__ == "__main__":
     main(factory)

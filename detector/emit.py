@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib
 
 from trainguard import schemas
-from trainguard.reducer import Effect, Publish, Received
+from trainguard.core.reducer import Effect, Publish, Received
 from trainguard.schemas import JobRecord, subjects
 
-from .core import Finding
-from .progress import JobState
-from .signals import NodeState
-from .state import DetectorState
+from trainguard.detector.core import Finding
+from trainguard.detector.progress import JobState
+from trainguard.detector.signals import NodeState
+from trainguard.detector.state import DetectorState
 
 __all__ = ["anomaly_id", "emit", "emit_node", "job_state", "node_state", "job_of", "node_of",
            "node_timeout"]

@@ -6,16 +6,16 @@ from __future__ import annotations
 import math
 
 from trainguard import schemas
-from trainguard.reducer import Effect, Received
+from trainguard.core.reducer import Effect, Received
 from trainguard.schemas import subjects
 
-from . import scheduler
-from .emit import emit, emit_node, job_of, job_state, node_of, node_state, node_timeout
-from .progress import nan_loss_rule, observe_heartbeat
-from .signals import (crash_rule, log_rule, observe_node_heartbeat, recovery_check_finding,
+from trainguard.detector import scheduler
+from trainguard.detector.emit import emit, emit_node, job_of, job_state, node_of, node_state, node_timeout
+from trainguard.detector.progress import nan_loss_rule, observe_heartbeat
+from trainguard.detector.signals import (crash_rule, log_rule, observe_node_heartbeat, recovery_check_finding,
                       save_failed_finding, telemetry_rule, xid_rule)
-from .state import DetectorState
-from .telemetry import host_rules, link_rules
+from trainguard.detector.state import DetectorState
+from trainguard.detector.telemetry import host_rules, link_rules
 
 __all__ = ["HANDLERS", "NODE_WIDE_KERNEL_CLASSES", "launcher_beat"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from trainguard.schemas import JobRecord
 
-from .state import DetectorState
+from trainguard.detector.state import DetectorState
 
 
 def bus_back(state: DetectorState, now: float, gap_s: float) -> None:

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import re
 
-from .pattern_types import LogPattern, PatternMatch
-from .patterns_machine import MACHINE_ROWS
-from .patterns_software import SOFTWARE_ROWS
+from trainguard.detector.pattern_types import LogPattern, PatternMatch
+from trainguard.detector.patterns_machine import MACHINE_ROWS
+from trainguard.detector.patterns_software import SOFTWARE_ROWS
 
 __all__ = ["LogPattern", "PatternMatch", "PATTERNS", "IGNORE", "OWN_REPORTS", "match_line",
            "line_rank", "line_local_rank", "line_device", "step_time_of", "rate_of", "step_of"]

@@ -4,8 +4,8 @@ eviction, node failure, time limits). Part of the ordered table ``patterns.PATTE
 come first); see ``trainguard.detector.patterns`` for the row fields and the sources."""
 from __future__ import annotations
 
-from .pattern_types import _PCI, LogPattern
-from .pattern_types import row as _p
+from trainguard.detector.pattern_types import _PCI, LogPattern
+from trainguard.detector.pattern_types import row as _p
 
 #: rows in table order (first match wins)
 MACHINE_ROWS: tuple[LogPattern, ...] = (
@@ -176,7 +176,7 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
        r"trainguard launch \[[^\]]*\]: rank \d+ \(pid (?P<pid>\d+)\) exited with "
        r"(?:signal \d+|status [1-9]\d*)",
        "crash", "unknown", weight=0.8,
-       why="trainguard's own launcher saw the rank's process end (trainguard/launcher_loop.py "
+       why="trainguard's own launcher saw the rank's process end (trainguard/launch/loop.py "
            "'rank %d (pid %d) exited with signal %d' / 'status %d', from waitpid): the same "
            "observation as its live worker.exited event, read the same way (crash, layer "
            "unknown: an exit status names no cause)"),

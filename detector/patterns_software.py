@@ -4,8 +4,8 @@ the generic rows last. Part of the ordered table ``patterns.PATTERNS`` (after
 ``patterns_machine.MACHINE_ROWS``); see ``trainguard.detector.patterns`` for the row fields."""
 from __future__ import annotations
 
-from .pattern_types import _NOT_INFO, _TINY, LogPattern
-from .pattern_types import row as _p
+from trainguard.detector.pattern_types import _NOT_INFO, _TINY, LogPattern
+from trainguard.detector.pattern_types import row as _p
 
 #: rows in table order (first match wins; the generic rows are last)
 SOFTWARE_ROWS: tuple[LogPattern, ...] = (

@@ -13,7 +13,7 @@ from typing import Iterable
 
 from trainguard.schemas.job import JobRecord
 
-from .core import DetectorConfig, Finding
+from trainguard.detector.core import DetectorConfig, Finding
 
 # ---------------------------------------------------------------------------------------------
 # per-rank and per-job state (small: __slots__ and fixed-size rings)

@@ -4,7 +4,7 @@ Three modules: this one (``step``, the periodic evaluation and record refreshes)
 ``detector.handlers`` (one handler per received event type) and ``detector.emit`` (a finding
 made an anomaly, and the job, rank and node an input names); the state is ``detector.state``'s.
 
-Everything that decides what the detector publishes is here, pure (``trainguard.reducer`` for
+Everything that decides what the detector publishes is here, pure (``trainguard.core.reducer`` for
 the inputs and effects): the service (``detector.service``) only subscribes, ticks and carries
 the effects out, and a table test or an offline replay drives ``step`` through ``run_offline``.
 
@@ -66,19 +66,19 @@ import logging
 import math
 
 from trainguard import schemas
-from trainguard.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Received, Released,
+from trainguard.core.reducer import (BusDown, BusUp, Call, Effect, Input, Log, Received, Released,
                                 Reply, Tick)
 from trainguard.schemas import JobRecord, subjects
 from trainguard.schemas.job import ENDED_STATUSES
 
-from .emit import emit, emit_node, job_of, node_of, node_timeout
-from .handlers import HANDLERS, launcher_beat  # noqa: F401 - launcher_beat re-exported
-from .memory import bus_back, forget_job, gc, index
-from .progress import (JobState, missing_member_rule, silence_rule, stall_rule, straggler_rule,
+from trainguard.detector.emit import emit, emit_node, job_of, node_of, node_timeout
+from trainguard.detector.handlers import HANDLERS, launcher_beat  # noqa: F401 - launcher_beat re-exported
+from trainguard.detector.memory import bus_back, forget_job, gc, index
+from trainguard.detector.progress import (JobState, missing_member_rule, silence_rule, stall_rule, straggler_rule,
                        throughput_rule)
-from .signals import NodeState, launcher_lost_rule, node_lost_rule
-from .state import DetectorServiceConfig, DetectorState  # re-exported: the reducer's types
-from .telemetry import cpu_context
+from trainguard.detector.signals import NodeState, launcher_lost_rule, node_lost_rule
+from trainguard.detector.state import DetectorServiceConfig, DetectorState  # re-exported: the reducer's types
+from trainguard.detector.telemetry import cpu_context
 
 __all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
            "launcher_beat", "TOPICS"]

@@ -18,12 +18,12 @@ live in three modules, one concept each:
 """
 from __future__ import annotations
 
-from .core import DetectorConfig, Finding
-from .progress import (SLOW_PHASES, JobState, RankState, learned_step_timeout,
+from trainguard.detector.core import DetectorConfig, Finding
+from trainguard.detector.progress import (SLOW_PHASES, JobState, RankState, learned_step_timeout,
                        missing_member_rule, nan_loss_rule, observe_heartbeat, p99,
                        phase_timeout, robust_z, silence_rule, stall_rule, straggler_rule,
                        straggler_scores, throughput_rule)
-from .signals import (COUNTER_RULES, FLAG_RULES, SIGNALS, THERMAL_NAME_WORDS,
+from trainguard.detector.signals import (COUNTER_RULES, FLAG_RULES, SIGNALS, THERMAL_NAME_WORDS,
                       THERMAL_REASON_BITS, NodeState, crash_rule, launcher_lost_rule, log_rule,
                       node_lost_rule, observe_node_heartbeat, pat_xid, save_failed_finding,
                       telemetry_rule, xid_finding_from_match, xid_rule)

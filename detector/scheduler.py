@@ -1,5 +1,5 @@
 """Rules over the scheduler's word: the Slurm watcher's ``slurm.node`` and ``slurm.job`` events
-(``schemas.slurm``, ``trainguard.slurm_watch``) as findings. Pure.
+(``schemas.slurm``, ``trainguard.scheduler.slurm.watch``) as findings. Pure.
 
 ``ROWS`` is the table: for each event type and change (and, for a drain, whose reason it is)
 the anomaly it makes, or none, and why. ``scheduler_row`` looks a row up; ``node_finding`` and
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from trainguard.schemas.slurm import JobChange, NodeChange, SlurmJobEvent, SlurmNodeEvent
 from trainguard.schemas.vocabulary import FaultClass, Layer
 
-from .core import Finding
+from trainguard.detector.core import Finding
 
 __all__ = ["SchedulerRow", "ROWS", "scheduler_row", "node_finding", "job_findings",
            "NODE_LOST_PATTERN", "DRAIN_KIND"]

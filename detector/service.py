@@ -10,21 +10,21 @@ generation) incident on ``tg.job.<job>.anomaly`` — fans node findings (node lo
 thermal, ECC counters) out to ``tg.node.<node>.anomaly`` and to every job with members on that
 node, and asks for the job records (membership, per-job timeouts, generation) every
 ``job_refresh_s``. The base class publishes, reads the records from Valkey and feeds the
-replies back (``trainguard.reducer``).
+replies back (``trainguard.core.reducer``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from trainguard.reducer_service import ReducerService
+from trainguard.services.live_reducer import ReducerService
 from trainguard.schemas import JobRecord
-from trainguard.service import ServiceConfig
+from trainguard.services.base import ServiceConfig
 
-from . import reducer
-from .core import DetectorConfig
-from .progress import JobState
-from .reducer import DetectorServiceConfig, DetectorState
-from .signals import NodeState
+from trainguard.detector import reducer
+from trainguard.detector.core import DetectorConfig
+from trainguard.detector.progress import JobState
+from trainguard.detector.reducer import DetectorServiceConfig, DetectorState
+from trainguard.detector.signals import NodeState
 
 __all__ = ["Detector", "DetectorServiceConfig", "DetectorConfig", "factory"]
 

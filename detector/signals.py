@@ -9,11 +9,11 @@ clock) where a rule needs one, and event timestamps (Unix ns) as ``ts``. Each ru
 from __future__ import annotations
 
 from trainguard.schemas.vocabulary import FaultClass, Layer
-from trainguard.xid import XidMatch, parse_xid_line, xid_info
+from trainguard.core.xid import XidMatch, parse_xid_line, xid_info
 
-from . import patterns as pat
-from .core import DetectorConfig, Finding
-from .telemetry import HostWindow
+from trainguard.detector import patterns as pat
+from trainguard.detector.core import DetectorConfig, Finding
+from trainguard.detector.telemetry import HostWindow
 
 # ---------------------------------------------------------------------------------------------
 # crash

@@ -8,9 +8,9 @@ from typing import Callable
 
 from trainguard.schemas import JobRecord
 
-from .core import DetectorConfig
-from .progress import JobState
-from .signals import NodeState
+from trainguard.detector.core import DetectorConfig
+from trainguard.detector.progress import JobState
+from trainguard.detector.signals import NodeState
 
 __all__ = ["DetectorServiceConfig", "DetectorState"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from trainguard.schemas.vocabulary import FaultClass, Layer
 
-from .core import DetectorConfig, Finding, TelemetryConfig
+from trainguard.detector.core import DetectorConfig, Finding, TelemetryConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Pages (paths relative to ``docs/``):
   their fields from ``schemas.json_schemas()`` (what ``trainguard schemas`` exports), the
   per-subject size bounds (``schemas.sizes.SIZE_LIMITS``) and the fault vocabulary
   (``schemas.vocabulary.VOCABULARY``).
-* ``reference/roles.md`` — ``trainguard.auth.ROLES``.
+* ``reference/roles.md`` — ``trainguard.security.auth.ROLES``.
 * ``reference/policy.md`` — the remediator's ``remediator.policy`` tables.
 * ``reference/environment.md`` — every ``TG_*`` environment variable, found by a scan of the
   source (``env_scan``): a ``TG_*`` string that the code reads from or writes into an
@@ -43,13 +43,13 @@ SCANNED = ("trainguard", "schemas", "agents", "detector", "attributor", "remedia
 #: Commands reached as ``python -m MODULE`` (not through ``trainguard <command>``), with the
 #: callable whose parser documents them.
 MODULE_COMMANDS = (
-    ("python -m trainguard.SERVICE", "trainguard.service",
+    ("python -m trainguard.SERVICE", "trainguard.services.base",
      lambda m: lambda argv: m.main(lambda cfg: None, argv)),
-    ("python -m trainguard.console", "trainguard.console", None),
-    ("python -m trainguard.rendezvous", "trainguard.rendezvous", None),
-    ("python -m trainguard.alerts", "trainguard.alerts", None),
-    ("python -m trainguard.canary", "trainguard.canary", None),
-    ("python -m trainguard.auth", "trainguard.auth", None),
+    ("python -m trainguard.tools.console", "trainguard.tools.console", None),
+    ("python -m trainguard.rendezvous.store", "trainguard.rendezvous.store", None),
+    ("python -m trainguard.services.alerts", "trainguard.services.alerts", None),
+    ("python -m trainguard.agents.canary", "trainguard.agents.canary", None),
+    ("python -m trainguard.security.auth", "trainguard.security.auth", None),
 )
 #: Subcommands a ``main`` dispatches on before it builds its parser: (shown name, command, argv).
 DISPATCHED = (("trainguard replay decide", "replay", ["decide"]),)
@@ -173,7 +173,7 @@ def cli_page() -> str:
             out += _parser_md(shown, parser, 4)
     out += ["## Modules run with `python -m`", "",
             "`SERVICE` is one of `detector`, `attributor`, `remediator`, "
-            "`checkpoint_validator`, `slurm_watch` (`trainguard.service.main`); `python -m "
+            "`checkpoint_validator`, `slurm_watch` (`trainguard.services.base.main`); `python -m "
             "trainguard.agents` is the node agent.", ""]
     for shown, module, wrap in MODULE_COMMANDS:
         mod = importlib.import_module(module)
@@ -251,10 +251,10 @@ def _codes(items) -> str:
 
 
 def roles_page() -> str:
-    from trainguard import auth
+    from trainguard.security import auth
 
-    out = [GENERATED_NOTE.format(src="trainguard.auth.ROLES"), "# Roles and rights", "",
-           "`trainguard.auth.ROLES`: the user every client connects as, what NATS lets it "
+    out = [GENERATED_NOTE.format(src="trainguard.security.auth.ROLES"), "# Roles and rights", "",
+           "`trainguard.security.auth.ROLES`: the user every client connects as, what NATS lets it "
            "publish and subscribe to, and its Valkey ACL rules. Per-job users "
            f"(`{auth.JOB_USER_PREFIX}NAME`) and per-node agents (`{auth.NODE_USER_PREFIX}NAME`) "
            "are the worker and agent rows narrowed to one job or node; see "

@@ -2,6 +2,6 @@
 ``remediator.reducer`` for what the service decides around it — claims, commit, exclusion,
 watchdog — and ``remediator.service`` for the service)."""
 
-from .policy import DEFAULT_POLICY, Policy, decide, escalate
+from trainguard.remediator.policy import DEFAULT_POLICY, Policy, decide, escalate
 
 __all__ = ["DEFAULT_POLICY", "Policy", "decide", "escalate"]

@@ -1,7 +1,7 @@
 """``python -m trainguard.remediator --nats-url URL --redis-url URL`` (or env NATS_URL / REDIS_URL)."""
-from trainguard.service import main
+from trainguard.services.base import main
 
-from .service import Remediator
+from trainguard.remediator.service import Remediator
 
 if __name__ == "__main__":
     main(Remediator)

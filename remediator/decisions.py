@@ -8,14 +8,14 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from trainguard.reducer import Call, Effect, Log, Publish, Reply, store
+from trainguard.core.reducer import Call, Effect, Log, Publish, Reply, store
 from trainguard.schemas import ActionResult, Decision, JobRecord, Verdict, subjects
 from trainguard.schemas.vocabulary import stronger
 
-from . import gate
-from . import policy as pol
-from . import progress
-from .model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
+from trainguard.remediator import gate
+from trainguard.remediator import policy as pol
+from trainguard.remediator import progress
+from trainguard.remediator.model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
                     FOLDED, decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
                     token_replica, update, verdict_key, verdict_token, without_pending)
 

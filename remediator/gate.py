@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from trainguard.reducer import Effect, Log, Publish, Reply, store
+from trainguard.core.reducer import Effect, Log, Publish, Reply, store
 from trainguard.schemas import BreakerChanged, Decision, subjects
 
-from . import breaker as br
-from . import holds
-from .model import Out, RemediatorState, Work, owner_of, update
+from trainguard.remediator import breaker as br
+from trainguard.remediator import holds
+from trainguard.remediator.model import Out, RemediatorState, Work, owner_of, update
 
 #: compare-and-set tries of one decision's breaker write before it is held (fail closed)
 PUT_TRIES = 10

@@ -28,9 +28,9 @@ from typing import Any
 from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.vocabulary import Action, FaultClass
 
-from . import plan as pol
-from .policy_table import DEFAULT_POLICY, Policy
-from .world import ranks_on
+from trainguard.remediator import plan as pol
+from trainguard.remediator.policy_table import DEFAULT_POLICY, Policy
+from trainguard.remediator.world import ranks_on
 
 __all__ = ["no_node_decision", "shared_cause_words"]
 

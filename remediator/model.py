@@ -7,12 +7,12 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from trainguard.reducer import Effect, store
+from trainguard.core.reducer import Effect, store
 from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.job import ENDED_STATUSES
 
-from . import breaker as br
-from . import policy as pol
+from trainguard.remediator import breaker as br
+from trainguard.remediator import policy as pol
 
 #: job record statuses of a run that is over: its lingering anomalies decide nothing
 #: (``requeued``: the scheduler restarts the job, whose launchers start a new run)
@@ -154,7 +154,7 @@ Out = tuple[RemediatorState, list[Effect]]
 
 # ---- helpers ------------------------------------------------------------------------------------
 def in_flight(state: RemediatorState) -> frozenset[str]:
-    """Ids of the verdicts whose chain is in flight (``trainguard.reducer``'s ``in_flight``):
+    """Ids of the verdicts whose chain is in flight (``trainguard.core.reducer``'s ``in_flight``):
     claimed or not yet, waiting on a reply, a retry of a failed state-store call, or the node
     controller. A verdict leaves it once decided and carried out, folded, ignored or given up."""
     return frozenset(w.verdict.event_id for w in state.work.values() if w.verdict is not None)

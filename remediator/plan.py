@@ -15,9 +15,9 @@ from trainguard.schemas import Decision, JobRecord, Member, Verdict
 from trainguard.schemas.vocabulary import (Action, FaultClass, Layer, first_error_line, signature,
                                            stronger)
 
-from . import progress
-from .policy_table import CONFIDENCE, DEFAULT_POLICY, RECOVERY_ACTIONS, Migration, Policy, Rule
-from .world import new_world, nodes_of, ranks_on
+from trainguard.remediator import progress
+from trainguard.remediator.policy_table import CONFIDENCE, DEFAULT_POLICY, RECOVERY_ACTIONS, Migration, Policy, Rule
+from trainguard.remediator.world import new_world, nodes_of, ranks_on
 
 A, F, L = Action, FaultClass, Layer
 

@@ -56,11 +56,11 @@ from __future__ import annotations
 from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.vocabulary import Action
 
-from . import holds
+from trainguard.remediator import holds
 # the steps and the tables are plan's and policy_table's; re-exported as the policy's own names
-from .plan import (CHECKS, escalate, fault_generation, fault_step, new_world, plan,  # noqa: F401
+from trainguard.remediator.plan import (CHECKS, escalate, fault_generation, fault_step, new_world, plan,  # noqa: F401
                    planned_migration, pod_restart, rule_for, table_action, with_defaults)
-from .policy_table import (ACTING_WARNINGS, ACTION_ALIASES, CONFIDENCE,  # noqa: F401
+from trainguard.remediator.policy_table import (ACTING_WARNINGS, ACTION_ALIASES, CONFIDENCE,  # noqa: F401
                            DEFAULT_POLICY, DEFAULT_RULE, ESCALATIONS, FACT_RULES, MIGRATIONS,
                            POD_RESTARTS, RECOVERY_ACTIONS, TABLE, WATCHDOG_LADDER, Escalation,
                            FactRule, Migration, PodRestart, Policy, Rule)

@@ -1,6 +1,6 @@
 """The remediator as a reducer: verdict → decision, idempotency, audit, exclusion, watchdog. Pure.
 
-``step(state, input, now) -> (state, effects)`` (``trainguard.reducer``). ``now`` is the service
+``step(state, input, now) -> (state, effects)`` (``trainguard.core.reducer``). ``now`` is the service
 clock in seconds (watchdog deadlines); wall-clock fields (a decision's ``ts``, audit ``ts``,
 ``pending_decision.deadline_ns``) are the inputs' ``wall_ns`` (Unix ns). Call targets:
 ``"state"`` (the ``StateStore``) and ``"controller"`` (the node controller).
@@ -82,14 +82,14 @@ import logging
 from dataclasses import replace
 
 from trainguard import schemas
-from trainguard.reducer import (BusUp, Call, Effect, Gained, Input, Log, Received, Released,
+from trainguard.core.reducer import (BusUp, Call, Effect, Gained, Input, Log, Received, Released,
                                 Reply, Tick, store)
 from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict
 
-from . import decisions as d
-from . import gate
-from . import watchdog as wd
-from .model import (Out, Pending, RemediatorConfig, RemediatorState, Work, count_outbox,
+from trainguard.remediator import decisions as d
+from trainguard.remediator import gate
+from trainguard.remediator import watchdog as wd
+from trainguard.remediator.model import (Out, Pending, RemediatorConfig, RemediatorState, Work, count_outbox,
                     done, in_flight, update, without_pending)
 
 __all__ = ["RemediatorConfig", "RemediatorState", "Pending", "Work", "step", "in_flight"]

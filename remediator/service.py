@@ -6,9 +6,9 @@ Subscribes ``tg.job.*.verdict``, ``tg.job.*.action`` and ``tg.job.*.recovery``; 
 decisions on ``tg.job.<job>.decision`` and the controller's exclusions on
 ``tg.job.<job>.action``. What it decides (claims, fold or escalate, the commit, the exclusion,
 the watchdog, the re-arm after a restart) is the reducer ``remediator.reducer.step``; this
-module wires it to the bus (``trainguard.reducer.ReducerService``) with two call targets:
+module wires it to the bus (``trainguard.core.reducer.ReducerService``) with two call targets:
 ``"state"`` (the ``StateStore``) and ``"controller"`` (the node controller of
-``RemediatorConfig.controller``, ``trainguard.controllers``, unless one is passed in).
+``RemediatorConfig.controller``, ``trainguard.scheduler.local``, unless one is passed in).
 
 Pending decisions live in the job record (``pending_decision``), so a restarted remediator
 re-arms them (the first tick, fed in ``setup`` before any subscription) and, because every
@@ -23,14 +23,14 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from trainguard.controllers import NodeController, make_controller
-from trainguard.reducer import Tick
-from trainguard.reducer_service import ReducerService
+from trainguard.scheduler.local import NodeController, make_controller
+from trainguard.core.reducer import Tick
+from trainguard.services.live_reducer import ReducerService
 from trainguard.schemas import Decision
-from trainguard.service import ServiceConfig
+from trainguard.services.base import ServiceConfig
 
-from . import breaker, reducer
-from .reducer import RemediatorConfig, RemediatorState
+from trainguard.remediator import breaker, reducer
+from trainguard.remediator.reducer import RemediatorConfig, RemediatorState
 
 __all__ = ["Remediator", "RemediatorConfig"]
 
@@ -117,7 +117,7 @@ class Remediator(ReducerService[RemediatorState]):
                 "would_trip_ts": st.would_trip_ts, "window_s": cfg.window_s}
 
     def metric_families(self):
-        """``/metrics`` gauges of the fleet breaker (``trainguard.metrics.mount``)."""
+        """``/metrics`` gauges of the fleet breaker (``trainguard.services.metrics.mount``)."""
         from prometheus_client.core import GaugeMetricFamily
         b = self.breaker()
         rows = (("tg_breaker_tripped", "1 while the fleet breaker holds node-taking actions",

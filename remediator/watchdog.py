@@ -7,13 +7,13 @@ import logging
 from dataclasses import replace
 
 from trainguard import schemas
-from trainguard.reducer import Effect, Log, Reply, store
+from trainguard.core.reducer import Effect, Log, Reply, store
 from trainguard.schemas import ActionResult, Decision, JobRecord, TrainingResumed
 
-from . import gate
-from . import policy as pol
-from .decisions import claim_call, commit
-from .model import (Out, Pending, RemediatorState, Work, count, done, stamp, start, update,
+from trainguard.remediator import gate
+from trainguard.remediator import policy as pol
+from trainguard.remediator.decisions import claim_call, commit
+from trainguard.remediator.model import (Out, Pending, RemediatorState, Work, count, done, stamp, start, update,
                     without_pending)
 
 

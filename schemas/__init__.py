@@ -13,9 +13,9 @@ from typing import Any
 import msgpack
 from pydantic import ValidationError
 
-from . import sizes, subjects, vocabulary
-from .base import SCHEMA_VERSION, Event, new_event_id, new_traceparent
-from .checkpoint import (
+from trainguard.schemas import sizes, subjects, vocabulary
+from trainguard.schemas.base import SCHEMA_VERSION, Event, new_event_id, new_traceparent
+from trainguard.schemas.checkpoint import (
     CheckpointInvalid,
     CheckpointRequest,
     CheckpointRequestDone,
@@ -23,7 +23,7 @@ from .checkpoint import (
     CheckpointSaveFailed,
     CheckpointValidated,
 )
-from .decision import (
+from trainguard.schemas.decision import (
     ActionResult,
     Anomaly,
     Culprit,
@@ -31,9 +31,9 @@ from .decision import (
     Member,
     Verdict,
 )
-from .breaker import BreakerChanged, BreakerState
-from .job import JobRecord, JobRecordError, JobSettings
-from .vocabulary import (
+from trainguard.schemas.breaker import BreakerChanged, BreakerState
+from trainguard.schemas.job import JobRecord, JobRecordError, JobSettings
+from trainguard.schemas.vocabulary import (
     ACTIONS,
     FAULT_CLASSES,
     LAYERS,
@@ -45,9 +45,9 @@ from .vocabulary import (
     signature,
     stronger,
 )
-from .node import GpuSample, NodeHeartbeat, NodeTelemetry, XidEvent
-from .slurm import SlurmJobEvent, SlurmNodeEvent
-from .worker import (
+from trainguard.schemas.node import GpuSample, NodeHeartbeat, NodeTelemetry, XidEvent
+from trainguard.schemas.slurm import SlurmJobEvent, SlurmNodeEvent
+from trainguard.schemas.worker import (
     PHASES,
     LogLine,
     RankHeartbeat,

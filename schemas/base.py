@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidato
 from pydantic.types import FailFast
 from pydantic_core import PydanticCustomError
 
-from .subjects import MAX_TOKEN_CHARS, job_name
+from trainguard.schemas.subjects import MAX_TOKEN_CHARS, job_name
 
 SCHEMA_VERSION = 1
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import Entries, Event, Items
+from trainguard.schemas.base import Entries, Event, Items
 
 __all__ = ["BreakerState", "BreakerChanged", "CLOSED", "TRIPPED", "decode_breaker",
            "encode_breaker"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Event, Items
+from trainguard.schemas.base import Event, Items
 
 
 class CheckpointSaved(Event):
@@ -61,8 +61,8 @@ class CheckpointSaveFailed(Event):
 
 class CheckpointRequest(Event):
     """Ask every rank of a job for a checkpoint at the next step boundary they can agree on
-    (``trainguard.ckpt_request``). Subject ``tg.job.<job>.control``; published by the
-    remediator role (the Kubernetes drain handshake, ``trainguard.k8s.drain``).
+    (``trainguard.rank.checkpoint_requests``). Subject ``tg.job.<job>.control``; published by the
+    remediator role (the Kubernetes drain handshake, ``trainguard.scheduler.k8s.drain``).
 
     ``request_id`` — names the request (the ranks meet under it in the rendezvous store);
     ``reason`` — why, for logs and the audit trail; ``hold_s`` — seconds every rank waits at the

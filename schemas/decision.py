@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from .base import Entries, Event, Items
-from .subjects import MAX_TOKEN_CHARS
+from trainguard.schemas.base import Entries, Event, Items
+from trainguard.schemas.subjects import MAX_TOKEN_CHARS
 
 
 class Culprit(BaseModel):

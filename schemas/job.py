@@ -12,7 +12,7 @@ Three parts, each with its writers:
   waits on: the remediator (``StateStore.commit_decision``, ``clear_pending``);
 * **scheduler state** — what Slurm says of the job's allocation (its state, nodes, partition,
   restart count, the comment's directive or why it is invalid): the Slurm watcher
-  (``StateStore.register_slurm_job``; ``trainguard.slurm_watch``), which also sets
+  (``StateStore.register_slurm_job``; ``trainguard.scheduler.slurm.watch``), which also sets
   ``slurm_job_id`` where no launcher set it yet.
 
 The launchers' leases are not in the hash: they are the sorted set ``tg:job:<job>:launchers``

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from .base import Entries, Event, Items
+from trainguard.schemas.base import Entries, Event, Items
 
 
 class GpuSample(BaseModel):

@@ -3,7 +3,7 @@
 only through ``StateStore.add_offence`` and ``StateStore.set_probation``, both atomic).
 
 The score is stored as its value ``score`` at ``score_ns`` (Unix ns); its value at a later time
-decays with a half-life (``trainguard.reputation.decayed``), so nothing has to rewrite the hash
+decays with a half-life (``trainguard.core.reputation.decayed``), so nothing has to rewrite the hash
 for the score to fall. ``evidence`` (the list) keeps the last ``EVIDENCE_KEPT`` offences, newest
 last, each ``{"key", "job", "reason", "weight", "ts_ns"}``; the members of the set
 ``tg:rep:<node>:keys`` are the offence keys counted already (one per job generation and node),

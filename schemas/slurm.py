@@ -19,7 +19,7 @@ could not. Other members of the comment's object are left alone (other tools may
   (``JobChange.DIRECTIVE_INVALID``, a log line) and the job stays in observe mode; the launcher
   prints it and launches in observe mode.
 
-**The events** (the Slurm watcher, ``trainguard.slurm_watch``, diffing successive
+**The events** (the Slurm watcher, ``trainguard.scheduler.slurm.watch``, diffing successive
 ``squeue --json`` / ``sinfo --json`` snapshots):
 
 * ``SlurmNodeEvent`` on ``tg.node.<node>.slurm`` — a node of a watched job's allocation became
@@ -40,8 +40,8 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import Entries, Event, Items
-from .subjects import token
+from trainguard.schemas.base import Entries, Event, Items
+from trainguard.schemas.subjects import token
 
 __all__ = ["DIRECTIVE_KEY", "DIRECTIVE_FIELDS", "DirectiveField", "SlurmDirective",
            "DirectiveError", "parse_directive", "directive_or_default", "TRAINGUARD_REASON",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import field_validator
 
-from .base import Event
+from trainguard.schemas.base import Event
 
 #: Phases a rank reports; each has its own hang allowance in the detector.
 PHASES = ("startup", "train", "checkpoint", "recovery", "compile", "eval", "done")
@@ -25,7 +25,7 @@ class RankHeartbeat(Event):
     * ``phase`` — one of ``PHASES``;
     * ``generation`` — restart generation of the process group the rank is in;
     * ``collective_seq`` — under ``trainguard.run``: number of training steps whose collectives
-      were entered; under the hooks of an unmodified script (``trainguard.hooks``): number of
+      were entered; under the hooks of an unmodified script (``trainguard.rank.hooks``): number of
       collectives entered (the script's ``torch.distributed`` calls and DDP's gradient buckets);
     * ``collectives_completed`` — how many of those collectives completed (the hooks only; None
       from the shim and from older senders): a rank with ``collective_seq`` above it waits

@@ -21,7 +21,7 @@ def wait_for(fn, timeout: float, every: float = 0.1):
 
 def audit(c, job: str) -> list[dict]:
     """The audit trail of ``job`` in the cluster ``c``'s state store."""
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def _q():
         st = StateStore(c.stack.redis_url)

@@ -58,7 +58,7 @@ def servers():
                 f"nats://{nats_c.get_container_host_ip()}:{nats_c.get_exposed_port(4222)}",
                 f"redis://{redis_c.get_container_host_ip()}:{redis_c.get_exposed_port(6379)}")
         return
-    from trainguard.embedded import EmbeddedServers
+    from trainguard.stack.embedded import EmbeddedServers
 
     s = EmbeddedServers()  # its own servers: it never reads NATS_URL/REDIS_URL
     s.start()

@@ -20,8 +20,8 @@ from trainguard.agents import KERNEL_KIND, AgentConfig, NodeAgent
 from trainguard.agents.kernel_log import KernelLogConfig
 from trainguard.agents.nvml import NvmlConfig
 from trainguard.schemas import LogLine, NodeHeartbeat, NodeTelemetry, XidEvent, subjects
-from trainguard.bus import Bus
-from trainguard.service import ServiceConfig, health_subject
+from trainguard.clients.bus import Bus
+from trainguard.services.base import ServiceConfig, health_subject
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "agent"))
 import fake_pynvml as fk  # noqa: E402

@@ -8,11 +8,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from trainguard import schemas
-from trainguard.alerts import AlertState, Alerts, Webhook, WebhookError, payload, step
-from trainguard.bus import Bus
-from trainguard.reducer import Call, Received, Reply, run_offline
+from trainguard.services.alerts import AlertState, Alerts, Webhook, WebhookError, payload, step
+from trainguard.clients.bus import Bus
+from trainguard.core.reducer import Call, Received, Reply, run_offline
 from trainguard.schemas import subjects
-from trainguard.service import ServiceConfig
+from trainguard.services.base import ServiceConfig
 
 
 def dec(action, key="j:g1", execute=True, nodes=("node1",)):

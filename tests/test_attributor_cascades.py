@@ -12,7 +12,7 @@ from trainguard.attributor import incidents
 from trainguard.attributor.decide import AttributorConfig, decide
 from trainguard.attributor.incidents import AttributorState
 from trainguard.detector import rules
-from trainguard.reducer import Publish, Received, Tick, run_offline
+from trainguard.core.reducer import Publish, Received, Tick, run_offline
 from trainguard.remediator import policy as pol
 from trainguard.schemas import JobRecord, subjects
 

@@ -9,7 +9,7 @@ from trainguard import schemas
 from trainguard.attributor import incidents
 from trainguard.attributor.decide import AttributorConfig
 from trainguard.attributor.incidents import AttributorState
-from trainguard.reducer import Call, Log, Publish, Received, Tick, run_offline
+from trainguard.core.reducer import Call, Log, Publish, Received, Tick, run_offline
 from trainguard.schemas import subjects
 
 WALL = 1_700_000_000 * 10**9  # Unix ns of the inputs

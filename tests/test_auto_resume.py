@@ -1,4 +1,4 @@
-"""``trainguard.auto_resume`` and ``trainguard.integrations.checkpoints`` with real Lightning
+"""``trainguard.rank.auto_resume`` and ``trainguard.rank.framework_checkpoints`` with real Lightning
 and Hugging Face Trainers in this process (one device, no launcher): in a restart generation a
 ``fit``/``train`` given no checkpoint resumes from the newest complete one, skipping incomplete
 ones (zero-byte, truncated) with a line that says why; not on a first start, not when turned
@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
-from trainguard import auto_resume  # noqa: E402
-from trainguard.integrations.checkpoints import (checkpoint_complete,  # noqa: E402
+from trainguard.rank import auto_resume  # noqa: E402
+from trainguard.rank.framework_checkpoints import (checkpoint_complete,  # noqa: E402
                                                  newest_hf_checkpoint,
                                                  newest_lightning_checkpoint)
 

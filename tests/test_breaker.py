@@ -237,13 +237,13 @@ def test_progress_resets_the_count():
 
 
 def test_the_remediator_exports_the_breaker_as_gauges():
-    """``/metrics`` of the remediator (``trainguard.metrics.mount`` registers
+    """``/metrics`` of the remediator (``trainguard.services.metrics.mount`` registers
     ``metric_families``): tripped, nodes taken in the window, limit, known nodes, held."""
     import time
     from dataclasses import replace
 
     from trainguard.remediator.service import Remediator, RemediatorConfig
-    from trainguard.service import ServiceConfig
+    from trainguard.services.base import ServiceConfig
 
     svc = Remediator(ServiceConfig(nats_url="nats://127.0.0.1:1", redis_url="redis://127.0.0.1:1"),
                      RemediatorConfig(breaker=CFG))

@@ -10,9 +10,9 @@ import time
 import urllib.error
 import urllib.request
 
-from trainguard.embedded import free_port
+from trainguard.stack.embedded import free_port
 from trainguard.schemas import BreakerState
-from trainguard.state import StateStore
+from trainguard.clients.store import StateStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRIPPED = BreakerState(status="tripped", tripped_ts=time.time_ns(), held=3,
@@ -51,7 +51,7 @@ def cli(redis_url, *args):
 def test_breaker_through_the_console_and_the_command(redis_db):
     seed(redis_db, TRIPPED)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--redis-url", redis_db,
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.tools.console", "--redis-url", redis_db,
                              "--port", str(port)], env={**os.environ, "PYTHONPATH": ROOT},
                             stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"

@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import json
 
-from trainguard import breaker_cli
-from trainguard.bus import Bus
+from trainguard.tools import breaker as breaker_cli
+from trainguard.clients.bus import Bus
 from trainguard.remediator.breaker import BreakerConfig
 from trainguard.remediator.service import Remediator, RemediatorConfig
 from trainguard.schemas import BreakerChanged, Decision, Verdict, subjects
-from trainguard.service import ServiceConfig, health_subject
-from trainguard.state import StateStore
+from trainguard.services.base import ServiceConfig, health_subject
+from trainguard.clients.store import StateStore
 
 from test_remediator_service import wait_for
 

@@ -6,7 +6,7 @@ import time
 import msgpack
 
 from trainguard import schemas
-from trainguard.bus import Bus, ThreadedBus
+from trainguard.clients.bus import Bus, ThreadedBus
 
 
 async def test_delivery_and_dead_letter(servers):

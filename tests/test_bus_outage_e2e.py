@@ -68,7 +68,7 @@ def _job(tmp_path, job: str, steps: int, mode: tuple[str, ...] = ()):
     """A 2-rank job of ``_SCRIPT`` (``steps`` steps) under ``trainguard launch`` on a stack of
     its own: yields ``(stack, launcher, its output file, the progress directory)`` once both
     ranks are at step 30; the launcher (SIGTERM) and the stack are stopped at the end."""
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     progress = tmp_path / "progress"
     progress.mkdir()
@@ -139,7 +139,7 @@ def test_observe_mode_trains_through_a_control_plane_outage_longer_than_the_leas
     moved the ranks, and the job trains on to its end, exit 0, as under torchrun. It used to
     fence itself and stop every rank (exit 1; found by a new user's trial restarting
     `trainguard up`)."""
-    from trainguard.launcher_lease import JobLease
+    from trainguard.launch.lease import JobLease
 
     with _job(tmp_path, "observe-outage", 600) as (stack, launcher, out, progress):
         with _stopped(*(stack._servers._server(k).proc for k in ("nats", "valkey"))):

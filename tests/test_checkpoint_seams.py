@@ -21,7 +21,7 @@ from trainguard.checkpoint.plan import (PlanError, ShardLayout, StagedItem, make
                                         new_plan_id)
 from trainguard.checkpoint.restorer import Restorer, choose_checkpoint, loss_matches
 from trainguard.checkpoint.statedict import get_state
-from trainguard.worker import WorkerConfig
+from trainguard.rank.shim import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +103,7 @@ def test_restorer_passes_over_what_a_generation_wrote_after_it_ended(tmp_path, r
     0 written after the exclusion (which ended generation 0) are passed over, valid as they
     are; the end comes from the job record (``bump_generation``, a real Valkey)."""
     from trainguard.checkpoint.index import fetch_generation_ends
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     root = os.path.abspath(str(tmp_path / "ckpt"))
     m, o = _model()
@@ -259,7 +259,7 @@ async def test_the_shipped_recovery_check_uses_the_configured_tolerance(servers,
     """``trainguard.run`` publishes ``recovery.verified`` with the Checkpointer's
     ``loss_tolerance``: a loss 30 % off the saved one fails a 10 % tolerance (it passed the
     hard-coded 0.5 before)."""
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
     from trainguard.schemas import subjects
 
     job, root = "seam-tol", str(tmp_path / "ckpt")

@@ -54,7 +54,7 @@ def _exclusion(c, job):
 
 
 def _schedule(tmp_path, text):
-    from trainguard import fault_schedule
+    from trainguard.core import fault_schedule
 
     path = tmp_path / "faults.yaml"
     path.write_text(text)

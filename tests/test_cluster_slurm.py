@@ -73,7 +73,7 @@ def _exclusion(c, job):
 
 
 def _record(c, job):
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def _q():
         st = StateStore(c.stack.redis_url)
@@ -94,7 +94,7 @@ def _common_step(recs, gen):
 def _cancel(c, job, jid):
     """End the test's job: marked finished first, so that trainguard reads the silence of the
     launchers that ``scancel`` kills as the end of the job, not as lost nodes."""
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def _fin():
         st = StateStore(c.stack.redis_url)
@@ -143,7 +143,7 @@ def _give_back(c, node):
 
 def test_power_off_with_a_spare_node_under_sbatch(cluster):
     from trainguard.cluster import training_again
-    from trainguard.slurm_commands import slurm_drain_command
+    from trainguard.scheduler.slurm.commands import slurm_drain_command
 
     c, job = cluster, "s-spare"
     jid = _submit(c, job, spares=1)

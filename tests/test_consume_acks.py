@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from trainguard.consume import (ACK_BATCH_N, ACK_BATCH_S, ACKS, BatchedAcks, batched_acks,
+from trainguard.services.durable import (ACK_BATCH_N, ACK_BATCH_S, ACKS, BatchedAcks, batched_acks,
                                 consumer_name, durable_subscribe)
 
 
@@ -104,7 +104,7 @@ async def _info(js, stream: str, name: str):
 def own_nats(tmp_path):
     """A NATS server of this test's own: its stream takes the heartbeat subjects, which the
     session's shared server's TG_TELEMETRY may hold already (the full suite creates it)."""
-    from trainguard.embedded import EmbeddedServers
+    from trainguard.stack.embedded import EmbeddedServers
 
     with EmbeddedServers(auth=False, data_dir=tmp_path / "own") as srv:
         yield srv
@@ -114,7 +114,7 @@ async def test_ack_all_of_the_newest_acks_every_earlier_and_an_explicit_consumer
         own_nats):
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
 
     bus = await Bus(own_nats.nats_url, "test-acks").connect()
     js = bus.nc.jetstream()

@@ -13,7 +13,7 @@ from trainguard import schemas
 from trainguard.detector.reducer import (DetectorServiceConfig, DetectorState, launcher_beat,
                                          node_timeout, refresh_calls, step)
 from trainguard.detector.rules import DetectorConfig
-from trainguard.reducer import Call, Log, Publish, Received, Reply, Tick, run_offline
+from trainguard.core.reducer import Call, Log, Publish, Received, Reply, Tick, run_offline
 from trainguard.schemas import JobRecord, subjects
 
 T0 = 100.0

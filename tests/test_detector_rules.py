@@ -340,7 +340,7 @@ LINES = [
      "checkpoint_corrupt", False),
     ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
      "rendezvous_timeout", "rendezvous", False),
-    ("trainguard.rendezvous.RendezvousError: rendezvous of generation 2: 1/2 ranks arrived "
+    ("trainguard.rendezvous.store.RendezvousError: rendezvous of generation 2: 1/2 ranks arrived "
      "after 120s", "rendezvous_timeout", "rendezvous", False),
     ("iteration 1200 | lm loss: nan | grad norm: nan", "nan_loss", "nan_loss", False),
     ("[deepspeed] OVERFLOW! Current loss scale already at minimum - cannot decrease scale anymore",

@@ -12,9 +12,9 @@ from trainguard.attributor.service import Attributor
 from trainguard.detector.rules import DetectorConfig
 from trainguard.detector.service import Detector, DetectorServiceConfig
 from trainguard.schemas import subjects
-from trainguard.bus import Bus
-from trainguard.service import ServiceConfig
-from trainguard.state import StateStore
+from trainguard.clients.bus import Bus
+from trainguard.services.base import ServiceConfig
+from trainguard.clients.store import StateStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ from trainguard import schemas
 from trainguard.detector import telemetry as tel
 from trainguard.detector.core import DetectorConfig, Finding
 from trainguard.detector.reducer import DetectorState, step
-from trainguard.reducer import Publish, Received
+from trainguard.core.reducer import Publish, Received
 from trainguard.schemas import JobRecord, subjects
 
 CFG = DetectorConfig()

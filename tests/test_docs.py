@@ -68,7 +68,7 @@ def test_readme_keeps_the_quick_start():
 
 def test_cli_reference_walks_the_real_parsers():
     gen = _gen()
-    from trainguard import launch_args
+    from trainguard.launch import args as launch_args
 
     p = gen.capture_parser(lambda argv: launch_args.build_parser("x").parse_args(argv), [])
     flags = {s for a in p._actions for s in a.option_strings}
@@ -111,7 +111,8 @@ def test_mkdocs_strict_build(tmp_path):
     # the generated reference is in the site, from the code's tables
     cli_html = (site / "reference/cli/index.html").read_text()
     assert "trainguard launch" in cli_html and "--nproc-per-node" in cli_html
-    from trainguard import auth, schemas
+    from trainguard import schemas
+    from trainguard.security import auth
     from trainguard.remediator import policy
 
     roles_html = (site / "reference/roles/index.html").read_text()

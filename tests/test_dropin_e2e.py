@@ -49,7 +49,7 @@ _STARTED = re.compile(r"rank (\d+) \(local \d+\) started as pid (\d+) at generat
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator"),
@@ -183,7 +183,7 @@ def runs():
 
 def events(stack, job: str, kind: str) -> list[dict]:
     """The events JetStream kept on ``tg.job.<job>.<kind>``, oldest first."""
-    from trainguard.replay import history
+    from trainguard.tools.replay import history
 
     buf = io.StringIO()
     asyncio.run(history(stack.nats_url, buf, subject=f"tg.job.{job}.{kind}"))
@@ -249,7 +249,7 @@ def _ppid(pid: int) -> int:
 
 def test_the_spares_template_killed_by_hand_takes_its_ranks_and_the_job_recovers_cold(
         stack, tmp_path, runs):
-    """The ranks are the template's children (trainguard.forkserver): SIGKILL of the template
+    """The ranks are the template's children (trainguard.launch.forkserver): SIGKILL of the template
     ends them too (PR_SET_PDEATHSIG); the launcher recovers as from any rank fault, from spares
     started cold while a new template warms."""
     run = Run(tmp_path, _job("template"))
@@ -372,7 +372,7 @@ def test_a_second_launch_under_another_node_name_is_refused_and_harms_nothing(
     and gives its lease back; the job trains on to its end. It used to take the ranks' entries
     in the job record and start a second copy of them, which met the running job's rendezvous
     and hung (found by a new user's trial)."""
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     run = Run(tmp_path, _job("dup"), epochs=12)
     runs.append(run)
@@ -407,7 +407,7 @@ def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, run
     runs.append(run)
     tg = run.launch(None, argv, "trainguard")
     before = run.wait_epoch(2, FAULT_EPOCH, 180)
-    # the ranks were forked from the node's warm template (trainguard.forkserver), a child of
+    # the ranks were forked from the node's warm template (trainguard.launch.forkserver), a child of
     # the launcher
     for rec in before.values():
         ppid = _ppid(rec["pid"])

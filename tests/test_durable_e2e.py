@@ -14,14 +14,14 @@ import time
 import pytest
 
 from trainguard import schemas
-from trainguard.bus import Bus
-from trainguard.consume import replay
-from trainguard.embedded import EmbeddedServers
-from trainguard.membership import job_owner
-from trainguard.partitions import configured as partition_count
+from trainguard.clients.bus import Bus
+from trainguard.services.durable import replay
+from trainguard.stack.embedded import EmbeddedServers
+from trainguard.services.membership import job_owner
+from trainguard.core.partitions import configured as partition_count
 from trainguard.schemas import Verdict, subjects
-from trainguard.service import health_subject
-from trainguard.state import StateStore
+from trainguard.services.base import health_subject
+from trainguard.clients.store import StateStore
 
 MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
            {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
@@ -372,7 +372,7 @@ async def test_a_heartbeat_consumer_of_explicit_acks_is_replaced_by_one_acking_i
     handles heartbeats and leaves none unacked once a batch is due."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    from trainguard.consume import ACK_BATCH_S, consumer_name, deliver_subject
+    from trainguard.services.durable import ACK_BATCH_S, consumer_name, deliver_subject
 
     bus = await Bus(secured.nats_url, "test").connect()  # admin
     js = bus.nc.jetstream()

@@ -1,4 +1,4 @@
-"""What an executed decision means for one node's ranks (``trainguard.executor.plan_node``) and
+"""What an executed decision means for one node's ranks (``trainguard.core.recovery_plan.plan_node``) and
 for one rank (``plan_rank``): the executor table of docs/protocol.md, with and without ranks that
 rejoin in process. The table's rows are read from the doc: every row is tested here, and a row
 added to the doc without a test here fails ``test_every_row_of_the_doc_is_tested``."""
@@ -11,7 +11,7 @@ import pytest
 
 from trainguard import schemas
 from trainguard.schemas import Member
-from trainguard.executor import (EXIT_STOPPED, LocalRank, RankAction, ThisRank, plan_node,
+from trainguard.core.recovery_plan import (EXIT_STOPPED, LocalRank, RankAction, ThisRank, plan_node,
                                  plan_rank)
 
 NODE = "n0"

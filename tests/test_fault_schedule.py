@@ -1,5 +1,5 @@
-"""The fault schedule (``trainguard.fault_schedule``): what parses, what is refused and how;
-``trainguard launch --faults`` reading it; the rank side (``trainguard.fault_inject``) firing a
+"""The fault schedule (``trainguard.core.fault_schedule``): what parses, what is refused and how;
+``trainguard launch --faults`` reading it; the rank side (``trainguard.rank.fault_inject``) firing a
 fault once at its step; the launcher fencing itself when its lease is lost."""
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import sys
 
 import pytest
 
-from trainguard import fault_inject, fault_schedule
-from trainguard.fault_schedule import FaultScheduleError
+from trainguard.rank import fault_inject
+
+from trainguard.core import fault_schedule
+from trainguard.core.fault_schedule import FaultScheduleError
 
 
 def test_every_kind_parses_with_its_fields(tmp_path):
@@ -79,7 +81,7 @@ def test_bad_files_are_refused(tmp_path):
 
 
 def test_launch_reads_the_schedule_and_refuses_a_bad_one(tmp_path, capsys):
-    from trainguard.launcher import parse_args
+    from trainguard.launch.launcher import parse_args
 
     script = tmp_path / "train.py"
     script.write_text("print(1)\n")
@@ -119,7 +121,7 @@ def test_a_rank_fault_fires_once_at_its_step(tmp_path, monkeypatch):
 
 
 def test_sigkill_and_hang_are_real_signals(tmp_path):
-    code = ("import trainguard.fault_inject as f\nfor s in range(10):\n    f.at_step(0, s)\n"
+    code = ("import trainguard.rank.fault_inject as f\nfor s in range(10):\n    f.at_step(0, s)\n"
             "print('survived')\n")
     for kind, sig in (("sigkill", signal.SIGKILL), ("hang", signal.SIGSTOP)):
         env = {**os.environ, "TG_FAULTS_DIR": str(tmp_path / kind), "TG_FAULTS": json.dumps(
@@ -138,7 +140,7 @@ def test_sigkill_and_hang_are_real_signals(tmp_path):
 def test_a_launcher_that_lost_its_lease_fences_itself():
     from test_launcher_loop import _loop  # the stub pool, lease and bus: no processes
 
-    from trainguard.launcher_loop import LaunchState, LeaseLost
+    from trainguard.launch.loop import LaunchState, LeaseLost
 
     loop = _loop(mode="action")
     loop.handle(LeaseLost(10.4))
@@ -151,7 +153,7 @@ def test_in_observe_mode_a_lost_lease_stops_nothing():
     out of reach (a stack restarted for 20 s) leaves training as it is, as under torchrun."""
     from test_launcher_loop import _loop
 
-    from trainguard.launcher_loop import LaunchState, LeaseLost
+    from trainguard.launch.loop import LaunchState, LeaseLost
 
     loop = _loop(mode="observe")
     loop.handle(LeaseLost(20.0))
@@ -166,7 +168,7 @@ def test_a_node_fault_fires_only_on_its_nodes_rank(tmp_path):
     counted as a recovery that never came)."""
     from types import SimpleNamespace
 
-    from trainguard import fault_schedule
+    from trainguard.core import fault_schedule
     from trainguard.cluster import FaultRunner
 
     recs: list[dict] = [{"rank": 3, "step": s, "host": "node1", "gen": 0} for s in range(10)]

@@ -1,4 +1,4 @@
-"""The node's warm template (``trainguard.forkserver``): real processes, real signals.
+"""The node's warm template (``trainguard.launch.forkserver``): real processes, real signals.
 
 A forked spare becomes a rank with the environment, descriptors and exit status a cold spare
 has; its end is reported whatever ends it; the template's death ends its spares and makes the
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from trainguard.forkserver import ForkServer
-from trainguard.launcher_pool import pdeathsig_kill
+from trainguard.launch.forkserver import ForkServer
+from trainguard.launch.pool import pdeathsig_kill
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -129,8 +129,8 @@ def test_the_launchers_death_ends_the_template_and_every_spare(tmp_path):
     owner = tmp_path / "owner.py"
     owner.write_text(textwrap.dedent("""
         import os, sys, time
-        from trainguard.forkserver import ForkServer
-        from trainguard.launcher_pool import pdeathsig_kill
+        from trainguard.launch.forkserver import ForkServer
+        from trainguard.launch.pool import pdeathsig_kill
         fs = ForkServer().start(dict(os.environ), preexec_fn=pdeathsig_kill)
         spares = [fs.spawn(dict(os.environ)) for _ in range(2)]
         print(fs.proc.pid, *[s.pid for s in spares], flush=True)

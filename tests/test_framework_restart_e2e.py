@@ -41,7 +41,7 @@ _RESUMING = re.compile(r"\[node0 rank (\d)\] trainguard: resuming from (\S+) \(s
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=(), agent_nodes=(), rendezvous=True, log_dir=str(logs))

@@ -101,7 +101,7 @@ def _draw(F, n: int) -> list[tuple[str, bytes]]:
 
 @pytest.mark.timeout(120)
 def test_every_service_survives_and_counts_hostile_messages(F):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     msgs = _draw(F, 250) + _regressions()
     with Stack(services=SERVICES, rendezvous=False) as stack:

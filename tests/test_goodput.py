@@ -2,7 +2,7 @@
 import pytest
 
 from trainguard import schemas
-from trainguard.goodput import ledger
+from trainguard.core.goodput import ledger
 
 B = 1_700_000_000 * 10**9  # a Unix ns origin
 
@@ -109,7 +109,7 @@ def test_no_heartbeats_no_goodput():
 
 
 def test_report_of_the_hand_computed_run(tmp_path):
-    from trainguard.report import build_report, to_markdown, write
+    from trainguard.tools.report import build_report, to_markdown, write
 
     evs = one_crash()
     v = schemas.Verdict(job="j", fault_class="crash", layer="unknown", confidence="high",

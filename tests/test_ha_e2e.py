@@ -1,4 +1,4 @@
-"""The replicated control plane (``trainguard.embedded_ha``) with real servers: 3 nats-servers in
+"""The replicated control plane (``trainguard.stack.ha``) with real servers: 3 nats-servers in
 a JetStream cluster, a Valkey primary with a replica under 3 sentinels, and a real remediator
 process (``python -m trainguard.remediator``) connected with a server list and a sentinel URL.
 The server its bus is connected to, or the Valkey primary, is SIGKILLed as a fault arrives: the
@@ -13,11 +13,11 @@ import psutil
 import pytest
 
 from test_durable_e2e import MEMBERS, Procs, healthy, stored, wait_until
-from trainguard.bus import Bus, NotStored
-from trainguard.embedded_ha import HAServers
+from trainguard.clients.bus import Bus, NotStored
+from trainguard.stack.ha import HAServers
 from trainguard.remediator.model import decision_id
 from trainguard.schemas import Verdict, subjects
-from trainguard.state import StateStore
+from trainguard.clients.store import StateStore
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.auth import redact
-from trainguard.bus import STREAMS, server_options, stream_replicas
-from trainguard.embedded_ha import SENTINEL_READ_RULES, sentinel_config
-from trainguard.state_sentinel import SentinelURL, is_sentinel_url, parse
+from trainguard.security.auth import redact
+from trainguard.clients.bus import STREAMS, server_options, stream_replicas
+from trainguard.stack.ha import SENTINEL_READ_RULES, sentinel_config
+from trainguard.clients.store_sentinel import SentinelURL, is_sentinel_url, parse
 
 
 @pytest.mark.parametrize("url, want", [
@@ -64,7 +64,7 @@ def test_streams_get_three_copies_on_a_cluster_and_one_on_a_server():
 
 
 def test_sentinels_let_roles_find_the_primary_and_only_admin_change_it():
-    from trainguard.auth import Credentials
+    from trainguard.security.auth import Credentials
 
     class Creds(Credentials):
         def __init__(self):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from trainguard import schemas
 from trainguard.attributor.decide import decide as attribute
-from trainguard.console_page import job_page
-from trainguard.console_timeline import timeline
+from trainguard.tools.console_page import job_page
+from trainguard.tools.console_timeline import timeline
 from trainguard.detector.reducer import DetectorServiceConfig, DetectorState, step
 from trainguard.detector.rules import DetectorConfig
-from trainguard.goodput import ledger
-from trainguard.reducer import Publish, Received, Tick, run_offline
+from trainguard.core.goodput import ledger
+from trainguard.core.reducer import Publish, Received, Tick, run_offline
 from trainguard.remediator.policy import decide as remediate
-from trainguard.report import build_report
+from trainguard.tools.report import build_report
 from trainguard.schemas import JobRecord, subjects
 
 T0 = 100.0                     # the detector's monotonic clock

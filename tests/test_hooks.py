@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from trainguard.hooks import store_prefix
+from trainguard.rank.hooks import store_prefix
 
 pytestmark = pytest.mark.timeout(150)
 
 SCRIPT = r'''
 import os, sys, time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-import trainguard.hooks as hooks
+import trainguard.rank.hooks as hooks
 assert hooks.active() and hooks.restart_count() == 2
 hooks.restored(41)                                    # a framework restored its checkpoint
 from torch.distributed import rendezvous              # the env:// handler init_process_group uses
@@ -56,7 +56,7 @@ def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
     import torch.distributed as dist
 
     from trainguard import schemas
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True,
                            timeout=datetime.timedelta(seconds=30))
@@ -73,7 +73,7 @@ def test_plain_script_progress_rendezvous_and_fault(tmp_path, servers):
         bus = await Bus(servers.nats_url, "test-hooks").connect()
         await bus.subscribe("tg.job.hooks.>", lambda s, ev: got.append(ev))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "trainguard.spare", cwd=tmp_path,
+            sys.executable, "-m", "trainguard.launch.spare", cwd=tmp_path,
             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         line = json.dumps({"env": env, "argv": [str(script)], "cwd": str(tmp_path)}) + "\n"

@@ -31,7 +31,7 @@ _STARTED = re.compile(r"rank (\d+) \(local \d+\) started as pid (\d+) at generat
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator"),

@@ -1,5 +1,5 @@
 """The Hugging Face integration with a real ``transformers.Trainer`` on a tiny BERT built in
-code (no downloads): what the callback reports through ``trainguard.hooks``, and
+code (no downloads): what the callback reports through ``trainguard.rank.hooks``, and
 ``resume_from_checkpoint`` skipping incomplete or damaged ``checkpoint-N`` directories.
 
 The end-to-end test (a 2-rank ``Trainer.train`` under ``trainguard launch``, rank 1 killed) is
@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from trainguard import hooks  # noqa: E402
+from trainguard.rank import hooks  # noqa: E402
 from trainguard.integrations.huggingface import (TrainguardCallback,  # noqa: E402
                                                  checkpoint_complete, resume_from_checkpoint)
 

@@ -1,5 +1,5 @@
 """The Lightning integration with a real ``lightning.pytorch.Trainer``: what the callback
-reports through ``trainguard.hooks``, and ``TrainguardCheckpointIO`` (staged async saves,
+reports through ``trainguard.rank.hooks``, and ``TrainguardCheckpointIO`` (staged async saves,
 checksum verification, fallback past a damaged file).
 
 The end-to-end test (a 2-rank DDP ``Trainer.fit`` under ``trainguard launch``, rank 1 killed)
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning.pytorch")
 
-from trainguard import hooks  # noqa: E402
+from trainguard.rank import hooks  # noqa: E402
 from trainguard.integrations import _verified  # noqa: E402
 from trainguard.integrations.lightning import (CorruptCheckpointError,  # noqa: E402
                                                TrainguardCallback, TrainguardCheckpointIO,

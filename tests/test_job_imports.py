@@ -1,4 +1,4 @@
-"""``trainguard.job_imports``: what a rank records, what the launcher lets the template import
+"""``trainguard.rank.job_imports``: what a rank records, what the launcher lets the template import
 (row by row of the deny table), and the template-side import with its budget."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from trainguard import job_imports
-from trainguard.job_imports import DENY, select
+from trainguard.rank import job_imports
+from trainguard.rank.job_imports import DENY, select
 
 
 @pytest.mark.parametrize("name", sorted(DENY))
@@ -43,7 +43,7 @@ def test_a_rank_records_what_it_imported_beyond_its_baseline(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
-        from trainguard import job_imports
+        from trainguard.rank import job_imports
         job_imports.baseline()
         import wave, ownpkg
         assert job_imports.record({str(out)!r})
@@ -53,7 +53,7 @@ def test_a_rank_records_what_it_imported_beyond_its_baseline(tmp_path):
     rec = json.loads(out.read_text())
     mods = dict(map(tuple, rec["modules"]))
     assert mods["wave"] == "lib" and mods["ownpkg"] == "job"
-    assert "sys" not in mods and "trainguard.job_imports" not in mods
+    assert "sys" not in mods and "trainguard.rank.job_imports" not in mods
     names = [n for n, _ in rec["modules"]]
     assert names.index("wave") < names.index("ownpkg")
 

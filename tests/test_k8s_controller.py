@@ -10,10 +10,10 @@ import json
 import pytest
 
 from k8s_fixtures.emulator import cluster
-from trainguard.controllers import make_controller
-from trainguard.k8s.api import Kube, KubeConfig, KubeUnavailable, load_client
-from trainguard.k8s.controller import KubernetesNodeController
-from trainguard.state import StateStore
+from trainguard.scheduler.local import make_controller
+from trainguard.scheduler.k8s.api import Kube, KubeConfig, KubeUnavailable, load_client
+from trainguard.scheduler.k8s.controller import KubernetesNodeController
+from trainguard.clients.store import StateStore
 
 NODE = "ip-10-0-1-2.ec2.internal"  # EKS: a dotted name, as spec.nodeName gives it
 
@@ -150,7 +150,7 @@ def test_registered_as_the_kubernetes_controller():
 
 async def test_the_readmit_command_runs_the_canary_command_before_uncordoning(tmp_path,
                                                                              monkeypatch):
-    from trainguard.k8s.__main__ import readmit
+    from trainguard.scheduler.k8s.__main__ import readmit
 
     async with cluster() as c:
         c.add_node(NODE)

@@ -1,12 +1,12 @@
-"""The drain handshake's reducer (``trainguard.k8s.drain.step``), table-driven with
+"""The drain handshake's reducer (``trainguard.scheduler.k8s.drain.step``), table-driven with
 ``run_offline``: no server. What it publishes and calls, in order, for an annotated node."""
 from __future__ import annotations
 
 from trainguard import schemas
-from trainguard.controllers import ControllerResult
-from trainguard.k8s.api import DRAIN_READY, DRAIN_STATUS
-from trainguard.k8s.drain import DrainConfig, DrainState, step
-from trainguard.reducer import Call, Publish, Received, Tick, run_offline
+from trainguard.scheduler.local import ControllerResult
+from trainguard.scheduler.k8s.api import DRAIN_READY, DRAIN_STATUS
+from trainguard.scheduler.k8s.drain import DrainConfig, DrainState, step
+from trainguard.core.reducer import Call, Publish, Received, Tick, run_offline
 
 NODE = "ip-10-0-1-2.ec2.internal"
 

@@ -3,7 +3,7 @@
 A real stack (NATS, Valkey, rendezvous store, an agent on the dotted node
 ``ip-10-0-1-2.ec2.internal``, detector, attributor, remediator, checkpoint validator), a real
 ``trainguard launch`` of a 2-rank gloo job (``tests/fixtures/k8s/train_drain.py``, trainguard
-checkpointer) on that node, the drain service (``trainguard.k8s.drain``) running as the
+checkpointer) on that node, the drain service (``trainguard.scheduler.k8s.drain``) running as the
 remediator role, and the Kubernetes API emulator holding the node and the job's pod. The test
 annotates the node ``trainguard.io/drain-requested`` and asserts, on what happened:
 
@@ -30,9 +30,9 @@ from k8s_fixtures.emulator import NODES, cluster
 from k8s_fixtures.jobs import events as _events
 from k8s_fixtures.jobs import launch
 from k8s_fixtures.jobs import records as _records
-from trainguard.k8s.api import DRAIN_READY, DRAIN_REQUESTED, KubeConfig
-from trainguard.k8s.drain import DrainConfig, DrainService
-from trainguard.service import ServiceConfig
+from trainguard.scheduler.k8s.api import DRAIN_READY, DRAIN_REQUESTED, KubeConfig
+from trainguard.scheduler.k8s.drain import DrainConfig, DrainService
+from trainguard.services.base import ServiceConfig
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _stop(p: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator",

@@ -74,7 +74,7 @@ def test_control_plane_builds_and_validates():
     drain = next(d for d in docs if d["metadata"]["name"] == "k8s-drain")
     spec = drain["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "trainguard-remediator"
-    assert spec["containers"][0]["command"][:4] == ["python", "-m", "trainguard.k8s", "drain"]
+    assert spec["containers"][0]["command"][:4] == ["python", "-m", "trainguard.scheduler.k8s", "drain"]
     cfg = next(d for d in docs if d["kind"] == "ConfigMap")
     assert cfg["data"]["TG_NODE_CONTROLLER"] == "kubernetes"
 

@@ -50,7 +50,7 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
 
 
 def test_a_wedged_pod_is_deleted_and_replaced_and_its_node_stays_in_service(tmp_path):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     job = f"pod-{uuid.uuid4().hex[:6]}"
     rec = tmp_path / "rec"

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from k8s_fixtures.emulator import cluster
 from test_remediator_service import client, register, remediator, wait_for
-from trainguard.k8s.api import KubeConfig
-from trainguard.k8s.controller import KubernetesNodeController
+from trainguard.scheduler.k8s.api import KubeConfig
+from trainguard.scheduler.k8s.controller import KubernetesNodeController
 from trainguard.schemas import Verdict, subjects
-from trainguard.state import StateStore
+from trainguard.clients.store import StateStore
 
 NODE, OTHER = "ip-10-0-1-2.ec2.internal", "ip-10-0-1-3.ec2.internal"
 MEMBERS = [{"rank": 0, "node": OTHER, "local_rank": 0}, {"rank": 1, "node": OTHER, "local_rank": 1},
@@ -82,13 +82,13 @@ async def test_restart_pod_leaves_a_pod_being_replaced_already_alone(tmp_path):
 
 
 def test_detector_attributor_and_remediator_offline_restart_the_lost_pods_ranks():
-    """The three services' reducers (``trainguard.replay_decide``), fed a recording: the pod on
+    """The three services' reducers (``trainguard.tools.replay_decide``), fed a recording: the pod on
     ``NODE`` (launcher, ranks 2 and 3) falls silent at 2 s while the node's agent and the other
     pod go on. The decision restarts that pod's ranks and excludes no node; outside Kubernetes
     (this replay's controller is the local one) its reason says to start the launcher again."""
     from trainguard import schemas
-    from trainguard.replay import Record
-    from trainguard.replay_decide import decide
+    from trainguard.tools.replay import Record
+    from trainguard.tools.replay_decide import decide
 
     t0 = 1_767_225_600 * 10**9
     recs = []

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from trainguard.launch_args import UNSUPPORTED, parse, parse_nnodes, parse_nproc, parse_std
+from trainguard.launch.args import UNSUPPORTED, parse, parse_nnodes, parse_nproc, parse_std
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +158,7 @@ def test_no_python_with_log_files_tee_and_rank_filter(tmp_path):
 
 def test_a_missing_script_is_said_before_anything_starts(tmp_path, capsys):
     """No stack, no lock, no process: the path is checked first (exit 2)."""
-    from trainguard.launcher import main
+    from trainguard.launch.launcher import main
 
     assert main(["--standalone", "--nproc-per-node", "1", str(tmp_path / "nope.py")]) == 2
     assert "nope.py: no such file" in capsys.readouterr().err
@@ -173,7 +173,7 @@ def test_two_embedded_launches_of_one_job_on_a_host_cannot_both_run(tmp_path, mo
     import sys
     import tempfile
 
-    from trainguard.launcher import standalone_lock
+    from trainguard.launch.launcher import standalone_lock
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
@@ -186,7 +186,7 @@ def test_two_embedded_launches_of_one_job_on_a_host_cannot_both_run(tmp_path, mo
         standalone_lock("job.a", "n0").close()  # free once its holder let go
         other.close()
         holder = subprocess.Popen(
-            [sys.executable, "-c", "import sys, time; from trainguard.launcher import "
+            [sys.executable, "-c", "import sys, time; from trainguard.launch.launcher import "
              "standalone_lock; fh = standalone_lock('job.a', 'n0'); print('held', flush=True); "
              "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env={**os.environ})
         assert holder.stdout.readline().strip() == "held"
@@ -216,7 +216,7 @@ def test_a_scheduled_fault_on_a_rank_the_job_lacks_is_refused(tmp_path, capsys):
 
 def test_a_no_python_program_on_path_is_no_missing_script(tmp_path):
     """``--no-python`` runs a program found on PATH, not a file beside the launch."""
-    from trainguard.launcher import _script_missing
+    from trainguard.launch.launcher import _script_missing
 
     assert _script_missing(parse(["--no-python", "--standalone", "true"])) is None
     assert "no such file" in _script_missing(parse(["--standalone", str(tmp_path / "x.py")]))

@@ -1,4 +1,4 @@
-"""``trainguard.launcher_imports.JobImportsWatch`` with a real template process: a rank's record
+"""``trainguard.launch.job_imports.JobImportsWatch`` with a real template process: a rank's record
 on disk → the chosen modules imported by the template → ``RenewSpares`` posted; a module that
 starts a thread at import taints the template (spares then start cold), with the reason said."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-from trainguard.forkserver import ForkServer
-from trainguard.launcher_imports import JobImportsWatch
-from trainguard.launcher_loop import RenewSpares
-from trainguard.launcher_pool import pdeathsig_kill
+from trainguard.launch.forkserver import ForkServer
+from trainguard.launch.job_imports import JobImportsWatch
+from trainguard.launch.loop import RenewSpares
+from trainguard.launch.pool import pdeathsig_kill
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The launcher's run loop (``trainguard.launcher_loop.RunLoop``) driven with a stub pool, lease and
+"""The launcher's run loop (``trainguard.launch.loop.RunLoop``) driven with a stub pool, lease and
 bus: no processes, no servers. Each test feeds typed events and checks the states entered, the
 exit status and what the loop asked of the pool, the lease and the bus — the transitions of
 ``LaunchState``'s docstring, as the launcher carries them out."""
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import pytest
 
 from trainguard import schemas
-from trainguard.executor import EXIT_STOPPED, LocalRank
-from trainguard.launcher import LaunchConfig
-from trainguard.launcher_loop import (DecisionReceived, GroupRestarted, LaunchState,
+from trainguard.core.recovery_plan import EXIT_STOPPED, LocalRank
+from trainguard.launch.launcher import LaunchConfig
+from trainguard.launch.loop import (DecisionReceived, GroupRestarted, LaunchState,
                                       LeaseRenewalFailed, RankExited, RefillPool,
                                       RenewSpares, RunLoop, StopRequested)
 from trainguard.schemas import Member
@@ -336,7 +336,7 @@ def test_another_nodes_group_restart_is_followed_once():
     (0, True, False, False),     # fenced: the job may have moved on without it
     (143, True, True, False), (None, False, True, False)])
 def test_which_ends_say_ending_in_the_last_heartbeat(status, fenced, slurm, ending):
-    from trainguard.launcher import ends_on_purpose
+    from trainguard.launch.launcher import ends_on_purpose
 
     assert ends_on_purpose(status, fenced, slurm) is ending
 
@@ -350,7 +350,7 @@ def test_stop_request_stopping_then_its_status(status):
 
 def test_lease_renewal_failure_is_a_warning(caplog):
     loop = _loop()
-    with caplog.at_level(logging.WARNING, logger="trainguard.launcher"):
+    with caplog.at_level(logging.WARNING, logger="trainguard.launch.launcher"):
         loop.handle(LeaseRenewalFailed("connection refused"))
     assert loop.state is S.HEALTHY and "connection refused" in caplog.text
 

@@ -1,4 +1,5 @@
-"""Layers run one way: commands → services and rank runtime → rules → core (docs/design.md).
+"""Layers run one way: commands → services → rank runtime and service base → clients → rules →
+core (docs/design.md).
 
 Every product module is put in a layer by the table below (longest matching prefix wins); a
 module may import its own layer or a lower one, never a higher one, and the rank runtime never
@@ -16,85 +17,50 @@ PACKAGES = {"trainguard": "trainguard", "schemas": "trainguard.schemas",
             "attributor": "trainguard.attributor", "remediator": "trainguard.remediator",
             "checkpoint_validator": "trainguard.checkpoint_validator"}
 
-CORE, RULES, RUNTIME, SERVICE, COMMAND = 1, 2, 3, 3, 4
-#: (module prefix, layer, is a service) — the reason is the package's one line in design.md
+CORE, RULES, CLIENTS, RUNTIME, SERVICE, COMMAND = 1, 2, 3, 4, 5, 6
+#: (module prefix, layer, is a service): a room of ``trainguard/`` or a design-card folder, and the
+#: few modules that sit on another layer than their room; docs/design.md says what each room owns
 LAYERS: list[tuple[str, int, bool]] = [
-    # core: events, bus, state, the service bases, the checkpoint format
-    ("trainguard.schemas", CORE, False), ("trainguard.bus", CORE, False),
-    ("trainguard.state", CORE, False), ("trainguard.state_scripts", CORE, False),
-    ("trainguard.state_sentinel", CORE, False),  # the store's client of a replicated Valkey
-    ("trainguard.embedded_ha", CORE, False), ("trainguard.embedded_sentinel", CORE, False),
-    ("trainguard.breaker_state", CORE, False),  # the fleet breaker's key family of the store
-    ("trainguard.errors", CORE, False),
-    ("trainguard.tracing", CORE, False), ("trainguard.service", CORE, False),
-    ("trainguard.consume", CORE, False), ("trainguard.membership", CORE, False),
-    ("trainguard.partitions", CORE, False),
-    ("trainguard.reducer", CORE, False), ("trainguard.reducer_service", CORE, False), ("trainguard.embedded", CORE, False),
-    ("trainguard.auth", CORE, False), ("trainguard.tls", CORE, False),
-    ("trainguard.private_file", CORE, False), ("trainguard.recording", CORE, False),
-    ("trainguard.metrics", CORE, False), ("trainguard.goodput", CORE, False),
-    ("trainguard.timeline", CORE, False),
-    ("trainguard.auth", CORE, False), ("trainguard.fault_schedule", CORE, False),
-    ("trainguard.xid", CORE, False), ("trainguard.checkpoint.format", CORE, False),
+    # core: the events and pure arithmetic, no I/O
+    ("trainguard.schemas", CORE, False), ("trainguard.core", CORE, False),
+    ("trainguard.checkpoint.format", CORE, False),
     # rules: pure decisions, shared by live services and offline tools
     ("trainguard.detector", RULES, False), ("trainguard.attributor", RULES, False),
     ("trainguard.remediator", RULES, False), ("trainguard.checkpoint_validator", RULES, False),
-    ("trainguard.executor", RULES, False),
-    ("trainguard.slurm_watch", RULES, False),  # the Slurm watcher's snapshot reader and reducer
-    ("trainguard.slurm_commands", RULES, False),  # the Slurm controller's pure commands
-    ("trainguard.reputation", RULES, False),  # node reputation and the readmit policy
+    ("trainguard.scheduler.slurm.commands", RULES, False),  # the Slurm controller's pure commands
+    ("trainguard.scheduler.slurm.watch", RULES, False),  # the Slurm watcher's reader and reducer
     ("trainguard.checkpoint.verify", RULES, False),  # the integrity check validator and restore share
-    # services (their wiring modules) and the node agent
+    # clients: the bus, the state store, security
+    ("trainguard.clients", CLIENTS, False), ("trainguard.security", CLIENTS, False),
+    # rank runtime and the service base: a training process, its launcher, what services share
+    ("trainguard", RUNTIME, False),  # the package: `trainguard.run` (lazily the shim)
+    ("trainguard.rank", RUNTIME, False), ("trainguard.integrations", RUNTIME, False),
+    ("trainguard.checkpoint", RUNTIME, False), ("trainguard.rendezvous", RUNTIME, False),
+    ("trainguard.launch", RUNTIME, False), ("trainguard.services", RUNTIME, False),
+    ("trainguard.stack.embedded", RUNTIME, False), ("trainguard.stack.ha", RUNTIME, False),
+    ("trainguard.stack.sentinel", RUNTIME, False),
+    ("trainguard.tools.recording", RUNTIME, False),  # the recording file format services write
+    # services: their wiring modules, the node agent, the node controllers
     ("trainguard.detector.service", SERVICE, True), ("trainguard.attributor.service", SERVICE, True),
     ("trainguard.remediator.service", SERVICE, True),
     ("trainguard.checkpoint_validator.service", SERVICE, True),
-    ("trainguard.agents", SERVICE, True), ("trainguard.controllers", SERVICE, True),
-    ("trainguard.alerts", SERVICE, True),
-    ("trainguard.controller_base", SERVICE, True), ("trainguard.slurm_controller", SERVICE, True),
-    ("trainguard.k8s", SERVICE, True),  # Kubernetes: controller, drain handshake, API calls
-    ("trainguard.slurm_watch.service", SERVICE, True),
-    ("trainguard.slurm_watch.__main__", COMMAND, False),
-    ("trainguard.k8s.__main__", COMMAND, False),
+    ("trainguard.agents", SERVICE, True), ("trainguard.scheduler", SERVICE, True),
+    ("trainguard.scheduler.slurm.watch.service", SERVICE, True),
+    ("trainguard.services.alerts", SERVICE, True),
+    # commands: the CLI and what only it runs
+    ("trainguard.cli", COMMAND, False), ("trainguard.stack", COMMAND, False),
+    ("trainguard.tools", COMMAND, False), ("trainguard.demo", COMMAND, False),
+    ("trainguard.cluster", COMMAND, False),  # the one-machine cluster harness (netns, Slurm)
+    ("trainguard.launch.launcher", COMMAND, False),  # `trainguard launch`: may start a local stack
+    ("trainguard.launch.args", COMMAND, False),
+    ("trainguard.agents.canary", COMMAND, False),  # the node health canary program
+    ("trainguard.scheduler.slurm.watch.__main__", COMMAND, False),
+    ("trainguard.scheduler.k8s.__main__", COMMAND, False),
     ("trainguard.detector.__main__", COMMAND, False),
     ("trainguard.attributor.__main__", COMMAND, False),
     ("trainguard.remediator.__main__", COMMAND, False),
     ("trainguard.checkpoint_validator.__main__", COMMAND, False),
     ("trainguard.agents.__main__", COMMAND, False),
-    # rank runtime: what a training process and its launcher run
-    ("trainguard", RUNTIME, False),  # the package: `trainguard.run` (lazily the shim)
-    ("trainguard.worker", RUNTIME, False), ("trainguard.hooks", RUNTIME, False),
-    ("trainguard.rank_runtime", RUNTIME, False),
-    ("trainguard.spare", RUNTIME, False), ("trainguard.launch", RUNTIME, False),
-    ("trainguard.launch_config", RUNTIME, False), ("trainguard.rank_state", RUNTIME, False), ("trainguard.launcher_pool", RUNTIME, False),
-    ("trainguard.forkserver", RUNTIME, False),
-    # a restarted Trainer resumes from its newest complete checkpoint; the job's imports,
-    # recorded in a rank and pre-imported by the spares' template (docs/frameworks.md)
-    ("trainguard.auto_resume", RUNTIME, False), ("trainguard.job_imports", RUNTIME, False),
-    ("trainguard.launcher_imports", RUNTIME, False),
-    ("trainguard.launcher_lease", RUNTIME, False), ("trainguard.launcher_loop", RUNTIME, False),
-    ("trainguard.rendezvous", RUNTIME, False), ("trainguard.rdzv_gate", RUNTIME, False),
-    ("trainguard.rdzv_endpoint", RUNTIME, False),
-    ("trainguard.checkpoint", RUNTIME, False),
-    ("trainguard.integrations", RUNTIME, False), ("trainguard.fault_inject", RUNTIME, False),
-    ("trainguard.ckpt_request", RUNTIME, False),
-    # commands: the CLI and what only it runs
-    ("trainguard.cli", COMMAND, False),
-    ("trainguard.launcher", COMMAND, False),  # `trainguard launch`: may start a stack
-    ("trainguard.launch_args", COMMAND, False), ("trainguard.stack", COMMAND, False),
-    ("trainguard.up", COMMAND, False), ("trainguard.credentials", COMMAND, False),
-    ("trainguard.stack_http", COMMAND, False),
-    ("trainguard.demo", COMMAND, False), ("trainguard.diagnose", COMMAND, False),
-    ("trainguard.replay", COMMAND, False), ("trainguard.console", COMMAND, False),
-    ("trainguard.console_page", COMMAND, False), ("trainguard.console_timeline", COMMAND, False),
-    ("trainguard.schemas_cli", COMMAND, False),
-    ("trainguard.replay_decide", COMMAND, False), ("trainguard.memstore", COMMAND, False),
-    ("trainguard.replay_policy", COMMAND, False),
-    ("trainguard.report", COMMAND, False),
-    ("trainguard.canary", COMMAND, False),  # the node health canary program
-    ("trainguard.node_cli", COMMAND, False),
-    ("trainguard.breaker_cli", COMMAND, False),  # `trainguard breaker status|reset`
-    ("trainguard.status_cli", COMMAND, False),  # `trainguard status`  # `trainguard node readmit|probation|show`
-    ("trainguard.cluster", COMMAND, False),  # the one-machine cluster harness (netns, Slurm)
 ]
 
 
@@ -159,8 +125,8 @@ def test_imports_run_one_way():
                 continue
             if there[0] > here[0]:
                 bad.append(f"{mod} (layer {here[0]}) imports {imp} (layer {there[0]})")
-            elif here[0] == RUNTIME and not here[1] and there[1]:
-                bad.append(f"{mod} (rank runtime) imports the service {imp}")
+            elif here[0] <= RUNTIME and there[1]:
+                bad.append(f"{mod} (layer {here[0]}) imports the service {imp}")
     assert not bad, "\n".join(bad)
 
 
@@ -235,10 +201,8 @@ def test_no_import_circles():
     assert not circles, "import circles:\n" + "\n".join(" ↔ ".join(c) for c in circles)
 
 
-#: modules that do I/O: the bus and store clients, the service bases, the embedded servers
-IO_MODULES = ("trainguard.service", "trainguard.reducer_service", "trainguard.bus",
-              "trainguard.state", "trainguard.consume", "trainguard.membership",
-              "trainguard.embedded")
+#: rooms and modules that do I/O: the bus and store clients, the service base, the servers
+IO_MODULES = ("trainguard.clients", "trainguard.services", "trainguard.stack", "trainguard.security")
 IO_PACKAGES = frozenset({"nats", "redis", "fastapi", "uvicorn", "aiohttp", "kubernetes_asyncio"})
 
 
@@ -270,7 +234,7 @@ def test_rules_import_no_io():
                     reached[d] = m
                     todo.append(d)
         for m in sorted(reached):
-            why = ([m] if m in IO_MODULES else []) + sorted(_external(mods[m]) & IO_PACKAGES)
+            why = ([m] if m.startswith(tuple(p + "." for p in IO_MODULES)) else []) + sorted(_external(mods[m]) & IO_PACKAGES)
             if why:
                 chain, at = [], m
                 while at:

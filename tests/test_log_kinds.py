@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import diagnose
+from trainguard.tools import diagnose
 from trainguard.detector import patterns as pat
 
 FIXTURE = Path(__file__).parent / "fixtures" / "log_kinds.jsonl"

@@ -4,7 +4,7 @@ import urllib.request
 import pytest
 
 from trainguard import schemas
-from trainguard.metrics import METRIC_NAMES, Metrics, MetricsError, port_from_env
+from trainguard.services.metrics import METRIC_NAMES, Metrics, MetricsError, port_from_env
 
 B = 1_700_000_000 * 10**9
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator", "checkpoint_validator"),

@@ -123,7 +123,7 @@ def test_launcher_holds_a_node_writer_for_its_ranks(tmp_path):
     """``trainguard launch`` starts the daemon before any rank and hands its socket to every
     rank and spare it starts; its end lets the daemon go."""
     from trainguard.checkpoint.writer import connect_writer, recv_msg, send_msg
-    from trainguard.launcher import LaunchConfig, Launcher
+    from trainguard.launch.launcher import LaunchConfig, Launcher
 
     script = tmp_path / "train.py"
     script.write_text("")

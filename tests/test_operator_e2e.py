@@ -51,9 +51,9 @@ def run():
     import tempfile
 
     from trainguard.demo.harness import Demo, DemoConfig
-    from trainguard.replay import history, read_recording
-    from trainguard.stack import Stack
-    from trainguard.state import StateStore
+    from trainguard.tools.replay import history, read_recording
+    from trainguard.stack.local import Stack
+    from trainguard.clients.store import StateStore
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tg-ops-e2e-"))
     progress = tmp / "progress.txt"
@@ -130,7 +130,7 @@ def _faults(rows):
 
 
 def test_replay_reproduces_the_recorded_decisions_and_a_policy_change_changes_them(run):
-    from trainguard.replay_decide import decide, parse_row, policy_with
+    from trainguard.tools.replay_decide import decide, parse_row, policy_with
 
     rep = run["demo"]
     assert all(f["recovered"] for f in rep["faults"]), rep["faults"]
@@ -190,12 +190,12 @@ def _scrape(port: int) -> str:
 def _start_console(st):
     """The console as its own process (reader role), goodput refreshed every 3 s:
     ``(process, port)``."""
-    from trainguard.embedded import free_port
+    from trainguard.stack.embedded import free_port
 
     port = free_port()
     nats_url, redis_url = st.urls("reader")
     env = {**os.environ, "PYTHONPATH": ROOT, "NATS_URL": nats_url, "REDIS_URL": redis_url}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.tools.console", "--port", str(port),
                              "--refresh-s", "3"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _wait_http(proc, f"http://127.0.0.1:{port}/healthz",
@@ -226,7 +226,7 @@ def _start_prometheus(st, console_port: int, tmp):
     ``(process, port)``; None when the binary is missing (the tests that need it skip)."""
     import shutil
 
-    from trainguard.embedded import free_port
+    from trainguard.stack.embedded import free_port
 
     binary = shutil.which("prometheus")
     if binary is None:
@@ -260,7 +260,7 @@ def _promql(port: int, expr: str) -> list[dict]:
 
 
 def test_dashboard_queries_only_metrics_the_services_export(run):
-    from trainguard.metrics import METRIC_NAMES
+    from trainguard.services.metrics import METRIC_NAMES
 
     st = run["stack"]
     texts = {}
@@ -465,7 +465,7 @@ def _bench_recovery():
 
 def test_goodput_agrees_in_console_metrics_report_and_bench(run):
     from trainguard import schemas
-    from trainguard.report import build_report
+    from trainguard.tools.report import build_report
 
     port = run["console_port"]
     api = json.loads(urllib.request.urlopen(

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from trainguard import partitions as P
-from trainguard.membership import Membership, assign_partitions, owner
+from trainguard.core import partitions as P
+from trainguard.services.membership import Membership, assign_partitions, owner
 
 
 # ---- pure ---------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ def test_stored_and_original_subjects_round_trip():
 
 
 def test_filters_select_the_partitions_asked_for_and_never_overlap():
-    from trainguard.consume import matches
+    from trainguard.services.durable import matches
 
     t = "tg.job.*.rank.*.hb"
     assert P.stored_filters(t, [3, 1, 3]) == ["tg.p.1.job.*.rank.*.hb", "tg.p.3.job.*.rank.*.hb"]
@@ -102,7 +102,7 @@ async def _stored_partitions(url: str, n: int, jobs: list[str]) -> dict[str, int
     partition the server stored each under."""
     from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig, SubjectTransform
 
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
 
     bus = await Bus(url, "test-partitions").connect()
     js = bus.nc.jetstream()

@@ -22,7 +22,7 @@ TRAIN = os.path.join(ROOT, "trainguard", "demo", "train.py")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator", "checkpoint_validator"),

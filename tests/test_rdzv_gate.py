@@ -1,5 +1,5 @@
-"""The token in front of the rendezvous store (``trainguard.rdzv_gate``), against a real
-``python -m trainguard.rendezvous`` and real torch ``TCPStore`` clients."""
+"""The token in front of the rendezvous store (``trainguard.rendezvous.gate``), against a real
+``python -m trainguard.rendezvous.store`` and real torch ``TCPStore`` clients."""
 from __future__ import annotations
 
 import datetime
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from trainguard import rendezvous
-from trainguard.rdzv_gate import PREAMBLE, TOKEN_ENV, Gate, Relay, preamble, relay_for
+from trainguard.rendezvous import store as rendezvous
+from trainguard.rendezvous.gate import PREAMBLE, TOKEN_ENV, Gate, Relay, preamble, relay_for
 
 TOKEN = "t0ken-for-tests_0123456789abcdef"
 
@@ -20,7 +20,7 @@ TOKEN = "t0ken-for-tests_0123456789abcdef"
 @pytest.fixture()
 def gated_store():
     env = {**os.environ, TOKEN_ENV: TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.rendezvous", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.rendezvous.store", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     line = proc.stdout.readline()
     assert "(token required)" in line, line + proc.stderr.read()
@@ -94,8 +94,8 @@ def test_a_token_must_be_one_word():
 
 
 def test_ranks_get_the_relay_and_never_the_token(monkeypatch):
-    from trainguard.launch_config import LaunchConfig
-    from trainguard.launcher_pool import ProcessPool
+    from trainguard.launch.config import LaunchConfig
+    from trainguard.launch.pool import ProcessPool
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     cfg = LaunchConfig(script="train.py", job="j", rdzv_endpoint="10.0.0.5:29400",
@@ -110,13 +110,13 @@ def test_ranks_get_the_relay_and_never_the_token(monkeypatch):
 
 @pytest.fixture()
 def tls_gated_store(tmp_path):
-    """``python -m trainguard.rendezvous`` with a token and the stack's kind of certificate
-    (``trainguard.tls.ensure``): the gate serves TLS only."""
-    from trainguard import tls
+    """``python -m trainguard.rendezvous.store`` with a token and the stack's kind of certificate
+    (``trainguard.security.tls.ensure``): the gate serves TLS only."""
+    from trainguard.security import tls
 
     files = tls.ensure(tmp_path / "tls", ["127.0.0.1", "localhost"])
     env = {**os.environ, TOKEN_ENV: TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.rendezvous", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.rendezvous.store", "--port", "0",
                              "--tls-cert", str(files.cert), "--tls-key", str(files.key)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     line = proc.stdout.readline()
@@ -130,7 +130,7 @@ def test_a_tls_gate_carries_the_token_only_inside_tls(tls_gated_store, tmp_path,
     """With TLS the relay verifies the gate against the CA and sends the token inside TLS: a
     client with the token reaches the store; the token sent in clear, torch's own client, and
     a relay trusting another CA never do (the gate answers nothing but a TLS handshake)."""
-    from trainguard import tls
+    from trainguard.security import tls
 
     endpoint, files, _proc = tls_gated_store
     monkeypatch.setenv(TOKEN_ENV, TOKEN)

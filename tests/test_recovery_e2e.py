@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator", "checkpoint_validator"),
@@ -42,7 +42,7 @@ def _tried(stack, tmp_path, job, faults, ok=None, **kw):
 
     The race that once made about 1 in 10 recoveries stall here is root-caused and fixed: a
     gloo process group whose last reference was dropped with the GIL held deadlocked the
-    process (pytorch/pytorch#56297; see ``trainguard.rendezvous.destroy_groups``), and a save
+    process (pytorch/pytorch#56297; see ``trainguard.rendezvous.store.destroy_groups``), and a save
     of an ended generation could hold the next one for the commit timeout
     (``abandon_inflight``). After the fix: 0 stalls in 60+ stressed recoveries. The second try
     stays as a guard against the shared CI machine's load; it is reported as a warning, so a
@@ -58,7 +58,7 @@ def _tried(stack, tmp_path, job, faults, ok=None, **kw):
 
 
 def _checkpoints(stack, job):
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def _q():
         st = StateStore(stack.redis_url)
@@ -193,7 +193,7 @@ def test_straggler_with_a_spare_node_is_excluded_and_replaced(stack, tmp_path):
 def test_a_job_launched_again_under_its_name_is_a_new_run(stack, tmp_path):
     """Resuming by launching the same job again: the new run meets at a fresh generation (the
     first run's rendezvous keys stay in the store) and trains to the end."""
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     async def _job():
         st = StateStore(stack.redis_url)
@@ -373,7 +373,7 @@ def test_a_restored_state_whose_loss_jumps_fails_its_check_and_stops_the_job(sta
     import subprocess
     import sys
 
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     job = "e2e-wrong-ckpt"
     script = tmp_path / "train.py"

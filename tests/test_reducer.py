@@ -10,11 +10,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from trainguard import schemas
-from trainguard.bus import Bus
-from trainguard.reducer import Call, Publish, Received, Reply, Tick, run_offline, store
-from trainguard.reducer_service import ReducerService
+from trainguard.clients.bus import Bus
+from trainguard.core.reducer import Call, Publish, Received, Reply, Tick, run_offline, store
+from trainguard.services.live_reducer import ReducerService
 from trainguard.schemas import subjects
-from trainguard.service import ServiceConfig
+from trainguard.services.base import ServiceConfig
 
 
 @dataclass(frozen=True)

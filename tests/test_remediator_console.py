@@ -10,8 +10,8 @@ import time
 import urllib.error
 import urllib.request
 
-from trainguard.embedded import free_port
-from trainguard.state import StateStore
+from trainguard.stack.embedded import free_port
+from trainguard.clients.store import StateStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,7 @@ def test_console(redis_db):
         await st.close()
     asyncio.run(seed())
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.console", "--redis-url", redis_db,
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.tools.console", "--redis-url", redis_db,
                              "--port", str(port)], env={**os.environ, "PYTHONPATH": ROOT},
                             stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from trainguard.controllers import (LocalController, SlurmConfig, SlurmController,
+from trainguard.scheduler.local import (LocalController, SlurmConfig, SlurmController,
                                     make_controller, slurm_drain_command)
-from trainguard.state import StateStore
+from trainguard.clients.store import StateStore
 
 
 async def test_local_controller_records_exclusion(redis_db):
@@ -43,7 +43,7 @@ def test_slurm_commands():
     ("COMPLETING", 3, 3, "skip", "already ending (COMPLETING)"),  # a cancel just landed
 ])
 def test_slurm_stop_plan(state, in_force, generation, plan, says):
-    from trainguard.slurm_commands import stop_plan
+    from trainguard.scheduler.slurm.commands import stop_plan
 
     got, why = stop_plan(state, in_force, generation, "42")
     assert got == plan and says in why
@@ -67,7 +67,7 @@ _NOW = __import__("datetime").datetime(2025, 1, 2, 10, 0, 0)
      "IDLE+DRAIN", True, [None, "PENDING already", None, None]),
 ])
 def test_slurm_requeue_commands(job, node_state, lost, skipped):
-    from trainguard.slurm_commands import requeue_commands
+    from trainguard.scheduler.slurm.commands import requeue_commands
 
     plan = requeue_commands("42", "n1", job, node_state, "node_lost: silent 3 s", lost, _NOW)
     assert [(w is None) if s is None else (s in (w or "")) for (_, w), s in
@@ -114,7 +114,7 @@ def test_slurm_auto_requeues_a_job_that_cannot_go_on_in_place():
     (1, "slurm_load_jobs error: Unable to contact slurm controller", None),  # OSError
 ])
 def test_slurm_squeue_state(rc, out, state):
-    from trainguard.slurm_commands import parse_squeue_state
+    from trainguard.scheduler.slurm.commands import parse_squeue_state
 
     if state is None:
         with pytest.raises(OSError, match="squeue exited 1"):
@@ -124,7 +124,7 @@ def test_slurm_squeue_state(rc, out, state):
 
 
 def test_slurm_stop_commands_record_the_reason_then_cancel():
-    from trainguard.slurm_commands import slurm_squeue_command, slurm_stop_commands
+    from trainguard.scheduler.slurm.commands import slurm_squeue_command, slurm_stop_commands
 
     comment, cancel = slurm_stop_commands("42", "retry budget spent:\n 10 of 10 " + "x" * 300)
     assert comment[:3] == ["scontrol", "update", "jobid=42"]

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from trainguard import schemas
-from trainguard.controllers import ControllerResult
-from trainguard.reducer import Call, Log, Publish, Received, Tick, run_offline
+from trainguard.scheduler.local import ControllerResult
+from trainguard.core.reducer import Call, Log, Publish, Received, Tick, run_offline
 from trainguard.remediator import reducer
 from trainguard.remediator.model import decision_id, verdict_token
 from trainguard.remediator.reducer import RemediatorConfig, RemediatorState

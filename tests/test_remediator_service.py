@@ -8,9 +8,9 @@ from trainguard import schemas
 from trainguard.schemas.vocabulary import signature
 from trainguard.remediator.service import Remediator, RemediatorConfig
 from trainguard.schemas import ActionResult, Decision, TrainingResumed, Verdict, subjects
-from trainguard.bus import Bus
-from trainguard.service import ServiceConfig, health_subject
-from trainguard.state import StateStore
+from trainguard.clients.bus import Bus
+from trainguard.services.base import ServiceConfig, health_subject
+from trainguard.clients.store import StateStore
 
 MEMBERS = [{"rank": 0, "node": "n1", "local_rank": 0}, {"rank": 1, "node": "n1", "local_rank": 1},
            {"rank": 2, "node": "n2", "local_rank": 0}, {"rank": 3, "node": "n2", "local_rank": 1}]
@@ -288,7 +288,7 @@ async def test_straggler_flag_is_published_once_and_keeps_the_watchdog(servers, 
 
 
 async def test_failed_node_drain_is_audited_not_escalated(servers, redis_db):
-    from trainguard.controllers import SlurmConfig, SlurmController
+    from trainguard.scheduler.local import SlurmConfig, SlurmController
     store = StateStore(redis_db)
     await register(store, "j10")
     slurm = SlurmController(store, SlurmConfig(scontrol="/nonexistent/scontrol"))

@@ -9,8 +9,8 @@ import pytest
 
 from trainguard import schemas
 from trainguard.schemas import LogLine, Verdict, subjects
-from trainguard.bus import Bus
-from trainguard.replay import Record, play, read_recording, record, summarize
+from trainguard.clients.bus import Bus
+from trainguard.tools.replay import Record, play, read_recording, record, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +113,7 @@ def test_cli_record_and_play(servers, tmp_path):
 async def test_history_reads_what_jetstream_kept_across_streams(servers):
     """``record --history``: events and heartbeats stored before the recorder ran come back
     oldest first, interleaved across the streams as they were published, exact bytes."""
-    from trainguard.replay import history
+    from trainguard.tools.replay import history
 
     pub = await Bus(servers.nats_url, "hist-pub").connect()
     await pub.ensure_streams()

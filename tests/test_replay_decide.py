@@ -8,10 +8,10 @@ import os
 import pytest
 
 from trainguard import schemas
-from trainguard.memstore import MemoryStore
+from trainguard.tools.memstore import MemoryStore
 from trainguard.remediator import policy as pol
-from trainguard.replay import Record, read_recording
-from trainguard.replay_decide import (ReplayError, decide, load_policy_file, parse_row,
+from trainguard.tools.replay import Record, read_recording
+from trainguard.tools.replay_decide import (ReplayError, decide, load_policy_file, parse_row,
                                       policy_with)
 
 B = 1_700_000_000 * 10**9

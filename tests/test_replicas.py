@@ -13,10 +13,10 @@ from test_detector_reducer import exited, state as d_state, tick, xid
 from test_remediator_reducer import (Store, crash as v_crash, published, record, run as
                                            r_run, verdict_in)
 from trainguard import schemas
-from trainguard.consume import RELEVANCE, consumer_name, matches, max_age_s
+from trainguard.services.durable import RELEVANCE, consumer_name, matches, max_age_s
 from trainguard.detector import reducer as dred
-from trainguard.membership import Membership, owner, partition_key
-from trainguard.reducer import Call, Gained, Publish, Released, Reply, Tick, run_offline
+from trainguard.services.membership import Membership, owner, partition_key
+from trainguard.core.reducer import Call, Gained, Publish, Released, Reply, Tick, run_offline
 from trainguard.remediator import reducer as rred
 from trainguard.remediator.model import Pending, RemediatorConfig, RemediatorState
 from trainguard.schemas import JobRecord, subjects
@@ -76,13 +76,13 @@ def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
     """``tg.node.<node>.launcher.<job>`` stays under the node: the same partition key as the
     agent's ``tg.node.<node>.heartbeat`` (the replica that judges the node hears both), kept
     by the same stream, read by the detector with the same relevance and in-flight bound."""
-    from trainguard.bus import STREAMS
-    from trainguard.consume import max_ack_pending_for
+    from trainguard.clients.bus import STREAMS
+    from trainguard.services.durable import max_ack_pending_for
 
     agent, launcher = subjects.node(node, "heartbeat"), subjects.launcher(node, "job.1")
     assert partition_key(launcher) == partition_key(agent) == f"node:{node}"
     assert max_age_s(launcher) == max_age_s(agent) == 3.0
-    from trainguard.consume import batched_acks
+    from trainguard.services.durable import batched_acks
 
     assert batched_acks(subjects.ALL_LAUNCHERS) and batched_acks("tg.node.*.heartbeat")
     assert max_ack_pending_for(subjects.ALL_LAUNCHERS) == max_ack_pending_for(
@@ -100,7 +100,7 @@ def test_known_keys_are_another_replicas_and_this_ones_that_decoded():
     """A replica records the partition key of another replica's message as it acks it, and of
     its own once the message decoded: keys named only by undecodable messages (a hostile flood
     names a new one in each) are not kept."""
-    from trainguard.service import Service, ServiceConfig
+    from trainguard.services.base import Service, ServiceConfig
 
     class Svc(Service):
         name, partitioned, uses_state = "svc", True, False
@@ -128,7 +128,7 @@ def test_relevance_table_rows_and_matching():
 
 
 def test_in_flight_bounds_keep_a_backlog_within_its_ack_wait():
-    from trainguard.consume import (ACK_WAIT_S, HELD_ACK_WAIT_S, HELD_IN_FLIGHT, IN_FLIGHT,
+    from trainguard.services.durable import (ACK_WAIT_S, HELD_ACK_WAIT_S, HELD_IN_FLIGHT, IN_FLIGHT,
                                     max_ack_pending_for)
 
     assert all(r.reason for r in IN_FLIGHT)
@@ -246,8 +246,8 @@ def test_gained_job_is_rearmed_and_released_job_loses_its_pending_decision():
 
 # ---- executors: at most once per idempotency key ------------------------------------------------
 def test_decision_inbox_takes_each_key_once():
-    from trainguard.rank_state import DecisionInbox
-    from trainguard.rank_state import WorkerConfig
+    from trainguard.rank.state import DecisionInbox
+    from trainguard.rank.state import WorkerConfig
 
     cfg = WorkerConfig(job="j", rank=1, world_size=2, node="n1", local_rank=1, generation=0)
     inbox = DecisionInbox(cfg)
@@ -272,7 +272,7 @@ def test_heartbeats_are_short_lived(subject):
 def test_detector_judges_no_silence_while_the_bus_is_down_and_restarts_the_clocks_after():
     from test_detector_reducer import hb
 
-    from trainguard.reducer import BusDown, BusUp, Received
+    from trainguard.core.reducer import BusDown, BusUp, Received
 
     def node_hb(t):
         return t, Received(subjects.node("n0", "heartbeat"),
@@ -294,7 +294,7 @@ def test_detector_judges_no_silence_while_the_bus_is_down_and_restarts_the_clock
 
 
 def test_remediator_watchdog_deadlines_move_on_by_the_outage():
-    from trainguard.reducer import BusUp
+    from trainguard.core.reducer import BusUp
 
     dec = schemas.Decision(job="j", action="restart_workers", mode="action", generation=1,
                            idempotency_key="j:g0", reason="r")
@@ -304,7 +304,7 @@ def test_remediator_watchdog_deadlines_move_on_by_the_outage():
 
 
 def test_stack_runs_named_replicas_of_the_partitioned_services(tmp_path):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     st = Stack(services=("agent", "detector", "remediator"), agent_nodes=("a",), replicas=2,
                log_dir=tmp_path)

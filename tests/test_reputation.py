@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.reputation import (RULES, Canary, NodeView, ReputationConfig, decayed,
+from trainguard.core.reputation import (RULES, Canary, NodeView, ReputationConfig, decayed,
                                    offence_weight, plan)
 from trainguard.schemas.reputation import NodeReputation, decode_reputation
 
@@ -100,7 +100,7 @@ def test_decode_refuses_what_it_cannot_read():
 
 
 async def test_offences_count_once_per_key_and_decay_in_the_store(redis_db):
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     st = StateStore(redis_db)
     hl = 7 * 86400.0
@@ -135,9 +135,9 @@ async def test_readmit_through_the_one_implementation(redis_db):
     """Local controller: exclusion → offence; failing canary → kept out, offence, evidence;
     a second failure makes a repeat offender held without a canary; two weeks later the decayed
     score lets a passing canary readmit it, on probation; excluded again then, it weighs 2."""
-    from trainguard.controllers import LocalController
+    from trainguard.scheduler.local import LocalController
     from trainguard.schemas import JobSettings
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     import time
 
@@ -186,10 +186,10 @@ async def test_readmit_through_the_one_implementation(redis_db):
 async def test_a_canary_that_could_not_run_keeps_the_node_out_without_an_offence(redis_db):
     """The scheduler could not start the canary (``CanaryNotRun``): nothing was learnt of the
     node, so it stays out of service, its score unchanged, the reason saying so."""
-    from trainguard.controller_base import CanaryNotRun
-    from trainguard.controllers import LocalController
+    from trainguard.scheduler.base import CanaryNotRun
+    from trainguard.scheduler.local import LocalController
     from trainguard.schemas import JobSettings
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     st = StateStore(redis_db)
     await st.register_settings("tj", JobSettings(mode="action"))
@@ -216,9 +216,9 @@ async def test_one_readmit_of_a_node_at_a_time(redis_db):
     runs the canary, the other does nothing and says so; after the first, the lock is free."""
     import asyncio
 
-    from trainguard.controllers import LocalController
+    from trainguard.scheduler.local import LocalController
     from trainguard.schemas import JobSettings
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     st = StateStore(redis_db)
     await st.register_settings("tj", JobSettings(mode="action"))
@@ -250,7 +250,7 @@ def test_nvml_rules_at_the_pynvml_seam():
     import fake_pynvml as fk
 
     from trainguard.agents.nvml import NvmlConfig, NvmlSampler
-    from trainguard.canary import nvml_problems
+    from trainguard.agents.canary import nvml_problems
 
     good = fk.healthy_h100(0)
     bad = fk.healthy_h100(1)
@@ -270,7 +270,7 @@ def test_nvml_rules_at_the_pynvml_seam():
     ("nvml@n1", "compute", "n1", False),
 ])
 def test_fault_injection_names_checks_and_nodes(spec, check, node, want):
-    from trainguard.canary import injected
+    from trainguard.agents.canary import injected
 
     assert injected(check, node, spec) is want
 
@@ -278,7 +278,7 @@ def test_fault_injection_names_checks_and_nodes(spec, check, node, want):
 def test_the_canary_program_fails_an_injected_compute_fault(monkeypatch, capsys):
     import json
 
-    from trainguard.canary import main
+    from trainguard.agents.canary import main
 
     monkeypatch.setenv("TG_NODE", "n7")
     monkeypatch.setenv("TG_CANARY_FAIL", "compute@n7")
@@ -292,7 +292,7 @@ def test_the_canary_program_fails_an_injected_compute_fault(monkeypatch, capsys)
 
 
 def test_canary_summary_reads_the_last_json_line():
-    from trainguard.controller_base import canary_summary
+    from trainguard.scheduler.base import canary_summary
 
     assert canary_summary('noise\n{"summary": "compute: off"}\n') == "compute: off"
     assert canary_summary("srun: error: Unable to allocate") == "srun: error: Unable to allocate"
@@ -305,8 +305,8 @@ async def test_the_node_command_shows_forgives_and_readmits(redis_db, monkeypatc
     import asyncio
     import json
 
-    from trainguard.node_cli import main
-    from trainguard.state import StateStore
+    from trainguard.tools.node import main
+    from trainguard.clients.store import StateStore
 
     st = StateStore(redis_db)
     await st.add_offence("n9", "j:g0", 1.0, 7 * 86400.0, {"job": "j", "reason": "xid 79"})

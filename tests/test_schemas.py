@@ -160,7 +160,7 @@ def test_a_job_name_cannot_hold_a_colon():
         schemas.decode(bad)
     assert schemas.decode(schemas.encode(schemas.LogLine(job="ok", node="n:1", line="x"))).node \
         == "n:1"
-    from trainguard.launch_args import parse
+    from trainguard.launch.args import parse
 
     with pytest.raises(SystemExit):
         parse(["--job", "a:b", "--nnodes", "1", "train.py"])
@@ -171,7 +171,7 @@ def test_a_heartbeats_phase_is_cut_to_its_bound_and_still_beats():
     ``MAX_PHASE_CHARS`` (the heartbeat still counts), and ``Context.phase`` refuses a longer
     name where the user sets it."""
     from trainguard.schemas.worker import MAX_PHASE_CHARS
-    from trainguard.worker import Context
+    from trainguard.rank.shim import Context
 
     raw = msgpack.packb({"schema": "rank.heartbeat", "v": 1, "job": "j", "rank": 1, "step": 7,
                          "phase": "p" * 100_000})

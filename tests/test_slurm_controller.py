@@ -37,10 +37,10 @@ def _wait_state(slurm, jid, states, timeout=20):
 
 async def test_drain_requeue_cancel_for_the_training_jobs_slurm_id(slurm, redis_db, tmp_path,
                                                                      monkeypatch):
-    from trainguard.controllers import make_controller
+    from trainguard.scheduler.local import make_controller
     from trainguard.schemas import JobSettings
-    from trainguard.slurm_controller import SlurmConfig, SlurmController
-    from trainguard.state import StateStore
+    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
@@ -84,8 +84,8 @@ async def test_drain_requeue_cancel_for_the_training_jobs_slurm_id(slurm, redis_
 async def test_auto_requeue_leaves_a_job_that_goes_on_in_place(slurm, redis_db, tmp_path,
                                                                 monkeypatch):
     from trainguard.schemas import JobSettings
-    from trainguard.slurm_controller import SlurmConfig, SlurmController
-    from trainguard.state import StateStore
+    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
@@ -118,12 +118,12 @@ async def test_a_stop_decision_cancels_the_slurm_job_with_its_reason(slurm, serv
     import asyncio
     import json
 
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
     from trainguard.remediator.service import Remediator, RemediatorConfig
     from trainguard.schemas import ActionResult, Decision, Verdict, subjects
-    from trainguard.service import ServiceConfig, health_subject
-    from trainguard.slurm_controller import SlurmController, slurm_reason
-    from trainguard.state import StateStore
+    from trainguard.services.base import ServiceConfig, health_subject
+    from trainguard.scheduler.slurm.controller import SlurmController, slurm_reason
+    from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from trainguard import launch_args
+from trainguard.launch import args as launch_args
 from trainguard.schemas.slurm import (DIRECTIVE_FIELDS, DirectiveError, SlurmDirective,
                                       directive_or_default, parse_directive)
 

@@ -37,10 +37,10 @@ def _reservations(slurm) -> str:
 
 async def test_a_drained_node_returns_only_after_its_canary_passes(slurm, redis_db,
                                                                     monkeypatch):
-    from trainguard.controller_base import LOCAL_CANARY
+    from trainguard.scheduler.base import LOCAL_CANARY
     from trainguard.schemas import JobSettings
-    from trainguard.slurm_controller import SlurmConfig, SlurmController
-    from trainguard.state import StateStore
+    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
@@ -116,10 +116,10 @@ async def test_a_canary_srun_could_not_start_counts_no_offence(slurm, redis_db, 
     """``srun`` runs, but the canary program never starts on the node (here: not at that path
     there). That is the launcher's failure, not the node's: the node stays drained, the reason
     says the canary could not run, its score is what it was; the real canary then returns it."""
-    from trainguard.controller_base import LOCAL_CANARY
+    from trainguard.scheduler.base import LOCAL_CANARY
     from trainguard.schemas import JobSettings
-    from trainguard.slurm_controller import SlurmConfig, SlurmController
-    from trainguard.state import StateStore
+    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)

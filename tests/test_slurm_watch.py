@@ -28,11 +28,11 @@ from trainguard.attributor.evidence import agreeing_sources
 from trainguard.detector import scheduler
 from trainguard.detector.reducer import DetectorServiceConfig, DetectorState
 from trainguard.detector.reducer import step as detector_step
-from trainguard.reducer import Call, Log, Publish, Received, Tick, run_offline
+from trainguard.core.reducer import Call, Log, Publish, Received, Tick, run_offline
 from trainguard.schemas import JobRecord, subjects
 from trainguard.schemas.slurm import JobChange, NodeChange, SlurmJobEvent, SlurmNodeEvent
-from trainguard.slurm_watch.reducer import Observation, WatchState, job_changes, step
-from trainguard.slurm_watch.snapshot import (SlurmJob, SnapshotError, expand_hostlist,
+from trainguard.scheduler.slurm.watch.reducer import Observation, WatchState, job_changes, step
+from trainguard.scheduler.slurm.watch.snapshot import (SlurmJob, SnapshotError, expand_hostlist,
                                              parse_sinfo, parse_squeue)
 
 FIX = Path(__file__).parent / "fixtures" / "slurm"

@@ -39,9 +39,9 @@ async def _until(fn, timeout: float, every: float = 0.1):
 
 
 def test_directive_registration_and_a_node_set_down_under_a_real_slurm():
-    from trainguard.bus import Bus
+    from trainguard.clients.bus import Bus
     from trainguard.cluster import Cluster, ClusterConfig
-    from trainguard.state import StateStore
+    from trainguard.clients.store import StateStore
 
     t0 = time.monotonic()
     c = Cluster(ClusterConfig(nodes=2, slurm=True, slurmd_timeout_s=300,

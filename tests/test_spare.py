@@ -1,4 +1,4 @@
-"""The warm spare (``python -m trainguard.spare``) started in a job directory that holds a
+"""The warm spare (``python -m trainguard.launch.spare``) started in a job directory that holds a
 folder named like one of trainguard's packages: trainguard still loads its own, and the script
 runs as ``__main__`` with its own directory on the path. A real spare process."""
 from __future__ import annotations
@@ -25,13 +25,13 @@ def test_a_users_schemas_and_detector_folders_change_nothing(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import json, sys, schemas, detector\n"
-        "import trainguard.schemas, trainguard.hooks\n"
+        "import trainguard.schemas, trainguard.rank.hooks\n"
         f"json.dump({{'mine': [schemas.WHO, detector.WHO], "
-        f"'ours': trainguard.schemas.__file__, 'hooks': trainguard.hooks.active(), "
+        f"'ours': trainguard.schemas.__file__, 'hooks': trainguard.rank.hooks.active(), "
         f"'argv': sys.argv[1:], 'path0': sys.path[0]}}, open({str(out)!r}, 'w'))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
+    p = subprocess.run([sys.executable, "-m", "trainguard.launch.spare"], cwd=tmp_path, env=env,
                        input=json.dumps({"env": {}, "argv": [str(script), "--x", "1"],
                                          "cwd": str(tmp_path), "module": False}) + "\n",
                        capture_output=True, text=True, timeout=110)
@@ -73,7 +73,7 @@ def test_a_script_failing_at_start_prints_an_unlabelled_traceback(tmp_path):
     script.write_text("raise RuntimeError('boom at start')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
+    p = subprocess.run([sys.executable, "-m", "trainguard.launch.spare"], cwd=tmp_path, env=env,
                        input=json.dumps({"env": {"RANK": "3"}, "argv": [str(script)],
                                          "cwd": str(tmp_path)}) + "\n",
                        capture_output=True, text=True, timeout=110)
@@ -85,7 +85,7 @@ def test_a_script_failing_at_start_prints_an_unlabelled_traceback(tmp_path):
 def test_unwrapping_rank_labels_keeps_the_programs_own_hook():
     import torch.distributed as dist
 
-    from trainguard.rendezvous import unwrap_rank_excepthook
+    from trainguard.rendezvous.store import unwrap_rank_excepthook
 
     def mine(*exc_info):
         pass
@@ -126,7 +126,7 @@ def test_a_failing_script_still_gets_the_buffers_of_its_open_files_written(tmp_p
                       "raise RuntimeError('boom')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
+    p = subprocess.run([sys.executable, "-m", "trainguard.launch.spare"], cwd=tmp_path, env=env,
                        input=json.dumps({"env": {"RANK": "0"}, "argv": [str(script)],
                                          "cwd": str(tmp_path)}) + "\n",
                        capture_output=True, text=True, timeout=110)
@@ -152,7 +152,7 @@ def test_a_waiting_spare_ignores_ctrl_c_and_the_rank_it_becomes_does_not(tmp_pat
         "except KeyboardInterrupt:\n"
         f"    open({str(out)!r}, 'w').write('interrupted')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "trainguard.spare"], cwd=tmp_path, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "trainguard.launch.spare"], cwd=tmp_path, env=env,
                          stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)

@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from trainguard.schemas import Verdict, subjects
-from trainguard.bus import Bus
-from trainguard.stack import DEFAULT_SERVICES, SERVICE_SPECS, Stack, StackError, service_available
-from trainguard.state import StateStore
+from trainguard.clients.bus import Bus
+from trainguard.stack.local import DEFAULT_SERVICES, SERVICE_SPECS, Stack, StackError, service_available
+from trainguard.clients.store import StateStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _valkey_serves_tls() -> bool:
     """Whether a stack asking for TLS gets it from Valkey here (a binary built with TLS is
     installed: ``embedded.valkey_server_binary``)."""
-    from trainguard.embedded import has_tls, valkey_server_binary
+    from trainguard.stack.embedded import has_tls, valkey_server_binary
 
     return has_tls(valkey_server_binary(tls=True))
 
@@ -113,10 +113,10 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "nats-server" in names and "remediator" in names
         assert "valkey" in names or "redis-server" in names
-        if importlib.util.find_spec("trainguard.rendezvous") is not None:
+        if importlib.util.find_spec("trainguard.rendezvous.store") is not None:
             import socket
 
-            from trainguard.rendezvous import parse_endpoint
+            from trainguard.rendezvous.store import parse_endpoint
 
             # the gate serves TLS with the stack's certificate: its token never goes in clear
             assert exports["TG_RDZV_ENDPOINT"].startswith("tls://127.0.0.1:")
@@ -189,7 +189,7 @@ def test_full_default_stack(tmp_path, monkeypatch):
         pids = [p.pid for p in stack.procs.values()]
         pids += [s.proc.pid for s in stack._servers.servers]
         assert stack.rdzv_endpoint and stack.rdzv_endpoint != "127.0.0.1:9"
-        from trainguard.rendezvous import connect_store
+        from trainguard.rendezvous.store import connect_store
 
         connect_store(stack.rdzv_endpoint, timeout_s=5).set("probe", "1")
         decisions, trail = asyncio.run(_crash_chain(stack.nats_url, stack.redis_url))
@@ -205,13 +205,13 @@ CA_PATH = "/etc/trainguard/ca/ca.pem"  # where compose and Kubernetes mount the 
 def test_compose_runs_every_service_against_its_servers():
     import yaml
 
-    from trainguard.auth import ROLES
+    from trainguard.security.auth import ROLES
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         compose = yaml.safe_load(fh)
     svcs = compose["services"]
     # the servers run from the config the credentials service writes (users, JetStream, TLS)
     cred = svcs["credentials"]
-    assert cred["command"][:4] == ["python", "-m", "trainguard.auth", "server-config"]
+    assert cred["command"][:4] == ["python", "-m", "trainguard.security.auth", "server-config"]
     assert "--no-tls" not in cred["command"]
     assert cred["command"][cred["command"].index("--ca-dir") + 1] == "/ca"
     assert set(cred["volumes"]) == {"tg-secrets:/secrets", "tg-ca:/ca"}
@@ -250,7 +250,7 @@ def test_compose_runs_every_service_against_its_servers():
     assert svcs["streams"]["command"][:3] == ["trainguard", "up", "--streams-only"]
     # the rendezvous store runs its token gate; the token is .env's, as the host launcher's
     rdzv = svcs["rendezvous"]
-    assert rdzv["command"][:3] == ["python", "-m", "trainguard.rendezvous"]
+    assert rdzv["command"][:3] == ["python", "-m", "trainguard.rendezvous.store"]
     assert rdzv["environment"]["TG_RDZV_TOKEN"].startswith("${TG_RDZV_TOKEN:?")
     # it serves TLS with the servers' certificate, its key read as group 999 (the credentials
     # command's --key-group), read-only; it starts once the credentials are written
@@ -298,7 +298,7 @@ def test_kubernetes_manifests_cover_every_service():
     for server in ("nats", "valkey"):
         spec = workloads[("StatefulSet", server)]["spec"]["template"]["spec"]
         cmd = spec["initContainers"][0]["command"]
-        assert cmd[:4] == ["python", "-m", "trainguard.auth", "server-config"]
+        assert cmd[:4] == ["python", "-m", "trainguard.security.auth", "server-config"]
         assert cmd[cmd.index("--tls-from") + 1] == "/tls"  # the one Secret: one CA for all
 
 
@@ -312,7 +312,7 @@ def test_slurm_example_is_valid_bash():
 def test_embedded_servers_never_take_urls_from_the_environment(monkeypatch):
     """A NATS_URL/REDIS_URL left in the shell (`source tg.env`, a shared bus) must not receive
     the demo's injected faults or the tests' events: the embedded stack starts its own."""
-    from trainguard.embedded import EmbeddedServers
+    from trainguard.stack.embedded import EmbeddedServers
 
     monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1")

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from trainguard.schemas import JobSettings
-from trainguard.state import LauncherConflict, RankConflict, StateStore
+from trainguard.clients.store import LauncherConflict, RankConflict, StateStore
 
 
 def _run(coro):
@@ -113,7 +113,7 @@ def test_a_requeued_slurm_job_is_a_new_run_whatever_leases_its_old_run_holds(red
 
 
 def test_the_run_id_of_a_launch():
-    from trainguard.launcher_lease import run_id
+    from trainguard.launch.lease import run_id
 
     assert run_id({}) == ""
     assert run_id({"SLURM_JOB_ID": "41"}) == "41.0"
@@ -123,7 +123,7 @@ def test_the_run_id_of_a_launch():
 async def _outboxes(url: str):
     import redis.asyncio as aioredis
 
-    from trainguard.state_scripts import OUTBOX_INDEX, outbox_key
+    from trainguard.clients.store_scripts import OUTBOX_INDEX, outbox_key
     raw = aioredis.Redis.from_url(url, decode_responses=True)
     # a decision kept by a release without the index: only the outbox hash holds it
     await raw.sadd("tg:jobs", "old", "a", "b")
@@ -181,7 +181,7 @@ def test_job_records_reads_many_in_one_call_and_decodes_a_changed_hash_only(redi
 def test_fault_history_reads_the_nodes_and_the_signature_in_one_call_as_one_by_one(redis_db):
     """``fault_history`` (the attributor's one round trip) answers what ``node_history`` per
     node and ``signature_history`` answer; the in-memory store of a replay does the same."""
-    from trainguard.memstore import MemoryStore
+    from trainguard.tools.memstore import MemoryStore
 
     async def scenario():
         st = StateStore(redis_db)

@@ -55,7 +55,7 @@ def test_what_can_never_be_a_name_is_refused(bad):
 
 
 def test_health_subject_of_an_agent_on_a_dotted_node_is_one_token():
-    from trainguard.service import health_subject
+    from trainguard.services.base import health_subject
 
     assert health_subject("agent-ip-10-0-1-2.ec2.internal") == \
         "tg.svc.agent-ip-10-0-1-2%2Eec2%2Einternal.health"

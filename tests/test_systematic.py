@@ -15,7 +15,7 @@ from trainguard import schemas
 from trainguard.attributor import incidents
 from trainguard.attributor.incidents import AttributorState
 from trainguard.detector import reducer as detector
-from trainguard.reducer import Call, Publish, Received, run_offline
+from trainguard.core.reducer import Call, Publish, Received, run_offline
 from trainguard.schemas import subjects
 
 import test_remediator_reducer as rem  # the remediator's in-memory store and helpers

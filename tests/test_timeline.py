@@ -1,10 +1,12 @@
-"""trainguard.timeline: the phases of one recovery from events, audit records and step records,
+"""trainguard.core.timeline: the phases of one recovery from events, audit records and step records,
 and the slow phase of a run against its path's median. Pure: no servers."""
 from __future__ import annotations
 
 import pytest
 
-from trainguard import schemas, timeline
+from trainguard import schemas
+
+from trainguard.core import timeline
 
 S = 1_000_000_000  # ns per second
 F = 1_000 * S      # the fault

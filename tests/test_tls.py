@@ -15,12 +15,14 @@ import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from trainguard import schemas, tls
-from trainguard.auth import ROLES, job_role, job_user
-from trainguard.bus import Bus
-from trainguard.embedded import EmbeddedServers
-from trainguard.errors import ServerUnreachable
-from trainguard.state import StateStore, tls_options
+from trainguard import schemas
+
+from trainguard.security import tls
+from trainguard.security.auth import ROLES, job_role, job_user
+from trainguard.clients.bus import Bus
+from trainguard.stack.embedded import EmbeddedServers
+from trainguard.clients.errors import ServerUnreachable
+from trainguard.clients.store import StateStore, tls_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -277,7 +279,7 @@ async def test_launcher_beats_of_this_release_and_an_earlier_one_are_kept(tls_st
 
 
 def test_node_role_is_the_agent_row_narrowed():
-    from trainguard.auth import node_role, node_user, scoped_role
+    from trainguard.security.auth import node_role, node_user, scoped_role
 
     role = node_role("gpu-7.cluster")
     assert node_user("gpu-7.cluster") == role.name == "node-gpu-7.cluster"
@@ -336,7 +338,7 @@ async def test_no_worker_writes_an_outbox_or_an_audit_trail(tls_stack):
     another job after a remediator restart, with no audit record). A worker may not write them,
     nor list the keyspace or flush scripts; a decision a worker left under the old outbox key
     is never swept."""
-    from trainguard.state_scripts import audit_key, outbox_key
+    from trainguard.clients.store_scripts import audit_key, outbox_key
 
     ca = tls_stack.tls_ca
     forged = json.dumps({"event_id": "forged-1", "job": "victim", "action": "stop_job_notify_user",
@@ -420,7 +422,7 @@ async def test_a_report_with_a_workers_credentials_says_whose_it_needs(tls_stack
                                                                        tmp_path, capsys):
     """``trainguard report`` with the line ``trainguard up`` prints (the worker's URLs, which may
     not read the stored history) said "no stored events"; it says whose credentials read it."""
-    from trainguard import report
+    from trainguard.tools import report
 
     monkeypatch.setenv(tls.CA_ENV, tls_stack.tls_ca)
     admin = await Bus(tls_stack.nats_url, "admin-test", tls_ca=tls_stack.tls_ca).connect()
@@ -593,7 +595,7 @@ def test_credentials_issue_and_rotate_on_a_running_stack(tmp_path):
 def test_every_service_runs_over_tls(tmp_path):
     """Each service gets only its URLs and ``TG_TLS_CA`` and answers its health request over
     the TLS-only bus; a job's own worker user then publishes its rank heartbeat through it."""
-    from trainguard.stack import DEFAULT_SERVICES, Stack
+    from trainguard.stack.local import DEFAULT_SERVICES, Stack
 
     with Stack(services=DEFAULT_SERVICES, rendezvous=False, tls=True,
                log_dir=tmp_path / "logs") as stack:
@@ -612,7 +614,7 @@ def test_every_service_runs_over_tls(tmp_path):
 def _valkey_with_tls():
     """The valkey-server the stack picks for TLS when one built with it is installed (a
     distribution's ``valkey-server`` or ``redis-server``), or None."""
-    from trainguard.embedded import has_tls, valkey_server_binary
+    from trainguard.stack.embedded import has_tls, valkey_server_binary
 
     path = valkey_server_binary(tls=True)
     return path if has_tls(path) else None
@@ -681,7 +683,7 @@ def test_the_binary_for_tls_is_one_built_with_it(tmp_path, monkeypatch, on_path,
     """``valkey_server_binary(tls=True)`` passes over the bundled build (no TLS) for the first
     one on PATH that has TLS and is recent enough for the roles' ACL (Redis ≥ 7.0); without TLS
     wanted, or with none fit, the bundled one."""
-    from trainguard import embedded
+    from trainguard.stack.local import embedded
 
     bundled = embedded.valkey_candidates()[0]
     monkeypatch.delenv("TG_VALKEY_SERVER", raising=False)
@@ -699,7 +701,7 @@ def test_the_binary_for_tls_is_one_built_with_it(tmp_path, monkeypatch, on_path,
 def test_acl_rules_name_only_commands_the_server_knows(version, has_setinfo):
     """Redis 7.0 refuses an ACL naming ``CLIENT SETINFO`` (it came in 7.2): the rules given to
     an older server leave it out, and nothing else."""
-    from trainguard.auth import Credentials, rules_for_version, valkey_acl
+    from trainguard.security.auth import Credentials, rules_for_version, valkey_acl
 
     rules = ROLES["worker"].valkey
     kept = rules_for_version(rules, version)
@@ -734,7 +736,7 @@ async def test_wrong_credentials_are_said_at_once(tls_stack):
     """A password the server refuses is no unreachable server: ``Bus.connect`` gives up at the
     first refusal (no retry until its deadline), ``ThreadedBus.wait_connected`` (what the
     launcher waits on) returns False at once, and the error says to check the credentials."""
-    from trainguard.bus import ThreadedBus
+    from trainguard.clients.bus import ThreadedBus
 
     url = tls_stack.urls("worker")[0]
     user, _, rest = url.partition("@")
@@ -761,7 +763,7 @@ async def test_status_with_a_workers_credentials_says_whose_it_needs(tls_stack, 
     """``trainguard status`` / ``breaker status`` with the line ``trainguard up`` prints (the
     worker's, which may not read the breaker or the job list) ended in a traceback; they say
     whose credentials read them, and work with the reader's."""
-    from trainguard import breaker_cli, status_cli
+    from trainguard.tools import breaker as breaker_cli, status as status_cli
 
     monkeypatch.setenv(tls.CA_ENV, tls_stack.tls_ca)
     run = status_cli.main if command == "status" else breaker_cli.main

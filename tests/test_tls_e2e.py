@@ -9,15 +9,15 @@ import time
 import pytest
 
 from test_dropin_e2e import EPOCHS, FAULT_EPOCH, Run, _job, assert_resumed, decisions
-from trainguard.rdzv_gate import TOKEN_ENV
-from trainguard.tls import CA_ENV
+from trainguard.rendezvous.gate import TOKEN_ENV
+from trainguard.security.tls import CA_ENV
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def tls_stack(tmp_path_factory):
-    from trainguard.stack import Stack
+    from trainguard.stack.local import Stack
 
     logs = tmp_path_factory.mktemp("tls-stack-logs")
     st = Stack(services=("agent", "detector", "attributor", "remediator"),

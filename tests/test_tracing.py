@@ -4,9 +4,9 @@ import asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from trainguard import schemas
-from trainguard import tracing
-from trainguard.bus import Bus
-from trainguard.service import Service, ServiceConfig
+from trainguard.services import tracing
+from trainguard.clients.bus import Bus
+from trainguard.services.base import Service, ServiceConfig
 
 
 class _Echo(Service):

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from trainguard.stack_http import kept_ports
+from trainguard.stack.endpoints import kept_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = "up-console"

@@ -12,11 +12,11 @@ from trainguard import schemas
 from trainguard.checkpoint_validator.service import CheckpointValidator
 from trainguard.checkpoint_validator.validate import validate_checkpoint
 from trainguard.schemas import subjects
-from trainguard.bus import Bus, ThreadedBus
+from trainguard.clients.bus import Bus, ThreadedBus
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import format as fmt
-from trainguard.service import ServiceConfig
-from trainguard.state import StateStore
+from trainguard.services.base import ServiceConfig
+from trainguard.clients.store import StateStore
 
 pytestmark = pytest.mark.timeout(120)
 

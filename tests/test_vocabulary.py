@@ -14,7 +14,7 @@ from trainguard.detector import rules
 from trainguard.remediator import policy as pol
 from trainguard.schemas.vocabulary import (ROWS, VOCABULARY, Action, FaultClass, Layer, signature, strength,
                                 stronger)
-from trainguard.xid import xid_table
+from trainguard.core.xid import xid_table
 
 LAYERS = set(Layer)
 ACTIONS = set(Action)

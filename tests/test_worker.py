@@ -8,7 +8,7 @@ import time
 import pytest
 
 import trainguard
-from trainguard.worker import WorkerConfig
+from trainguard.rank.shim import WorkerConfig
 
 
 def _cfg(**kw) -> WorkerConfig:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.xid import parse_gpu_uuid_line, parse_xid_line, xid_info, xid_table
+from trainguard.core.xid import parse_gpu_uuid_line, parse_xid_line, xid_info, xid_table
 
 CASES = [
     # (line, xid, pci, pid, name, message starts with)

@@ -20,7 +20,7 @@ __all__ = ["run", "Context", "WorkerConfig", "RestartRequested", "JobStopped", "
 def __getattr__(name: str):
     # lazy: importing trainguard must not import torch (services do not need it)
     if name in ("run", "Context", "WorkerConfig", "RestartRequested", "JobStopped"):
-        from . import worker
+        from trainguard.rank import shim as worker
 
         return getattr(worker, name)
     raise AttributeError(name)

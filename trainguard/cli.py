@@ -9,23 +9,23 @@ import importlib
 import sys
 
 COMMANDS = {
-    "up": ("trainguard.up", "Start NATS, Valkey and every service locally; Ctrl-C stops all."),
-    "credentials": ("trainguard.credentials", "Give one job's workers their own user on a "
+    "up": ("trainguard.stack.up", "Start NATS, Valkey and every service locally; Ctrl-C stops all."),
+    "credentials": ("trainguard.stack.credentials", "Give one job's workers their own user on a "
                                               "running `trainguard up`."),
-    "launch": ("trainguard.launcher", "Start the ranks of one node (torchrun-compatible)."),
+    "launch": ("trainguard.launch.launcher", "Start the ranks of one node (torchrun-compatible)."),
     "demo": ("trainguard.demo", "Train a real model under injected faults and report recovery."),
-    "diagnose": ("trainguard.diagnose", "Attribute saved job logs / dmesg offline."),
-    "replay": ("trainguard.replay", "Record events, replay them into the bus, or re-decide "
+    "diagnose": ("trainguard.tools.diagnose", "Attribute saved job logs / dmesg offline."),
+    "replay": ("trainguard.tools.replay", "Record events, replay them into the bus, or re-decide "
                                     "them offline."),
-    "report": ("trainguard.report", "Continuity report and timeline of a job (history + audit)."),
-    "schemas": ("trainguard.schemas_cli", "Export the event JSON Schemas."),
-    "slurm-watch": ("trainguard.slurm_watch.__main__", "Watch Slurm (squeue/sinfo) for the jobs "
+    "report": ("trainguard.tools.report", "Continuity report and timeline of a job (history + audit)."),
+    "schemas": ("trainguard.tools.schema_export", "Export the event JSON Schemas."),
+    "slurm-watch": ("trainguard.scheduler.slurm.watch.__main__", "Watch Slurm (squeue/sinfo) for the jobs "
                                                        "that opted in; publish its signals."),
-    "status": ("trainguard.status_cli", "The control plane at a glance: the fleet breaker "
+    "status": ("trainguard.tools.status", "The control plane at a glance: the fleet breaker "
                                         "and every job."),
-    "breaker": ("trainguard.breaker_cli", "The fleet breaker over node-taking actions: "
+    "breaker": ("trainguard.tools.breaker", "The fleet breaker over node-taking actions: "
                                           "status, reset --reason."),
-    "node": ("trainguard.node_cli", "Node reputation: readmit a drained node after its canary, "
+    "node": ("trainguard.tools.node", "Node reputation: readmit a drained node after its canary, "
                                     "the probation loop, show, forgive."),
 }
 

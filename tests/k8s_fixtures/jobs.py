@@ -46,7 +46,7 @@ def launch(stack, job: str, tmp: Path, name: str, node: str, *, nnodes: int = 1,
 
 def events(stack, job: str, kind: str) -> list[dict]:
     """The events the stack's streams hold on ``tg.job.<job>.<kind>``, oldest first."""
-    from trainguard.replay import history
+    from trainguard.tools.replay import history
 
     buf = io.StringIO()
     asyncio.run(history(stack.nats_url, buf, subject=f"tg.job.{job}.{kind}"))

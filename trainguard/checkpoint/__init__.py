@@ -15,22 +15,22 @@ connection), ``node_writer``, ``client`` (the rank's end), ``protocol``. Shared:
 """
 from __future__ import annotations
 
-from .config import CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig
 
 __all__ = ["Checkpointer", "CheckpointConfig", "CheckpointResources", "NodeWriter"]
 
 
 def __getattr__(name: str):
     if name == "Checkpointer":
-        from .checkpointer import Checkpointer
+        from trainguard.checkpoint.checkpointer import Checkpointer
 
         return Checkpointer
     if name == "CheckpointResources":
-        from .resources import CheckpointResources
+        from trainguard.checkpoint.resources import CheckpointResources
 
         return CheckpointResources
     if name == "NodeWriter":
-        from .node_writer import NodeWriter
+        from trainguard.checkpoint.node_writer import NodeWriter
 
         return NodeWriter
     raise AttributeError(name)

@@ -44,16 +44,16 @@ from typing import Any
 
 import torch
 
-from . import collectives, statedict
-from .config import CheckpointConfig
-from .index import doomed, fetch_generation_ends, fetch_index
-from .live import LiveState, peer_restore
-from .plan import SavePlan, make_plan, new_plan_id, signature, trim_heap
-from .replicas import Certificate, certify, manifest_fields, state_digest
-from .resources import CheckpointResources
-from .restorer import Restorer, RestoreResult, loss_matches, recovery_check
-from .session import RankIdentity, SaveSession
-from .staging import staging_path
+from trainguard.checkpoint import collectives, statedict
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.index import doomed, fetch_generation_ends, fetch_index
+from trainguard.checkpoint.live import LiveState, peer_restore
+from trainguard.checkpoint.plan import SavePlan, make_plan, new_plan_id, signature, trim_heap
+from trainguard.checkpoint.replicas import Certificate, certify, manifest_fields, state_digest
+from trainguard.checkpoint.resources import CheckpointResources
+from trainguard.checkpoint.restorer import Restorer, RestoreResult, loss_matches, recovery_check
+from trainguard.checkpoint.session import RankIdentity, SaveSession
+from trainguard.checkpoint.staging import staging_path
 
 __all__ = ["Checkpointer", "loss_matches"]
 

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Protocol
 
-from .protocol import recv_msg, send_msg
+from trainguard.checkpoint.protocol import recv_msg, send_msg
 
 log = logging.getLogger("trainguard.checkpoint")
 

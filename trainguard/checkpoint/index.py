@@ -9,7 +9,7 @@ import logging
 import threading
 from typing import Any, Awaitable, Callable
 
-from . import format as fmt
+from trainguard.checkpoint import format as fmt
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -23,7 +23,7 @@ def _ask(redis_url: str | None, timeout_s: float, what: str,
         return None
 
     async def _q():
-        from trainguard.state import StateStore
+        from trainguard.clients.store import StateStore
 
         s = StateStore(redis_url)
         try:

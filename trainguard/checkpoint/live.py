@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import xxhash
 
-from . import collectives, statedict
-from .replicas import NO_STATE, RecoveryPlan, Report, plan_recovery, state_digest
+from trainguard.checkpoint import collectives, statedict
+from trainguard.checkpoint.replicas import NO_STATE, RecoveryPlan, Report, plan_recovery, state_digest
 
 log = logging.getLogger("trainguard.checkpoint")
 

@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Any
 
-from .client import _package_root, connect_writer
-from .protocol import recv_msg, send_msg
-from .serve import WriterConnection
+from trainguard.checkpoint.client import _package_root, connect_writer
+from trainguard.checkpoint.protocol import recv_msg, send_msg
+from trainguard.checkpoint.serve import WriterConnection
 
 
 class NodeWriter:

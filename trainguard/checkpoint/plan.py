@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import format as fmt
-from .staging import ALIGN, align, template
+from trainguard.checkpoint import format as fmt
+from trainguard.checkpoint.staging import ALIGN, align, template
 
 Key = tuple[str, "tuple[int, ...] | None"]  # (DCP fqn, chunk offsets of a shard)
 

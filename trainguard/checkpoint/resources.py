@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from .client import WriterClient
+from trainguard.checkpoint.client import WriterClient
 
 if TYPE_CHECKING:  # staging imports torch; this module does not need it
-    from .session import SaveSession
-    from .staging import Staging
+    from trainguard.checkpoint.session import SaveSession
+    from trainguard.checkpoint.staging import Staging
 
 
 class CheckpointResources:
@@ -65,7 +65,7 @@ class CheckpointResources:
     def ensure_staging(self, path: str, size: int) -> Staging:
         """The staging buffer at ``path`` of at least ``size`` bytes: the current one when it
         fits, else a new mapping (the old one is unmapped; unlinked when the path changed)."""
-        from .staging import Staging
+        from trainguard.checkpoint.staging import Staging
 
         st = self.staging
         if st is None or st.path != path or st.size < size:

@@ -24,11 +24,11 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from . import collectives, statedict
-from . import format as fmt
-from .config import DEFAULT_LOSS_TOLERANCE, CheckpointConfig
-from .staging import read_meta, staging_path
-from .verify import validate_checkpoint
+from trainguard.checkpoint import collectives, statedict
+from trainguard.checkpoint import format as fmt
+from trainguard.checkpoint.config import DEFAULT_LOSS_TOLERANCE, CheckpointConfig
+from trainguard.checkpoint.staging import read_meta, staging_path
+from trainguard.checkpoint.verify import validate_checkpoint
 
 log = logging.getLogger("trainguard.checkpoint")
 

@@ -21,8 +21,8 @@ import time
 
 import xxhash
 
-from . import format as fmt
-from .protocol import recv_msg, send_msg
+from trainguard.checkpoint import format as fmt
+from trainguard.checkpoint.protocol import recv_msg, send_msg
 
 CHUNK = 1 << 20  # bytes per pass of the fused write loop (checksums, NaN/Inf count, copy)
 #: bytes written between two writeback kicks (``sync_file_range``): the disk starts writing the

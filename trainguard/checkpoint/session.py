@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import format as fmt
-from .config import CheckpointConfig
-from .plan import SavePlan
+from trainguard.checkpoint import format as fmt
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.plan import SavePlan
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -78,7 +78,7 @@ class SaveSession:
         part), then describe the buffer in its sidecar."""
         from torch.distributed.checkpoint.planner import WriteItemType
 
-        from .plan import item_key
+        from trainguard.checkpoint.plan import item_key
 
         plan, ident = self.plan, self.identity
         planner = plan.planner

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import staging_path  # noqa: F401 - re-exported: the checkpointer imports it here
+from trainguard.checkpoint.config import staging_path  # noqa: F401 - re-exported: the checkpointer imports it here
 
 ALIGN = 64
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from . import format as fmt
+from trainguard.checkpoint import format as fmt
 
 _FLOATING = {"float16", "bfloat16", "float32", "float64", "complex32", "complex64",
              "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}

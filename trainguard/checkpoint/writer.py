@@ -26,10 +26,10 @@ import os
 import signal
 import socket
 
-from .client import connect_writer, spawn_writer
-from .node_writer import NodeWriter, listen
-from .protocol import recv_msg, send_msg
-from .serve import CHUNK, SaveAborted, WriterConnection, serve_connection
+from trainguard.checkpoint.client import connect_writer, spawn_writer
+from trainguard.checkpoint.node_writer import NodeWriter, listen
+from trainguard.checkpoint.protocol import recv_msg, send_msg
+from trainguard.checkpoint.serve import CHUNK, SaveAborted, WriterConnection, serve_connection
 
 __all__ = ["CHUNK", "NodeWriter", "SaveAborted", "WriterConnection", "connect_writer", "main",
            "recv_msg", "send_msg", "serve_connection", "spawn_writer"]

@@ -6,9 +6,9 @@ plane on the host side, node faults (power-off, partition, slow link), a real Sl
 control plane, launches on the nodes, the fault runner and the ranks' step records. Needs
 CAP_NET_ADMIN (``net.unavailable_reason()`` says what is missing).
 """
-from .harness import (Cluster, ClusterConfig, FaultRunner, stop_on_signals,  # noqa: F401
+from trainguard.cluster.harness import (Cluster, ClusterConfig, FaultRunner, stop_on_signals,  # noqa: F401
                       training_again)
-from .net import ClusterNet, NetError, NetUnavailable, unavailable_reason  # noqa: F401
+from trainguard.cluster.net import ClusterNet, NetError, NetUnavailable, unavailable_reason  # noqa: F401
 
 __all__ = ["Cluster", "ClusterConfig", "FaultRunner", "training_again", "stop_on_signals",
            "ClusterNet",

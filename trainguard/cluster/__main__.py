@@ -16,10 +16,10 @@ import signal
 import sys
 import threading
 
-from trainguard.fault_schedule import FaultScheduleError, load
+from trainguard.core.fault_schedule import FaultScheduleError, load
 
-from .harness import Cluster, ClusterConfig, FaultRunner
-from .net import NetError
+from trainguard.cluster.harness import Cluster, ClusterConfig, FaultRunner
+from trainguard.cluster.net import NetError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,11 @@
 
 ``Cluster(ClusterConfig(nodes=3))`` builds the nodes (``trainguard.cluster.net``: a network and
 UTS namespace each, an address on a private bridge), starts the control plane on the host side
-of the bridge — NATS, Valkey, the rendezvous store and the services (``trainguard.stack.Stack``
+of the bridge — NATS, Valkey, the rendezvous store and the services (``trainguard.stack.local.Stack``
 bound to the bridge's address) — a node agent inside each node, and, with ``slurm=True``, a real
 Slurm (``trainguard.cluster.slurm``). ``launch`` starts one ``trainguard launch`` per node inside
 the node; the ranks of different nodes talk over the bridge. ``FaultRunner`` carries out the
-node faults of a fault schedule (``trainguard.fault_schedule``: power-off, partition, slow link)
+node faults of a fault schedule (``trainguard.core.fault_schedule``: power-off, partition, slow link)
 at their step or time; the rank faults of the same file go to the launchers (``--faults``).
 ``stop()`` leaves nothing behind (processes, namespaces, veths, bridge, Slurm daemons, temporary
 directories it made), also after a failure; ``start`` first removes the leftovers of harnesses
@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from trainguard.fault_schedule import Fault
+from trainguard.core.fault_schedule import Fault
 
-from .net import ClusterNet
+from trainguard.cluster.net import ClusterNet
 
 __all__ = ["Cluster", "ClusterConfig", "FaultRunner", "training_again", "TRAIN_SCRIPT",
            "stop_on_signals"]
@@ -116,7 +116,7 @@ class Cluster:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "Cluster":
-        from trainguard.stack import Stack
+        from trainguard.stack.local import Stack
 
         cfg = self.cfg
         self.run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="trainguard-cluster-")
@@ -127,7 +127,7 @@ class Cluster:
             self.net.start()
             env = dict(cfg.env)
             if cfg.slurm:
-                from .slurm import SlurmCluster
+                from trainguard.cluster.slurm import SlurmCluster
 
                 self.slurm = SlurmCluster(self.net, os.path.join(self.run_dir, "slurm"),
                                           slurmd_timeout_s=cfg.slurmd_timeout_s).start()

@@ -22,9 +22,9 @@ import subprocess
 import time
 from typing import Sequence
 
-from trainguard.embedded import _die_with_parent, free_port
+from trainguard.stack.embedded import _die_with_parent, free_port
 
-from .net import ClusterNet
+from trainguard.cluster.net import ClusterNet
 
 __all__ = ["SlurmCluster", "SlurmUnavailable", "slurm_unavailable_reason"]
 
@@ -175,7 +175,7 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
         return out.strip().split(";")[0]
 
     def job_state(self, job_id: str) -> dict[str, str]:
-        from trainguard.slurm_commands import parse_scontrol
+        from trainguard.scheduler.slurm.commands import parse_scontrol
 
         return parse_scontrol(self.run("scontrol", "show", "job", "-o", job_id, check=False))
 

@@ -3,6 +3,6 @@ from __future__ import annotations
 
 
 def main(argv: list[str]) -> int:
-    from .harness import main as _main
+    from trainguard.demo.harness import main as _main
 
     return _main(argv)

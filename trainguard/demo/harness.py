@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard import schemas
-from trainguard.auth import redact
+from trainguard.security.auth import redact
 
 #: The default fault schedule: (id, kind, global rank, step).
 DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (
@@ -97,7 +97,7 @@ class Recorder:
     ``tg.job.<job>.>``) with the latest heartbeat of each rank."""
 
     def __init__(self, nats_url: str, job: str):
-        from trainguard.bus import ThreadedBus
+        from trainguard.clients.bus import ThreadedBus
 
         self.job = job
         self.lock = threading.Lock()
@@ -130,7 +130,7 @@ class Recorder:
 
 
 class Demo:
-    """One demo run. ``stack``: an already started ``trainguard.stack.Stack`` to use (tests and
+    """One demo run. ``stack``: an already started ``trainguard.stack.local.Stack`` to use (tests and
     benchmarks reuse one across runs; give each run its own ``job`` name); None starts and stops
     its own."""
 
@@ -150,7 +150,7 @@ class Demo:
 
     # ---- processes ----------------------------------------------------------------------------
     def start_stack(self) -> None:
-        from trainguard.stack import Stack
+        from trainguard.stack.local import Stack
 
         nodes = tuple(f"node{i}" for i in range(self.cfg.nnodes))
         sim = any(f["kind"] in SIM_FAULTS for f in self.cfg.faults)
@@ -271,7 +271,7 @@ class Demo:
                              f"(Stack(sim_dir=...))")
         node = f"node{f['node']}"
         if f["kind"] == "ecc_degrading":
-            from .fake_pynvml import set_ecc_rate
+            from trainguard.demo.fake_pynvml import set_ecc_rate
 
             ts = time.time_ns()
             set_ecc_rate(str(sim), node, float(f.get("per_s", 5.0)))
@@ -312,7 +312,7 @@ class Demo:
                 self.stack.memory_budget_path(node).unlink()
         self.fills = []
         if self.degraded:
-            from .fake_pynvml import set_ecc_rate
+            from trainguard.demo.fake_pynvml import set_ecc_rate
 
             for node in self.degraded:
                 set_ecc_rate(str(self.stack.sim_dir), node, 0.0)
@@ -408,7 +408,7 @@ class Demo:
                 break
             time.sleep(0.01)
         if injected:
-            from trainguard import timeline
+            from trainguard.core import timeline
 
             out["timeline"] = timeline.build(
                 injected, self.rec.of(schemas.Event, injected),
@@ -419,7 +419,7 @@ class Demo:
         """What a scheduler alone does: stop every process of the job, start it again."""
         import asyncio
 
-        from trainguard.state import StateStore
+        from trainguard.clients.store import StateStore
 
         self.stop_launchers()
         for pid in [hb.pid for hb in list(self.rec.hb.values())]:

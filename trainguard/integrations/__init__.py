@@ -10,7 +10,7 @@
   ``Trainer`` and ``resume_from_checkpoint(output_dir)``: the newest *complete*
   ``checkpoint-N`` there, for ``trainer.train(resume_from_checkpoint=...)``.
 
-Both report through ``trainguard.hooks`` (``report``, ``phase``), which is active inside a rank
+Both report through ``trainguard.rank.hooks`` (``report``, ``phase``), which is active inside a rank
 started by ``trainguard launch``; elsewhere they cost nothing and change nothing. Importing this
 package imports no framework: each module imports its own. See ``docs/integrations.md``.
 """

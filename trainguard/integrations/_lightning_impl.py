@@ -9,15 +9,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .. import hooks
-from ._common import ScalarReader, as_float
-from ._verified import AsyncFileSaver, newest_valid, verify
+from trainguard.rank import hooks
+from trainguard.integrations._common import ScalarReader, as_float
+from trainguard.integrations._verified import AsyncFileSaver, newest_valid, verify
 
 LOSS_KEYS = ("loss", "train_loss")
 
 
 class CallbackMixin:
-    """Reports a Lightning ``Trainer``'s progress through ``trainguard.hooks``: after every
+    """Reports a Lightning ``Trainer``'s progress through ``trainguard.rank.hooks``: after every
     optimizer step (``trainer.global_step`` advanced) the index of the step just completed
     (``global_step - 1``, the count the optimizer hook would give) and the loss, taken from the
     training step's ``outputs`` (a tensor, or ``outputs["loss"]``) or else from

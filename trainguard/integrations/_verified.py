@@ -38,7 +38,7 @@ from typing import Any
 
 import xxhash
 
-from ..checkpoint.format import fsync_dir, write_file_atomic
+from trainguard.checkpoint.format import fsync_dir, write_file_atomic
 
 FORMAT = "trainguard.file/1"
 SIDECAR = ".tgsum"

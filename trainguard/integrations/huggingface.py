@@ -10,7 +10,7 @@ trainer.train(resume_from_checkpoint=resume_from_checkpoint(out))  # None on a f
 ```
 
 ``TrainguardCallback`` reports ``state.global_step`` after every optimizer step, the logged
-``loss`` and the ``checkpoint`` phase while the Trainer saves, through ``trainguard.hooks``.
+``loss`` and the ``checkpoint`` phase while the Trainer saves, through ``trainguard.rank.hooks``.
 ``resume_from_checkpoint(output_dir)`` is the newest *complete* ``checkpoint-N`` there: a rank
 killed while the Trainer wrote one leaves a directory that ``Trainer.train(
 resume_from_checkpoint=True)`` would pick and then fail on (or load a truncated optimizer
@@ -22,14 +22,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .. import hooks
-from .checkpoints import checkpoint_complete, newest_hf_checkpoint
+from trainguard.rank import hooks
+from trainguard.rank.framework_checkpoints import checkpoint_complete, newest_hf_checkpoint
 
 __all__ = ["TrainguardCallback", "resume_from_checkpoint", "checkpoint_complete"]
 
 
 class TrainguardCallback(TrainerCallback):
-    """Progress, loss and phases of a ``transformers.Trainer`` to ``trainguard.hooks``: after
+    """Progress, loss and phases of a ``transformers.Trainer`` to ``trainguard.rank.hooks``: after
     each optimizer step the index of the step just completed (``state.global_step - 1``, the
     count the optimizer hook would give); the ``loss`` of every log (the Trainer's mean over
     ``logging_steps``); ``checkpoint`` from the step end at which the Trainer decided to save
@@ -72,7 +72,7 @@ class TrainguardCallback(TrainerCallback):
 def resume_from_checkpoint(output_dir: str, require_optimizer: bool = True,
                            crc: bool = True) -> str | None:
     """The newest complete ``checkpoint-N`` under ``output_dir``
-    (``trainguard.integrations.checkpoints.newest_hf_checkpoint``), for
+    (``trainguard.rank.framework_checkpoints.newest_hf_checkpoint``), for
     ``Trainer.train(resume_from_checkpoint=...)``; None when there is none (a first start).
     Incomplete ones are named on stderr and left where they are."""
     return newest_hf_checkpoint(output_dir, require_optimizer, crc)

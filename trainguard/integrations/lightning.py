@@ -11,7 +11,7 @@ trainer.fit(model, ckpt_path="last")   # after a group restart: the newest valid
 ```
 
 ``TrainguardCallback``: progress (``trainer.global_step``), loss and phases to
-``trainguard.hooks``. ``TrainguardCheckpointIO``: Lightning's own saves staged in host memory
+``trainguard.rank.hooks``. ``TrainguardCheckpointIO``: Lightning's own saves staged in host memory
 and written in the background (fsync, checksum, atomic rename); loads verify the checksum and
 fall back to the newest valid file. ``newest_checkpoint(dirpath)``: that file, or None.
 """
@@ -26,7 +26,7 @@ except ImportError:  # only the pytorch_lightning package name is installed
     from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as _TorchIO
     from lightning_fabric.utilities.cloud_io import _load
 
-from ._lightning_impl import CorruptCheckpointError, framework_classes, newest_checkpoint
+from trainguard.integrations._lightning_impl import CorruptCheckpointError, framework_classes, newest_checkpoint
 
 __all__ = ["TrainguardCallback", "TrainguardCheckpointIO", "CorruptCheckpointError",
            "newest_checkpoint"]

@@ -6,7 +6,7 @@ import pytorch_lightning as _pl
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as _TorchIO
 from lightning_fabric.utilities.cloud_io import _load
 
-from ._lightning_impl import CorruptCheckpointError, framework_classes, newest_checkpoint
+from trainguard.integrations._lightning_impl import CorruptCheckpointError, framework_classes, newest_checkpoint
 
 __all__ = ["TrainguardCallback", "TrainguardCheckpointIO", "CorruptCheckpointError",
            "newest_checkpoint"]

@@ -1,6 +1,6 @@
 """Benchmark hook for trainguard runs (put on ``PYTHONPATH`` only by ``bench/recovery.py``).
 
-When ``$BENCH_PROGRESS`` is set, it wraps ``trainguard.worker.Context.progress`` at import time so
+When ``$BENCH_PROGRESS`` is set, it wraps ``trainguard.rank.shim.Context.progress`` at import time so
 every completed step also appends a progress record (``bench/peers/common.py`` format: rank, step,
 Unix ns, pid, loss, generation, world size) — the same file-based measurement as for the peers,
 with no change to the job or the library.
@@ -33,7 +33,7 @@ def _patch(module) -> None:
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "trainguard.worker":
+        if name != "trainguard.rank.shim":
             return None
         sys.meta_path.remove(self)
         try:

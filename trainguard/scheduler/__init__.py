@@ -1,0 +1,1 @@
+"""Node controllers behind one interface: local, Slurm, Kubernetes, and the node canary."""

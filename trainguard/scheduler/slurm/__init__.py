@@ -1,0 +1,1 @@
+"""Slurm: the pure commands, the controller and the allocation watcher."""

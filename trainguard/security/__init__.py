@@ -1,0 +1,1 @@
+"""Roles and rights, credentials, TLS and private files."""

@@ -1,0 +1,1 @@
+"""What every service shares: the service base, durable delivery, replica ownership, metrics, tracing, alerts."""
