@@ -274,6 +274,17 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "killer, a preempted machine, heartbeats late on a slow network or an overloaded "
            "host), so the layer is unknown. Outranks the 'actor died' crash rows: the node's "
            "death explains its actors'"),
+    _p("slurm_task_exec_failed",
+       r"slurmstepd(?:-\S+)?: error: execve\(\): \S+: No such file or directory|"
+       r"slurmstepd(?:-\S+)?: error: couldn't chdir to [`'].{0,200}No such file or directory",
+       "filesystem", "infrastructure", weight=0.7,
+       source=("https://github.com/ArjunaCluster/ArjunaUsers/issues/46",),
+       why="slurmstepd could not start the task on the node because a path it needs is not "
+           "there (src/slurmd/slurmstepd/exec_wait.c / mgr.c 'execve(): %s: %m' for the batch "
+           "script in slurmd's spool, 'couldn't chdir to `%s': %m: going to /tmp instead' for "
+           "the job's working directory): the node's local spool or its mount of the shared "
+           "file system is missing — the cluster's storage, not the program (the real thread: "
+           "the GPU nodes' /tmp spool was broken, fixed by rebooting them)"),
     _p("scheduler_time_limit",
        r"CANCELLED AT \S+ DUE TO TIME LIMIT|JobState=TIMEOUT|\bDUE TO TIME LIMIT\b",
        "crash", "infrastructure", weight=0.6,
