@@ -20,28 +20,12 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
        r"Timed out waiting \d+ ?ms for (?:recv|send) operation|Application timeout caused pair "
        r"closure|collective operation timeout|NCCL communicator was aborted.*timeout|"
        r"ProcessGroupGloo.*[Tt]imeout|Timeout at NCCL work: \d+|"
-       r"Heartbeat monitor timed out|"
+       r"Heartbeat monitor timed out|watchdog got stuck for \d+ seconds|"
        r"Some NCCL operations have failed or timed out",
        "hang", "unknown", symptom=True, weight=0.5,
        why="gloo/NCCL collective timeout (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp: "
            "'Timeout at NCCL work', the heartbeat monitor, 'Some NCCL operations have failed or "
            "timed out'): blocked on a peer"),
-    _p("watchdog_stuck",
-       r"watchdog got stuck for \d+ seconds|"
-       r"Terminating the process after attempting to dump debug info, due to ProcessGroupNCCL "
-       r"watchdog hang",
-       "hang", "system_software", symptom=True, weight=0.45,
-       source=("https://github.com/NVIDIA/Fuser/issues/3055",),
-       why="ProcessGroupNCCL's watchdog thread itself stopped making progress and its heartbeat "
-           "monitor killed the process (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp "
-           "'ProcessGroupNCCL's watchdog got stuck for %d seconds without making progress in "
-           "monitoring enqueued collectives. This typically indicates a NCCL/CUDA API (e.g., "
-           "CudaEventDestroy) hang blocking the watchdog', 'Terminating the process after "
-           "attempting to dump debug info, due to ProcessGroupNCCL watchdog hang'): a call into "
-           "the CUDA driver or NCCL that never returned — the library's or the driver's layer "
-           "by torch's own reading (the real thread: a teardown hang of one NCCL release). A "
-           "symptom at a lower weight than a collective timeout: when a collective also timed "
-           "out, the ranks were blocked on a peer and that reading leads"),
     _p("remote_peer_closed",
        r"Connection closed by remote peer (?P<peer_host>[A-Za-z][\w.-]*)",
        "node_lost", "infrastructure", symptom=True, weight=0.5,
