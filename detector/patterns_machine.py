@@ -82,16 +82,24 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
        r"Cuda failure (?:\d+ )?'out of memory'|cudaMalloc\w* failed.{0,40}out of memory|"
        r"OOM when allocating tensor|RESOURCE_EXHAUSTED: Out of memory while trying to allocate|"
        r"NPU out of memory|MPS backend out of memory|XPU out of memory|"
-       r"Free memory on device .{0,40} on startup is less than desired GPU memory utilization",
+       r"Free memory on device .{0,40} on startup is less than desired GPU memory utilization|"
+       r"No available memory for the cache blocks|"
+       r"KV cache is needed, which is larger than the available KV cache memory",
        "oom_gpu", "application", weight=0.95,
-       source=("https://github.com/ovg-project/kvcached/issues/110",),
+       source=("https://github.com/ovg-project/kvcached/issues/110",
+               "https://github.com/QwenLM/Qwen3/issues/12"),
        why="device memory ran out: torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp "
            "'CUDA out of memory. Tried to allocate'), the CUDA runtime (cudaErrorMemoryAllocation "
            "2, 'out of memory'), NCCL's CUDACHECK (src/include/checks.h \"Cuda failure '%s'\"), "
            "cuBLAS/cuDNN allocation statuses, TensorFlow/XLA RESOURCE_EXHAUSTED: batch, model or "
            "activations too large for the GPU, or stray processes on it; vLLM's start-up check "
            "(vllm/worker 'Free memory on device (%s/%s GiB) on startup is less than desired GPU "
-           "memory utilization'): the memory budget does not fit what other processes left"),
+           "memory utilization'): the memory budget does not fit what other processes left; its KV "
+           "cache check after loading the weights (vllm/worker/worker.py "
+           "raise_if_cache_size_invalid 'No available memory for the cache blocks. Try "
+           "increasing `gpu_memory_utilization`', v1 vllm/v1/core/kv_cache_utils.py "
+           "check_enough_kv_cache_memory '… KV cache is needed, which is larger than the "
+           "available KV cache memory'): the model and its cache do not fit the GPU's budget"),
     # ==== memory: host (kernel, cgroup, scheduler, container runtime, framework monitors) =======
     _p("host_oom_kill",
        r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)|oom-kill:|invoked oom-killer|"
@@ -244,6 +252,39 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "'DUE TO NODE FAILURE'; src/srun/allocate.c 'Node failure on %s'; job states "
            "NODE_FAIL, PREEMPTED; `sinfo -R` rows whose REASON a cloud plugin sets, e.g. "
            "Azure CycleCloud's 'cyclecloud_node_fail'): requeue elsewhere"),
+    _p("ray_node_dead",
+       r"has been marked dead because the (?:detector|monitor) has missed too many heartbeats|"
+       r"mistakenly been marked (?:as )?dead by the (?:GCS|monitor)|"
+       r"health check failed due to missing too many heartbeats|\bNodeDiedError\b|"
+       r"The actor died because its node has died|"
+       r"Task failed because the node it was running on is dead or unavailable",
+       "node_lost", "unknown", weight=0.75,
+       source=("https://github.com/verl-project/verl/issues/1632",),
+       why="Ray's control store (GCS) stopped hearing from a node's raylet and removed the node "
+           "(src/ray/gcs/gcs_server/gcs_node_manager.cc / gcs_health_check_manager.cc 'The node "
+           "with node id: %s and address: %s … has been marked dead because the detector has "
+           "missed too many heartbeats from it', older 'The node with client ID %s has been "
+           "marked dead because the monitor has missed too many heartbeats'; the raylet's own "
+           "'Exiting because this node manager has mistakenly been marked dead by the GCS' "
+           "(src/ray/raylet/node_manager.cc); the node's death as the driver sees it: "
+           "python/ray/exceptions.py NodeDiedError, ActorDiedError 'The actor died because its "
+           "node has died', the NODE_DIED task error 'Task failed because the node it was running "
+           "on is dead or unavailable'): every actor and task on that node is gone — a lost node. "
+           "Ray's own text names the causes it cannot tell apart (a raylet killed by the OOM "
+           "killer, a preempted machine, heartbeats late on a slow network or an overloaded "
+           "host), so the layer is unknown. Outranks the 'actor died' crash rows: the node's "
+           "death explains its actors'"),
+    _p("slurm_task_exec_failed",
+       r"slurmstepd(?:-\S+)?: error: execve\(\): \S+: No such file or directory|"
+       r"slurmstepd(?:-\S+)?: error: couldn't chdir to [`'].{0,200}No such file or directory",
+       "filesystem", "infrastructure", weight=0.7,
+       source=("https://github.com/ArjunaCluster/ArjunaUsers/issues/46",),
+       why="slurmstepd could not start the task on the node because a path it needs is not "
+           "there (src/slurmd/slurmstepd/exec_wait.c / mgr.c 'execve(): %s: %m' for the batch "
+           "script in slurmd's spool, 'couldn't chdir to `%s': %m: going to /tmp instead' for "
+           "the job's working directory): the node's local spool or its mount of the shared "
+           "file system is missing — the cluster's storage, not the program (the real thread: "
+           "the GPU nodes' /tmp spool was broken, fixed by rebooting them)"),
     _p("scheduler_time_limit",
        r"CANCELLED AT \S+ DUE TO TIME LIMIT|JobState=TIMEOUT|\bDUE TO TIME LIMIT\b",
        "crash", "infrastructure", weight=0.6,

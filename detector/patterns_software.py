@@ -157,6 +157,16 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
        why="ncclUnhandledCudaError (src/init.cc): a CUDA call inside NCCL failed; the 'Last "
            "error: Cuda failure …' line or the GPU's XID names the cause (out of memory, "
            "illegal access, a lost GPU) — a symptom on its own"),
+    _p("nccl_connect_aborted",
+       r"NCCL WARN.*Connect to \S+ failed\s*:\s*Software caused connection abort",
+       "network", "infrastructure", weight=0.6,
+       source=("https://github.com/NVIDIA/nccl-tests/issues/166",),
+       why="NCCL's connect to a peer's socket was aborted on this host (src/misc/socket.cc "
+           "'socketStartConnect: Connect to %s failed : %s' with ECONNABORTED, 'Software caused "
+           "connection abort'): not a refusal by a dead peer (ECONNREFUSED) but the local stack "
+           "dropping the attempt — a firewall rule, an interface that went down, the wrong "
+           "NCCL_SOCKET_IFNAME: the path between the hosts, a root cause; the peer's 'Connection "
+           "closed by remote peer' that follows is its symptom"),
     _p("nccl_socket_error",
        r"NCCL WARN.*(?:Connection reset by peer|Connection refused|Broken pipe|"
        r"Connection timed out|No route to host)|socketProgress.*(?:reset|refused)",
@@ -284,7 +294,8 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "retrieved (gai error …)': MASTER_ADDR does not resolve) — a wrong MASTER_ADDR/port, a "
            "firewall, a missing node; the W-level per-attempt retries are no fault"),
     _p("store_barrier_timeout",
-       r"Timed out initializing process group in store based barrier",
+       r"Timed out initializing process group in store based barrier"
+       r"(?:.*?world_size=(?P<world>\d+), (?:worker_count|num_workers_joined)=(?P<joined>\d+))?",
        "rendezvous", "unknown", weight=0.5,
        source=("https://github.com/tczhangzhi/pytorch-distributed/issues/18",
                "https://github.com/SpongebBob/Finetune-ChatGLM2-6B/issues/6"),
@@ -295,7 +306,11 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "before init) or a launch that started a different number of workers than the world "
            "size (worker_count > world_size), or a node whose ranks never started "
            "(worker_count < world_size) — the line cannot tell the program from the cluster, "
-           "so the layer is unknown, at a low weight"),
+           "so the layer is unknown, at a low weight; except when more workers joined than the "
+           "world size (worker_count > world_size, the groups ``joined`` > ``world``): the "
+           "launch started more processes than it declared (srun -n2 with mp.spawn of 2 each, "
+           "pytorch-distributed#18) — the launch configuration's, the program's layer "
+           "(``signals.log_rule``)"),
     _p("store_unique_id",
        r"(?:retrieving|retreiving) ncclUniqueId from \[\d+\] via c10d key-value store",
        "rendezvous", "application", symptom=True, weight=0.55,
@@ -382,6 +397,25 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "megatron-core 'found NaN in local grad norm', Lightning 'The loss returned in "
            "`training_step` is nan', torch.autograd anomaly mode \"Function '…' returned nan "
            "values\"): numerics or data; roll back to a checkpoint"),
+    # ==== the node's own network access (downloads at start-up) =================================
+    _p("download_unreachable",
+       r"^(?!.*(?:WARNING|Retrying in|thrown while requesting|\[W\S* |\bW\d{4} ))"
+       r".*(?:We couldn't connect to '?https?://|"
+       r"Max retries exceeded with url|Failed to establish a new connection|"
+       r"\[Errno 101\] Network is unreachable|Temporary failure in name resolution|"
+       r"\[Errno -[23]\] Name or service not known|Connection to \S+ timed out\. \(connect timeout)",
+       "network", "infrastructure", weight=0.6,
+       source=("https://github.com/sktsherlock/TAG-Benchmark/issues/8",
+               "https://github.com/BaranziniLab/KG_RAG/issues/46"),
+       why="a process could not reach a server over the network at all — the final error of "
+           "a download, not a retry warning: transformers' hub loader (src/transformers/utils/"
+           "hub.py \"We couldn't connect to '%s' to load this file\"), urllib3/requests "
+           "('Max retries exceeded with url', 'Failed to establish a new connection', 'Connection "
+           "to %s timed out. (connect timeout=%s)'), and the resolver or the kernel under them "
+           "(EAI_AGAIN 'Temporary failure in name resolution', EAI_NONAME 'Name or service not "
+           "known', ENETUNREACH 101 'Network is unreachable'): the node's internet access, proxy, "
+           "DNS or firewall — the cluster's network, not the program. Lines with a retry or a "
+           "W-level prefix are no fault (huggingface_hub retries, c10d's per-attempt warnings)"),
     # ==== worker processes of Ray and serving engines ==========================================
     _p("ray_actor_died",
        r"ActorDiedError|RayActorError: The actor died|The actor died unexpectedly before "

@@ -8,6 +8,8 @@ clock) where a rule needs one, and event timestamps (Unix ns) as ``ts``. Each ru
 """
 from __future__ import annotations
 
+import re
+
 from trainguard.schemas.vocabulary import FaultClass, Layer
 from trainguard.core.xid import XidMatch, parse_xid_line, xid_info
 
@@ -178,15 +180,42 @@ def xid_rule(xid: int, node: str | None, pci: str, gpu_index: int | None, pid: i
     info = xid_info(xid)
     gpu = f"{node}:{gpu_index}" if gpu_index is not None and node else (pci or "")
     sev = "warning" if info.severity == "info" else "error"
+    evidence = [raw or f"XID {xid} on {node} {pci}: {message}",
+                f"XID {xid} {info.mnemonic}: {info.description} ({info.source})"]
+    detail = {"xid": xid, "pci": pci, "gpu_index": gpu_index, "pid": pid,
+              "mnemonic": info.mnemonic, "layer": info.layer, "xid_severity": info.severity,
+              "weight": 0.95 if info.layer != "unknown" else 0.5}
+    fault_class = info.fault_class
+    cause = _cause_xid(xid, message)
+    if cause is not None:
+        # a cleanup XID that names the error it cleans up after: that error is the fault
+        ci = xid_info(cause)
+        fault_class, sev = ci.fault_class, "error"
+        detail.update(caused_by_xid=cause, layer=ci.layer,
+                      weight=0.95 if ci.layer != "unknown" else 0.5)
+        evidence.append(f"caused by XID {cause} {ci.mnemonic}: {ci.description}")
     return Finding(
-        "gpu_fault", info.fault_class, nodes=[node] if node else [], gpus=[gpu] if gpu else [],
-        severity=sev,
-        evidence=[raw or f"XID {xid} on {node} {pci}: {message}",
-                  f"XID {xid} {info.mnemonic}: {info.description} ({info.source})"],
-        detail={"xid": xid, "pci": pci, "gpu_index": gpu_index, "pid": pid,
-                "mnemonic": info.mnemonic, "layer": info.layer, "xid_severity": info.severity,
-                "weight": 0.95 if info.layer != "unknown" else 0.5},
-        ts=ts)
+        "gpu_fault", fault_class, nodes=[node] if node else [], gpus=[gpu] if gpu else [],
+        severity=sev, evidence=evidence, detail=detail, ts=ts)
+
+
+#: The driver's "caused by previous Xid N" on a cleanup XID (45, preemptive channel removal).
+_CAUSED_BY = re.compile(r"caused by previous Xid (?P<xid>\d+)", re.IGNORECASE)
+
+
+def _cause_xid(xid: int, message: str) -> int | None:
+    """The XID that the message of an informational XID names as its cause (``Ch 00000001
+    caused by previous Xid 149`` on an XID 45: the driver removed the channels of a process
+    after an NVLink5 error), when that XID is a fault of its own; else None. Sources: NVIDIA's
+    XID catalog (XID 45, "Preemptive cleanup, due to previous errors") and the NVRM line that
+    names the previous XID (NVIDIA/open-gpu-kernel-modules#1150: XID 45 after XIDs 145 / 149,
+    a dev case of ``bench/corpus/real_logs.jsonl``)."""
+    m = _CAUSED_BY.search(message or "")
+    if m is None or xid_info(xid).severity != "info":
+        return None
+    cause = int(m.group("xid"))
+    ci = xid_info(cause)
+    return cause if cause != xid and ci.severity != "info" and ci.layer != "unknown" else None
 
 
 def xid_finding_from_match(m: XidMatch, node: str | None, ts: int = 0,
@@ -326,6 +355,10 @@ def log_rule(line: str, stream: str, rank: int | None, node: str | None,
         detail["reporter_node"] = node
         detail["reporter_rank"] = r
     ranks = [r] if r is not None and p.fault_class != "node_lost" else []
+    if p.name == "store_barrier_timeout" and int(g.get("joined", 0)) > int(g.get("world", 1 << 62)):
+        # more workers joined the store-based barrier than the world size: the launch started
+        # more processes than it declared — the job's own launch configuration
+        detail["layer"] = Layer.APPLICATION.value
     if p.name == "horovod_stall" and "ready" in g:
         ready = sorted({int(x) for x in g["ready"].replace(" ", "").split(",") if x})
         # the missing ranks lie below the highest ready one; a rank past any real world

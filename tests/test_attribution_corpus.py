@@ -1,8 +1,9 @@
 """The real-log corpus (``bench/corpus/real_logs.jsonl``) scored by ``bench/attribution.py``:
 accuracy may not fall below the recorded floor, and the rules may only be learned from the dev
 split. The floors are the figures recorded in ``docs/benchmarks/attribution_after.json``
-(rounded down to a tenth of a percent); a change that moves a figure up should raise its
-floor here and record the new figures. Scoring the corpus takes well under a second."""
+rounded down to a tenth of a percent, less half a point of margin; a change that moves a figure
+up should raise its floor here and record the new figures. Scoring the corpus takes well under a
+second."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,11 +20,12 @@ CORPUS = os.path.join(ROOT, "bench", "corpus", "real_logs.jsonl")
 
 #: split -> (fault-class accuracy, layer accuracy) floors, fractions
 FLOORS = {
-    "dev": (0.963, 0.827),
-    "heldout": (0.750, 0.750),
-    "heldout_round1": (0.711, 0.730),
-    "heldout_round2": (0.882, 0.764),
-    "heldout_round3": (0.714, 0.857),
+    "dev": (0.986, 0.846),             # recorded 99.1 % / 85.1 % (114 cases)
+    "heldout": (0.823, 0.745),         # recorded 82.9 % / 75.0 % (76)
+    "heldout_round1": (0.822, 0.726),  # recorded 82.7 % / 73.1 % (52)
+    "heldout_round2": (0.877, 0.760),  # recorded 88.2 % / 76.5 % (17)
+    "heldout_round3": (0.709, 0.852),  # recorded 71.4 % / 85.7 % (7)
+    "reference": (0.960, 0.822),       # recorded 96.6 % / 82.8 % (29, ../shared/corpus)
 }
 
 
@@ -45,7 +47,16 @@ def cases(bench):
 
 @pytest.fixture(scope="module")
 def result(bench, cases):
-    return bench.score(cases)
+    """Scores of the real corpus, and of the reference corpus (``../shared/corpus``) when the
+    checkout has it beside it (its split ``reference``)."""
+    reference = bench.load(bench.REFERENCE) if bench.REFERENCE.exists() else []
+    return bench.score(list(cases) + reference)
+
+
+def _split(result, split):
+    if split not in result:
+        pytest.skip(f"{split}: corpus not beside this checkout")
+    return result[split]
 
 
 def test_corpus_is_whole_and_split_by_project(cases):
@@ -66,7 +77,7 @@ def test_corpus_is_whole_and_split_by_project(cases):
 @pytest.mark.parametrize("split", sorted(FLOORS))
 def test_accuracy_stays_above_the_recorded_floor(result, split):
     fc_floor, layer_floor = FLOORS[split]
-    r = result[split]
+    r = _split(result, split)
     assert r["fault_class_accuracy"] >= fc_floor, (split, r["fault_class_accuracy"], r["misses"])
     assert r["layer_accuracy"] >= layer_floor, (split, r["layer_accuracy"], r["misses"])
 
@@ -75,6 +86,8 @@ def test_recorded_figures_are_the_ones_the_code_gives(result):
     recorded = json.load(open(os.path.join(ROOT, "docs", "benchmarks",
                                            "attribution_after.json")))["splits"]
     for split in FLOORS:
+        if split not in result:
+            continue  # the reference corpus is not beside this checkout
         assert result[split]["cases"] == recorded[split]["cases"], split
         for key in ("fault_class_accuracy", "layer_accuracy"):
             assert result[split][key] >= recorded[split][key] - 1e-9, (split, key)
@@ -101,3 +114,67 @@ def test_a_fabric_error_is_not_read_as_the_nodes_hardware(bench):
         "include/shm.h:48 NCCL WARN Error while creating shared memory segment nccl-shm-recv-"
         "250a7cc850ba9298-0-1-3 (size 9637888)")})
     assert (fc, layer) == ("crash", "infrastructure")
+
+
+# ---- the rows learned from the dev split, each on the real excerpt it was written for ----------
+#: (row of ``detector.patterns.PATTERNS``, id of the dev case whose excerpt it was learned from):
+#: the row names that case's thread as a source, one line of the excerpt matches the row, and
+#: diagnose over the whole excerpt gives the case's labels.
+ROW_CASES = [
+    ("ray_node_dead", "verl-1632"),                 # verl-project/verl#1632
+    ("cuda_oom", "qwen3-12"),                       # QwenLM/Qwen3#12 (vLLM's KV-cache check)
+    ("download_unreachable", "tag-benchmark-8"),    # sktsherlock/TAG-Benchmark#8
+    ("download_unreachable", "kg_rag-46"),          # BaranziniLab/KG_RAG#46
+    ("nccl_connect_aborted", "nccl-tests-166"),     # NVIDIA/nccl-tests#166
+    ("store_barrier_timeout", "pytorch-distributed-18"),  # tczhangzhi/pytorch-distributed#18
+    ("slurm_task_exec_failed", "arjunausers-46"),   # ArjunaCluster/ArjunaUsers#46
+]
+
+
+@pytest.mark.parametrize("row_name,case_id", ROW_CASES, ids=[f"{r}-{c}" for r, c in ROW_CASES])
+def test_row_reads_the_real_excerpt_it_was_learned_from(bench, cases, row_name, case_id):
+    from trainguard.detector import patterns as pat
+    case = next(c for c in cases if c["id"] == case_id)
+    row = next(p for p in PATTERNS if p.name == row_name)
+    assert case["split"] == "dev" and case["source_url"] in row.source, (row.source, case)
+    hits = [ln for ln in case["excerpt"].splitlines() if (m := pat.match_line(ln)) and
+            m.name == row_name]
+    assert hits, case["excerpt"]
+    fc, layer, _ = bench.verdict(case)
+    assert (fc, layer) == (case["fault_class"], case["layer"]), case["label_reason"]
+
+
+def test_a_cleanup_xid_takes_the_class_of_the_xid_it_names(bench, cases):
+    """NVIDIA/open-gpu-kernel-modules#1150 (dev): XID 45, the driver's cleanup of a process's
+    channels, 'caused by previous Xid 149 / 145' (NVLink5 errors) is the NVLink fault it
+    cleans up after; without such a cause an XID 45 stays an informational warning."""
+    from trainguard.detector import signals
+    from trainguard.xid import parse_xid_line
+    case = next(c for c in cases if c["id"] == "open-gpu-kernel-modules-1150")
+    assert bench.verdict(case)[:2] == ("nvlink", "hardware") == (case["fault_class"],
+                                                                   case["layer"])
+    first = parse_xid_line(case["excerpt"].splitlines()[0])
+    f = signals.xid_finding_from_match(first, "node-1")
+    assert (f.fault_class, f.severity, f.detail["caused_by_xid"], f.detail["xid"]) == (
+        "nvlink", "error", 149, 45)
+    alone = parse_xid_line("NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, "
+                           "Ch 00000001")
+    g = signals.xid_finding_from_match(alone, "node-1")
+    assert g.severity == "warning" and "caused_by_xid" not in g.detail
+    # a cause that is itself informational, or the XID itself, changes nothing
+    for cause in (45, 63):
+        h = signals.xid_finding_from_match(parse_xid_line(
+            f"NVRM: Xid (PCI:0000:dc:00): 45, pid=1, name=python3, Ch 00000001 caused by "
+            f"previous Xid {cause}"), "node-1")
+        assert h.severity == "warning" and "caused_by_xid" not in h.detail
+
+
+def test_more_workers_than_the_world_size_is_the_launch_fewer_is_undecided(bench):
+    """The store-based barrier line names both counts: more workers than the world size is the
+    launch configuration's (tczhangzhi/pytorch-distributed#18, srun -n2 with mp.spawn of 2);
+    fewer cannot tell a late rank from a node whose ranks never started."""
+    line = ("RuntimeError: Timed out initializing process group in store based barrier on rank: "
+            "2, for key: store_based_barrier_key:1 (world_size={w}, worker_count={j}, "
+            "timeout=0:30:00)")
+    assert bench.verdict({"excerpt": line.format(w=2, j=4)})[:2] == ("rendezvous", "application")
+    assert bench.verdict({"excerpt": line.format(w=16, j=12)})[:2] == ("rendezvous", "unknown")

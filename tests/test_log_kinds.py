@@ -109,6 +109,18 @@ ROUTINE = [
     "  Normal   Killing    3m   kubelet  Stopping container pytorch",
     "Loading checkpoint shards: 100%|██████████| 4/4 [00:05<00:00,  1.31s/it]",
     "{'loss': 0.4121, 'grad_norm': 0.77, 'learning_rate': 2e-05, 'epoch': 1.0}",
+    # huggingface_hub's retry of a request (huggingface_hub/utils/_http.py http_backoff: "'%s'
+    # thrown while requesting %s %s", then 'Retrying in %ss [Retry %d/%d].'): a retry, not the
+    # failed download (the download_unreachable row reads only the final error)
+    "WARNING:huggingface_hub.utils._http:'(MaxRetryError(\"HTTPSConnectionPool(host='huggingface"
+    ".co', port=443): Max retries exceeded with url: /org/model/resolve/main/config.json (Caused "
+    "by NewConnectionError('<urllib3.connection.HTTPSConnection object at 0x7f01>: Failed to "
+    "establish a new connection: [Errno 101] Network is unreachable'))\"), '(Request ID: 5f72)')' "
+    "thrown while requesting HEAD https://huggingface.co/org/model/resolve/main/config.json",
+    "'(ReadTimeoutError(\"HTTPSConnectionPool(host='huggingface.co', port=443): Read timed out. "
+    "(read timeout=10)\"), '(Request ID: 9a1c)')' thrown while requesting HEAD "
+    "https://huggingface.co/org/model/resolve/main/tokenizer_config.json",
+    "Retrying in 1s [Retry 1/5].",
 ]
 
 
