@@ -45,6 +45,10 @@ REFERENCE = next((d / "shared" / "corpus" / "failure_logs.jsonl" for d in (ROOT.
                  ROOT.parent / "shared" / "corpus" / "failure_logs.jsonl")
 
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def load(path: Path) -> list[dict[str, Any]]:
     """The cases of a corpus file, each with ``excerpt`` and ``split`` filled in.
 
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "corpora": [str(p) for p in paths], "splits": result,
-            "ms_per_case": dt * 1000 / max(1, len(cases))}, indent=2) + "\n")
+            "ms_per_case": dt * 1000 / max(1, len(cases)),
+            "provenance": provenance.record()}, indent=2) + "\n")
     return 0
 
 

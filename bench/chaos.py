@@ -61,6 +61,10 @@ TARGETS = ("nats", "valkey", "detector", "attributor", "remediator", "checkpoint
 FAULT_KINDS = ("sigkill", "exception")
 
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def _recovery_module():
     """``bench/recovery.py``: its progress-file parser and recovery metric."""
     spec = importlib.util.spec_from_file_location("bench_recovery_for_chaos",
@@ -495,7 +499,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    load0 = provenance.loadavg()
     r = run(a)
+    r["provenance"] = provenance.record(load0)
     print_report(r)
     if a.json:
         with open(a.json, "w") as fh:

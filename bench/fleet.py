@@ -63,6 +63,10 @@ INDEPENDENT_XIDS = (48, 62, 64, 74, 79, 119)
 NEW_DRIVER, OLD_DRIVER = "550.54.15", "535.104.05"
 
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def fleet(nodes: int, jobs: int, seed: int) -> tuple[dict[str, list[dict]], dict[str, dict],
                                                      list[str]]:
     """(job → members, node → attributes, the rollout's nodes: 60 %, spread over the jobs)."""
@@ -287,7 +291,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                        "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t0, 1),
                        "note": "shared 2-core machine, other work running: counts are the "
                                "result, seconds are indicative only"},
-        "logs": str(logdir),
+        "logs": str(logdir), "provenance": provenance.record(list(load0)),
     }
 
 

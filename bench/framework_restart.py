@@ -43,6 +43,10 @@ VARIANTS = ("before", "by_hand", "after")
 _COMMAND = dropin.command  # dropin's own, wrapped per variant
 
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def variant_command(variant: str):
     """``dropin.command`` for one variant (trainguard only)."""
     def command(system, job, tg_job, stack, nvrx_python):
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                           "host": platform.node(), "python": platform.python_version(),
                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           "note": "a shared machine, other work running (see load averages)"},
-           "settings": asdict(s), "summary": summary, "runs": runs}
+           "settings": asdict(s), "summary": summary, "runs": runs,
+           "provenance": provenance.record(list(load0))}
     print(json.dumps(summary, indent=1))
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

@@ -102,6 +102,10 @@ NODES = tuple(f"fzn{i}" for i in range(8))
 FRESH_TOKEN_SHARE = 0.05
 
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def service_topics() -> dict[str, tuple[str, ...]]:
     """The subjects each service subscribes, read from the services themselves."""
     from trainguard.attributor.service import Attributor
@@ -650,7 +654,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    load0 = provenance.loadavg()
     r = run(a)
+    r["provenance"] = provenance.record(load0)
     print_report(r)
     if a.json:
         with open(a.json, "w") as fh:

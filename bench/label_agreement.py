@@ -23,6 +23,10 @@ SECOND = ROOT / "bench" / "corpus" / "heldout_second_labels.jsonl"
 FIELDS = ("fault_class", "layer")
 
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def cohen_kappa(a: list[str], b: list[str]) -> float:
     """Cohen's kappa of two equal-length label lists; 1.0 when both use one same label only.
 
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diagnose vs {name:6s} labelling: fault class {r['fault_class']:6.1%}  "
               f"layer {r['layer']:6.1%}")
     if args.json:
+        res["provenance"] = provenance.record()
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 

@@ -65,6 +65,10 @@ from trainguard.state import StateStore  # noqa: E402
 SERVICES = ("detector", "attributor", "remediator")
 
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
+
+
 def layout(ranks: int, nodes: int, per_job: int) -> dict[str, list[dict]]:
     """job name → members (``rank``, ``node``, ``local_rank``): ranks fill nodes in order."""
     per_node = max(1, math.ceil(ranks / nodes))
@@ -354,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--log-dir", default="")
     args = ap.parse_args(argv)
+    load0 = provenance.loadavg()
     import tempfile
 
     logdir = Path(args.log_dir or tempfile.mkdtemp(prefix="tg-scale-"))
@@ -361,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedServers() as srv:
         res = asyncio.run(bench(args, srv, logdir))
     if args.json:
+        res["provenance"] = provenance.record(load0)
         print(json.dumps(res))
     else:
         print(f"{res['ranks']} ranks, {res['nodes']} nodes, {res['jobs']} jobs, "
