@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import pathlib
 import re
@@ -135,7 +136,8 @@ def runs_line(runs: Runs) -> str:
         cpus = f"{p['cpus']} CPUs" if p["cpus"] else "CPUs not recorded"
         if p["load"]:
             lo, hi = min(p["load"]), max(p["load"])
-            load = f"load {lo:.1f}" if round(lo, 1) == round(hi, 1) else f"load {lo:.1f}–{hi:.1f}"
+            load = (f"1-min load {lo:.1f}" if round(lo, 1) == round(hi, 1)
+                    else f"1-min load {lo:.1f}–{hi:.1f}")
         else:
             load = "load not recorded"
         date = p["date"] or "date not recorded"
@@ -166,12 +168,12 @@ def _partition(runs: Runs) -> dict:
             "p95": row["p95_s"]}
 
 
-def _checkpoint(runs: Runs) -> dict:
-    return runs("checkpoint-200mb.json")
+def _checkpoint(runs: Runs, name: str = "checkpoint-200mb.json") -> dict:
+    return runs(name)
 
 
-def _framework(runs: Runs) -> dict:
-    d = runs("framework_restart.json")
+def _framework(runs: Runs, name: str = "framework_restart.json") -> dict:
+    d = runs(name)
     out: dict = {"rounds": d["settings"]["rounds"]}
     for r in d["runs"]:
         out.setdefault((r["job"], r["variant"]), []).append(r["kill"]["recovery_s"])
@@ -247,6 +249,33 @@ def tails_partition(runs: Runs) -> list[str]:
     return out + ["", runs_line(runs)]
 
 
+def cluster_runs(runs: Runs, names: tuple[str, ...]) -> list[str]:
+    """``bench/cluster.py`` rows of a few runs each: every run's seconds, then their median."""
+    rows = []
+    for name in names:
+        for r in runs(name):
+            got = [x["again_s"] for x in r["runs"] if x.get("again_s") is not None]
+            each = ", ".join("–" if x.get("again_s") is None else f"{x['again_s']:.2f}"
+                             for x in r["runs"])
+            healed = [x["waited_for_heal"] for x in r["runs"] if "waited_for_heal" in x]
+            if r["fault"] != "partition":
+                heal = "–"
+            elif healed:
+                heal = f"{sum(healed)} of {len(healed)}"
+            else:
+                heal = "not recorded"
+            missed = sum(1 for x in r["runs"] if x.get("error"))
+            named = sum(1 for x in r["runs"] if x.get("culprit_correct"))
+            rows.append([f"`{name}`", r["fault"].replace("_", "-"),
+                         f"{len(got)} of {len(r['runs'])}", each,
+                         med_range(_stats(got), unit="s") if got else "–",
+                         f"{named} of {len(r['runs'])}", heal,
+                         str(missed) if missed else "0"])
+    head = ["run file", "fault", "recovered", "each run (s)", "median (min–max)", "node1 named",
+            "waited for the heal", "fault never fired"]
+    return table(head, rows) + ["", runs_line(runs)]
+
+
 FAULT_NAMES = {"sigkill": "SIGKILL", "exception": "exception", "hang": "hang",
                "node_loss": "node loss"}
 
@@ -282,18 +311,33 @@ def _eff(s: dict, full: bool) -> str:
     return " / ".join(f"{s['efficiency'][k]['median']:.2f}" for k in keys)
 
 
-def checkpoint_race(runs: Runs) -> list[str]:
-    d = _checkpoint(runs)
+def checkpoint_race(runs: Runs, name: str = "checkpoint-200mb.json") -> list[str]:
+    d = _checkpoint(runs, name)
     keys = sorted(d["summary"]["trainguard"]["efficiency"], key=int)
     rows = []
     for name, s in d["summary"].items():
         blocking = "–" if name == "write_only" else med_range(s["blocking_s"], 1, "ms", 1e3)
-        rows.append([CKPT_NAMES.get(name, name), blocking, med_range(s["durable_s"], unit="s"),
-                     _eff(s, False)])
+        label = CKPT_NAMES.get(name, name)
+        if name == "trainguard" and d.get("private_writer"):
+            label = "trainguard (a private writer per rank)"
+        rows.append([label, blocking, med_range(s["durable_s"], unit="s"), _eff(s, False)])
     head = ["system", "blocking per save", "durable after",
             f"efficiency (median), save every {' / '.join(keys)} steps"]
-    return (table(head, rows)
-            + ["", f"Median (min–max) of {d['runs']} races.", "", runs_line(runs)])
+    sm = d["summary"]
+
+    def ratio(a: str, fa: str, b: str, fb: str) -> float:
+        return sm[a][fa]["median"] / sm[b][fb]["median"]
+
+    races = f"Medians of {d['runs']} races" if d["runs"] > 1 else "One race, not a median"
+    ratios = (f"{races}: trainguard durable in "
+              f"{ratio('trainguard', 'durable_s', 'write_only', 'durable_s'):.2f}× the disk's own "
+              f"time and {ratio('dcp_async_thread', 'durable_s', 'trainguard', 'durable_s'):.1f}× "
+              f"sooner than DCP; blocking "
+              f"{ratio('trainguard', 'blocking_s', 'trainguard', 'memcpy_in_run_s'):.2f}× the copy "
+              f"in the same processes and "
+              f"{ratio('trainguard', 'blocking_s', 'dcp_async_thread', 'blocking_s'):.2f}× DCP's; "
+              f"validation {sm['trainguard']['validation_gbps']['median']:.2f} GB/s.")
+    return table(head, rows) + ["", ratios, "", runs_line(runs)]
 
 
 def checkpoint_full(runs: Runs) -> list[str]:
@@ -311,8 +355,9 @@ def checkpoint_full(runs: Runs) -> list[str]:
             f"efficiency, save every {' / '.join(keys)} steps", "peak RSS"]
     v = d["summary"]["trainguard"]["validation_gbps"]
     return (table(head, rows)
-            + ["", f"Median (min–max) of {d['runs']} races. Validation of the committed checkpoint (page cache warm, one core): "
-               f"{med_range(v)} GB/s.", "", runs_line(runs)])
+            + ["", f"Median (min–max) of {d['runs']} races. Validation of the committed "
+               f"checkpoint (page cache warm, one core): {med_range(v)} GB/s.", "",
+               runs_line(runs)])
 
 
 def attribution(runs: Runs) -> list[str]:
@@ -354,8 +399,9 @@ def fleet(runs: Runs) -> list[str]:
     for arm, scheds in d["results"].items():
         for sched, r in scheds.items():
             if r["breaker_tripped_at_nodes"]:
-                breaker = (f"{r['breaker_status']} (tripped at node {r['breaker_tripped_at_nodes']},"
-                           f" limit {r['breaker_limit']} of {r['breaker_known_nodes']})")
+                breaker = (f"{r['breaker_status']} (tripped at node "
+                           f"{r['breaker_tripped_at_nodes']}, limit {r['breaker_limit']} of "
+                           f"{r['breaker_known_nodes']})")
             else:
                 breaker = r["breaker_status"]
             cause = r.get("shared_cause")
@@ -374,21 +420,22 @@ def fleet(runs: Runs) -> list[str]:
     return table(head, rows) + ["", "One run; counts.", "", runs_line(runs)]
 
 
-def framework_restart(runs: Runs) -> list[str]:
-    fw = _framework(runs)
+def framework_restart(runs: Runs, name: str = "framework_restart.json") -> list[str]:
+    fw = _framework(runs, name)
     rows = []
     for job, label in (("lightning", "Lightning"), ("hf", "HF `Trainer`")):
         rows.append([label] + [med_range(fw[(job, v)], 2 if fw[(job, v)]["median"] < 1 else 1,
                                          "s") for v in ("before", "by_hand", "after")])
     head = ["job", "before (spares: torch only)", "by hand (`--warm-import <framework>`)",
             "after (job's imports recorded, auto-resume)"]
-    return (table(head, rows)
-            + ["", f"Median (min–max) of {fw['rounds']} rounds: below the 3 runs a published "
-               "figure needs.", "", runs_line(runs)])
+    n = fw["rounds"]
+    what = (f"Median (min–max) of {n} rounds" if n > 1 else "One round, no median") + \
+        ": below the 3 runs a published figure needs."
+    return table(head, rows) + ["", what, "", runs_line(runs)]
 
 
-def ha(runs: Runs) -> list[str]:
-    d = runs("ha.json")
+def ha(runs: Runs, name: str = "ha.json") -> list[str]:
+    d = runs(name)
     rows = []
 
     def opt(x: Any, fmt: str = "{:.2f}") -> str:
@@ -406,7 +453,8 @@ def ha(runs: Runs) -> list[str]:
     for target in sorted({r["target"] for r in ha_rows}):
         f = [r["failover_s"] for r in ha_rows if r["target"] == target and r["failover_s"]]
         if f:
-            summary.append(f"{target} {med_range(_stats(f), unit='s')} over {len(f)} trials")
+            trials = f"over {len(f)} trials" if len(f) > 1 else "one trial"
+            summary.append(f"{target} {med_range(_stats(f), unit='s')}, {trials}")
     head = ["stack", "target", "trial", "steps/s before", "during", "ratio", "failover s",
             "rank fault detected", "decided", "carried out", "recovered (s after the fault)",
             "lost", "duplicated"]
@@ -426,6 +474,13 @@ TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "fleet": fleet,
     "framework-restart": framework_restart,
     "ha": ha,
+    "ha-after-merge": functools.partial(ha, name="ha-after-merge.json"),
+    "framework-restart-busy": functools.partial(framework_restart,
+                                                name="framework_restart_busy.json"),
+    "checkpoint-private-writer": functools.partial(
+        checkpoint_race, name="checkpoint-200mb-private-writer.json"),
+    "tails-short": functools.partial(cluster_runs, names=(
+        "tails-partition-first-after-boot.json", "tails-after-trigger-fix.json")),
 }
 
 

@@ -109,7 +109,7 @@ def test_the_runs_line_names_commit_machine_and_date(copy, figures):
     path.write_text(json.dumps(data))
     line = figures.runs_line(r)
     assert "commit 0123456" in line and "2026-12-08" in line, line
-    assert "load 1.5–30.3" in line  # the older readings in its conditions are kept
+    assert "1-min load 1.5–30.3" in line  # the older readings in its conditions are kept
 
 
 def test_a_bench_records_its_commit_machine_and_date():
