@@ -30,6 +30,11 @@ def figures():
     return _module("render_figures", SCRIPT)
 
 
+@pytest.fixture(scope="module")
+def tables(figures):
+    return sys.modules["figure_tables"]  # docs/figure_tables.py, imported by render_figures
+
+
 def _check(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), "--check", "--root", str(root)],
                           capture_output=True, text=True, timeout=120)
@@ -49,9 +54,9 @@ def test_every_rendered_figure_matches_its_json():
     assert r.returncode == 0, r.stderr + r.stdout
 
 
-def test_every_table_is_on_a_page(figures):
+def test_every_table_is_on_a_page(figures, tables):
     text = "\n".join(p.read_text() for p in figures.pages(ROOT))
-    for name in figures.TABLES:
+    for name in tables.TABLES:
         assert f"<!-- figures:{name} -->" in text, f"table {name} is on no page"
     assert "<!-- figures:headline -->" in (ROOT / "README.md").read_text()
 
@@ -96,18 +101,18 @@ def test_an_unpaired_marker_is_an_error(copy, figures):
         figures.run(copy, write=False)
 
 
-def test_the_runs_line_names_commit_machine_and_date(copy, figures):
+def test_the_runs_line_names_commit_machine_and_date(copy, tables):
     path = copy / "docs" / "benchmarks" / "fleet.json"
     data = json.loads(path.read_text())
-    r = figures.Runs(copy)
+    r = tables.Runs(copy)
     r("fleet.json")
-    assert "commit not recorded" in figures.runs_line(r)
-    assert "date not recorded" in figures.runs_line(r)
+    assert "commit not recorded" in tables.runs_line(r)
+    assert "date not recorded" in tables.runs_line(r)
     data["provenance"] = {"commit": "0123456789abcdef", "dirty": False,
                           "date": "2026-12-08T10:00:00Z", "cpus": 16,
                           "loadavg_start": [1.5, 1.0, 1.0], "loadavg_end": [3.25, 2.0, 1.0]}
     path.write_text(json.dumps(data))
-    line = figures.runs_line(r)
+    line = tables.runs_line(r)
     assert "commit 0123456" in line and "2026-12-08" in line, line
     assert "1-min load 1.5–30.3" in line  # the older readings in its conditions are kept
 
