@@ -1,4 +1,4 @@
-"""The tables of published figures, each rendered from the runs committed under ``docs/benchmarks/``.
+"""The tables of published figures, each rendered from the runs under ``docs/benchmarks/``.
 
 ``TABLES`` maps the NAME of a marked block (``<!-- figures:NAME -->``, see
 ``docs/render_figures.py``) to the function that renders it: a function takes ``Runs`` (the run
