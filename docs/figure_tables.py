@@ -64,14 +64,15 @@ def pct(x: float) -> str:
 
 # ---- provenance -------------------------------------------------------------------------------
 
-def _walk(obj: Any, key: str = "") -> Iterable[tuple[str, Any]]:
+def _walk(obj: Any) -> Iterable[tuple[str, Any]]:
+    """Every (key, value) of the nested dicts in ``obj``, depth first."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield k, v
-            yield from _walk(v, k)
+            yield from _walk(v)
     elif isinstance(obj, list):
         for v in obj:
-            yield from _walk(v, key)
+            yield from _walk(v)
 
 
 def provenance(data: Any) -> dict:
@@ -144,12 +145,18 @@ PHASES = ["detected", "verdict", "decision", "acted", "rendezvous", "first_step"
 
 
 def _partition(runs: Runs) -> dict:
+    """The 30 partitions: seconds to training again, and how many recoveries waited for the heal
+    (the runs' ``waited_for_heal``; in runs before it was recorded, training again no sooner than
+    the heal, ``fault_spec.heal_after_s``)."""
     row = runs("tails-partition-30.json")[0]
-    again = [r["again_s"] for r in row["runs"] if r["again_s"] is not None]
+    done = [r for r in row["runs"] if r["again_s"] is not None]
     heal = row["fault_spec"].get("heal_after_s")
-    return {"row": row, "again": _stats(again), "n": len(row["runs"]), "recovered": len(again),
-            "waited": sum(1 for a in again if heal is not None and a >= heal),
-            "p95": row["p95_s"]}
+    if any("waited_for_heal" in r for r in done):
+        waited = sum(1 for r in done if r.get("waited_for_heal"))
+    else:
+        waited = sum(1 for r in done if heal is not None and r["again_s"] >= heal)
+    return {"row": row, "again": _stats(r["again_s"] for r in done), "n": len(row["runs"]),
+            "recovered": len(done), "waited": waited, "p95": row["p95_s"]}
 
 
 def _checkpoint(runs: Runs, name: str = "checkpoint-200mb.json") -> dict:
@@ -168,7 +175,8 @@ def headline(runs: Runs) -> list[str]:
     p = _partition(runs)
     ck = _checkpoint(runs)["summary"]
     fw = _framework(runs)
-    fleet = runs("fleet.json")["results"]
+    fd = runs("fleet.json")
+    fleet = fd["results"]
     after = runs("attribution_after.json")["splits"]
     agree = runs("attribution_label_agreement.json")
     crash = runs("checkpoint-crash-100.json")
@@ -181,7 +189,8 @@ def headline(runs: Runs) -> list[str]:
         ["node partition on fresh clusters ([tails](docs/benchmarks.md))",
          f"{med_range(p['again'], unit='s')}, p95 {p['p95']:.2f} s; {p['recovered']} of "
          f"{p['n']} recovered, {waited} waited for the heal", "–", f"{p['n']}"],
-        ["checkpoint durable after a save, 200 MB a rank ([checkpoints](docs/checkpoints.md))",
+        [f"checkpoint durable after a save, {_checkpoint(runs)['mb_per_rank']} MB a rank "
+         "([checkpoints](docs/checkpoints.md))",
          f"{med_range(ck['trainguard']['durable_s'], unit='s')}, blocking "
          f"{med_range(ck['trainguard']['blocking_s'], 1, 'ms', 1e3)}",
          f"DCP `async_save` {med_range(ck['dcp_async_thread']['durable_s'], unit='s')}, blocking "
@@ -194,8 +203,10 @@ def headline(runs: Runs) -> list[str]:
          f"{med_range(fw[('hf', 'after')], unit='s')}, resumed from the newest complete checkpoint",
          f"spares with torch only {med_range(fw[('lightning', 'before')], 1, 's')} / "
          f"{med_range(fw[('hf', 'before')], 1, 's')}, same rounds",
-         f"{fw['rounds']} rounds (below 3)"],
-        ["bad driver rollout: XID 79 on 60 % of 64 nodes ([fleet guard](docs/fleet-guard.md))",
+         f"{fw['rounds']} rounds" + (" (below 3)" if fw["rounds"] < 3 else "")],
+        [f"bad driver rollout: XID {fd['rollout']['xid']} on "
+         f"{100 * fd['rollout']['fraction']:.0f} % of {fd['nodes']} nodes "
+         "([fleet guard](docs/fleet-guard.md))",
          f"{guard['nodes_taken_out']} nodes taken out, {guard['jobs_stopped']} jobs stopped, "
          f"shared cause named: {named}",
          f"without the guard {off['nodes_taken_out']} nodes taken out, same run", "1 (counts)"],
@@ -274,7 +285,7 @@ def tails_recovery(runs: Runs) -> list[str]:
         ph = r["median_phases"]
         phases = ", ".join("–" if ph.get(k) is None or (k == "acted" and ph[k] == 0)
                            else (f"{ph[k]:.2f}" if ph[k] >= 1 else f"{ph[k]:.3f}") for k in PHASES)
-        slow = ", ".join(f"run {x['run']}" for x in r["slow_runs"]) or "none"
+        slow = ", ".join(f"run {x['run'] + 1}" for x in r["slow_runs"]) or "none"
         rows.append([FAULT_NAMES.get(r["fault"], r["fault"]), r["recovered"],
                      med_range(s, unit="s"), f"{r['p95_s']:.2f} s", phases, slow])
     return table(["fault", "recovered", "median (min–max)", "p95",
@@ -299,10 +310,10 @@ def checkpoint_race(runs: Runs, name: str = "checkpoint-200mb.json") -> list[str
     d = _checkpoint(runs, name)
     keys = sorted(d["summary"]["trainguard"]["efficiency"], key=int)
     rows = []
-    for name, s in d["summary"].items():
-        blocking = "–" if name == "write_only" else med_range(s["blocking_s"], 1, "ms", 1e3)
-        label = CKPT_NAMES.get(name, name)
-        if name == "trainguard" and d.get("private_writer"):
+    for system, s in d["summary"].items():
+        blocking = "–" if system == "write_only" else med_range(s["blocking_s"], 1, "ms", 1e3)
+        label = CKPT_NAMES.get(system, system)
+        if system == "trainguard" and d.get("private_writer"):
             label = "trainguard (a private writer per rank)"
         rows.append([label, blocking, med_range(s["durable_s"], unit="s"), _eff(s, False)])
     head = ["system", "blocking per save", "durable after",
@@ -328,8 +339,8 @@ def checkpoint_full(runs: Runs) -> list[str]:
     d = _checkpoint(runs)
     keys = sorted(d["summary"]["trainguard"]["efficiency"], key=int)
     rows = []
-    for name, s in d["summary"].items():
-        rows.append([CKPT_NAMES.get(name, name).split(",")[0],
+    for system, s in d["summary"].items():
+        rows.append([CKPT_NAMES.get(system, system).split(",")[0],
                      med_range(s["blocking_s"], 1 if s["blocking_s"]["median"] > 1e-3 else 2,
                                "ms", 1e3),
                      med_range(s["memcpy_in_run_s"], 1, "ms", 1e3),
