@@ -37,16 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainguard.diagnose import diagnose_lines  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
+import provenance  # noqa: E402
 
 REAL = ROOT / "bench" / "corpus" / "real_logs.jsonl"
 #: the reference corpus beside the checkout (../shared, or ../../shared from a worktree)
 REFERENCE = next((d / "shared" / "corpus" / "failure_logs.jsonl" for d in (ROOT.parent,
                   ROOT.parent.parent) if (d / "shared" / "corpus" / "failure_logs.jsonl").exists()),
                  ROOT.parent / "shared" / "corpus" / "failure_logs.jsonl")
-
-
-sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def load(path: Path) -> list[dict[str, Any]]:

@@ -51,6 +51,8 @@ import tempfile
 import threading
 import time
 from typing import Any, Iterable
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -59,10 +61,6 @@ ROOT = os.path.dirname(HERE)
 TARGETS = ("nats", "valkey", "detector", "attributor", "remediator", "checkpoint_validator",
            "agent-node0", "agent-node1")
 FAULT_KINDS = ("sigkill", "exception")
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def _recovery_module():

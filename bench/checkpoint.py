@@ -49,16 +49,14 @@ import subprocess
 import sys
 import tempfile
 import time
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SYSTEMS = ("torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process", "trainguard",
            "write_only")
 DEFAULT_SYSTEMS = ("trainguard", "dcp_async_thread", "torch_save", "write_only")
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def rank_main(a) -> None:

@@ -51,13 +51,11 @@ import xxhash  # noqa: E402
 from trainguard.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 from trainguard.checkpoint import format as fmt  # noqa: E402
 from trainguard.checkpoint.writer import NodeWriter  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 FAULTS = ("kill_rank", "kill_writer", "kill_launcher", "flip", "truncate", "fill", "nan")
 JOB = "crash"
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def build(seed: int = 0):

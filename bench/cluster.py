@@ -83,6 +83,8 @@ from trainguard import schemas, timeline  # noqa: E402
 from trainguard.cluster import Cluster, ClusterConfig, FaultRunner, training_again  # noqa: E402
 from trainguard.cluster.harness import stop_on_signals  # noqa: E402
 from trainguard.fault_schedule import parse  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 FAULTS = {
     "power_off": {"kind": "power_off", "node": "node1", "step": 15, "rank": 3},
@@ -98,10 +100,6 @@ FAULTS = {
 STEPS = 200
 #: seconds watched after a slurmd death: SlurmdTimeout (10 s) and Slurm's requeue of the job
 SLURMD_WINDOW_S = 40.0
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def job_args(fault: str) -> list[str]:

@@ -46,6 +46,8 @@ import threading
 import time
 from collections import Counter
 from typing import Any
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 QUEUE, DONE, STARTS = "bench:decisions", "bench:done", "bench:starts"
 
@@ -57,10 +59,6 @@ rc=$?
 printf '%s\\t%s\\t%s\\n' "$rc" "$(date +%s%N)" "{name} $*" >> {log}
 exit $rc
 """
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def make_shims(where: str, log: str) -> dict[str, str]:

@@ -36,8 +36,6 @@ from trainguard.detector import rules  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.bus import Bus  # noqa: E402
 from trainguard.embedded import EmbeddedServers  # noqa: E402
-
-
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
 import provenance  # noqa: E402
 

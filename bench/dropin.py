@@ -51,6 +51,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -70,10 +72,6 @@ JOBS: dict[str, tuple[str, list[str], str]] = {
 TORCHRUN_ARGS = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
 WARMUP_STEPS = 20
 NPROC = 2
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 @dataclass

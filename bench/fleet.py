@@ -52,6 +52,8 @@ from trainguard.embedded import EmbeddedServers  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.service import health_subject  # noqa: E402
 from trainguard.state import StateStore  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 SERVICES = ("detector", "attributor", "remediator")
 ARMS: dict[str, dict[str, str]] = {
@@ -61,10 +63,6 @@ ARMS: dict[str, dict[str, str]] = {
 }
 INDEPENDENT_XIDS = (48, 62, 64, 74, 79, 119)
 NEW_DRIVER, OLD_DRIVER = "550.54.15", "535.104.05"
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def fleet(nodes: int, jobs: int, seed: int) -> tuple[dict[str, list[dict]], dict[str, dict],

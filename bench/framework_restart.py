@@ -38,13 +38,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import dropin  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 VARIANTS = ("before", "by_hand", "after")
 _COMMAND = dropin.command  # dropin's own, wrapped per variant
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def variant_command(variant: str):

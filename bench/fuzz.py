@@ -69,6 +69,8 @@ import msgpack
 from trainguard import schemas
 from trainguard.schemas import subjects
 from trainguard.auth import MAX_PAYLOAD
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 #: (family, subject template, event types a producer sends there). ``{job}``, ``{node}`` and
 #: ``{rank}`` are filled per message. Source: ``schemas.subjects`` and the services' topics.
@@ -100,10 +102,6 @@ CATEGORIES: dict[str, float] = {
 JOBS = tuple(f"fz-{c}" for c in "abcdefgh")
 NODES = tuple(f"fzn{i}" for i in range(8))
 FRESH_TOKEN_SHARE = 0.05
-
-
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def service_topics() -> dict[str, tuple[str, ...]]:

@@ -43,11 +43,11 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
 
 SCRIPT = '''
 import os, time, torch, trainguard

@@ -16,15 +16,13 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST = ROOT / "bench" / "corpus" / "real_logs.jsonl"
 SECOND = ROOT / "bench" / "corpus" / "heldout_second_labels.jsonl"
 FIELDS = ("fault_class", "layer")
-
-
-sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
-import provenance  # noqa: E402
 
 
 def cohen_kappa(a: list[str], b: list[str]) -> float:

@@ -68,6 +68,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "peers"))
 
 from common import parse_line  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 SYSTEMS = ("trainguard", "torchrun", "full_restart", "torchft", "nvrx")
 FAULTS = ("exception", "sigkill", "hang", "node_loss", "straggler", "five_faults",
@@ -94,10 +96,6 @@ NORMAL_FACTOR, NORMAL_RUN = 1.5, 5
 
 
 # ---- settings -------------------------------------------------------------------------------
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
-import provenance  # noqa: E402
-
-
 @dataclass
 class BenchSettings:
     """Run-length settings. ``steps`` per single-fault job, fault at ``fault_step``;

@@ -61,12 +61,10 @@ from trainguard.partitions import configured as partition_count  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.service import health_subject  # noqa: E402
 from trainguard.state import StateStore  # noqa: E402
-
-SERVICES = ("detector", "attributor", "remediator")
-
-
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
 import provenance  # noqa: E402
+
+SERVICES = ("detector", "attributor", "remediator")
 
 
 def layout(ranks: int, nodes: int, per_job: int) -> dict[str, list[dict]]:
