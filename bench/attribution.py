@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainguard.tools.diagnose import diagnose_lines  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
+import provenance  # noqa: E402
 
 REAL = ROOT / "bench" / "corpus" / "real_logs.jsonl"
 #: the reference corpus beside the checkout (../shared, or ../../shared from a worktree)
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "corpora": [str(p) for p in paths], "splits": result,
-            "ms_per_case": dt * 1000 / max(1, len(cases))}, indent=2) + "\n")
+            "ms_per_case": dt * 1000 / max(1, len(cases)),
+            "provenance": provenance.record()}, indent=2) + "\n")
     return 0
 
 

@@ -51,6 +51,8 @@ import tempfile
 import threading
 import time
 from typing import Any, Iterable
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -495,7 +497,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    load0 = provenance.loadavg()
     r = run(a)
+    r["provenance"] = provenance.record(load0)
     print_report(r)
     if a.json:
         with open(a.json, "w") as fh:

@@ -49,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -557,6 +559,7 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--node-writer-pid", type=int, default=0)
     a = p.parse_args()
+    load0 = provenance.loadavg()
     if a.rank_main:
         a.intervals = [int(x) for x in a.intervals.split(",") if x]
         rank_main(a)
@@ -626,6 +629,7 @@ def main() -> None:
             out["efficiency_ceiling"] = {
                 str(i): round(i * ref["step_s"] / (i * ref["step_s"] + ref["memcpy_s"]), 4)
                 for i in intervals}
+        out["provenance"] = provenance.record(load0)
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(out, fh, indent=2)

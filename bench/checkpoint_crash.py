@@ -51,6 +51,8 @@ import xxhash  # noqa: E402
 from trainguard.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 from trainguard.checkpoint import format as fmt  # noqa: E402
 from trainguard.checkpoint.writer import NodeWriter  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 FAULTS = ("kill_rank", "kill_writer", "kill_launcher", "flip", "truncate", "fill", "nan")
 JOB = "crash"
@@ -372,6 +374,7 @@ def main() -> None:
     p.add_argument("--clean-saves", type=int, default=1000,
                    help="saves of identical replicas (false alarms counted)")
     a = p.parse_args()
+    load0 = provenance.loadavg()
     rep = run_replicas(a.flip_trials, a.clean_saves, a.seed) \
         if a.flip_trials or a.clean_saves else None
     if rep is not None:
@@ -390,6 +393,7 @@ def main() -> None:
     for line in res["problems"][:20]:
         print("  ", line)
     if a.json:
+        res["provenance"] = provenance.record(load0)
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=2)
 

@@ -85,6 +85,8 @@ from trainguard.core import timeline
 from trainguard.cluster import Cluster, ClusterConfig, FaultRunner, training_again  # noqa: E402
 from trainguard.cluster.harness import stop_on_signals  # noqa: E402
 from trainguard.core.fault_schedule import parse  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 FAULTS = {
     "power_off": {"kind": "power_off", "node": "node1", "step": 15, "rank": 3},
@@ -427,6 +429,7 @@ def main(argv=None) -> int:
     p.add_argument("--conditions", default="",
                    help="what else ran on the machine meanwhile (recorded in the JSON)")
     a = p.parse_args(argv)
+    load0 = provenance.loadavg()
     if a.keep_logs_over:
         KEEP.update(over=float(a.keep_logs_over[0]), dir=a.keep_logs_over[1])
     stop_on_signals()
@@ -461,6 +464,7 @@ def main(argv=None) -> int:
                       + (f"\n    timeline (s from fault): {phases}" if phases else ""),
                       flush=True)
             rows.append(row(system, fault, runs))
+            rows[-1]["provenance"] = provenance.record(load0)
             rows[-1]["conditions"] = conditions(a.conditions)
             if a.json:  # after every (system, fault): an interrupted run keeps what it measured
                 with open(a.json, "w") as fh:

@@ -46,6 +46,8 @@ import threading
 import time
 from collections import Counter
 from typing import Any
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 QUEUE, DONE, STARTS = "bench:decisions", "bench:done", "bench:starts"
 
@@ -344,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.kills < 1:
         p.error("--kills must be >= 1")
+    load0 = provenance.loadavg()
     out = bench(a)
+    out["provenance"] = provenance.record(load0)
     print(f"controller kills: {out['kills']} SIGKILLs {out['kills_by_phase']}, "
           f"{out['decisions']} decisions {out['by_kind']} ({out['reexecuted']} carried out "
           f"again after a kill), {out['mutations']} Slurm mutations performed for "

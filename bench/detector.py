@@ -36,6 +36,8 @@ from trainguard.detector import rules  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.clients.bus import Bus  # noqa: E402
 from trainguard.stack.embedded import EmbeddedServers  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 
 def layout(ranks: int, nodes: int, jobs: int) -> list[tuple[str, str, int, int]]:
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=10000.0, help="heartbeats/s for latency")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    load0 = provenance.loadavg()
     res = asyncio.run(run(args))
     print(f"simulated: {args.ranks} ranks on {args.nodes} nodes in {args.jobs} jobs; "
           f"tracked by the detector: {res.get('ranks_tracked')}")
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory: {res['bytes_per_rank_state']} B of detector state per rank (tracemalloc), "
           f"{res.get('rss_bytes_per_rank')} B RSS growth per rank (target <= 2048 B)")
     if args.json:
+        res["provenance"] = provenance.record(load0)
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
 

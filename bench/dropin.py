@@ -51,6 +51,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -551,6 +553,7 @@ def plan(s: Settings, jobs: list[str], systems: list[str]) -> list[tuple[str, st
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    load0 = provenance.loadavg()
     s = settings_from(a)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     missing = {}
@@ -595,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     for sy, why in missing.items():
         print(f"\n{sy}: not run — {why}")
     out = {"settings": asdict(s), "torchrun_args": TORCHRUN_ARGS, "rows": rows,
-           "runs": [asdict(r) for r in results]}
+           "runs": [asdict(r) for r in results], "provenance": provenance.record(load0)}
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=2)

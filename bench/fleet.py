@@ -54,6 +54,8 @@ from trainguard.stack.embedded import EmbeddedServers  # noqa: E402
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.services.base import health_subject  # noqa: E402
 from trainguard.clients.store import StateStore  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 SERVICES = ("detector", "attributor", "remediator")
 ARMS: dict[str, dict[str, str]] = {
@@ -289,7 +291,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                        "loadavg_after": os.getloadavg(), "wall_s": round(time.time() - t0, 1),
                        "note": "shared 2-core machine, other work running: counts are the "
                                "result, seconds are indicative only"},
-        "logs": str(logdir),
+        "logs": str(logdir), "provenance": provenance.record(list(load0)),
     }
 
 

@@ -38,6 +38,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import dropin  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 VARIANTS = ("before", "by_hand", "after")
 _COMMAND = dropin.command  # dropin's own, wrapped per variant
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                           "host": platform.node(), "python": platform.python_version(),
                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           "note": "a shared machine, other work running (see load averages)"},
-           "settings": asdict(s), "summary": summary, "runs": runs}
+           "settings": asdict(s), "summary": summary, "runs": runs,
+           "provenance": provenance.record(list(load0))}
     print(json.dumps(summary, indent=1))
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

@@ -69,6 +69,8 @@ import msgpack
 from trainguard import schemas
 from trainguard.schemas import subjects
 from trainguard.security.auth import MAX_PAYLOAD
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 #: (family, subject template, event types a producer sends there). ``{job}``, ``{node}`` and
 #: ``{rank}`` are filled per message. Source: ``schemas.subjects`` and the services' topics.
@@ -650,7 +652,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    load0 = provenance.loadavg()
     r = run(a)
+    r["provenance"] = provenance.record(load0)
     print_report(r)
     if a.json:
         with open(a.json, "w") as fh:

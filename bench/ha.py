@@ -43,6 +43,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default=None, help="keep logs and outputs in this directory")
     p.add_argument("--repeat", type=int, default=1, help="rounds of every row (interleaved)")
     a = p.parse_args(argv)
+    load0 = provenance.loadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="tg-bench-ha-") as tmp:
         if a.keep:
@@ -325,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "load_avg_at_end": os.getloadavg(), "note": "one machine, every server on loopback; "
         "the machine was shared with other work (figures noisy)",
-        "rank_fault_after_s": a.rank_fault_after, "recovery_timeout_s": a.recovery_timeout}}
+        "rank_fault_after_s": a.rank_fault_after, "recovery_timeout_s": a.recovery_timeout},
+        "provenance": provenance.record(load0)}
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")

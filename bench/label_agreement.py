@@ -16,6 +16,8 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/: provenance
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST = ROOT / "bench" / "corpus" / "real_logs.jsonl"
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diagnose vs {name:6s} labelling: fault class {r['fault_class']:6.1%}  "
               f"layer {r['layer']:6.1%}")
     if args.json:
+        res["provenance"] = provenance.record()
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 

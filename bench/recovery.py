@@ -68,6 +68,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "peers"))
 
 from common import parse_line  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 SYSTEMS = ("trainguard", "torchrun", "full_restart", "torchft", "nvrx")
 FAULTS = ("exception", "sigkill", "hang", "node_loss", "straggler", "five_faults",
@@ -586,6 +588,7 @@ def _passes(a: argparse.Namespace, s: BenchSettings, missing: dict[str, str], ro
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    load0 = provenance.loadavg()
     s = settings_from(a)
     import signal
 
@@ -646,11 +649,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"slow phase {sr['slow_phase']} (+{sr['extra_s']} s over its median)")
     for system, why in missing.items():
         print(f"\n{system}: not run — {why}")
+    run_record = provenance.record(load0)
+    for r in rows:
+        r["provenance"] = run_record
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=2)
     with open(os.path.join(root, "detail.json"), "w") as fh:
-        json.dump({"settings": asdict(s), "rows": rows, "runs": detail}, fh, indent=2)
+        json.dump({"settings": asdict(s), "rows": rows, "runs": detail,
+                   "provenance": run_record}, fh, indent=2)
     print(f"\n{'rows written to ' + a.json + '; ' if a.json else ''}per-run detail in "
           f"{os.path.join(root, 'detail.json')}")
     if a.markdown:

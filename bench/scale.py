@@ -61,6 +61,8 @@ from trainguard.core.partitions import configured as partition_count  # noqa: E4
 from trainguard.schemas import subjects  # noqa: E402
 from trainguard.services.base import health_subject  # noqa: E402
 from trainguard.clients.store import StateStore  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+import provenance  # noqa: E402
 
 SERVICES = ("detector", "attributor", "remediator")
 
@@ -354,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--log-dir", default="")
     args = ap.parse_args(argv)
+    load0 = provenance.loadavg()
     import tempfile
 
     logdir = Path(args.log_dir or tempfile.mkdtemp(prefix="tg-scale-"))
@@ -361,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedServers() as srv:
         res = asyncio.run(bench(args, srv, logdir))
     if args.json:
+        res["provenance"] = provenance.record(load0)
         print(json.dumps(res))
     else:
         print(f"{res['ranks']} ranks, {res['nodes']} nodes, {res['jobs']} jobs, "
