@@ -149,7 +149,7 @@ def test_a_cleanup_xid_takes_the_class_of_the_xid_it_names(bench, cases):
     channels, 'caused by previous Xid 149 / 145' (NVLink5 errors) is the NVLink fault it
     cleans up after; without such a cause an XID 45 stays an informational warning."""
     from trainguard.detector import signals
-    from trainguard.xid import parse_xid_line
+    from trainguard.core.xid import parse_xid_line
     case = next(c for c in cases if c["id"] == "open-gpu-kernel-modules-1150")
     assert bench.verdict(case)[:2] == ("nvlink", "hardware") == (case["fault_class"],
                                                                    case["layer"])
