@@ -72,16 +72,15 @@ from trainguard.schemas import JobRecord, subjects
 from trainguard.schemas.job import ENDED_STATUSES
 
 from trainguard.detector.emit import emit, emit_node, job_of, node_of, node_timeout
-from trainguard.detector.handlers import HANDLERS, launcher_beat  # noqa: F401 - launcher_beat re-exported
+from trainguard.detector.handlers import HANDLERS
 from trainguard.detector.memory import bus_back, forget_job, gc, index
 from trainguard.detector.progress import (JobState, missing_member_rule, silence_rule, stall_rule, straggler_rule,
                        throughput_rule)
 from trainguard.detector.signals import NodeState, launcher_lost_rule, node_lost_rule
-from trainguard.detector.state import DetectorServiceConfig, DetectorState  # re-exported: the reducer's types
+from trainguard.detector.state import DetectorServiceConfig, DetectorState
 from trainguard.detector.telemetry import cpu_context
 
-__all__ = ["DetectorServiceConfig", "DetectorState", "step", "refresh_calls", "node_timeout",
-           "launcher_beat", "TOPICS"]
+__all__ = ["step", "refresh_calls", "node_timeout", "TOPICS"]
 
 #: The subjects the detector consumes.
 TOPICS = ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",

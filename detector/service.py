@@ -23,7 +23,7 @@ from trainguard.services.base import ServiceConfig
 from trainguard.detector import reducer
 from trainguard.detector.core import DetectorConfig
 from trainguard.detector.progress import JobState
-from trainguard.detector.reducer import DetectorServiceConfig, DetectorState
+from trainguard.detector.state import DetectorServiceConfig, DetectorState
 from trainguard.detector.signals import NodeState
 
 __all__ = ["Detector", "DetectorServiceConfig", "DetectorConfig", "factory"]

@@ -10,8 +10,9 @@ import logging
 import pytest
 
 from trainguard import schemas
-from trainguard.detector.reducer import (DetectorServiceConfig, DetectorState, launcher_beat,
-                                         node_timeout, refresh_calls, step)
+from trainguard.detector.handlers import launcher_beat
+from trainguard.detector.reducer import node_timeout, refresh_calls, step
+from trainguard.detector.state import DetectorServiceConfig, DetectorState
 from trainguard.detector.rules import DetectorConfig
 from trainguard.core.reducer import Call, Log, Publish, Received, Reply, Tick, run_offline
 from trainguard.schemas import JobRecord, subjects

@@ -9,7 +9,8 @@ import pytest
 from trainguard import schemas
 from trainguard.detector import telemetry as tel
 from trainguard.detector.core import DetectorConfig, Finding
-from trainguard.detector.reducer import DetectorState, step
+from trainguard.detector.reducer import step
+from trainguard.detector.state import DetectorState
 from trainguard.core.reducer import Publish, Received
 from trainguard.schemas import JobRecord, subjects
 

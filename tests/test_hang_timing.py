@@ -12,7 +12,8 @@ from trainguard import schemas
 from trainguard.attributor.decide import decide as attribute
 from trainguard.tools.console_page import job_page
 from trainguard.tools.console_timeline import timeline
-from trainguard.detector.reducer import DetectorServiceConfig, DetectorState, step
+from trainguard.detector.reducer import step
+from trainguard.detector.state import DetectorServiceConfig, DetectorState
 from trainguard.detector.rules import DetectorConfig
 from trainguard.core.goodput import ledger
 from trainguard.core.reducer import Publish, Received, Tick, run_offline

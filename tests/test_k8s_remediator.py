@@ -87,7 +87,7 @@ def test_detector_attributor_and_remediator_offline_restart_the_lost_pods_ranks(
     pod go on. The decision restarts that pod's ranks and excludes no node; outside Kubernetes
     (this replay's controller is the local one) its reason says to start the launcher again."""
     from trainguard import schemas
-    from trainguard.tools.replay import Record
+    from trainguard.tools.recording import Record
     from trainguard.tools.replay_decide import decide
 
     t0 = 1_767_225_600 * 10**9

@@ -51,7 +51,8 @@ def run():
     import tempfile
 
     from trainguard.demo.harness import Demo, DemoConfig
-    from trainguard.tools.replay import history, read_recording
+    from trainguard.tools.recording import read_recording
+    from trainguard.tools.replay import history
     from trainguard.stack.local import Stack
     from trainguard.clients.store import StateStore
 

@@ -10,7 +10,8 @@ import pytest
 from trainguard import schemas
 from trainguard.schemas import LogLine, Verdict, subjects
 from trainguard.clients.bus import Bus
-from trainguard.tools.replay import Record, play, read_recording, record, summarize
+from trainguard.tools.recording import Record, read_recording
+from trainguard.tools.replay import play, record, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,7 @@ import pytest
 from trainguard import schemas
 from trainguard.tools.memstore import MemoryStore
 from trainguard.remediator import policy as pol
-from trainguard.tools.replay import Record, read_recording
+from trainguard.tools.recording import Record, read_recording
 from trainguard.tools.replay_decide import (ReplayError, decide, load_policy_file, parse_row,
                                       policy_with)
 

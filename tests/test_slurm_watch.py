@@ -26,7 +26,7 @@ from trainguard.attributor import incidents
 from trainguard.attributor.decide import AttributorConfig
 from trainguard.attributor.evidence import agreeing_sources
 from trainguard.detector import scheduler
-from trainguard.detector.reducer import DetectorServiceConfig, DetectorState
+from trainguard.detector.state import DetectorServiceConfig, DetectorState
 from trainguard.detector.reducer import step as detector_step
 from trainguard.core.reducer import Call, Log, Publish, Received, Tick, run_offline
 from trainguard.schemas import JobRecord, subjects

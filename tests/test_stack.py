@@ -116,7 +116,7 @@ def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
         if importlib.util.find_spec("trainguard.rendezvous.store") is not None:
             import socket
 
-            from trainguard.rendezvous.store import parse_endpoint
+            from trainguard.rendezvous.endpoint import parse_endpoint
 
             # the gate serves TLS with the stack's certificate: its token never goes in clear
             assert exports["TG_RDZV_ENDPOINT"].startswith("tls://127.0.0.1:")

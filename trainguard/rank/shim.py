@@ -35,9 +35,8 @@ from trainguard.schemas import subjects
 
 from trainguard.rank import fault_inject
 from trainguard.rank.runtime import _Runtime  # noqa: F401 - the runtime run() drives
-from trainguard.rank.state import (  # noqa: F401 - re-exported: trainguard.rank.shim is their public home
-    COLLECTIVE_ERROR_MARKERS, DecisionInbox, JobStopped, RestartRequested, WorkerConfig,
-    _Progress)
+from trainguard.rank.state import (  # noqa: F401 - JobStopped and RestartRequested: public here
+    JobStopped, RestartRequested, WorkerConfig)
 
 log = logging.getLogger("trainguard.rank.shim")
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from trainguard.rendezvous.endpoint import TLS_SCHEME, is_tls, parse_endpoint  # noqa: F401 - re-exported
+from trainguard.rendezvous.endpoint import TLS_SCHEME, parse_endpoint
 
 
 def unwrap_rank_excepthook() -> None:

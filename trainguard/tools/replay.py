@@ -38,7 +38,7 @@ from trainguard import schemas
 
 from trainguard.security.auth import redact
 from trainguard.clients.bus import Bus
-from trainguard.tools.recording import Record, read_recording  # noqa: F401 - the file format, re-exported
+from trainguard.tools.recording import Record, read_recording
 
 
 async def record(nats_url: str, out: IO[str], subject: str = "tg.>",

@@ -42,7 +42,8 @@ __all__ = ["job_events", "build_report", "to_markdown", "plot_timeline", "main"]
 async def job_events(nats_url: str, job: str) -> list[schemas.Event]:
     """The job's events JetStream kept (``tg.job.<job>.>``), oldest first; undecodable
     messages are skipped. Raises ConnectionError when NATS cannot be reached."""
-    from trainguard.tools.replay import history, read_recording
+    from trainguard.tools.recording import read_recording
+    from trainguard.tools.replay import history
 
     buf = io.StringIO()
     await history(nats_url, buf, f"tg.job.{schemas.subjects.token(job)}.>")
