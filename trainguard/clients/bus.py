@@ -278,16 +278,17 @@ class Bus:
 
     async def last_stored(self, subject: str) -> Any | None:
         """The newest message a JetStream stream keeps on exact ``subject`` (``.subject`` as
-        published, ``.data``), or None: none stored, no stream holds the subject, or no
-        JetStream.
+        published, ``.data``), or None: none stored, no stream holds the subject, no JetStream,
+        or the stream's configuration could not be read.
 
         A job subject of a partitioned stream is looked up in its stored form
         (``tg.p.<partition>.job.…``, the partition computed from the stream's transform,
         ``partitions.partition``), then as published (a stream made without partitions). A
         stream with ``allow_direct`` (``ensure_streams`` sets it) is read with a direct get whose
         API subject names the subject read (``$JS.API.DIRECT.GET.<stream>.<subject>``), so that
-        ``trainguard.security.auth`` can let a job's workers read their own job's stored messages only;
-        another stream with ``$JS.API.STREAM.MSG.GET.<stream>`` (the subject in the body)."""
+        ``trainguard.security.auth`` can let a job's workers read their own job's stored
+        messages only; another stream with ``$JS.API.STREAM.MSG.GET.<stream>`` (the subject in
+        the body)."""
         assert self.nc is not None, "call connect() first"
         js = self.nc.jetstream(timeout=2.0)  # a refused request is never answered: wait less
         try:

@@ -63,9 +63,9 @@ def server_options(url: str) -> dict[str, Any]:
 
 def user_inbox(url: str) -> str:
     """The inbox prefix of the user in NATS URL ``url`` (``auth.inbox_of``: ``_INBOX.<user>``),
-    or ``_INBOX`` for a URL without a user. ``trainguard.security.auth`` lets each role and per-job user
-    subscribe to its own prefix only, so no client reads the replies to another's requests (a
-    JetStream answer carries stored events)."""
+    or ``_INBOX`` for a URL without a user. ``trainguard.security.auth`` lets each role and
+    per-job user subscribe to its own prefix only, so no client reads the replies to another's
+    requests (a JetStream answer carries stored events)."""
     try:
         user = urlsplit(url.split(",", 1)[0]).username
     except ValueError:

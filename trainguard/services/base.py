@@ -13,12 +13,13 @@ Run one alone with ``python -m <service> --nats-url URL --redis-url URL``
 
 A service takes its messages in through durable JetStream consumers where a stream keeps the
 topic (``trainguard.services.intake``: acks, held messages, restarts).
-Several replicas run side by side: each holds a lease in Valkey (``trainguard.services.membership``) and
-handles the events of the jobs it owns by rendezvous hashing over the live replicas. Where the
-streams store job subjects by partition (``trainguard.core.partitions``; the count is read from the
-streams at start), a replica owns whole partitions and its durable consumers filter only
-those: it is not sent the others' messages at all; otherwise it receives every message and acks
-the others' events unhandled. When the members change, the consumers' filters follow the
+
+Several replicas run side by side: each holds a lease in Valkey
+(``trainguard.services.membership``) and handles the events of the jobs it owns by rendezvous
+hashing over the live replicas. Where the streams store job subjects by partition
+(``trainguard.core.partitions``; the count is read from the streams at start), a replica owns
+whole partitions and its durable consumers filter only those: it is not sent the others'
+messages at all; otherwise it receives every message and acks the others' events unhandled. When the members change, the consumers' filters follow the
 partitions owned, and ``members_changed`` gets the keys this replica gained and lost and the
 partitions it gained (``ReducerService`` rebuilds a gained job or partition from the stream and
 forgets a lost one); live messages of what is being rebuilt wait for the rebuild.

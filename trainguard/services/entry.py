@@ -15,7 +15,9 @@ from trainguard.services.base import Service, ServiceConfig
 
 
 def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = None) -> None:
-    """Command-line entry of a service: ``python -m trainguard.detector --nats-url … --redis-url …``."""
+    """Command-line entry of a service: parse the flags (``argv``; default ``sys.argv``), build
+    ``factory(ServiceConfig)`` and run it until SIGTERM or SIGINT. Raises SystemExit with the
+    reason when NATS or Valkey cannot be reached."""
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))

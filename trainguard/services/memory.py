@@ -13,8 +13,8 @@ def release_freed_memory() -> bool:
     pages inside it (``madvise``). Without it glibc keeps what a burst of hostile messages freed:
     on the fuzz bench (``bench/fuzz.py``, 30,000 messages) a trim at the end gave back 6 MiB of
     the attributor's 16 MiB of growth, with 2 MB of objects still live. With small objects from
-    the C heap too (``PYTHONMALLOC=malloc``, as ``trainguard.stack.local`` and the Dockerfile start the
-    services) it returns nearly all of it. False where the C library has no ``malloc_trim``
+    the C heap too (``PYTHONMALLOC=malloc``, as ``trainguard.stack.local`` and the Dockerfile start
+    the services) it returns nearly all of it. False where the C library has no ``malloc_trim``
     (musl, macOS); a call costs well under 1 ms on a heap of tens of MiB."""
     global _malloc_trim
     if _malloc_trim is None:

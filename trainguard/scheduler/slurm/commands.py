@@ -1,9 +1,10 @@
 """The Slurm side of node exclusion as pure functions: the ``scontrol``/``scancel``/``squeue``
 argv lists ``trainguard.scheduler.slurm.controller`` runs, whether an exclusion requeues
 (``should_requeue``), what a requeue or a stop does given Slurm's state as ``scontrol show``
-prints it (``requeue_commands``, ``stop_plan``), and the parsers of that output. Nothing here runs a command or reads a clock but ``requeue_commands``'s default
-``now``; ``tests/test_remediator_controllers.py`` tables them without Slurm. Slurm's behaviour
-each rule follows is Slurm 22.05's (Debian 12's ``slurm-wlm``), as seen on the cluster harness
+prints it (``requeue_commands``, ``stop_plan``), and the parsers of that output. Nothing here
+runs a command or reads a clock but ``requeue_commands``'s default ``now``;
+``tests/test_remediator_controllers.py`` tables them without Slurm. Slurm's behaviour each rule
+follows is Slurm 22.05's (Debian 12's ``slurm-wlm``), as seen on the cluster harness
 (``trainguard.cluster``) and said at each rule.
 """
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 
 __all__ = ["slurm_drain_command", "slurm_requeue_command", "slurm_squeue_command",
            "slurm_stop_commands", "slurm_reason", "parse_squeue_state", "stop_plan",
-           "parse_scontrol", "requeue_commands", "should_requeue", "SLURM_REASON_MAX", "ENDED_STATES",
-           "REQUEUED_STATES", "SCANCEL_ENDED", "UNREACHABLE_FAULTS"]
+           "parse_scontrol", "requeue_commands", "should_requeue", "SLURM_REASON_MAX",
+           "ENDED_STATES", "REQUEUED_STATES", "SCANCEL_ENDED", "UNREACHABLE_FAULTS"]
 
 #: Slurm drain reasons are shown by ``sinfo -R``; keep them short and on one line.
 SLURM_REASON_MAX = 120
