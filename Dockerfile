@@ -4,7 +4,7 @@ FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 # the services' small objects from the C heap, whose freed pages they return to the OS
-# (trainguard.services.base.release_freed_memory; docs/benchmarks.md, "Hostile input": the fuzz bench's RSS)
+# (trainguard.services.memory.release_freed_memory; docs/benchmarks.md, "Hostile input": the fuzz bench's RSS)
 ENV PYTHONMALLOC=malloc
 
 # The CPU build of torch is installed first so that pip does not pull a CUDA build; for GPU

@@ -24,7 +24,8 @@ import os
 import sys
 
 from trainguard.schemas import subjects
-from trainguard.services.base import ServiceConfig, main
+from trainguard.services.base import ServiceConfig
+from trainguard.services.entry import main
 
 from trainguard.agents.agent import AgentConfig, NodeAgent
 from trainguard.agents.kernel_log import KernelLogConfig

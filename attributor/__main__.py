@@ -1,5 +1,5 @@
 """``python -m trainguard.attributor --nats-url URL --redis-url URL``: run the attributor service."""
-from trainguard.services.base import main
+from trainguard.services.entry import main
 
 from trainguard.attributor.service import factory
 

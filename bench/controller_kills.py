@@ -140,7 +140,8 @@ def count(decisions: list[dict[str, Any]], log_lines: list[str]) -> dict[str, An
 
 # ---- the actor: carries out the queue's decisions with the Slurm controller ---------------------
 async def actor(redis_url: str, shims: dict[str, str], phase: str) -> None:
-    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.scheduler.slurm.config import SlurmConfig
+    from trainguard.scheduler.slurm.controller import SlurmController
     from trainguard.clients.store import StateStore
 
     st = StateStore(redis_url)

@@ -361,7 +361,7 @@ class Monitor:
             # the stream keeps it once, so a durable consumer gets it once
             self.deduplicated += 1
         elif len(msg.data) > stream_max_msg_size(msg.subject):
-            # the stream refuses it (trainguard.clients.bus.STREAM_LIMITS), so no durable consumer is
+            # the stream refuses it (trainguard.clients.streams.STREAM_LIMITS), so no durable consumer is
             # ever given it: bounded by design, counted apart from what a service must receive
             self.refused[msg.subject] = self.refused.get(msg.subject, 0) + 1
         else:
@@ -384,7 +384,7 @@ class Monitor:
 def stream_max_msg_size(subject: str) -> float:
     """The ``max_msg_size`` (bytes) of the stream that keeps ``subject``; inf when none does
     (a plain subscription gets any message the server's payload limit lets through)."""
-    from trainguard.clients.bus import STREAM_LIMITS, STREAMS
+    from trainguard.clients.streams import STREAM_LIMITS, STREAMS
 
     for name, subs, _age in STREAMS:
         if any(subjects.matches(p, subject) for p in subs):

@@ -137,7 +137,7 @@ async def _answers(stack, target: str) -> bool:
     from trainguard.clients.store import StateStore
 
     if target == "nats":
-        from trainguard.clients.bus import STREAMS
+        from trainguard.clients.streams import STREAMS
 
         bus = Bus(stack.nats_url, "ha-probe")
         try:

@@ -23,7 +23,8 @@ from trainguard.services import durable as consume
 from trainguard.core import partitions as P  # noqa: N812 - the module is 'partitions' here too
 from trainguard.checkpoint.verify import validate_checkpoint
 from trainguard.schemas import subjects
-from trainguard.services.base import Service, ServiceConfig, main
+from trainguard.services.base import Service, ServiceConfig
+from trainguard.services.entry import main
 
 log = logging.getLogger("checkpoint_validator")
 

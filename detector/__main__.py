@@ -1,5 +1,5 @@
 """``python -m trainguard.detector --nats-url URL --redis-url URL``: run the detector service."""
-from trainguard.services.base import main
+from trainguard.services.entry import main
 
 from trainguard.detector.service import factory
 

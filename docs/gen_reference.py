@@ -43,7 +43,7 @@ SCANNED = ("trainguard", "schemas", "agents", "detector", "attributor", "remedia
 #: Commands reached as ``python -m MODULE`` (not through ``trainguard <command>``), with the
 #: callable whose parser documents them.
 MODULE_COMMANDS = (
-    ("python -m trainguard.SERVICE", "trainguard.services.base",
+    ("python -m trainguard.SERVICE", "trainguard.services.entry",
      lambda m: lambda argv: m.main(lambda cfg: None, argv)),
     ("python -m trainguard.tools.console", "trainguard.tools.console", None),
     ("python -m trainguard.rendezvous.store", "trainguard.rendezvous.store", None),
@@ -173,7 +173,7 @@ def cli_page() -> str:
             out += _parser_md(shown, parser, 4)
     out += ["## Modules run with `python -m`", "",
             "`SERVICE` is one of `detector`, `attributor`, `remediator`, "
-            "`checkpoint_validator`, `slurm_watch` (`trainguard.services.base.main`); `python -m "
+            "`checkpoint_validator`, `slurm_watch` (`trainguard.services.entry.main`); `python -m "
             "trainguard.agents` is the node agent.", ""]
     for shown, module, wrap in MODULE_COMMANDS:
         mod = importlib.import_module(module)

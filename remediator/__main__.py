@@ -1,5 +1,5 @@
 """``python -m trainguard.remediator --nats-url URL --redis-url URL`` (or env NATS_URL / REDIS_URL)."""
-from trainguard.services.base import main
+from trainguard.services.entry import main
 
 from trainguard.remediator.service import Remediator
 

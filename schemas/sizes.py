@@ -13,7 +13,7 @@ from what the producers send, with room for fields added within the major versio
 legitimately carry long lists (a checkpoint verdict's reasons, an anomaly's or verdict's
 evidence, a decision's members) have no row: the server's payload limit
 (``trainguard.security.auth.MAX_PAYLOAD``) and the streams' ``max_msg_size``
-(``trainguard.clients.bus.STREAM_LIMITS``) bound them.
+(``trainguard.clients.streams.STREAM_LIMITS``) bound them.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ SIZE_LIMITS: tuple[SizeLimit, ...] = (
               "logs is not cut before it is sent (worker.LogLine; the shim sends a "
               "traceback's last 4,000 characters), and the envelope"),
     SizeLimit("tg.node.*.telemetry", 256 * KiB,
-              "the TG_TELEMETRY stream's max_msg_size (trainguard.clients.bus.STREAM_LIMITS): GPU "
+              "the TG_TELEMETRY stream's max_msg_size (trainguard.clients.streams.STREAM_LIMITS): GPU "
               "samples and a latency per peer (node.NodeTelemetry)"),
 )
 

@@ -18,8 +18,9 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 from trainguard import schemas
 from trainguard.schemas import subjects
 from trainguard.security.auth import MAX_PAYLOAD, ROLES, Credentials, redact
-from trainguard.clients.bus import (DLQ_PREFIX_BYTES, STREAM_LIMITS, STREAMS, Bus, StreamLimits,
-                            streams_max_bytes)
+from trainguard.clients.bus import Bus
+from trainguard.clients.dead_letters import DLQ_PREFIX_BYTES
+from trainguard.clients.streams import STREAM_LIMITS, STREAMS, StreamLimits, streams_max_bytes
 from trainguard.stack.embedded import EmbeddedServers
 from trainguard.clients.store import StateStore
 

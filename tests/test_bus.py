@@ -6,7 +6,8 @@ import time
 import msgpack
 
 from trainguard import schemas
-from trainguard.clients.bus import Bus, ThreadedBus
+from trainguard.clients.bus import Bus
+from trainguard.clients.threaded_bus import ThreadedBus
 
 
 async def test_delivery_and_dead_letter(servers):
@@ -149,8 +150,8 @@ async def test_late_subscriber_gets_the_last_stored_decision(servers):
     await pub.close()
 
 
-async def test_ensure_streams_gives_a_stream_of_an_earlier_release_the_launcher_subject(servers):
-    """A stack upgraded in place: TG_TELEMETRY made without ``tg.node.*.launcher.*`` gets it
+async def test_ensure_streams_gives_an_existing_stream_the_subjects_it_lacks(servers):
+    """An existing TG_TELEMETRY made without ``tg.node.*.launcher.*`` gets it
     at the next ``ensure_streams`` (an update of the existing stream, its messages kept), and
     the launchers' beats are stored from then on."""
     from trainguard.schemas import subjects
@@ -160,7 +161,7 @@ async def test_ensure_streams_gives_a_stream_of_an_earlier_release_the_launcher_
     js = admin.nc.jetstream()
     cfg = (await js.stream_info("TG_TELEMETRY")).config
     cfg.subjects = ["tg.node.*.telemetry", "tg.node.*.heartbeat", "tg.job.*.rank.*.hb"]
-    await js.update_stream(cfg)  # as an earlier release made it
+    await js.update_stream(cfg)  # as another configuration made it
     agent = schemas.NodeHeartbeat(node="up1", role="agent")
     await admin.publish(subjects.node("up1", "heartbeat"), agent)
     await admin.flush()

@@ -1,6 +1,6 @@
 """Batched acks of the short-lived subject families (``consume.ACKS``): which topics, when a
 batch is acked, and, against a real server, that one ack of the newest message acks every
-earlier one and that a consumer of an earlier release (explicit acks) is created anew."""
+earlier one."""
 from __future__ import annotations
 
 import asyncio
@@ -110,9 +110,8 @@ def own_nats(tmp_path):
         yield srv
 
 
-async def test_ack_all_of_the_newest_acks_every_earlier_and_an_explicit_consumer_is_replaced(
-        own_nats):
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+async def test_ack_all_of_the_newest_acks_every_earlier(own_nats):
+    from nats.js.api import AckPolicy, StreamConfig
 
     from trainguard.clients.bus import Bus
 
@@ -124,10 +123,6 @@ async def test_ack_all_of_the_newest_acks_every_earlier_and_an_explicit_consumer
     replica = uuid.uuid4().hex[:8]
     name = consumer_name("detector", replica, topic)
     try:
-        # a consumer as an earlier release made it: explicit acks
-        await js.add_consumer(stream, config=ConsumerConfig(
-            durable_name=name, deliver_subject=f"tg.deliver.detector.{name}",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT))
         got: list = []
         batch = BatchedAcks(every_s=60.0, every_n=10_000)  # acked at flush() only
 
@@ -156,14 +151,6 @@ async def test_ack_all_of_the_newest_acks_every_earlier_and_an_explicit_consumer
                 break
             await asyncio.sleep(0.05)
         assert info.num_ack_pending == 0 and info.ack_floor.stream_seq == 20
-        await dc.unsubscribe()
-        # and back: explicit acks again where the code asks for them
-        for _ in range(50):
-            if not (await _info(js, stream, name)).push_bound:
-                break
-            await asyncio.sleep(0.1)
-        dc = await durable_subscribe(bus.nc, "detector", replica, topic, on_message)
-        assert (await _info(js, stream, name)).config.ack_policy == AckPolicy.EXPLICIT
         await dc.unsubscribe()
     finally:
         await js.delete_stream(stream)

@@ -365,23 +365,17 @@ async def test_three_replicas_split_the_partitions_and_a_killed_ones_are_served(
     await bus.close()
 
 
-async def test_a_heartbeat_consumer_of_explicit_acks_is_replaced_by_one_acking_in_batches(
-        secured, procs):
-    """Upgrade: the detector's heartbeat consumer as an earlier release made it (explicit acks)
-    is deleted and created anew with ``AckPolicy.ALL`` by the detector's own role, which then
-    handles heartbeats and leaves none unacked once a batch is due."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+async def test_the_detectors_heartbeat_consumer_acks_in_batches(secured, procs):
+    """The detector's heartbeat consumer, made by the detector's own role, acks with
+    ``AckPolicy.ALL``: it handles heartbeats and leaves none unacked once a batch is due."""
+    from nats.js.api import AckPolicy
 
-    from trainguard.services.durable import ACK_BATCH_S, consumer_name, deliver_subject
+    from trainguard.services.durable import ACK_BATCH_S, consumer_name
 
     bus = await Bus(secured.nats_url, "test").connect()  # admin
     js = bus.nc.jetstream()
     topic = "tg.job.*.rank.*.hb"
     name = consumer_name("detector", "d1", topic)
-    await js.add_consumer("TG_TELEMETRY", config=ConsumerConfig(
-        durable_name=name, deliver_subject=deliver_subject("detector", "d1", topic),
-        deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
-        filter_subject="tg.p.*.job.*.rank.*.hb"))
     procs.start("detector", "d1")
     await healthy(bus, "detector", "d1")
     info = await js.consumer_info("TG_TELEMETRY", name)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trainguard.security.auth import redact
-from trainguard.clients.bus import STREAMS, server_options, stream_replicas
+from trainguard.clients.nats_url import server_options
+from trainguard.clients.streams import STREAMS, stream_replicas
 from trainguard.stack.ha import SENTINEL_READ_RULES, sentinel_config
 from trainguard.clients.store_sentinel import SentinelURL, is_sentinel_url, parse
 

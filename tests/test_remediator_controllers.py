@@ -6,8 +6,10 @@ import sys
 
 import pytest
 
-from trainguard.scheduler.local import (LocalController, SlurmConfig, SlurmController,
-                                    make_controller, slurm_drain_command)
+from trainguard.scheduler.local import LocalController, make_controller
+from trainguard.scheduler.slurm.commands import should_requeue, slurm_drain_command
+from trainguard.scheduler.slurm.config import SlurmConfig
+from trainguard.scheduler.slurm.controller import SlurmController
 from trainguard.clients.store import StateStore
 
 
@@ -92,19 +94,19 @@ def test_slurm_auto_requeues_a_job_that_cannot_go_on_in_place():
 
     from trainguard.schemas import JobRecord
 
-    ctl = SlurmController(None, SlurmConfig(requeue="auto"))
     two = [{"rank": r, "node": f"n{r // 2}", "local_rank": r % 2} for r in range(4)]
     run = JobRecord(status="running", members=two, world_size=4, min_world_size=4)
-    assert not ctl._should_requeue(run, {"n1"})  # world 4 still (spare in place): goes on
+    assert not should_requeue("auto", run, {"n1"})  # world 4 still (spare in place): goes on
     left = replace(run, world_size=2, members=two[:2])
-    assert ctl._should_requeue(left, {"n1"})  # 2 < 4
+    assert should_requeue("auto", left, {"n1"})  # 2 < 4
     lone = replace(run, members=two[2:], world_size=2, min_world_size=1)
-    assert ctl._should_requeue(lone, {"n1"})  # every member on n1: nothing left in place
-    assert not ctl._should_requeue(lone, {"n0"})
-    assert ctl._should_requeue(run, {"n0", "n1"})  # both nodes out
-    assert ctl._should_requeue(replace(run, status="stopped"), {"n1"})
-    assert not ctl._should_requeue(None, {"n1"})
-    assert SlurmController(None, SlurmConfig(requeue="always"))._should_requeue(None, {"n1"})
+    assert should_requeue("auto", lone, {"n1"})  # every member on n1: nothing left in place
+    assert not should_requeue("auto", lone, {"n0"})
+    assert should_requeue("auto", run, {"n0", "n1"})  # both nodes out
+    assert should_requeue("auto", replace(run, status="stopped"), {"n1"})
+    assert not should_requeue("auto", None, {"n1"})
+    assert should_requeue("always", None, {"n1"})
+    assert not should_requeue("never", run, {"n0", "n1"})
 
 
 @pytest.mark.parametrize("rc,out,state", [

@@ -288,7 +288,8 @@ async def test_straggler_flag_is_published_once_and_keeps_the_watchdog(servers, 
 
 
 async def test_failed_node_drain_is_audited_not_escalated(servers, redis_db):
-    from trainguard.scheduler.local import SlurmConfig, SlurmController
+    from trainguard.scheduler.slurm.config import SlurmConfig
+    from trainguard.scheduler.slurm.controller import SlurmController
     store = StateStore(redis_db)
     await register(store, "j10")
     slurm = SlurmController(store, SlurmConfig(scontrol="/nonexistent/scontrol"))

@@ -76,7 +76,7 @@ def test_a_launchers_beat_is_read_in_its_nodes_partition_as_the_agents_is(node):
     """``tg.node.<node>.launcher.<job>`` stays under the node: the same partition key as the
     agent's ``tg.node.<node>.heartbeat`` (the replica that judges the node hears both), kept
     by the same stream, read by the detector with the same relevance and in-flight bound."""
-    from trainguard.clients.bus import STREAMS
+    from trainguard.clients.streams import STREAMS
     from trainguard.services.durable import max_ack_pending_for
 
     agent, launcher = subjects.node(node, "heartbeat"), subjects.launcher(node, "job.1")

@@ -39,7 +39,8 @@ async def test_drain_requeue_cancel_for_the_training_jobs_slurm_id(slurm, redis_
                                                                      monkeypatch):
     from trainguard.scheduler.local import make_controller
     from trainguard.schemas import JobSettings
-    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.scheduler.slurm.config import SlurmConfig
+    from trainguard.scheduler.slurm.controller import SlurmController
     from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
@@ -84,7 +85,8 @@ async def test_drain_requeue_cancel_for_the_training_jobs_slurm_id(slurm, redis_
 async def test_auto_requeue_leaves_a_job_that_goes_on_in_place(slurm, redis_db, tmp_path,
                                                                 monkeypatch):
     from trainguard.schemas import JobSettings
-    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.scheduler.slurm.config import SlurmConfig
+    from trainguard.scheduler.slurm.controller import SlurmController
     from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
@@ -122,7 +124,8 @@ async def test_a_stop_decision_cancels_the_slurm_job_with_its_reason(slurm, serv
     from trainguard.remediator.service import Remediator, RemediatorConfig
     from trainguard.schemas import ActionResult, Decision, Verdict, subjects
     from trainguard.services.base import ServiceConfig, health_subject
-    from trainguard.scheduler.slurm.controller import SlurmController, slurm_reason
+    from trainguard.scheduler.slurm.commands import slurm_reason
+    from trainguard.scheduler.slurm.controller import SlurmController
     from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():

@@ -39,7 +39,8 @@ async def test_a_drained_node_returns_only_after_its_canary_passes(slurm, redis_
                                                                     monkeypatch):
     from trainguard.scheduler.base import LOCAL_CANARY
     from trainguard.schemas import JobSettings
-    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.scheduler.slurm.config import SlurmConfig
+    from trainguard.scheduler.slurm.controller import SlurmController
     from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():
@@ -118,7 +119,8 @@ async def test_a_canary_srun_could_not_start_counts_no_offence(slurm, redis_db, 
     says the canary could not run, its score is what it was; the real canary then returns it."""
     from trainguard.scheduler.base import LOCAL_CANARY
     from trainguard.schemas import JobSettings
-    from trainguard.scheduler.slurm.controller import SlurmConfig, SlurmController
+    from trainguard.scheduler.slurm.config import SlurmConfig
+    from trainguard.scheduler.slurm.controller import SlurmController
     from trainguard.clients.store import StateStore
 
     for k, v in slurm.env.items():

@@ -736,7 +736,7 @@ async def test_wrong_credentials_are_said_at_once(tls_stack):
     """A password the server refuses is no unreachable server: ``Bus.connect`` gives up at the
     first refusal (no retry until its deadline), ``ThreadedBus.wait_connected`` (what the
     launcher waits on) returns False at once, and the error says to check the credentials."""
-    from trainguard.clients.bus import ThreadedBus
+    from trainguard.clients.threaded_bus import ThreadedBus
 
     url = tls_stack.urls("worker")[0]
     user, _, rest = url.partition("@")

@@ -12,7 +12,8 @@ from trainguard import schemas
 from trainguard.checkpoint_validator.service import CheckpointValidator
 from trainguard.checkpoint_validator.validate import validate_checkpoint
 from trainguard.schemas import subjects
-from trainguard.clients.bus import Bus, ThreadedBus
+from trainguard.clients.bus import Bus
+from trainguard.clients.threaded_bus import ThreadedBus
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import format as fmt
 from trainguard.services.base import ServiceConfig

@@ -1,7 +1,7 @@
 """Job partitions of the JetStream streams: which partition a job is in, and the subjects the
 streams store a job's messages under.
 
-A stream that keeps job subjects (``bus.PARTITIONED_STREAMS``) has the subject transform
+A stream that keeps job subjects (``streams.PARTITIONED_STREAMS``) has the subject transform
 ``tg.job.*.>`` → ``tg.p.{{partition(N,1)}}.job.{{wildcard(1)}}.>`` (``transform``): the server
 stores ``tg.job.<job>.<rest>`` as ``tg.p.<partition>.job.<job>.<rest>``. Only the stored subject
 changes: core NATS subscribers (launchers and ranks on ``tg.job.<job>.decision``) and

@@ -97,7 +97,7 @@ class Recorder:
     ``tg.job.<job>.>``) with the latest heartbeat of each rank."""
 
     def __init__(self, nats_url: str, job: str):
-        from trainguard.clients.bus import ThreadedBus
+        from trainguard.clients.threaded_bus import ThreadedBus
 
         self.job = job
         self.lock = threading.Lock()

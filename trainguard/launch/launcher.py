@@ -38,7 +38,7 @@ from trainguard import schemas
 from trainguard.schemas import subjects
 
 from trainguard.security.auth import redact
-from trainguard.clients.bus import ThreadedBus
+from trainguard.clients.threaded_bus import ThreadedBus
 from trainguard.launch.config import LaunchConfig, StdSpec
 from trainguard.launch.lease import JobLease
 from trainguard.launch.loop import DecisionReceived, LaunchState, RunLoop, StopRequested

@@ -35,7 +35,8 @@ def warm() -> None:
     import trainguard.rendezvous.store
 
     for name in ("trainguard.checkpoint.checkpointer", "torch.distributed.checkpoint",
-                 "trainguard.clients.store", "trainguard.clients.bus", "trainguard.checkpoint.verify"):
+                 "trainguard.clients.store", "trainguard.clients.threaded_bus",
+                 "trainguard.checkpoint.verify"):
         try:
             importlib.import_module(name)
         except ImportError:

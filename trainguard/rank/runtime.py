@@ -60,7 +60,7 @@ class _Runtime:
         """Start the bus client (with ``NATS_URL``) and the heartbeat thread; ``decisions``:
         also follow the job's decisions (a rank that restarts in process)."""
         if self.cfg.nats_url:
-            from trainguard.clients.bus import ThreadedBus
+            from trainguard.clients.threaded_bus import ThreadedBus
 
             self.bus = ThreadedBus(self.cfg.nats_url, f"rank-{self.cfg.job}-{self.cfg.rank}",
                                    dead_letters=subjects.job_dead_letter(

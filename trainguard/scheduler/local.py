@@ -23,14 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.scheduler.base import ControllerResult, NodeController
-from trainguard.scheduler.slurm.controller import (SLURM_REASON_MAX, SlurmConfig, SlurmController,  # noqa: F401
-                               slurm_drain_command, slurm_requeue_command)
 from trainguard.clients.store import StateStore
+from trainguard.scheduler.base import ControllerResult, NodeController
+from trainguard.scheduler.slurm.controller import SlurmController
 
-__all__ = ["ControllerResult", "NodeController", "LocalController", "SlurmConfig",
-           "SlurmController", "CONTROLLERS", "make_controller", "slurm_drain_command",
-           "slurm_requeue_command"]
+__all__ = ["LocalController", "CONTROLLERS", "make_controller"]
 
 
 class LocalController(NodeController):

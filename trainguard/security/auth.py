@@ -134,11 +134,6 @@ _LAUNCHER_BEAT = "tg.node.*.launcher.*"
 #: keeps it so that they go on working; a per-job user never gets it (it could then forge the
 #: liveness of any node's agent, or another job's launcher).
 _LEGACY_LAUNCHER_BEAT = "tg.node.*.heartbeat"
-#: The detector deletes a consumer of the heartbeat and telemetry stream made with another ack
-#: policy (an earlier release's explicit acks; ``consume.ACKS``), which the server cannot change
-#: in place: ``consume.durable_subscribe`` creates it anew. The stream holds seconds-relevant
-#: messages only, and consumer names are one token, so the right is the stream's, not a prefix.
-_TELEMETRY_CONSUMER_DELETE = "$JS.API.CONSUMER.DELETE.TG_TELEMETRY.*"
 #: The Kubernetes drain handshake (``trainguard.scheduler.k8s.drain``, one replica, remediator role): its
 #: health subjects, its bus probe (a request to itself) and the replies to it.
 _DRAIN = (("tg.svc.k8s-drain.health.*",),
@@ -198,7 +193,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "reputation, fault history, idempotency keys and service leases it cannot read. Never "
          "a decision, an anomaly or a verdict."),
     Role("detector",
-         ("tg.job.*.anomaly", "tg.node.*.anomaly", _dlq("detector"), _TELEMETRY_CONSUMER_DELETE)
+         ("tg.job.*.anomaly", "tg.node.*.anomaly", _dlq("detector"))
          + _consumer("detector")[0],
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
           "tg.job.*.recovery", "tg.node.*.heartbeat", _LAUNCHER_BEAT, "tg.node.*.xid",
@@ -207,8 +202,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          + _consumer("detector")[1],
          "resetkeys ~tg:members:detector %R~tg:* " + _SERVICE_CMDS,
          "turns raw signals into anomalies; reads job records (learned timeouts, members); "
-         "holds its replica's lease (`tg:members:detector`); consumes the streams durably "
-         "(and replaces its heartbeat consumers of an earlier ack policy).",
+         "holds its replica's lease (`tg:members:detector`); consumes the streams durably.",
          responses=True),
     Role("attributor",
          ("tg.job.*.verdict", _dlq("attributor")) + _consumer("attributor")[0],

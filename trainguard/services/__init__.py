@@ -1,1 +1,2 @@
-"""What every service shares: the service base, durable delivery, replica ownership, metrics, tracing, alerts."""
+"""What every service shares: the service base, how it takes messages in, durable delivery,
+replica ownership, its command line, metrics, tracing, alerts."""

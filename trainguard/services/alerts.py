@@ -149,7 +149,7 @@ class Alerts(ReducerService[AlertState]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainguard.services.base import main as service_main
+    from trainguard.services.entry import main as service_main
 
     try:
         service_main(lambda cfg: Alerts(cfg), argv)

@@ -1,6 +1,6 @@
 """Base of the trainguard services (agent, detector, attributor, remediator,
 checkpoint_validator): bus + state connection, subscriptions, a periodic tick, a health
-responder, and clean shutdown on SIGTERM/SIGINT.
+responder, replicas that share the jobs, and a clean shutdown.
 
 A service is thin: ``handle`` parses (the bus already decoded and validated the event), calls a
 pure decide function, and publishes what it returns. Each service also answers NATS requests on
@@ -8,54 +8,43 @@ pure decide function, and publishes what it returns. Each service also answers N
 what ``trainguard up`` waits for. With ``TG_METRICS_PORT`` (or ``--metrics-port``) set, it also
 serves Prometheus ``/metrics`` (``trainguard.services.metrics``; the port is in the health reply).
 
-Run one alone with ``python -m <service> --nats-url URL --redis-url URL`` (or env ``NATS_URL``,
-``REDIS_URL``), which is what docker-compose and Kubernetes do.
+Run one alone with ``python -m <service> --nats-url URL --redis-url URL``
+(``trainguard.services.entry.main``).
 
-A ``partitioned`` service (detector, attributor, remediator, checkpoint validator) consumes every
-topic a JetStream stream keeps through its own durable consumer with explicit acks
-(``trainguard.services.durable``): a message is acked once handled (heartbeats and telemetry in
-batches, ``consume.ACKS``), so a replica that restarts under the same ``--replica`` name
-handles what arrived while it was down, within each subject family's relevance
-(``consume.RELEVANCE``). A message of one of the service's ``holding_topics`` whose outcome is
-still being worked out once handled (its event id in ``unfinished()``: a verdict whose
-state-store call waits to be tried again) is held unacked, kept from redelivery with
-in-progress acks, and acked once it leaves ``unfinished()``; a replica killed meanwhile gets it
-again when it comes back (``consume.HELD_ACK_WAIT_S`` after the last in-progress ack at most). A
-message of those topics delivered again while this process still handles or holds it is not
-handled twice.
-Several replicas run side by side: each holds a lease in Valkey (``trainguard.services.membership``) and
-handles the events of the jobs it owns by rendezvous hashing over the live replicas. Where the
-streams store job subjects by partition (``trainguard.core.partitions``; the count is read from the
-streams at start), a replica owns whole partitions and its durable consumers filter only
-those: it is not sent the others' messages at all; otherwise it receives every message and acks
-the others' events unhandled. When the members change, the consumers' filters follow the
+A service takes its messages in through durable JetStream consumers where a stream keeps the
+topic (``trainguard.services.intake``: acks, held messages, restarts).
+
+Several replicas run side by side: each holds a lease in Valkey
+(``trainguard.services.membership``) and handles the events of the jobs it owns by rendezvous
+hashing over the live replicas. Where the streams store job subjects by partition
+(``trainguard.core.partitions``; the count is read from the streams at start), a replica owns
+whole partitions and its durable consumers filter only those: it is not sent the others'
+messages at all; otherwise it receives every message and acks the others' events unhandled. When the members change, the consumers' filters follow the
 partitions owned, and ``members_changed`` gets the keys this replica gained and lost and the
 partitions it gained (``ReducerService`` rebuilds a gained job or partition from the stream and
-forgets a lost one); live messages of what is being rebuilt wait for the rebuild, then those it
-stepped already are skipped. Topics no stream keeps stay plain NATS subscriptions, filtered by
-ownership.
+forgets a lost one); live messages of what is being rebuilt wait for the rebuild.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
-from trainguard.schemas import subjects
-
-from trainguard.services import durable as consume, metrics, tracing
-
-from trainguard.core import partitions
-from trainguard.security.auth import redact
-from trainguard.clients.bus import PARTITIONED_STREAMS, Bus, Handler
-from trainguard.services.membership import Membership, MembershipConfig, default_replica, partition_key
+from trainguard.clients.bus import Bus, Handler
 from trainguard.clients.store import StateStore
+from trainguard.clients.streams import PARTITIONED_STREAMS
+from trainguard.core import partitions
+from trainguard.schemas import subjects
+from trainguard.security.auth import redact
+from trainguard.services import durable as consume, metrics, tracing
+from trainguard.services.intake import DurableIntake
+from trainguard.services.membership import (Membership, MembershipConfig, default_replica,
+                                            partition_key)
+from trainguard.services.memory import release_freed_memory
 
 log = logging.getLogger("trainguard.services.base")
 
@@ -64,33 +53,6 @@ def health_subject(name: str, replica: str | None = None) -> str:
     """``tg.svc.<name>.health`` (any replica answers), or ``….health.<replica>`` (that one);
     ``name`` as a subject token (an agent on a dotted node: ``agent-ip-10-0-1-2%2Eec2…``)."""
     return f"tg.svc.{subjects.token(name)}.health" + (f".{replica}" if replica else "")
-
-
-_malloc_trim: Any = None  # glibc's malloc_trim once looked up; False where there is none
-
-
-def release_freed_memory() -> bool:
-    """Hand the heap memory freed since the last call back to the OS: glibc's
-    ``malloc_trim(0)``, which returns the free top of each heap and, since glibc 2.8, the free
-    pages inside it (``madvise``). Without it glibc keeps what a burst of hostile messages freed:
-    on the fuzz bench (``bench/fuzz.py``, 30,000 messages) a trim at the end gave back 6 MiB of
-    the attributor's 16 MiB of growth, with 2 MB of objects still live. With small objects from
-    the C heap too (``PYTHONMALLOC=malloc``, as ``trainguard.stack.local`` and the Dockerfile start the
-    services) it returns nearly all of it. False where the C library has no ``malloc_trim``
-    (musl, macOS); a call costs well under 1 ms on a heap of tens of MiB."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim is False:
-        return False
-    _malloc_trim(0)
-    return True
 
 
 @dataclass
@@ -118,19 +80,9 @@ class ServiceConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
 
 
-@dataclass
-class _Delivery:
-    """A JetStream message this process handles or holds. ``msg`` — its latest delivery (the
-    one acked); ``event_id`` — set when it is held after handling (``Service.unfinished``);
-    ``touched`` — ``time.monotonic()`` of its delivery or last in-progress ack."""
-
-    msg: Any
-    event_id: str | None = None
-    touched: float = 0.0
-
-
-class Service:
-    """Subclass and set ``name``; override ``subscriptions``, ``setup``, ``tick``, ``health``."""
+class Service(DurableIntake):
+    """Subclass and set ``name``; override ``subscriptions``, ``setup``, ``tick``, ``health``.
+    How it consumes: ``DurableIntake``."""
 
     name = "service"
     uses_state = True
@@ -156,16 +108,10 @@ class Service:
         self.metrics: Any = None  # trainguard.services.metrics.Metrics when TG_METRICS_PORT is set
         self._stop = asyncio.Event()
         self.membership = Membership(self.name, self.config.replica, self.config.membership)
-        self.consumed = {"durable": 0, "stale": 0, "foreign": 0, "replayed_before": 0,
-                         "held": 0, "again": 0}
-        self._deliveries: dict[tuple[str, int], _Delivery] = {}  # (stream, seq) -> delivery
-        self._ack_task: asyncio.Task | None = None
+        super().__init__()
         # partition keys seen on the bus: another replica's, and this one's that decoded
         self.known: set[str] = set()
         self.replayed: dict[tuple[str, str], int] = {}  # (stream, key) -> last seq replayed
-        self._subs: list[Any] = []
-        self._durables: list[consume.DurableConsumer] = []
-        self._batches: list[consume.BatchedAcks] = []  # of the batched-ack consumers
         self._plain_streams = False  # the job streams store subjects as published
         self._refilter_due = False
         #: takeovers so far; when the last began (Unix ns) and how long it took (seconds)
@@ -250,8 +196,7 @@ class Service:
         self.metrics = metrics.mount(self)  # /metrics when TG_METRICS_PORT is set
         for subject, handler in self.subscriptions():
             await self._consume(subject, tracing.traced(self.name, handler))
-        if self._subs and self.config.durable and self.partitioned and self.holding_topics:
-            self._ack_task = asyncio.create_task(self._keep_deliveries())
+        self._start_intake()
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(health_subject(self.name), cb=self._health)
         if self.partitioned:  # a replica among others answers on its own subject too
@@ -267,7 +212,7 @@ class Service:
                  redact(self.config.nats_url))
 
     async def _stream_partitions(self) -> int:
-        """The partition count of the job streams (``bus.PARTITIONED_STREAMS``): 0 when they
+        """The partition count of the job streams (``streams.PARTITIONED_STREAMS``): 0 when they
         are not partitioned, cannot be read, or disagree (then jobs are owned one by one and
         every replica reads every message, as without partitions)."""
         assert self.bus.nc is not None
@@ -333,124 +278,6 @@ class Service:
             gate[0].set()
             self.takeovers = {"count": self.takeovers["count"] + 1, "last_began_ns": began,
                               "last_s": round(time.monotonic() - t0, 4)}
-
-    async def _consume(self, topic: str, handler: Handler) -> None:
-        """Subscribe ``handler`` to ``topic``: a durable consumer when a stream keeps it (and
-        ``config.durable``), else a plain subscription; either way filtered by ``accepts``."""
-        assert self.bus.nc is not None
-        if self.config.durable and self.partitioned:
-            max_age = consume.max_age_s(topic)
-            holds = topic in self.holding_topics
-            batch = consume.BatchedAcks() if consume.batched_acks(topic, holds) else None
-
-            async def on_message(msg: Any) -> None:
-                subject = partitions.original(msg.subject)
-                st = consume.stored_of(msg)
-                # only a topic whose messages may be held is tracked (the hot heartbeat path
-                # acks in batches, ``consume.ACKS``)
-                key = None if st is None or not holds else (st.stream, st.seq)
-                if key is not None and key in self._deliveries:
-                    # delivered again while handled or held here (its ack wait ran out while
-                    # the bus was away): the newest delivery is the one acked; nothing twice
-                    self.consumed["again"] += 1
-                    d = self._deliveries[key]
-                    d.msg = msg
-                    await self._progress(d)
-                    return
-                if key is not None:
-                    self._deliveries[key] = _Delivery(msg, touched=time.monotonic())
-                held = False
-                try:
-                    if not self.accepts(subject):  # first: the cheapest test
-                        self.consumed["foreign"] += 1
-                        return
-                    pkey = partition_key(subject)
-                    gate = self._gate
-                    if gate is not None and gate[1](pkey):
-                        await gate[0].wait()  # a takeover is rebuilding it: after that
-                    if st is not None and st.stored_ns < self._started_ns and \
-                            st.age_s > max_age:
-                        # a backlog of before this process ran (a restart): only what is still
-                        # relevant; live traffic is handled however late this service runs
-                        self.consumed["stale"] += 1
-                    elif st is not None and st.seq <= self.replayed.get(
-                            (st.stream, pkey or ""), 0):
-                        self.consumed["replayed_before"] += 1  # stepped in a takeover replay
-                    else:
-                        self.consumed["durable"] += 1
-                        ev = await self.bus.handle(subject, msg.data, handler)
-                        if ev is not None:
-                            self._seen(subject)
-                        if holds and key is not None and ev is not None and \
-                                ev.event_id in self.unfinished():
-                            held = True  # acked by _keep_deliveries once settled
-                            self.consumed["held"] += 1
-                            self._deliveries[key].event_id = ev.event_id
-                finally:
-                    if batch is not None:  # acked with the next batch
-                        await batch.handled(msg)
-                    elif not held:
-                        d = self._deliveries.pop(key, None) if key is not None else None
-                        await self._ack(msg if d is None else d.msg)
-
-            dc = await consume.durable_subscribe(
-                self.bus.nc, self.name, self.config.replica, topic, on_message,
-                ack_wait_s=consume.HELD_ACK_WAIT_S if holds else consume.ACK_WAIT_S,
-                filters=self._filters(topic),
-                max_ack_pending=consume.max_ack_pending_for(topic, holds),
-                batched=batch is not None)
-            if dc is not None:
-                if batch is not None:
-                    self._batches.append(batch)
-                self._durables.append(dc)
-                self._subs.append(dc.sub)
-                return
-
-        async def plain(subject: str, ev: Any) -> None:
-            if self.accepts(subject):
-                self._seen(subject)
-                res = handler(subject, ev)
-                if asyncio.iscoroutine(res):
-                    await res
-            else:
-                self.consumed["foreign"] += 1
-
-        self._subs.append(await self.bus.subscribe(topic, plain))
-
-    @staticmethod
-    async def _ack(msg: Any) -> None:
-        try:
-            await msg.ack()
-        except Exception:  # noqa: BLE001 - connection gone: redelivered later
-            pass
-
-    @staticmethod
-    async def _progress(d: _Delivery) -> None:
-        """An in-progress ack: the server waits its ack wait again before redelivering."""
-        d.touched = time.monotonic()
-        try:
-            await d.msg.in_progress()
-        except Exception:  # noqa: BLE001 - connection gone: redelivered later, handled once
-            pass
-
-    async def _keep_deliveries(self) -> None:
-        """Every ``ack_check_s``: ack the held messages ``unfinished`` no longer names; keep
-        every message of ``holding_topics`` handled or held for a third of
-        ``consume.HELD_ACK_WAIT_S`` or longer from redelivery with an in-progress ack."""
-        while not self._stop.is_set():
-            await asyncio.sleep(self.ack_check_s)
-            if not self._deliveries:
-                continue
-            still = set(self.unfinished())
-            now = time.monotonic()
-            for key, d in list(self._deliveries.items()):
-                if self._deliveries.get(key) is not d:
-                    continue  # acked by its handler meanwhile
-                if d.event_id is not None and d.event_id not in still:
-                    del self._deliveries[key]
-                    await self._ack(d.msg)
-                elif now - d.touched >= consume.HELD_ACK_WAIT_S / 3:
-                    await self._progress(d)
 
     async def _renew_loop(self) -> None:
         """Renew the lease every ``renew_s``; on a change of members, ``members_changed``."""
@@ -522,12 +349,7 @@ class Service:
             self.metrics.close()
         if self._member_task is not None:
             self._member_task.cancel()
-        if self._ack_task is not None:  # what is held stays unacked: the next process gets it
-            self._ack_task.cancel()
-        for batch in self._batches:  # what was handled is not handled again after a restart
-            if self.bus.connected:
-                await batch.flush()
-            batch.cancel()
+        await self._close_intake()
         await self.bus.close()
         if self.state is not None:
             if self.partitioned:
@@ -538,36 +360,3 @@ class Service:
             await self.state.close()
 
 
-def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = None) -> None:
-    """Command-line entry of a service: ``python -m trainguard.detector --nats-url … --redis-url …``."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
-    p.add_argument("--node", default=subjects.default_node())
-    p.add_argument("--replica", default=os.environ.get("TG_REPLICA", ""),
-                   help="this replica's name among the service's replicas; a replica "
-                        "restarted under the same name handles what arrived while it was down "
-                        "(default: <host>-<pid>)")
-    p.add_argument("--log-level", default=os.environ.get("TG_LOG_LEVEL", "INFO"))
-    p.add_argument("--metrics-port", default=None,
-                   help="serve Prometheus /metrics on this port (0: ephemeral; env "
-                        "TG_METRICS_PORT; default off)")
-    args, _ = p.parse_known_args(argv)
-    if args.metrics_port is not None:
-        os.environ["TG_METRICS_PORT"] = args.metrics_port
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = ServiceConfig(nats_url=args.nats_url, redis_url=args.redis_url, node=args.node,
-                        **({"replica": args.replica} if args.replica else {}))
-    svc = factory(cfg)
-
-    async def _amain() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, svc.stop)
-        await svc.run()
-
-    try:
-        asyncio.run(_amain())
-    except ConnectionError as exc:  # NATS or Valkey unreachable: say so, no traceback
-        raise SystemExit(f"{svc.name}: {exc}") from None

@@ -23,7 +23,7 @@ how a replica rebuilds a job it takes over.
   through a short-lived ordered read: what a replica steps when it takes over a job or a
   partition.
 
-A stream of ``bus.PARTITIONED_STREAMS`` stores job subjects by partition
+A stream of ``streams.PARTITIONED_STREAMS`` stores job subjects by partition
 (``trainguard.core.partitions``): a durable consumer then filters only the partitions its replica
 owns (``DurableConsumer.refilter`` when that changes), and every message handed on carries its
 subject as published (``partitions.original``).
@@ -31,18 +31,10 @@ subject as published (``partitions.original``).
 Subjects no stream keeps stay plain NATS subscriptions (``Service`` falls back by itself).
 Durable consumers a replica never comes back to are removed by the server after
 ``DURABLE_INACTIVE_S``.
-
-Upgrade: a durable consumer cannot change its ack policy, so one made by an earlier release
-(explicit acks on a heartbeat or telemetry topic) is deleted and created anew when its replica
-binds it (``durable_subscribe``). The new one starts with what arrives from then on: what the
-old one had not delivered yet is lost, which for these families is nothing that matters (a
-heartbeat is relevant for 5 s, telemetry for 10 s: ``RELEVANCE``; the detector's silence
-clocks start with the first heartbeat it hears).
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import time
 from dataclasses import dataclass
@@ -51,8 +43,6 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from trainguard.core import partitions as parts
 from trainguard.schemas.subjects import matches  # noqa: F401 - the one wildcard match, used here
-
-log = logging.getLogger("trainguard.services.durable")
 
 
 @dataclass(frozen=True)
@@ -394,10 +384,9 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     ``replay``); an existing one resumes after its last acked message. ``max_ack_pending`` —
     unacked messages in flight (default ``max_ack_pending_for(topic)``). ``batched`` — the
     consumer acks with ``AckPolicy.ALL`` (``on_message`` acks through a ``BatchedAcks``;
-    ``batched_acks(topic)`` says which topics may), else ``AckPolicy.EXPLICIT``; an existing
-    consumer of the other policy is deleted and created anew (the server cannot change a
-    consumer's ack policy; see the module docstring for what that loses). Returns the consumer,
-    or None when no stream keeps ``topic``. A consumer still bound to a previous process of the
+    ``batched_acks(topic)`` says which topics may), else ``AckPolicy.EXPLICIT`` (a topic keeps
+    one policy: the server cannot change a consumer's). Returns the consumer, or None when no
+    stream keeps ``topic``. A consumer still bound to a previous process of the
     same replica (its connection not yet seen closed) is tried again for ``retry_s`` seconds."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -423,10 +412,6 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
                 info = None
             if info is not None and info.push_bound:
                 raise RuntimeError(f"consumer {name} is already bound to a subscription")
-            if info is not None and info.config.ack_policy not in (None, cfg.ack_policy):
-                log.info("consumer %s: ack policy %s -> %s: created anew", name,
-                         info.config.ack_policy, cfg.ack_policy)
-                await js.delete_consumer(stream, name)
             await js.add_consumer(stream, config=cfg)  # create, or update an existing one
             sub = await js.subscribe(topic, durable=name, stream=stream, cb=on_message,
                                      manual_ack=True, pending_msgs_limit=pending * 2)

@@ -482,7 +482,7 @@ class EmbeddedServers:
     def start(self) -> "EmbeddedServers":
         if self._given["nats"] and self._given["valkey"]:
             return self
-        from trainguard.clients.bus import streams_max_bytes  # the JetStream cap follows the streams' limits
+        from trainguard.clients.streams import streams_max_bytes  # the JetStream cap follows the streams' limits
 
         self.dir, self._lock, self._owned_dir = open_state_dir(self.data_dir, "trainguard-")
         if self.auth:

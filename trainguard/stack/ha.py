@@ -154,7 +154,7 @@ class HAServers:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "HAServers":
-        from trainguard.clients.bus import streams_max_bytes
+        from trainguard.clients.streams import streams_max_bytes
 
         self.dir, self._lock, self._owned_dir = open_state_dir(self.data_dir, "trainguard-ha-")
         if self.auth:
@@ -222,7 +222,7 @@ class HAServers:
             async def probe() -> None:
                 import nats
 
-                from trainguard.clients.bus import tls_context
+                from trainguard.clients.nats_url import tls_context
 
                 while time.monotonic() < deadline:
                     try:

@@ -10,7 +10,7 @@
 
 ``trainguard replay record --history --out FILE [--subject 'tg.>'] [--count N]``
     writes what the JetStream streams kept on ``--subject`` instead (events 7 days, telemetry
-    and heartbeats 1 hour: ``trainguard.clients.bus.STREAMS``), oldest first across the streams, with
+    and heartbeats 1 hour: ``trainguard.clients.streams.STREAMS``), oldest first across the streams, with
     ``recv_ns`` the time the server stored each message; it ends when the history is written.
 
 ``trainguard replay decide FILE [--policy PATH] [--set ROW=ACTION] [--json]``
@@ -114,7 +114,7 @@ async def play(nats_url: str, records: Iterator[Record] | list[Record], speed: f
 
 async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
                   count: int | None = None, batch: int = 512) -> int:
-    """Write what the JetStream streams of ``trainguard.clients.bus.STREAMS`` keep on ``subject``
+    """Write what the JetStream streams of ``trainguard.clients.streams.STREAMS`` keep on ``subject``
     (wildcards allowed) to ``out``, oldest first: the streams are read side by side in batches
     of ``batch`` and merged by the time the server stored each message (``recv_ns``), so a
     recording of events and heartbeats interleaves as it happened; each with its subject as
@@ -128,7 +128,7 @@ async def history(nats_url: str, out: IO[str], subject: str = "tg.>",
 
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    from trainguard.clients.bus import STREAMS
+    from trainguard.clients.streams import STREAMS
     from trainguard.core.partitions import original, stored_filters
 
     bus = await Bus(nats_url, "trainguard-replay").connect()

@@ -20,7 +20,8 @@ import asyncio
 import os
 import sys
 
-from trainguard.services.base import ServiceConfig, main
+from trainguard.services.base import ServiceConfig
+from trainguard.services.entry import main
 
 from trainguard.scheduler.k8s.api import KubeConfig
 from trainguard.scheduler.k8s.drain import DrainConfig, DrainService

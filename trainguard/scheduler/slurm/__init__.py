@@ -1,1 +1,2 @@
-"""Slurm: the pure commands, the controller and the allocation watcher."""
+"""Slurm: the pure commands, the controller (its config, command runner, requeue and
+readmission steps) and the allocation watcher."""

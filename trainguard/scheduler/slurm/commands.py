@@ -1,19 +1,21 @@
 """The Slurm side of node exclusion as pure functions: the ``scontrol``/``scancel``/``squeue``
-argv lists ``trainguard.scheduler.slurm.controller`` runs, what a requeue or a stop does given Slurm's
-state as ``scontrol show`` prints it (``requeue_commands``, ``stop_plan``), and the parsers of
-that output. Nothing here runs a command or reads a clock but ``requeue_commands``'s default
-``now``; ``tests/test_remediator_controllers.py`` tables them without Slurm. Slurm's behaviour
-each rule follows is Slurm 22.05's (Debian 12's ``slurm-wlm``), as seen on the cluster harness
+argv lists ``trainguard.scheduler.slurm.controller`` runs, whether an exclusion requeues
+(``should_requeue``), what a requeue or a stop does given Slurm's state as ``scontrol show``
+prints it (``requeue_commands``, ``stop_plan``), and the parsers of that output. Nothing here
+runs a command or reads a clock but ``requeue_commands``'s default ``now``;
+``tests/test_remediator_controllers.py`` tables them without Slurm. Slurm's behaviour each rule
+follows is Slurm 22.05's (Debian 12's ``slurm-wlm``), as seen on the cluster harness
 (``trainguard.cluster``) and said at each rule.
 """
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 __all__ = ["slurm_drain_command", "slurm_requeue_command", "slurm_squeue_command",
            "slurm_stop_commands", "slurm_reason", "parse_squeue_state", "stop_plan",
-           "parse_scontrol", "requeue_commands", "SLURM_REASON_MAX", "ENDED_STATES",
-           "REQUEUED_STATES", "SCANCEL_ENDED", "UNREACHABLE_FAULTS"]
+           "parse_scontrol", "requeue_commands", "should_requeue", "SLURM_REASON_MAX",
+           "ENDED_STATES", "REQUEUED_STATES", "SCANCEL_ENDED", "UNREACHABLE_FAULTS"]
 
 #: Slurm drain reasons are shown by ``sinfo -R``; keep them short and on one line.
 SLURM_REASON_MAX = 120
@@ -124,6 +126,21 @@ def stop_plan(state: str, in_force: int | None, generation: int | None,
     if state == "COMPLETING":  # its processes are ending (a cancel just before, or its end)
         return "skip", f"Slurm job {job_id} already ending (COMPLETING)"
     return "cancel", f"Slurm job {job_id} is {state}"
+
+
+def should_requeue(mode: str, record: Any, out: set[str] | frozenset[str] = frozenset()) -> bool:
+    """Whether an exclusion requeues the job, by ``SlurmConfig.requeue`` ``mode``: ``always``,
+    ``never``, or ``auto``: the job cannot go on in place — its record (a ``JobRecord``; None:
+    unknown, no requeue) says it stopped or failed, the world it is left with is below its
+    minimum, or every member's node is ``out`` (excluded: a decision that leaves no world keeps
+    the record's members as they were)."""
+    if mode != "auto":
+        return mode == "always"
+    if record is None:
+        return False
+    nodes = {m.get("node") for m in record.members or []}
+    return record.status in ("stopped", "failed") or bool(nodes and nodes <= set(out)) or (
+        0 < record.world_size < record.min_world_size)
 
 
 def parse_scontrol(text: str) -> dict[str, str]:

@@ -3,7 +3,7 @@
 ``TG_SLURM_POLL_S``; the Slurm clients' configuration as theirs: ``SLURM_CONF``)."""
 from __future__ import annotations
 
-from trainguard.services.base import main as _service_main
+from trainguard.services.entry import main as _service_main
 
 from trainguard.scheduler.slurm.watch.service import factory
 
