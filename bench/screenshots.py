@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from trainguard.demo.harness import Demo, DemoConfig
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
     from trainguard.tools.report import job_events, write
     from trainguard.stack.local import Stack
 

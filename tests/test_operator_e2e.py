@@ -190,7 +190,7 @@ def _scrape(port: int) -> str:
 def _start_console(st):
     """The console as its own process (reader role), goodput refreshed every 3 s:
     ``(process, port)``."""
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     port = free_port()
     nats_url, redis_url = st.urls("reader")
@@ -226,7 +226,7 @@ def _start_prometheus(st, console_port: int, tmp):
     ``(process, port)``; None when the binary is missing (the tests that need it skip)."""
     import shutil
 
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     binary = shutil.which("prometheus")
     if binary is None:

@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _valkey_serves_tls() -> bool:
     """Whether a stack asking for TLS gets it from Valkey here (a binary built with TLS is
-    installed: ``embedded.valkey_server_binary``)."""
-    from trainguard.stack.embedded import has_tls, valkey_server_binary
+    installed: ``valkey_server.valkey_server_binary``)."""
+    from trainguard.stack.valkey_server import has_tls, valkey_server_binary
 
     return has_tls(valkey_server_binary(tls=True))
 

@@ -47,7 +47,8 @@ from typing import Any, Callable, Sequence
 from trainguard.schemas import subjects
 
 from trainguard.security.auth import ROLES, write_private
-from trainguard.stack.embedded import EmbeddedServers, _die_with_parent, free_port
+from trainguard.stack.embedded import EmbeddedServers
+from trainguard.stack.process import die_with_parent, free_port
 from trainguard.rendezvous.gate import TOKEN_ENV as RDZV_TOKEN_ENV
 from trainguard.services.base import health_subject
 from trainguard.stack.endpoints import console_command, kept_ports, wait_http
@@ -310,7 +311,7 @@ class Stack:
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
         finally:
             log.close()
         self.procs[name] = proc

@@ -39,7 +39,8 @@ from typing import Any
 from trainguard.schemas import subjects
 
 from trainguard.security.auth import ROLES, job_user, redact, write_private
-from trainguard.stack.embedded import ServerStartError, default_data_dir
+from trainguard.stack.process import ServerStartError
+from trainguard.stack.statedir import default_data_dir
 from trainguard.clients.errors import ServerUnreachable
 from trainguard.stack.local import DEFAULT_SERVICES, Stack, StackError, _tail
 
