@@ -50,7 +50,9 @@ def run():
     import shutil
     import tempfile
 
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+
+    from trainguard.demo.harness import Demo
     from trainguard.tools.replay import history, read_recording
     from trainguard.stack.local import Stack
     from trainguard.clients.store import StateStore

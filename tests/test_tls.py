@@ -595,7 +595,8 @@ def test_credentials_issue_and_rotate_on_a_running_stack(tmp_path):
 def test_every_service_runs_over_tls(tmp_path):
     """Each service gets only its URLs and ``TG_TLS_CA`` and answers its health request over
     the TLS-only bus; a job's own worker user then publishes its rank heartbeat through it."""
-    from trainguard.stack.local import DEFAULT_SERVICES, Stack
+    from trainguard.stack.local import Stack
+    from trainguard.stack.services import DEFAULT_SERVICES
 
     with Stack(services=DEFAULT_SERVICES, rendezvous=False, tls=True,
                log_dir=tmp_path / "logs") as stack:

@@ -42,7 +42,9 @@ from trainguard.security.auth import ROLES, job_user, redact, write_private
 from trainguard.stack.process import ServerStartError
 from trainguard.stack.statedir import default_data_dir
 from trainguard.clients.errors import ServerUnreachable
-from trainguard.stack.local import DEFAULT_SERVICES, Stack, StackError, _tail
+from trainguard.stack.children import StackError, tail
+from trainguard.stack.local import Stack
+from trainguard.stack.services import DEFAULT_SERVICES
 
 
 class _Stop(Exception):
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 restarts[name] = n + 1
                 log = stack.log_dir / f"{name}.log"
                 print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); restart "
-                      f"{n + 1}/{args.max_restarts}; log tail:\n{_tail(log, 1500)}",
+                      f"{n + 1}/{args.max_restarts}; log tail:\n{tail(log, 1500)}",
                       file=sys.stderr)
                 try:
                     stack.restart_service(name, timeout=args.timeout)
