@@ -4,6 +4,7 @@ import asyncio
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +93,27 @@ def test_stack_start_failure_names_service_and_cleans_up(servers, tmp_path):
         stack.start(timeout=30)
     assert "REDIS_URL" in str(err.value) or "Redis" in str(err.value)
     assert gone([p.pid for p in stack.procs.values()]) == []
+
+
+def test_a_stack_removes_the_log_folder_it_made_unless_kept(servers):
+    """No ``log_dir``: the stack's own temporary folder goes at ``stop``; ``keep_logs`` keeps it,
+    and so does a failed start, whose error names a log in it."""
+    with Stack(servers.nats_url, servers.redis_url, services=(), rendezvous=False) as stack:
+        made = stack.log_dir
+        assert made.is_dir()
+    assert not made.exists()
+    with Stack(servers.nats_url, servers.redis_url, services=(), rendezvous=False,
+               keep_logs=True) as stack:
+        kept = stack.log_dir
+    assert kept.is_dir()
+    kept.rmdir()
+    stack = Stack(servers.nats_url, "redis://127.0.0.1:9/0", services=("remediator",),
+                  rendezvous=False)
+    with pytest.raises(StackError, match="remediator exited") as err:
+        stack.start(timeout=30)
+    log = stack.log_dir / "remediator.log"
+    assert str(log) in str(err.value) and log.stat().st_size > 0
+    shutil.rmtree(stack.log_dir)
 
 
 def test_trainguard_up_sigterm_leaves_nothing(tmp_path):

@@ -20,9 +20,11 @@ from trainguard.demo.config import SIM_FAULTS
 class FaultInjection:
     """The fault-injecting steps of ``trainguard.demo.harness.Demo``, which provides ``cfg`` (a
     ``DemoConfig``), ``stack`` (a started ``Stack``), ``rec`` (a ``Recorder``), ``launchers``
-    (node rank → launcher process), ``log_dir``, ``fills`` and ``degraded``."""
+    (the launcher processes by node rank), ``log_dir``, ``fills`` and ``degraded``."""
 
     def wait_step(self, rank: int, step: int, timeout: float) -> schemas.RankHeartbeat | None:
+        """The heartbeat of ``rank`` once it trains at ``step`` or later; None when every
+        launcher ended first or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             hb = self.rec.heartbeat(rank)
