@@ -355,7 +355,7 @@ def _audit(redis_url: str, job: str) -> list[dict[str, Any]]:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from trainguard import schemas
-    from trainguard.demo.harness import DemoConfig
+    from trainguard.demo.config import DemoConfig
     from trainguard.stack.local import Stack
 
     rmod = _recovery_module()

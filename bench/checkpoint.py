@@ -419,7 +419,7 @@ def _finish(a, out: dict) -> None:
 
 
 def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     port = free_port()
     out = os.path.join(tmp, f"{system}.json")

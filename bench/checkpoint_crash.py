@@ -321,7 +321,7 @@ def replica_rank(rank: int, world: int, port: int, root: str, plan: list, out: s
 
 def run_replicas(flips: int, clean: int, seed: int, world: int = 3) -> dict:
     """The replica bench (module docstring); returns its figures."""
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     torch.set_num_threads(1)
     rnd = random.Random(seed)

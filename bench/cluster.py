@@ -227,7 +227,7 @@ def run_trainguard_slurm(fault: str, timeout: float, nproc: int = 2) -> dict:
     (2 nodes and a spare node in the allocation) or ``partition_requeue`` (no spare,
     ``--min-world-size`` 2 × ``nproc``: the requeue path). ``nproc`` ranks per node; the fault
     fires at node1's last rank's step."""
-    from trainguard.demo.harness import Recorder
+    from trainguard.demo.recorder import Recorder
 
     job, spec = f"b-{fault}", {**FAULTS[fault], "rank": 2 * nproc - 1}
     with Cluster(ClusterConfig(nodes=3, slurm=True, slurmd_timeout_s=10)) as c:
@@ -273,7 +273,7 @@ def run_trainguard_slurm(fault: str, timeout: float, nproc: int = 2) -> dict:
 
 
 def run_trainguard(fault: str, timeout: float, nproc: int = 2) -> dict:
-    from trainguard.demo.harness import Recorder
+    from trainguard.demo.recorder import Recorder
 
     if fault in ("slurmd_death", "partition_requeue"):
         return run_trainguard_slurm(fault, timeout, nproc)

@@ -515,7 +515,8 @@ def warm_up(nats_url: str, n: int = 2000) -> None:
 
 def real_fault(stack: Any, job: str = "fuzz-real", timeout_s: float = 240.0) -> dict[str, Any]:
     """A short real job on ``stack`` with one SIGKILL (``trainguard.demo.harness``)."""
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
 
     cfg = DemoConfig(job=job, steps=160, faults=[{"kind": "sigkill", "rank": 1, "step": 60}],
                      recovery_timeout_s=90.0, quiet=True,

@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"screenshots: no Chromium at {args.chromium} (Debian: apt-get install chromium)",
               file=sys.stderr)
         return 2
-    from trainguard.demo.harness import Demo, DemoConfig
-    from trainguard.stack.embedded import free_port
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
+    from trainguard.stack.process import free_port
     from trainguard.tools.report import job_events, write
     from trainguard.stack.local import Stack
 

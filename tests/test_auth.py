@@ -539,7 +539,7 @@ def test_ephemeral_stack_leaves_no_data():
 
 
 def test_one_stack_per_data_dir(tmp_path):
-    from trainguard.stack.embedded import ServerStartError
+    from trainguard.stack.process import ServerStartError
 
     with EmbeddedServers(data_dir=tmp_path / "d"):
         with pytest.raises(ServerStartError, match="another trainguard stack"):
@@ -564,7 +564,7 @@ def test_compose_server_config_is_valid(tmp_path):
     """What the compose `credentials` service writes with `--no-tls`: a plaintext config
     nats-server accepts, and an ACL with the default user off; compose-env also gives the
     rendezvous token, made as `trainguard up` makes it."""
-    from trainguard.stack.embedded import nats_server_binary
+    from trainguard.stack.nats_server import nats_server_binary
     from trainguard.rendezvous.gate import TOKEN_ENV, preamble
 
     env = _compose_env()
@@ -600,7 +600,8 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
     import socket
 
     from trainguard.security import tls
-    from trainguard.stack.embedded import free_port, nats_server_binary
+    from trainguard.stack.nats_server import nats_server_binary
+    from trainguard.stack.process import free_port
     from trainguard.clients.errors import ServerUnreachable
 
     env = _compose_env()
@@ -726,7 +727,7 @@ def test_server_config_from_a_mounted_secret(tmp_path):
     points nats.conf at the mounted copy and generates nothing, so every pod serves the same
     certificate; without the files it says how to create them (exit 2)."""
     from trainguard.security import tls
-    from trainguard.stack.embedded import nats_server_binary
+    from trainguard.stack.nats_server import nats_server_binary
 
     base = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "tls-secret",

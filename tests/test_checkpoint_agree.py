@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trainguard.stack.embedded import free_port
+from trainguard.stack.process import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint import format as fmt
-from trainguard.stack.embedded import free_port
+from trainguard.stack.process import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

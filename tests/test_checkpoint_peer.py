@@ -61,7 +61,7 @@ def _rank(rank: int, port: int, scenario: str, out: str) -> None:
 
 
 def _job(tmp_path, scenario: str) -> list[dict]:
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     port, out, pids = free_port(), str(tmp_path / scenario), []
     for r in range(3):

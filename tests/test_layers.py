@@ -37,8 +37,11 @@ LAYERS: list[tuple[str, int, bool]] = [
     ("trainguard.rank", RUNTIME, False), ("trainguard.integrations", RUNTIME, False),
     ("trainguard.checkpoint", RUNTIME, False), ("trainguard.rendezvous", RUNTIME, False),
     ("trainguard.launch", RUNTIME, False), ("trainguard.services", RUNTIME, False),
+    # the embedded servers and their parts
     ("trainguard.stack.embedded", RUNTIME, False), ("trainguard.stack.ha", RUNTIME, False),
-    ("trainguard.stack.sentinel", RUNTIME, False),
+    ("trainguard.stack.sentinel", RUNTIME, False), ("trainguard.stack.process", RUNTIME, False),
+    ("trainguard.stack.statedir", RUNTIME, False), ("trainguard.stack.nats_server", RUNTIME, False),
+    ("trainguard.stack.valkey_server", RUNTIME, False), ("trainguard.stack.users", RUNTIME, False),
     ("trainguard.tools.recording", RUNTIME, False),  # the recording file format services write
     # services: their wiring modules, the node agent, the node controllers
     ("trainguard.detector.service", SERVICE, True), ("trainguard.attributor.service", SERVICE, True),

@@ -50,7 +50,8 @@ def run():
     import shutil
     import tempfile
 
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
     from trainguard.tools.recording import read_recording
     from trainguard.tools.replay import history
     from trainguard.stack.local import Stack
@@ -191,7 +192,7 @@ def _scrape(port: int) -> str:
 def _start_console(st):
     """The console as its own process (reader role), goodput refreshed every 3 s:
     ``(process, port)``."""
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     port = free_port()
     nats_url, redis_url = st.urls("reader")
@@ -227,7 +228,7 @@ def _start_prometheus(st, console_port: int, tmp):
     ``(process, port)``; None when the binary is missing (the tests that need it skip)."""
     import shutil
 
-    from trainguard.stack.embedded import free_port
+    from trainguard.stack.process import free_port
 
     binary = shutil.which("prometheus")
     if binary is None:

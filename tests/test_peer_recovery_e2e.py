@@ -34,7 +34,8 @@ def stack(tmp_path_factory):
 
 
 def _demo(stack, run_dir, job, faults, steps=80, **kw):
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
 
     cfg = DemoConfig(job=job, steps=steps, faults=faults, run_dir=str(run_dir), ckpt_every=10,
                      step_sleep_s=0.01, recovery_timeout_s=60, quiet=True, dropout=0.1,

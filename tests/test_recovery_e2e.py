@@ -30,7 +30,8 @@ def stack(tmp_path_factory):
 
 
 def _demo(stack, tmp_path, job, faults, mode="action", steps=160, **kw):
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
 
     cfg = DemoConfig(mode=mode, job=job, steps=steps, faults=faults, run_dir=str(tmp_path),
                      ckpt_every=10, step_sleep_s=0.01, recovery_timeout_s=60, quiet=True, **kw)
@@ -115,7 +116,8 @@ def test_hang_kills_the_stopped_rank_not_a_blocked_one(stack, tmp_path):
 
 
 def test_observe_mode_executes_nothing(stack, tmp_path):
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
 
     cfg = DemoConfig(mode="observe", job="e2e-observe", steps=100, run_dir=str(tmp_path),
                      faults=[], ckpt_every=10, quiet=True)
@@ -125,7 +127,7 @@ def test_observe_mode_executes_nothing(stack, tmp_path):
     import time
 
     from trainguard import schemas
-    from trainguard.demo.harness import Recorder
+    from trainguard.demo.recorder import Recorder
 
     demo.log_dir = str(tmp_path)
     demo.rec = Recorder(stack.nats_url, cfg.job)

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from trainguard.stack.embedded import free_port
+from trainguard.stack.process import free_port
 from trainguard.clients.store import StateStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

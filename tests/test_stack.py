@@ -3,17 +3,22 @@ a decision, and `trainguard up` leaves no process behind after SIGTERM."""
 import asyncio
 import importlib.util
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from trainguard.schemas import Verdict, subjects
 from trainguard.clients.bus import Bus
-from trainguard.stack.local import DEFAULT_SERVICES, SERVICE_SPECS, Stack, StackError, service_available
+from trainguard.stack.children import StackError
+from trainguard.stack.local import Stack
+from trainguard.stack.services import DEFAULT_SERVICES, SERVICE_SPECS, service_available
 from trainguard.clients.store import StateStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _valkey_serves_tls() -> bool:
     """Whether a stack asking for TLS gets it from Valkey here (a binary built with TLS is
-    installed: ``embedded.valkey_server_binary``)."""
-    from trainguard.stack.embedded import has_tls, valkey_server_binary
+    installed: ``valkey_server.valkey_server_binary``)."""
+    from trainguard.stack.valkey_server import has_tls, valkey_server_binary
 
     return has_tls(valkey_server_binary(tls=True))
 
@@ -88,6 +93,27 @@ def test_stack_start_failure_names_service_and_cleans_up(servers, tmp_path):
         stack.start(timeout=30)
     assert "REDIS_URL" in str(err.value) or "Redis" in str(err.value)
     assert gone([p.pid for p in stack.procs.values()]) == []
+
+
+def test_a_stack_removes_the_log_folder_it_made_unless_kept(servers):
+    """No ``log_dir``: the stack's own temporary folder goes at ``stop``; ``keep_logs`` keeps it,
+    and so does a failed start, whose error names a log in it."""
+    with Stack(servers.nats_url, servers.redis_url, services=(), rendezvous=False) as stack:
+        made = stack.log_dir
+        assert made.is_dir()
+    assert not made.exists()
+    with Stack(servers.nats_url, servers.redis_url, services=(), rendezvous=False,
+               keep_logs=True) as stack:
+        kept = stack.log_dir
+    assert kept.is_dir()
+    kept.rmdir()
+    stack = Stack(servers.nats_url, "redis://127.0.0.1:9/0", services=("remediator",),
+                  rendezvous=False)
+    with pytest.raises(StackError, match="remediator exited") as err:
+        stack.start(timeout=30)
+    log = stack.log_dir / "remediator.log"
+    assert str(log) in str(err.value) and log.stat().st_size > 0
+    shutil.rmtree(stack.log_dir)
 
 
 def test_trainguard_up_sigterm_leaves_nothing(tmp_path):
@@ -365,20 +391,20 @@ def test_slurm_example_makes_the_last_nodes_spares(tmp_path):
 
 
 def test_the_rendezvous_port_of_the_last_start_is_kept_while_free(tmp_path, capsys):
-    """``Stack._rdzv_port``: a port is chosen and kept in the data dir (``rdzv.port``); the
-    next start takes it again while it is free, a new one (kept instead, and said) once another
-    process holds it."""
+    """``rendezvous_store.store_port``: a port is chosen and kept in the data dir
+    (``rdzv.port``); the next start takes it again while it is free, a new one (kept instead,
+    and said) once another process holds it."""
     import socket
 
-    stack = Stack(data_dir=tmp_path)
-    stack._servers.dir = tmp_path  # what start() sets
-    first = stack._rdzv_port()
+    from trainguard.stack.rendezvous_store import store_port
+
+    first = store_port(tmp_path, "127.0.0.1", gated=False)
     assert (tmp_path / "rdzv.port").read_text().strip() == str(first)
-    assert stack._rdzv_port() == first
+    assert store_port(tmp_path, "127.0.0.1", gated=False) == first
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", first))
         holder.listen()
-        second = stack._rdzv_port()
+        second = store_port(tmp_path, "127.0.0.1", gated=False)
     assert second != first and (tmp_path / "rdzv.port").read_text().strip() == str(second)
     assert f"({first}) is taken" in capsys.readouterr().err
 
@@ -393,3 +419,37 @@ def test_a_restarted_stack_serves_the_rendezvous_store_at_the_same_endpoint(tmp_
             endpoints.append((stack.rdzv_endpoint, stack.rdzv_token))
     assert endpoints[0] == endpoints[1] and endpoints[0][0].startswith("tls://127.0.0.1:")
 
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("exit_code", [0, 3], ids=["job-succeeds", "job-fails"])
+def test_a_standalone_launch_leaves_no_temporary_folder(tmp_path, exit_code):
+    """``trainguard launch --standalone`` runs on a stack of its own, whose logs and state go
+    to temporary folders: when the job succeeds both are gone afterwards; when it fails the
+    logs are kept (and said where), the state folder still goes."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NATS_URL", "REDIS_URL", "TG_RDZV_ENDPOINT")}
+    env["TMPDIR"] = str(tmp)  # every temporary folder of the launch and its stack lands here
+    p = subprocess.run([sys.executable, "-m", "trainguard.cli", "launch", "--standalone",
+                        "--nproc-per-node", "1", "--no-python", "--job", f"tmp-{exit_code}",
+                        "/bin/sh", "-c", f"echo rank $RANK; exit {exit_code}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert (p.returncode == 0) == (exit_code == 0), p.stderr[-3000:]
+    (logs,) = re.findall(r"services' logs in (\S+?),", p.stderr)
+    assert logs.startswith(str(tmp / "trainguard-up-")), p.stderr[-3000:]
+    left = sorted(x.name for x in tmp.iterdir())
+    # what stays by design: the host lock folder of standalone launches
+    # (``launcher.standalone_lock``) and the ranks' own log folder (``trainguard-<job>-…``,
+    # kept as torchrun keeps its ``torchelastic_…``); the stack's state folder (its credentials)
+    # and its servers' folders go
+    assert not [n for n in left if (tmp / n / "credentials.json").exists()
+                or n.startswith(("tg-nats-", "tg-valkey-"))], left
+    assert [n for n in left if n.startswith("trainguard-up-")] == (
+        [] if exit_code == 0 else [os.path.basename(logs)]), left
+    if exit_code == 0:
+        assert not os.path.exists(logs), left
+    else:
+        assert (Path(logs) / "detector.log").stat().st_size > 0, sorted(os.listdir(logs))
+        assert f"logs are kept in {logs}" in p.stderr, p.stderr[-3000:]

@@ -595,7 +595,8 @@ def test_credentials_issue_and_rotate_on_a_running_stack(tmp_path):
 def test_every_service_runs_over_tls(tmp_path):
     """Each service gets only its URLs and ``TG_TLS_CA`` and answers its health request over
     the TLS-only bus; a job's own worker user then publishes its rank heartbeat through it."""
-    from trainguard.stack.local import DEFAULT_SERVICES, Stack
+    from trainguard.stack.local import Stack
+    from trainguard.stack.services import DEFAULT_SERVICES
 
     with Stack(services=DEFAULT_SERVICES, rendezvous=False, tls=True,
                log_dir=tmp_path / "logs") as stack:
@@ -614,7 +615,7 @@ def test_every_service_runs_over_tls(tmp_path):
 def _valkey_with_tls():
     """The valkey-server the stack picks for TLS when one built with it is installed (a
     distribution's ``valkey-server`` or ``redis-server``), or None."""
-    from trainguard.stack.embedded import has_tls, valkey_server_binary
+    from trainguard.stack.valkey_server import has_tls, valkey_server_binary
 
     path = valkey_server_binary(tls=True)
     return path if has_tls(path) else None
@@ -683,16 +684,16 @@ def test_the_binary_for_tls_is_one_built_with_it(tmp_path, monkeypatch, on_path,
     """``valkey_server_binary(tls=True)`` passes over the bundled build (no TLS) for the first
     one on PATH that has TLS and is recent enough for the roles' ACL (Redis ≥ 7.0); without TLS
     wanted, or with none fit, the bundled one."""
-    from trainguard.stack.local import embedded
+    from trainguard.stack import valkey_server
 
-    bundled = embedded.valkey_candidates()[0]
+    bundled = valkey_server.valkey_candidates()[0]
     monkeypatch.delenv("TG_VALKEY_SERVER", raising=False)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for name, line, has in on_path:
         _fake_server(bindir / name, line, has)
     monkeypatch.setenv("PATH", str(bindir))
-    got = embedded.valkey_server_binary(tls=tls_wanted)
+    got = valkey_server.valkey_server_binary(tls=tls_wanted)
     assert got == (bundled if expect == "bundled" else str(bindir / expect))
 
 

@@ -13,7 +13,8 @@ import sys
 
 
 def main() -> int:
-    from trainguard.demo.harness import Demo, DemoConfig
+    from trainguard.demo.config import DemoConfig
+    from trainguard.demo.harness import Demo
 
     conf = json.loads(sys.argv[1])
     known = {f.name for f in dataclasses.fields(DemoConfig)}

@@ -22,7 +22,7 @@ import subprocess
 import time
 from typing import Sequence
 
-from trainguard.stack.embedded import _die_with_parent, free_port
+from trainguard.stack.process import die_with_parent, free_port
 
 from trainguard.cluster.net import ClusterNet
 
@@ -119,7 +119,7 @@ PartitionName=tg Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=F
         # ``cleanup_leftovers``; slurmctld runs on the host side and would be left)
         self.ctld = subprocess.Popen(["slurmctld", "-D", "-i", "-f", self.conf],
                                      stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         log.close()
         for n in self.net.nodes:
             self.start_slurmd(n.name)

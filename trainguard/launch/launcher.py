@@ -295,7 +295,8 @@ def _embedded_stack(cfg: LaunchConfig):
 
     stack = Stack(agent_nodes=(cfg.node,), rendezvous=not cfg.rdzv_endpoint, rdzv_token=True)
     print(f"trainguard launch: no NATS_URL / REDIS_URL given: starting an embedded stack for "
-          f"this job (services' logs in {stack.log_dir}); `trainguard up` runs one to share",
+          f"this job (services' logs in {stack.log_dir}, removed at the end unless the job "
+          f"fails); `trainguard up` runs one to share",
           file=sys.stderr, flush=True)
     stack.start(timeout=120)
     cfg.nats_url, cfg.redis_url = stack.nats_url, stack.redis_url
@@ -355,13 +356,20 @@ def main(argv: list[str]) -> int:
     if _needs_embedded_stack(cfg):
         lock = standalone_lock(cfg.job, cfg.node)
     stack = _embedded_stack(cfg)
+    status = 1
     try:
         launcher = Launcher(cfg)
         signal.signal(signal.SIGTERM, lambda *a: launcher.request_stop(143))
         signal.signal(signal.SIGINT, lambda *a: launcher.request_stop(130))
-        return launcher.run()
+        status = launcher.run()
+        return status
     finally:
         if stack is not None:
+            # the embedded stack's temporary logs go with it, unless the job failed
+            stack.keep_logs = stack.keep_logs or status != 0
             stack.stop()
+            if stack.keep_logs:
+                print(f"trainguard launch: the embedded stack's logs are kept in "
+                      f"{stack.log_dir}", file=sys.stderr, flush=True)
         if lock is not None:
             lock.close()

@@ -26,8 +26,9 @@ import sys
 from pathlib import Path
 
 from trainguard.security.auth import job_user, node_user, write_private
-from trainguard.stack.embedded import (ServerStartError, default_data_dir, issue_job, issue_node, revoke_job,
-                       revoke_node)
+from trainguard.stack.process import ServerStartError
+from trainguard.stack.statedir import default_data_dir
+from trainguard.stack.users import issue_job, issue_node, revoke_job, revoke_node
 
 
 def exports(data_dir: Path, user: str) -> str:

@@ -39,8 +39,9 @@ from pathlib import Path
 
 from trainguard.security.auth import Credentials
 from trainguard.security.private_file import write_private
-from trainguard.stack.embedded import (EmbeddedServer, ServerStartError, close_state_dir, free_port,
-                       open_state_dir, port_free)
+from trainguard.stack.embedded import EmbeddedServer
+from trainguard.stack.process import ServerStartError, free_port, port_free
+from trainguard.stack.statedir import close_state_dir, open_state_dir
 from trainguard.stack.sentinel import SENTINEL_READ_RULES, SentinelProcess, sentinel_config
 
 

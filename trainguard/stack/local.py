@@ -25,106 +25,40 @@ With ``tls`` (``trainguard up``'s default) NATS is TLS-only, the line adds ``TG_
 children get it in their environment; ``issue_job`` adds a per-job worker user.
 State: ``trainguard up`` keeps credentials, the JetStream store and Valkey's AOF in
 ``--data-dir`` (default ``$XDG_STATE_HOME/trainguard``) across a stop/start; ``--ephemeral`` (and
-``Stack`` by default: the demo, the tests) uses a temporary directory removed on stop.
+``Stack`` by default: the demo, the tests) uses a temporary directory removed on stop. The
+children's logs go to ``log_dir``; a stack that made its own temporary folder for them removes
+it when it stops, unless ``keep_logs`` (set too when a start failed: its error names a log).
+
+The parts: ``trainguard.stack.services`` (which services, their process names and commands),
+``.children`` (the process groups), ``.health`` (streams and health requests),
+``.rendezvous_store``, ``.endpoints`` (console and ``/metrics`` ports), and the servers of
+``.embedded`` or ``.ha``.
 """
 from __future__ import annotations
 
-import asyncio
-import importlib.util
-import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from trainguard.schemas import subjects
-
-from trainguard.security.auth import ROLES, write_private
-from trainguard.stack.embedded import EmbeddedServers, _die_with_parent, free_port
 from trainguard.rendezvous.gate import TOKEN_ENV as RDZV_TOKEN_ENV
-from trainguard.services.base import health_subject
+from trainguard.schemas import subjects
+from trainguard.security.auth import ROLES
+from trainguard.security.tls import CA_ENV as TLS_CA_ENV
+from trainguard.stack import rendezvous_store
+from trainguard.stack.children import StackError, kill_group, spawn, stop_all, tail
+from trainguard.stack.embedded import EmbeddedServers
 from trainguard.stack.endpoints import console_command, kept_ports, wait_http
 from trainguard.stack.endpoints import url as stack_url
-from trainguard.security.tls import CA_ENV as TLS_CA_ENV
-
-#: The services of the design, in start order.
-DEFAULT_SERVICES = ("agent", "detector", "attributor", "remediator", "checkpoint_validator")
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """How to run one service: the package run with ``python -m``; ``per_node`` services run
-    once per node name with ``--node NAME`` and are named ``<name>-<node>``; ``role``: the
-    ``trainguard.security.auth`` role it connects as."""
-
-    module: str
-    role: str
-    per_node: bool = False
-    partitioned: bool = False
-
-
-SERVICE_SPECS: dict[str, ServiceSpec] = {
-    "agent": ServiceSpec("trainguard.agents", "agent", per_node=True),
-    "detector": ServiceSpec("trainguard.detector", "detector", partitioned=True),
-    "attributor": ServiceSpec("trainguard.attributor", "attributor", partitioned=True),
-    "remediator": ServiceSpec("trainguard.remediator", "remediator", partitioned=True),
-    "checkpoint_validator": ServiceSpec("trainguard.checkpoint_validator", "checkpoint_validator",
-                                        partitioned=True),
-    # not in DEFAULT_SERVICES: it needs the Slurm clients (trainguard.cluster starts it with Slurm)
-    "slurm_watch": ServiceSpec("trainguard.scheduler.slurm.watch", "slurm_watch"),
-}
-
-
-class StackError(RuntimeError):
-    """The stack could not start; the message names the process and has the tail of its log."""
-
-
-def service_available(name: str) -> bool:
-    """True when ``python -m <module>`` of service ``name`` can run here."""
-    spec = SERVICE_SPECS.get(name)
-    if spec is None:
-        return False
-    try:
-        return importlib.util.find_spec(f"{spec.module}.__main__") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no log)"
-
-
-def _run_async(fn: Callable[[], Any]) -> Any:
-    """Run coroutine function ``fn`` to completion from sync code, even when the caller's thread
-    already runs an event loop (then on a helper thread)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(fn())
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["v"] = asyncio.run(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["e"] = exc
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "e" in box:
-        raise box["e"]
-    return box.get("v")
+from trainguard.stack.health import ask_health, ensure_streams, run_async, wait_healthy
+from trainguard.stack.services import (DEFAULT_SERVICES, check_services, kernel_log_file,
+                                       memory_budget_file, process_health_subject,
+                                       service_command, service_names)
 
 
 class Stack:
@@ -133,11 +67,12 @@ class Stack:
     * ``nats_url``/``redis_url`` — servers to use; None or "" → embedded servers on free
       loopback ports (the environment is not read here: ``trainguard up`` passes
       ``NATS_URL``/``REDIS_URL`` itself; the demo and the tests always start their own);
-    * ``services`` — names from ``SERVICE_SPECS``; ``agent_nodes`` — one agent per simulated
+    * ``services`` — names from ``trainguard.stack.services.SERVICE_SPECS``; ``agent_nodes`` — one agent per simulated
       node name;
     * ``rendezvous`` — also host the rendezvous store (skipped, with ``rdzv_endpoint = ""``, when
       ``trainguard.rendezvous.store`` is not installed);
-    * ``log_dir`` — one ``<name>.log`` per child (default: a new temporary directory);
+    * ``log_dir`` — one ``<name>.log`` per child (default: a new temporary directory, removed
+      by ``stop`` unless ``keep_logs``, which a failed start sets);
     * ``env`` — extra environment for the children;
     * ``grace_s`` — seconds between SIGTERM and SIGKILL when stopping;
     * ``kernel_log_dir`` — when set, each agent follows ``<dir>/kernel-<node>.log`` instead of
@@ -180,14 +115,11 @@ class Stack:
                  host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None,
                  tls: bool = False, tls_names: Sequence[str] = (),
                  rdzv_token: bool = False, console: bool = False, metrics: bool = False,
-                 ha: bool = False):
+                 ha: bool = False, keep_logs: bool = False):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
-        unknown = [s for s in services if s not in SERVICE_SPECS]
-        if unknown:
-            raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from "
-                             f"{', '.join(SERVICE_SPECS)}")
+        check_services(services)
         if ha:  # the replicated control plane (``trainguard.stack.ha``)
             from trainguard.stack.ha import ha_servers
 
@@ -202,7 +134,11 @@ class Stack:
         self.services = tuple(services)
         self.agent_nodes = tuple(agent_nodes or (subjects.default_node(),))
         self.rendezvous = rendezvous
+        #: the log folder is this stack's own temporary one (removed by ``stop``)
+        self._own_log_dir = not log_dir
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="trainguard-up-"))
+        #: keep the log folder at ``stop`` even when it is the stack's own temporary one
+        self.keep_logs = keep_logs
         self.env = dict(env or {})
         self.grace_s = grace_s
         self.kernel_log_dir = Path(kernel_log_dir) if kernel_log_dir else None
@@ -294,79 +230,45 @@ class Stack:
             env["TG_RDZV_ENDPOINT"] = self.rdzv_endpoint
         if self.tls_ca:
             env[TLS_CA_ENV] = self.tls_ca
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding ``trainguard``
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         return env
 
     def _spawn(self, name: str, cmd: list[str], role: str | None) -> subprocess.Popen:
         """Start child ``name``; its URLs (with ``role``'s credentials) go in its environment,
         which other users cannot read, unlike a command line."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")
         env = self._child_env(role)
         port = self.http_ports.get(f"metrics-{name}")
         if port is not None:
             env.update(TG_METRICS_PORT=str(port), TG_METRICS_HOST=self.host)
-        try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent)
-        finally:
-            log.close()
+        proc = spawn(cmd, self.log_dir / f"{name}.log", env)
         self.procs[name] = proc
         self.commands[name] = cmd
         self.roles[name] = role
         return proc
 
     def service_names(self) -> list[str]:
-        """Process names of the services: ``agent-<node>`` per node; ``<service>-<i>`` per
-        replica of a partitioned service when ``replicas`` > 1; else the service name. A
-        partitioned service's process name is its replica name (``--replica``), so a restarted
-        one resumes its durable consumers."""
-        out = []
-        for s in self.services:
-            spec = SERVICE_SPECS[s]
-            if spec.per_node:
-                out += [f"{s}-{n}" for n in self.agent_nodes]
-            elif spec.partitioned and self.replicas > 1:
-                out += [f"{s}-{i}" for i in range(self.replicas)]
-            else:
-                out.append(s)
-        return out
+        """Process names of the services (``trainguard.stack.services.service_names``)."""
+        return service_names(self.services, self.agent_nodes, self.replicas)
 
     def _health_subject(self, name: str) -> str:
-        """The health subject of process ``name`` (a replica answers on its own)."""
-        for s in self.services:
-            if SERVICE_SPECS[s].partitioned and (name == s or name.startswith(f"{s}-")):
-                return health_subject(s, name)
-        return health_subject(name)
+        return process_health_subject(self.services, name)
 
     def _service_cmd(self, name: str) -> tuple[list[str], str]:
         """Command line and auth role of service process ``name`` (URLs: ``_child_env``)."""
-        for s in self.services:
-            spec = SERVICE_SPECS[s]
-            if spec.per_node and name.startswith(f"{s}-"):
-                node = name[len(s) + 1:]
-                cmd = [sys.executable, "-m", spec.module, "--node", node]
-                if self.kernel_log_dir is not None:
-                    cmd += ["--kmsg", str(self.kernel_log_path(node))]
-                if self.sim_dir is not None:
-                    cmd += ["--nvml-module", "trainguard.demo.fake_pynvml:for_node",
-                            "--memory-budget-file", str(self.memory_budget_path(node))]
-                return cmd, spec.role
-            if spec.partitioned and (name == s or (self.replicas > 1 and name.startswith(f"{s}-")
-                                                   and name[len(s) + 1:].isdigit())):
-                return [sys.executable, "-m", spec.module, "--replica", name], spec.role
-            if name == s:
-                return [sys.executable, "-m", spec.module], spec.role
-        raise KeyError(f"no service process named {name!r}; running: {', '.join(self.procs)}")
+        try:
+            return service_command(self.services, name, self.replicas, self.kernel_log_dir,
+                                   self.sim_dir)
+        except KeyError:
+            raise KeyError(f"no service process named {name!r}; running: "
+                           f"{', '.join(self.procs)}") from None
 
     def kernel_log_path(self, node: str) -> Path:
         """The kernel-log file the agent of ``node`` follows (needs ``kernel_log_dir``)."""
         if self.kernel_log_dir is None:
             raise ValueError("this stack's agents follow the host kernel log: pass "
                              "kernel_log_dir to give each simulated node its own file")
-        return self.kernel_log_dir / f"kernel-{node}.log"
+        return kernel_log_file(self.kernel_log_dir, node)
 
     def memory_budget_path(self, node: str) -> Path:
         """The file holding the memory budget (bytes) of simulated node ``node`` (needs
@@ -374,19 +276,20 @@ class Stack:
         if self.sim_dir is None:
             raise ValueError("this stack's agents read the host's memory: pass sim_dir to make "
                              "each simulated node a share of the host")
-        return self.sim_dir / f"memory-budget-{node}"
+        return memory_budget_file(self.sim_dir, node)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> "Stack":
         """Start everything and wait until each service is healthy (``timeout`` seconds in all).
-        Raises ``StackError`` (with the failing child's log tail) after stopping what started."""
+        Raises ``StackError`` (with the failing child's log tail) after stopping what started;
+        the logs are then kept (``keep_logs``)."""
         if self._started:
             return self
         self._started = True
         deadline = time.monotonic() + timeout
         try:
             self._servers.start()
-            _run_async(self._ensure_streams)
+            run_async(lambda: ensure_streams(self.nats_url, self.tls_ca))
             rdzv = self._start_rendezvous()
             self._give_http_ports()
             for name in self.service_names():
@@ -395,13 +298,15 @@ class Stack:
                 self._spawn("console", console_command(self.host, self.http_ports["console"]),
                             "reader")
             if rdzv is not None:
-                self._wait_rendezvous(rdzv, deadline)
+                self.rdzv_endpoint = rendezvous_store.wait_ready(
+                    rdzv, self.log_dir / "rendezvous.log", self._rdzv_log_offset, deadline)
             self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
             if self.console:
                 self._wait_console(deadline)
             if self.metrics:
                 self._check_metrics_ports()
         except BaseException:
+            self.keep_logs = True  # the error names a log: it stays to be read
             self.stop()
             raise
         return self
@@ -434,7 +339,7 @@ class Stack:
             wait_http(self.console_url + "healthz", self.procs["console"],
                       max(deadline, time.monotonic() + 5.0))
         except (ChildProcessError, TimeoutError) as exc:
-            raise StackError(f"console: {exc}; log {log}:\n{_tail(log)}") from None
+            raise StackError(f"console: {exc}; log {log}:\n{tail(log)}") from None
 
     def _check_metrics_ports(self) -> None:
         """Every service serves ``/metrics`` on the port it was given (its health reply says);
@@ -452,150 +357,41 @@ class Stack:
                       file=sys.stderr)
                 self.http_ports.pop(key, None)
 
-    async def _ensure_streams(self) -> None:
-        from trainguard.clients.bus import Bus
-
-        bus = await Bus(self.nats_url, "trainguard-up", tls_ca=self.tls_ca).connect(timeout=10.0)
-        try:
-            await bus.ensure_streams()
-        finally:
-            await bus.close()
-
+    # ---- the rendezvous store (trainguard.stack.rendezvous_store) ---------------------------------
     def _start_rendezvous(self) -> subprocess.Popen | None:
         if not self.rendezvous:
             return None
-        if importlib.util.find_spec("trainguard.rendezvous.store") is None:
+        if not rendezvous_store.store_installed():
             print("trainguard up: trainguard.rendezvous.store is not installed: no rendezvous store",
                   file=sys.stderr)
             return None
-        port = self._rdzv_port()
+        port = rendezvous_store.store_port(self.data_dir, self.host, self._want_rdzv_token)
         log = self.log_dir / "rendezvous.log"
         # logs are appended across runs: only what this store prints counts as its answer
         self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
         if self._want_rdzv_token:
-            self.rdzv_token = self._load_rdzv_token()
+            self.rdzv_token = rendezvous_store.store_token(self.data_dir, self._servers.rotate)
             self.env[RDZV_TOKEN_ENV] = self.rdzv_token
-        cmd = [sys.executable, "-m", "trainguard.rendezvous.store", "--host", self.host, "--port",
-               str(port)]
         files = self._servers.tls_files
-        if self.rdzv_token and self.tls_ca and files is not None:
-            # the gate serves TLS with the servers' certificate: the token never crosses the
-            # network in clear (the endpoint becomes tls://host:port)
-            cmd += ["--tls-cert", str(files.cert), "--tls-key", str(files.key)]
+        gate_tls = files if self.rdzv_token and self.tls_ca and files is not None else None
         try:
-            return self._spawn("rendezvous", cmd, None)
+            return self._spawn("rendezvous",
+                               rendezvous_store.store_command(self.host, port, gate_tls), None)
         finally:
             self.env.pop(RDZV_TOKEN_ENV, None)  # the store's alone among the children
 
-    def _rdzv_port(self) -> int:
-        """The rendezvous store's port: the one of the last start, kept in the data dir
-        (``rdzv.port``), when it is free again, so that a launcher's line (its
-        ``TG_RDZV_ENDPOINT``) outlives a restart of the stack as NATS's and Valkey's ports do;
-        else a free one, kept for the next start."""
-        d = self.data_dir
-        path = Path(d) / "rdzv.port" if d is not None else None
-        try:
-            kept = int(path.read_text()) if path is not None else 0
-        except (OSError, ValueError):
-            kept = 0
-        if kept:
-            # the gate binds the stack's host (reusing the address, as asyncio does); a store
-            # without the gate is torch's TCPStore, which binds every interface
-            host = self.host if self._want_rdzv_token else ""
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((host, kept))
-                    return kept
-                except OSError:
-                    print(f"trainguard up: the rendezvous port of the last start ({kept}) is "
-                          f"taken: a new one (launchers need the new line)", file=sys.stderr)
-        port = free_port(self.host)
-        if path is not None:
-            write_private(path, f"{port}\n")
-        return port
-
-    def _load_rdzv_token(self) -> str:
-        """The token kept in the data dir (made on first use; ``rotate_credentials``: anew)."""
-        from trainguard.rendezvous.gate import new_token
-
-        d = self.data_dir
-        path = Path(d) / "rdzv.token" if d is not None else None
-        if path is not None and path.exists() and not self._servers.rotate:
-            tok = path.read_text().strip()
-            if tok:
-                return tok
-        tok = new_token()
-        if path is not None:
-            write_private(path, tok + "\n")
-        return tok
-
-    def _wait_rendezvous(self, proc: subprocess.Popen, deadline: float) -> None:
-        log = self.log_dir / "rendezvous.log"
-        while time.monotonic() < deadline:
-            with open(log, "rb") as fh:
-                fh.seek(self._rdzv_log_offset)
-                text = fh.read().decode(errors="replace")
-            for line in text.splitlines():
-                if line.startswith("ready "):
-                    self.rdzv_endpoint = line.split()[1]
-                    return
-            if proc.poll() is not None:
-                raise StackError(f"rendezvous store exited with {proc.returncode}; log "
-                                 f"{log}:\n{_tail(log)}")
-            time.sleep(0.05)
-        raise StackError(f"rendezvous store not ready in time; log {log}:\n{_tail(log)}")
-
+    # ---- health (trainguard.stack.health) ------------------------------------------------------------
     def wait_healthy(self, names: Sequence[str], timeout: float = 30.0) -> None:
         """Wait until each process in ``names`` answers its health request with ``ok``.
         Raises ``StackError`` naming the first that exited or did not answer in time."""
-        _run_async(lambda: self._wait_healthy(list(names), timeout))
-
-    async def _wait_healthy(self, names: list[str], timeout: float) -> None:
-        from trainguard.clients.bus import Bus
-
-        deadline = time.monotonic() + timeout
-        bus = await Bus(self.nats_url, "trainguard-up",
-                        tls_ca=self.tls_ca).connect(timeout=min(10.0, timeout))
-        try:
-            pending = list(names)
-            while pending:
-                for name in list(pending):
-                    proc = self.procs[name]
-                    if proc.poll() is not None:
-                        log = self.log_dir / f"{name}.log"
-                        raise StackError(f"{name} exited with {proc.returncode} before it was "
-                                         f"healthy; log {log}:\n{_tail(log)}")
-                    try:
-                        body = json.loads(await bus.request(self._health_subject(name),
-                                                            timeout=0.5))
-                    except Exception:  # noqa: BLE001 - no responder yet
-                        continue
-                    if body.get("ok"):
-                        pending.remove(name)
-                if pending and time.monotonic() > deadline:
-                    name = pending[0]
-                    log = self.log_dir / f"{name}.log"
-                    raise StackError(f"{name} not healthy after {timeout:.0f} s (no answer on "
-                                     f"{self._health_subject(name)}); log {log}:\n{_tail(log)}")
-                if pending:
-                    await asyncio.sleep(0.1)
-        finally:
-            await bus.close()
+        procs = {n: self.procs[n] for n in names}
+        run_async(lambda: wait_healthy(self.nats_url, self.tls_ca, procs, self._health_subject,
+                                       self.log_dir, timeout))
 
     def health(self, name: str, timeout: float = 1.0) -> dict[str, Any]:
         """The health answer of process ``name`` (raises on no answer)."""
-        async def ask() -> dict[str, Any]:
-            from trainguard.clients.bus import Bus
-
-            bus = await Bus(self.nats_url, "trainguard-up",
-                            tls_ca=self.tls_ca).connect(timeout=5.0)
-            try:
-                return json.loads(await bus.request(self._health_subject(name),
-                                                    timeout=timeout))
-            finally:
-                await bus.close()
-        return _run_async(ask)
+        return run_async(lambda: ask_health(self.nats_url, self.tls_ca,
+                                            self._health_subject(name), timeout))
 
     def dead(self) -> list[str]:
         """Names of child processes that have exited."""
@@ -612,17 +408,7 @@ class Stack:
 
     def kill_service(self, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Send ``sig`` to the process group of child ``name`` and wait until it exited."""
-        proc = self.procs[name]
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_group(self.procs[name], sig, timeout)
 
     def restart_service(self, name: str, timeout: float = 30.0) -> None:
         """Stop child ``name`` (SIGTERM, SIGKILL after the grace period), start it again with the
@@ -638,28 +424,12 @@ class Stack:
 
     def stop(self) -> None:
         """SIGTERM every child (services first, then the rendezvous store), SIGKILL what is left
-        after ``grace_s``, then stop the embedded servers. Idempotent."""
-        procs = list(self.procs.items())[::-1]
-        for _, p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        deadline = time.monotonic() + self.grace_s
-        for _, p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for _, p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                p.wait()
+        after ``grace_s``, then stop the embedded servers; the stack's own temporary log folder
+        is removed unless ``keep_logs``. Idempotent."""
+        stop_all(list(self.procs.values())[::-1], self.grace_s)
         self._servers.stop()
+        if self._own_log_dir and not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "Stack":
         return self.start()

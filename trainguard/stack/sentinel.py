@@ -10,7 +10,8 @@ from pathlib import Path
 
 from trainguard.security.auth import Credentials
 from trainguard.security.private_file import write_private
-from trainguard.stack.embedded import _die_with_parent, _wait_port, stop_process, valkey_server_binary
+from trainguard.stack.process import die_with_parent, stop_process, wait_port
+from trainguard.stack.valkey_server import valkey_server_binary
 
 #: What every role may run on a sentinel: find the primary (redis-py's ``Sentinel`` asks
 #: ``SENTINEL MASTERS`` / ``SENTINELS`` / ``REPLICAS``), nothing that changes it.
@@ -58,8 +59,8 @@ class SentinelProcess:
         self.proc = subprocess.Popen(
             [valkey_server_binary(), str(conf), "--sentinel", "--logfile", str(log)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent)
-        _wait_port(self.host, self.port, self.proc, timeout, log)
+            preexec_fn=die_with_parent)
+        wait_port(self.host, self.port, self.proc, timeout, log)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -8,7 +8,8 @@ launcher needs) on stdout, the rest on stderr, restarts a service that dies (at 
 ``--data-dir DIR`` (default ``$XDG_STATE_HOME/trainguard``, else ``~/.local/state/trainguard``)
 keeps the credentials, the JetStream store, Valkey's append-only file, the services' logs and
 ``env/<role>.env`` (each role's URLs, mode 0600) across a stop/start; ``--ephemeral`` uses a
-temporary directory removed on stop. ``--rotate-credentials`` gives every role a new password
+temporary directory removed on stop, and a temporary log folder, removed too unless a server or
+a service died meanwhile (then kept, and named on the last line). ``--rotate-credentials`` gives every role a new password
 (launchers then need the newly printed URLs).
 
 TLS is on by default: NATS accepts only TLS clients (``tls://`` URLs) with a certificate signed by
@@ -39,9 +40,12 @@ from typing import Any
 from trainguard.schemas import subjects
 
 from trainguard.security.auth import ROLES, job_user, redact, write_private
-from trainguard.stack.embedded import ServerStartError, default_data_dir
+from trainguard.stack.process import ServerStartError
+from trainguard.stack.statedir import default_data_dir
 from trainguard.clients.errors import ServerUnreachable
-from trainguard.stack.local import DEFAULT_SERVICES, Stack, StackError, _tail
+from trainguard.stack.children import StackError, tail
+from trainguard.stack.local import Stack
+from trainguard.stack.services import DEFAULT_SERVICES
 
 
 class _Stop(Exception):
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         "TG_RDZV_TOKEN, which the export line carries)")
     p.add_argument("--log-dir", default=os.environ.get("TG_LOG_DIR") or None,
                    help="directory for one log per process (default: DATA_DIR/logs, or a new "
-                        "temporary one with --ephemeral)")
+                        "temporary one with --ephemeral, removed on stop unless a process "
+                        "died)")
     p.add_argument("--data-dir", default=None,
                    help=f"keep credentials, the JetStream store and Valkey's data here across "
                         f"restarts (default {default_data_dir()})")
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             for what in stack.dead_servers():
                 print(f"trainguard up: {what}; every service and launcher depends on it: "
                       f"stopping (start `trainguard up` again)", file=sys.stderr)
+                stack.keep_logs = True
                 return 1
             for name in stack.dead():
                 n = restarts.get(name, 0)
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 restarts[name] = n + 1
                 log = stack.log_dir / f"{name}.log"
                 print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); restart "
-                      f"{n + 1}/{args.max_restarts}; log tail:\n{_tail(log, 1500)}",
+                      f"{n + 1}/{args.max_restarts}; log tail:\n{tail(log, 1500)}",
                       file=sys.stderr)
                 try:
                     stack.restart_service(name, timeout=args.timeout)
@@ -228,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in old:
             signal.signal(s, signal.SIG_IGN)
+        # a temporary log folder (--ephemeral) goes with the stack unless something died in it
+        stack.keep_logs = stack.keep_logs or bool(restarts) or bool(stack.dead())
         stack.stop()
         for s, h in old.items():
             signal.signal(s, h)
-        print("trainguard up: stopped", file=sys.stderr)
+        kept = f" (logs kept in {stack.log_dir})" if stack.keep_logs else ""
+        print(f"trainguard up: stopped{kept}", file=sys.stderr)
     return 0
 
 
