@@ -3,7 +3,7 @@
 Subscribes ``tg.job.*.anomaly``; publishes on ``tg.job.<job>.verdict``. The logic (incident
 grouping, symptom hold, fold or republish, cross-job history) is the reducer
 ``attributor.incidents.step``; this module wires it to the bus and the state store
-(``trainguard.core.reducer.ReducerService``: the ``"state"`` call target is the ``StateStore``).
+(``trainguard.services.live_reducer.ReducerService``: the ``"state"`` call target is the ``StateStore``).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Subscribes ``tg.job.*.verdict``, ``tg.job.*.action`` and ``tg.job.*.recovery``; 
 decisions on ``tg.job.<job>.decision`` and the controller's exclusions on
 ``tg.job.<job>.action``. What it decides (claims, fold or escalate, the commit, the exclusion,
 the watchdog, the re-arm after a restart) is the reducer ``remediator.reducer.step``; this
-module wires it to the bus (``trainguard.core.reducer.ReducerService``) with two call targets:
+module wires it to the bus (``trainguard.services.live_reducer.ReducerService``) with two call targets:
 ``"state"`` (the ``StateStore``) and ``"controller"`` (the node controller of
 ``RemediatorConfig.controller``, ``trainguard.scheduler.local``, unless one is passed in).
 

@@ -1,7 +1,7 @@
 """The Slurm watcher's service: every ``poll_s`` it runs ``squeue --json --states=all`` and
 ``sinfo --json`` (argv lists, no shell, each bounded by ``timeout_s``), reads them
 (``snapshot``), steps the ``reducer`` with the ``Observation`` and carries its effects out
-(``trainguard.core.reducer.ReducerService``: publishes, record writes, log lines). A command that
+(``trainguard.services.live_reducer.ReducerService``: publishes, record writes, log lines). A command that
 fails, times out or prints something else than its JSON becomes that part's error in the
 observation (the reducer logs it once); the loop goes on.
 
