@@ -87,11 +87,10 @@ def test_table_single_writers_and_reasons():
     # the worker can publish everything the rank side sends, and nothing a service sends
     worker = ROLES["worker"].publish
     for subject in ("tg.job.j.rank.3.hb", "tg.job.j.worker", "tg.job.j.log", "tg.job.j.ckpt",
-                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.launcher.j",
-                    "tg.node.n.heartbeat"):  # the last: launchers of earlier releases
+                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.launcher.j"):
         assert _covers(worker, subject), subject
     for subject in ("tg.job.j.decision", "tg.job.j.verdict", "tg.job.j.anomaly",
-                    "tg.node.n.xid", "$JS.API.STREAM.DELETE.TG_EVENTS"):
+                    "tg.node.n.xid", "tg.node.n.heartbeat", "$JS.API.STREAM.DELETE.TG_EVENTS"):
         assert not _covers(worker, subject), subject
 
 
@@ -166,14 +165,14 @@ async def test_a_ranks_dead_letter_goes_under_its_job_and_the_server_takes_it(se
 
 
 def test_node_heartbeats_who_sends_them_and_who_reads_them():
-    """The node agent's subject: the agent, and the shared worker (launchers of earlier
-    releases beat there), never a job's own user. Every role that reads the agents' beats reads
-    the launchers' too."""
+    """The node agent's subject: the agent alone (a worker there could keep a lost node looking
+    alive), never the shared worker nor a job's own user. Every role that reads the agents'
+    beats reads the launchers' too."""
     from trainguard.security.auth import job_role
 
     agent_beat, launcher_beat = "tg.node.n.heartbeat", "tg.node.n.launcher.j"
     assert {n for n, r in ROLES.items() if _covers(r.publish, agent_beat)} == {
-        "admin", "agent", "worker"}
+        "admin", "agent"}
     assert {n for n, r in ROLES.items() if _covers(r.publish, launcher_beat)} == {
         "admin", "worker"}
     job = job_role("j")

@@ -130,10 +130,6 @@ _JOB_DLQ = "tg.dlq.job.*.>"
 #: job's token last, so that ``job_role`` narrows it to the job's own launchers (the node is not
 #: known when a job's user is issued: any node).
 _LAUNCHER_BEAT = "tg.node.*.launcher.*"
-#: Where launchers of earlier releases beat (the node agent's subject): the shared ``worker``
-#: keeps it so that they go on working; a per-job user never gets it (it could then forge the
-#: liveness of any node's agent, or another job's launcher).
-_LEGACY_LAUNCHER_BEAT = "tg.node.*.heartbeat"
 #: The detector deletes a consumer of the heartbeat and telemetry stream made with another ack
 #: policy (an earlier release's explicit acks; ``consume.ACKS``), which the server cannot change
 #: in place: ``consume.durable_subscribe`` creates it anew. The stream holds seconds-relevant
@@ -179,16 +175,16 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          responses=True),
     Role("worker",
          ("tg.job.*.rank.*.hb", "tg.job.*.worker", "tg.job.*.log", "tg.job.*.ckpt",
-          "tg.job.*.recovery", "tg.job.*.action", _LAUNCHER_BEAT, _LEGACY_LAUNCHER_BEAT,
+          "tg.job.*.recovery", "tg.job.*.action", _LAUNCHER_BEAT,
           "tg.svc.*.health", "$JS.API.STREAM.NAMES") + _DECISION_GET + (_JOB_DLQ,),
          ("tg.job.*.decision", "tg.job.*.control", _inbox("worker")),
          "resetkeys ~tg:job:* %R~tg:ckpt:* " + _WORKER_CMDS + " " + _JOBS_ADD,
          "what ranks (the shim, the hooks of an unmodified script, the checkpointer) and "
          "launchers publish: rank heartbeats, worker started/exited, log lines, checkpoint "
          "saved/failed, recovery, action results, the launcher's node heartbeat "
-         "(`tg.node.<node>.launcher.<job>`; and `tg.node.*.heartbeat`, where launchers of "
-         "earlier releases beat: the per-job user has neither that nor another job's "
-         "launcher subject); they listen to "
+         "(`tg.node.<node>.launcher.<job>`: never the node agent's `tg.node.*.heartbeat`, which "
+         "would let a worker keep a lost node looking alive; the per-job user has no other "
+         "job's launcher subject either); they listen to "
          "their job's decisions and control requests (a checkpoint request before a node drain), "
          "and a late rank reads the last stored decision from TG_EVENTS (`Bus.last_stored`: "
          "decisions only); replies come to its own inbox prefix only. In Valkey a launcher "
@@ -327,9 +323,7 @@ def job_role(job: str) -> Role:
     """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
     ``tg.job.<token>.`` (the stored form ``tg.p.*.job.*.`` of the decision get likewise), the
     launcher's beat ``tg.node.*.launcher.<token>`` (its own launchers', on any node), the inbox
-    the user's own (``inbox_of``); the node agent's ``tg.node.*.heartbeat``, where launchers of
-    earlier releases beat, is taken away (with it a job could hide any lost node, or another
-    job's lost launcher); its dead letters go under its job only (``tg.dlq.job.<token>.>``); the
+    the user's own (``inbox_of``); its dead letters go under its job only (``tg.dlq.job.<token>.>``); the
     rest (health requests, the stream's configuration) stays; in Valkey it may add to ``tg:jobs`` (the
     job names; ``_JOBS_ADD``), write ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read
     that job's keys and checkpoints only. Raises ``ValueError`` as ``job_user``."""
@@ -341,13 +335,12 @@ def job_role(job: str) -> Role:
 
     def narrow(subs: tuple[str, ...]) -> tuple[str, ...]:
         # ``tg.job.*.`` as published, ``.job.*.`` in a stored (partitioned) form and in the
-        # dead letters (``tg.dlq.job.*.>``), the inbox, the launcher's beat to its job's; the
-        # agent's subject (older launchers') is dropped
+        # dead letters (``tg.dlq.job.*.>``), the inbox, the launcher's beat to its job's
         return tuple(_inbox(user) if s == _inbox("worker") else
                      _LAUNCHER_BEAT[:-1] + tok if s == _LAUNCHER_BEAT else
                      s.replace("tg.job.*.", f"tg.job.{tok}.", 1).replace(".job.*.",
                                                                          f".job.{tok}.", 1)
-                     for s in subs if s != _LEGACY_LAUNCHER_BEAT)
+                     for s in subs)
     return Role(user, narrow(worker.publish), narrow(worker.subscribe),
                 f"resetkeys ~tg:job:{job} ~tg:job:{job}:launchers %R~tg:job:{job}:* "
                 f"%R~tg:ckpt:{job} %R~tg:ckpt:{job}:* " + _WORKER_CMDS + " " + _JOBS_ADD,
