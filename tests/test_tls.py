@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from trainguard import schemas
 
 from trainguard.security import tls
-from trainguard.security.auth import ROLES, job_role, job_user
+from trainguard.security.roles import ROLES, job_role, job_user
 from trainguard.clients.bus import Bus
 from trainguard.stack.embedded import EmbeddedServers
 from trainguard.clients.errors import ServerUnreachable
@@ -280,7 +280,7 @@ async def test_launcher_beats_are_kept_and_a_worker_cannot_beat_for_a_node(tls_s
 
 
 def test_node_role_is_the_agent_row_narrowed():
-    from trainguard.security.auth import node_role, node_user, scoped_role
+    from trainguard.security.roles import node_role, node_user, scoped_role
 
     role = node_role("gpu-7.cluster")
     assert node_user("gpu-7.cluster") == role.name == "node-gpu-7.cluster"
@@ -702,7 +702,8 @@ def test_the_binary_for_tls_is_one_built_with_it(tmp_path, monkeypatch, on_path,
 def test_acl_rules_name_only_commands_the_server_knows(version, has_setinfo):
     """Redis 7.0 refuses an ACL naming ``CLIENT SETINFO`` (it came in 7.2): the rules given to
     an older server leave it out, and nothing else."""
-    from trainguard.security.auth import Credentials, rules_for_version, valkey_acl
+    from trainguard.security.credentials import Credentials
+    from trainguard.security.server_config import rules_for_version, valkey_acl
 
     rules = ROLES["worker"].valkey
     kept = rules_for_version(rules, version)

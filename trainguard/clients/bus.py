@@ -29,7 +29,8 @@ from trainguard import schemas
 from trainguard.schemas import DecodeError, Event, subjects
 
 from trainguard.core import partitions as parts
-from trainguard.security.auth import inbox_of, redact
+from trainguard.security.credentials import redact
+from trainguard.security.roles import inbox_of
 from trainguard.clients.errors import ServerUnreachable
 from trainguard.security.tls import CA_ENV, ca_file, client_context
 

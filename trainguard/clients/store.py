@@ -54,7 +54,7 @@ from trainguard.schemas.job import (
 
 from trainguard.schemas.reputation import EVIDENCE_KEPT, NodeReputation, decode_reputation
 
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.clients.store_breaker import BreakerKeys
 from trainguard.clients.errors import ServerUnreachable
 from trainguard.clients.store_scripts import (ADD_MEMBERS, ADD_OFFENCE, ADD_SPARE, BEGIN_RUN, BUMP_GENERATION,
@@ -110,7 +110,7 @@ def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
 
 class StateStore(BreakerKeys):
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
-    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.security.auth``; ``rediss://``
+    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.security.roles``; ``rediss://``
     for TLS, verified as ``tls_options`` says; ``redis+sentinel://…/<master name>/<db>`` for a
     replicated Valkey, whose failovers its commands outlive: ``trainguard.clients.store_sentinel``)."""
 

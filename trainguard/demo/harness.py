@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard import schemas
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 
 #: The default fault schedule: (id, kind, global rank, step).
 DEFAULT_FAULTS: tuple[dict[str, Any], ...] = (

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from trainguard import schemas
 from trainguard.schemas import JobSettings, subjects
 
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.launch.loop import GroupRestarted, LeaseLost, LeaseRenewalFailed
 from trainguard.clients.store import LauncherConflict, RankConflict, StateStore
 

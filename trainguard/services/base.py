@@ -52,7 +52,7 @@ from trainguard.schemas import subjects
 from trainguard.services import durable as consume, metrics, tracing
 
 from trainguard.core import partitions
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.clients.bus import PARTITIONED_STREAMS, Bus, Handler
 from trainguard.services.membership import Membership, MembershipConfig, default_replica, partition_key
 from trainguard.clients.store import StateStore

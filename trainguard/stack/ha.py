@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainguard.security.auth import Credentials
+from trainguard.security.credentials import Credentials
 from trainguard.security.private_file import write_private
 from trainguard.stack.embedded import (EmbeddedServer, ServerStartError, close_state_dir, free_port,
                        open_state_dir, port_free)

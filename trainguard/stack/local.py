@@ -46,7 +46,8 @@ from typing import Any, Callable, Sequence
 
 from trainguard.schemas import subjects
 
-from trainguard.security.auth import ROLES, write_private
+from trainguard.security.private_file import write_private
+from trainguard.security.roles import ROLES
 from trainguard.stack.embedded import EmbeddedServers, _die_with_parent, free_port
 from trainguard.rendezvous.gate import TOKEN_ENV as RDZV_TOKEN_ENV
 from trainguard.services.base import health_subject

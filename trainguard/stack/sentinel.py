@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from trainguard.security.auth import Credentials
+from trainguard.security.credentials import Credentials
 from trainguard.security.private_file import write_private
 from trainguard.stack.embedded import _die_with_parent, _wait_port, stop_process, valkey_server_binary
 

@@ -38,7 +38,9 @@ from typing import Any
 
 from trainguard.schemas import subjects
 
-from trainguard.security.auth import ROLES, job_user, redact, write_private
+from trainguard.security.credentials import redact
+from trainguard.security.private_file import write_private
+from trainguard.security.roles import ROLES, job_user
 from trainguard.stack.embedded import ServerStartError, default_data_dir
 from trainguard.clients.errors import ServerUnreachable
 from trainguard.stack.local import DEFAULT_SERVICES, Stack, StackError, _tail
