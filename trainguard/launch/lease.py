@@ -27,7 +27,8 @@ from trainguard.schemas import JobSettings, subjects
 
 from trainguard.security.credentials import redact
 from trainguard.launch.loop import GroupRestarted, LeaseLost, LeaseRenewalFailed
-from trainguard.clients.store import LauncherConflict, RankConflict, StateStore
+from trainguard.clients.store import StateStore
+from trainguard.clients.store_runs import LauncherConflict, RankConflict
 
 if TYPE_CHECKING:
     from trainguard.launch.config import LaunchConfig

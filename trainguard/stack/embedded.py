@@ -605,7 +605,7 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str,
             # counts against no node (``schemas.job.ENDED_STATUSES``)
             r.execute_command("ACL", "DELUSER", user)
             if user.startswith(JOB_USER_PREFIX):
-                from trainguard.clients.store import mark_stopped
+                from trainguard.clients.store_runs import mark_stopped
 
                 mark_stopped(r, user[len(JOB_USER_PREFIX):])
         else:
