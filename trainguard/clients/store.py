@@ -61,9 +61,10 @@ def tls_options(url: str, ca: str | None = None) -> dict[str, Any]:
 class StateStore(JobKeys, RunKeys, DecisionKeys, NodeKeys, ReputationKeys, CheckpointKeys,
                  ReplicaKeys, BreakerKeys):
     """Async access to trainguard state in Redis/Valkey at ``url`` (``redis://host:port/db``, or
-    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.security.roles``; ``rediss://``
-    for TLS, verified as ``tls_options`` says; ``redis+sentinel://…/<master name>/<db>`` for a
-    replicated Valkey, whose failovers its commands outlive: ``trainguard.clients.store_sentinel``)."""
+    ``redis://<role>:<password>@host:port/db`` for a role of ``trainguard.security.roles``;
+    ``rediss://`` for TLS, verified as ``tls_options`` says; ``redis+sentinel://…/<master
+    name>/<db>`` for a replicated Valkey, whose failovers its commands outlive:
+    ``trainguard.clients.store_sentinel``)."""
 
     def __init__(self, url: str, tls_ca: str | None = None):
         self.url = url

@@ -11,8 +11,8 @@ key                             type   content
 One reader (``job``, ``job_records`` for many), and writers by purpose: a launcher's first
 registration (``register_settings``), the Slurm watcher's part (``register_slurm_job``), the
 generation compare-and-set (``bump_generation``); ``register_job`` and ``update_job`` are the
-general paths of tests and tools. A run's launchers and members are ``trainguard.clients.store_runs``';
-a decision's commit is ``trainguard.clients.store_decisions``'.
+general paths of tests and tools. A run's launchers and members are in
+``trainguard.clients.store_runs``, a decision's commit in ``trainguard.clients.store_decisions``.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ class NodeKeys:
             out[key[len("tg:nodeattrs:"):]] = await self.r.hgetall(key)
         return out
 
-    # ---- cross-job history ------------------------------------------------------------------------
+    # ---- cross-job history --------------------------------------------------------------------
     async def record_fault(self, node: str, job: str, signature: str, record: dict[str, Any],
                            ts_ns: int | None = None) -> None:
         """Remember a fault on ``node`` in ``job`` with a ``signature`` (e.g. fault class +

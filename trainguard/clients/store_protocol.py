@@ -4,8 +4,9 @@ detector, attributor and remediator reducers may name (``trainguard.core.reducer
 Two stores satisfy ``ReducerStore``: ``trainguard.clients.store.StateStore`` (Valkey; its
 methods are coroutine functions returning what is written here, which the service base awaits)
 and ``trainguard.tools.memstore.MemoryStore`` (dictionaries, for offline replays; its methods
-return at once). The names and parameters are one contract, checked by ``tests/test_store_protocol.py``
-against both stores and against every state call the reducers make. The Slurm watcher's
+return at once). The names and parameters are one contract, checked by
+``tests/test_store_protocol.py`` against both stores and against every state call the reducers
+make. The Slurm watcher's
 reducer (``register_slurm_job``) runs live only and is not part of it.
 """
 from __future__ import annotations

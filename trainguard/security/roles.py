@@ -35,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: What a role may run in Valkey besides its keys: reads, writes, Lua (the atomic mutators of
-#: ``trainguard.clients.store``), MULTI/EXEC, connection upkeep; never FLUSHALL, KEYS, CONFIG, DEBUG,
-#: ACL, SHUTDOWN and the rest of ``@dangerous``. ``client|setinfo``: redis-py sends it on connect.
+#: ``trainguard.clients.store``), MULTI/EXEC, connection upkeep; never FLUSHALL, KEYS, CONFIG,
+#: DEBUG, ACL, SHUTDOWN and the rest of ``@dangerous``. ``client|setinfo``: redis-py sends it on
+#: connect.
 _SERVICE_CMDS = "-@all +@read +@write +@scripting +@transaction +@connection -@dangerous " \
                 "+client|setinfo +client|setname"
 _READ_CMDS = "-@all +@read +@connection -@dangerous +client|setinfo +client|setname"
@@ -117,8 +118,8 @@ _LAUNCHER_BEAT = "tg.node.*.launcher.*"
 #: in place: ``consume.durable_subscribe`` creates it anew. The stream holds seconds-relevant
 #: messages only, and consumer names are one token, so the right is the stream's, not a prefix.
 _TELEMETRY_CONSUMER_DELETE = "$JS.API.CONSUMER.DELETE.TG_TELEMETRY.*"
-#: The Kubernetes drain handshake (``trainguard.scheduler.k8s.drain``, one replica, remediator role): its
-#: health subjects, its bus probe (a request to itself) and the replies to it.
+#: The Kubernetes drain handshake (``trainguard.scheduler.k8s.drain``, one replica, remediator
+#: role): its health subjects, its bus probe (a request to itself) and the replies to it.
 _DRAIN = (("tg.svc.k8s-drain.health.*",),
           ("tg.svc.k8s-drain.health", "tg.svc.k8s-drain.health.*", "_INBOX.k8s-drain.>"))
 
@@ -209,13 +210,12 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "~tg:members:remediator %R~tg:* "
          + _SERVICE_CMDS,
          "the only chooser of actions: the only role that may publish decisions (with a "
-         "JetStream ack, from its outbox `tg:outbox:<job>`, the jobs with one in `tg:outboxes`) and control "
-         "requests to the "
-         "ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
+         "JetStream ack, from its outbox `tg:outbox:<job>`, the jobs with one in `tg:outboxes`) "
+         "and control requests to the ranks (a checkpoint before a Kubernetes node drain); publishes the result of the "
          "actions it carries out itself (node exclusion); writes the job record, the audit "
          "trail (`tg:audit:<job>`), idempotency keys, node status (exclusion), the fleet breaker "
-         "(`tg:breaker`, its trail; its transitions on `tg.fleet.breaker`) and its replica's lease. The "
-         "Kubernetes drain handshake runs as this role too (its own health subjects).",
+         "(`tg:breaker`, its trail; its transitions on `tg.fleet.breaker`) and its replica's "
+         "lease. The Kubernetes drain handshake runs as this role too (its own health subjects).",
          responses=True),
     Role("checkpoint_validator",
          ("tg.job.*.ckpt", _dlq("checkpoint_validator")) + _consumer("checkpoint_validator")[0],
@@ -305,10 +305,10 @@ def job_role(job: str) -> Role:
     """The ``worker`` row narrowed to ``job``: each ``tg.job.*.`` subject becomes
     ``tg.job.<token>.`` (the stored form ``tg.p.*.job.*.`` of the decision get likewise), the
     launcher's beat ``tg.node.*.launcher.<token>`` (its own launchers', on any node), the inbox
-    the user's own (``inbox_of``); its dead letters go under its job only (``tg.dlq.job.<token>.>``); the
-    rest (health requests, the stream's configuration) stays; in Valkey it may add to ``tg:jobs`` (the
-    job names; ``_JOBS_ADD``), write ``tg:job:<job>`` and ``tg:job:<job>:launchers`` and read
-    that job's keys and checkpoints only. Raises ``ValueError`` as ``job_user``."""
+    the user's own (``inbox_of``); its dead letters go under its job only
+    (``tg.dlq.job.<token>.>``); the rest (health requests, the stream's configuration) stays; in
+    Valkey it may add to ``tg:jobs`` (the job names; ``_JOBS_ADD``), write ``tg:job:<job>`` and
+    ``tg:job:<job>:launchers`` and read that job's keys and checkpoints only. Raises ``ValueError`` as ``job_user``."""
     from trainguard.schemas import subjects
 
     user = job_user(job)

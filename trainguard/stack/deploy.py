@@ -35,8 +35,8 @@ def compose_env() -> list[str]:
 
 def _server_tls(args, out: Path):
     """The TLS files ``server-config`` gives nats.conf: those of ``--tls-from`` (a mounted
-    Secret, used as they are), else ``trainguard.security.tls.ensure`` in ``DIR/tls`` (the CA kept when
-    present) made readable by the servers (``share_with_servers``), the CA copied to
+    Secret, used as they are), else ``trainguard.security.tls.ensure`` in ``DIR/tls`` (the CA
+    kept when present) made readable by the servers (``share_with_servers``), the CA copied to
     ``--ca-dir``. Raises ``FileNotFoundError`` for a ``--tls-from`` without the files,
     ``PermissionError`` for a ``--key-group`` this user may not give."""
     if args.tls_from:
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "tls-secret":
         files = tls.ensure(args.dir, [*tls.SERVICE_NAMES, *args.tls_san])
-        print(f"trainguard.stack.deploy: {files.ca}, {files.cert}, {files.key} (keep {args.dir}/ca.key "
-              f"private: a rerun signs a new server certificate with it). Then:\n"
+        print(f"trainguard.stack.deploy: {files.ca}, {files.cert}, {files.key} (keep "
+              f"{args.dir}/ca.key private: a rerun signs a new server certificate with it). Then:\n"
               f"  kubectl -n trainguard create secret generic trainguard-tls "
               f"--from-file={files.ca} --from-file={files.cert} --from-file={files.key}\n"
               f"  kubectl -n trainguard create configmap trainguard-ca --from-file={files.ca}\n"
@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     missing = [_env_name(r) for r in ROLES if not os.environ.get(_env_name(r))]
     if missing:
-        print(f"trainguard.stack.deploy: {', '.join(missing)} not set: create them with `python -m "
-              f"trainguard.stack.deploy compose-env > .env` beside docker-compose.yml", file=sys.stderr)
+        print(f"trainguard.stack.deploy: {', '.join(missing)} not set: create them with "
+              f"`python -m trainguard.stack.deploy compose-env > .env` beside "
+              f"docker-compose.yml", file=sys.stderr)
         return 2
     creds = Credentials({r: os.environ[_env_name(r)] for r in ROLES})
     out = Path(args.dir).absolute()  # nats.conf names its TLS files: from anywhere
