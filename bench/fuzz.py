@@ -15,7 +15,7 @@ The messages (``hostile_messages``):
 * valid envelopes of the subject's event types with absurd values drawn by ``hypothesis``
   strategies: negative or 2^62 ranks and steps, NaN/±inf, empty / dotted / unicode / 100 KiB
   strings, unknown fields, lists of 50,000 items, dicts nested 200 deep;
-* strings close to the server's payload limit (``trainguard.security.auth.MAX_PAYLOAD``, 1 MiB: a
+* strings close to the server's payload limit (``trainguard.security.server_config.MAX_PAYLOAD``, 1 MiB: a
   larger message is refused by the server before any service sees it);
 * a valid event of another type on the subject, and job/node tokens never seen before.
 
@@ -68,7 +68,7 @@ import msgpack
 
 from trainguard import schemas
 from trainguard.schemas import subjects
-from trainguard.security.auth import MAX_PAYLOAD
+from trainguard.security.server_config import MAX_PAYLOAD
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
 import provenance  # noqa: E402
 

@@ -162,15 +162,19 @@ def launcher_beat(subject: str, ev: schemas.NodeHeartbeat) -> tuple[str, str]:
 
 
 def _on_node_heartbeat(state: DetectorState, inp: Received, now: float) -> list[Effect]:
-    """A node heartbeat: the node agent's on ``tg.node.<node>.heartbeat`` (there too a
-    launcher of an earlier release, role ``launcher`` and its job in the event), a launcher's
-    on ``tg.node.<node>.launcher.<job>`` (``launcher_beat``: refused unless it agrees with its
-    subject)."""
+    """A node heartbeat: the node agent's on ``tg.node.<node>.heartbeat`` (role ``agent``;
+    another role there is refused with ValueError: only the agent vouches for its node), a
+    launcher's on ``tg.node.<node>.launcher.<job>`` (``launcher_beat``: refused unless it
+    agrees with its subject)."""
     ev = inp.event
     if inp.subject.split(".", 4)[3:4] == [subjects.LAUNCHER]:
         (node, job), role = launcher_beat(inp.subject, ev), "launcher"
     else:
-        node, role, job = node_of(inp), ev.role, ev.job
+        if ev.role != "agent":
+            raise ValueError(f"a heartbeat on the node agent's subject {inp.subject[:200]} has "
+                             f"role {ev.role[:50]!r}, not 'agent': refused (a launcher beats on "
+                             f"tg.node.<node>.launcher.<job>)")
+        node, role, job = node_of(inp), "agent", None
     ns = node_state(state, node)
     observe_node_heartbeat(ns, role, now, job, ending=bool(ev.ending))
     # its deadline may be nearer than the last look's earliest (a node first heard, a lost one

@@ -18,9 +18,9 @@ from a clock read here: an anomaly's ``ts`` is the input's, and its ``first_ts``
 What ``step`` decides, by input:
 
 * ``Received`` — the event is folded into its job's or node's windows (``detector.progress``,
-  ``detector.signals``; a node heartbeat is the agent's on ``tg.node.<node>.heartbeat``, where
-  launchers of earlier releases beat too, or a launcher's on ``tg.node.<node>.launcher.<job>``,
-  refused unless it agrees with its subject: ``launcher_beat``) and the one-off rules run:
+  ``detector.signals``; a node heartbeat is the agent's on ``tg.node.<node>.heartbeat`` (no
+  other role there), or a launcher's on ``tg.node.<node>.launcher.<job>``, refused unless it
+  agrees with its subject: ``launcher_beat``) and the one-off rules run:
   crash, log line, failed save, a restore whose loss check failed (``recovery.verified`` with
   ``ok`` False), NaN loss, XID, telemetry (GPU counters, and the host and link rules of
   ``detector.telemetry``), the Slurm watcher's node and job events (``detector.scheduler``: a

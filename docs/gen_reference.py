@@ -15,7 +15,7 @@ Pages (paths relative to ``docs/``):
   their fields from ``schemas.json_schemas()`` (what ``trainguard schemas`` exports), the
   per-subject size bounds (``schemas.sizes.SIZE_LIMITS``) and the fault vocabulary
   (``schemas.vocabulary.VOCABULARY``).
-* ``reference/roles.md`` — ``trainguard.security.auth.ROLES``.
+* ``reference/roles.md`` — ``trainguard.security.roles.ROLES``.
 * ``reference/policy.md`` — the remediator's ``remediator.policy`` tables.
 * ``reference/environment.md`` — every ``TG_*`` environment variable, found by a scan of the
   source (``env_scan``): a ``TG_*`` string that the code reads from or writes into an
@@ -49,7 +49,7 @@ MODULE_COMMANDS = (
     ("python -m trainguard.rendezvous.store", "trainguard.rendezvous.store", None),
     ("python -m trainguard.services.alerts", "trainguard.services.alerts", None),
     ("python -m trainguard.agents.canary", "trainguard.agents.canary", None),
-    ("python -m trainguard.security.auth", "trainguard.security.auth", None),
+    ("python -m trainguard.stack.deploy", "trainguard.stack.deploy", None),
 )
 #: Subcommands a ``main`` dispatches on before it builds its parser: (shown name, command, argv).
 DISPATCHED = (("trainguard replay decide", "replay", ["decide"]),)
@@ -251,15 +251,15 @@ def _codes(items) -> str:
 
 
 def roles_page() -> str:
-    from trainguard.security import auth
+    from trainguard.security import roles
 
-    out = [GENERATED_NOTE.format(src="trainguard.security.auth.ROLES"), "# Roles and rights", "",
-           "`trainguard.security.auth.ROLES`: the user every client connects as, what NATS lets it "
+    out = [GENERATED_NOTE.format(src="trainguard.security.roles.ROLES"), "# Roles and rights", "",
+           "`trainguard.security.roles.ROLES`: the user every client connects as, what NATS lets it "
            "publish and subscribe to, and its Valkey ACL rules. Per-job users "
-           f"(`{auth.JOB_USER_PREFIX}NAME`) and per-node agents (`{auth.NODE_USER_PREFIX}NAME`) "
+           f"(`{roles.JOB_USER_PREFIX}NAME`) and per-node agents (`{roles.NODE_USER_PREFIX}NAME`) "
            "are the worker and agent rows narrowed to one job or node; see "
            "[security](../operations/security.md).", ""]
-    for r in auth.ROLES.values():
+    for r in roles.ROLES.values():
         out += [f"## `{r.name}`", "", r.reason, "",
                 "| may publish | may subscribe | Valkey ACL |", "|---|---|---|",
                 f"| {_codes(r.publish)} | {_codes(r.subscribe)} | `{_cell(r.valkey)}` |", ""]

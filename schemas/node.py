@@ -60,8 +60,8 @@ class NodeHeartbeat(Event):
     """Liveness of a node-side process. Subject ``tg.node.<node>.heartbeat`` for the node
     agent (role ``agent``), ``tg.node.<node>.launcher.<job>`` for a job's launcher (role
     ``launcher``, ``job`` that of the subject; ``subjects.launcher``: a subject a job's own
-    user may publish, the agent's it may not). A launcher of an earlier release beats on
-    ``tg.node.<node>.heartbeat`` with role ``launcher``, still read as before.
+    user may publish, the agent's it may not). Any other role on the agent's subject is
+    refused (``detector.handlers``).
 
     ``role`` is ``"agent"`` or ``"launcher"``; ``seq`` increments by one per beat;
     ``interval_s`` is the sender's beat period (seconds); ``ending`` marks a sender's last beat

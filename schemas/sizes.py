@@ -12,7 +12,7 @@ phase ``worker.MAX_PHASE_CHARS``, a string ``schemas.LIMITS``' ``max_str_len`` b
 from what the producers send, with room for fields added within the major version. Families whose events
 legitimately carry long lists (a checkpoint verdict's reasons, an anomaly's or verdict's
 evidence, a decision's members) have no row: the server's payload limit
-(``trainguard.security.auth.MAX_PAYLOAD``) and the streams' ``max_msg_size``
+(``trainguard.security.server_config.MAX_PAYLOAD``) and the streams' ``max_msg_size``
 (``trainguard.clients.streams.STREAM_LIMITS``) bound them.
 """
 from __future__ import annotations

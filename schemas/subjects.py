@@ -90,7 +90,7 @@ def launcher(node_name: str, job_name: str) -> str:
     key (``node:<node>``: the detector replica that judges the node hears its agent and its
     launchers alike); named by its job, so a job's own NATS user may publish its launchers'
     beats and no other job's, nor the node agent's ``tg.node.<node>.heartbeat``
-    (``trainguard.security.auth.job_role``)."""
+    (``trainguard.security.roles.job_role``)."""
     return f"{PREFIX}.node.{token(node_name)}.{LAUNCHER}.{token(job_name)}"
 
 
@@ -113,7 +113,7 @@ def dead_letter(service: str) -> str:
 def job_dead_letter(job: str, client: str) -> str:
     """``tg.dlq.job.<job>.<client>``: where a job's rank (``client`` ``rank-<rank>``) or
     launcher (``launcher-<node>``) republishes messages it could not decode: under its job, so
-    a job's user may dead-letter there and nowhere else (``trainguard.security.auth.job_role``). Raises
+    a job's user may dead-letter there and nowhere else (``trainguard.security.roles.job_role``). Raises
     ValueError as ``token``."""
     return f"{DEAD_LETTER}.job.{token(job)}.{token(client)}"
 

@@ -17,7 +17,9 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from trainguard import schemas
 from trainguard.schemas import subjects
-from trainguard.security.auth import MAX_PAYLOAD, ROLES, Credentials, redact
+from trainguard.security.credentials import Credentials, redact
+from trainguard.security.roles import ROLES
+from trainguard.security.server_config import MAX_PAYLOAD
 from trainguard.clients.bus import Bus
 from trainguard.clients.dead_letters import DLQ_PREFIX_BYTES
 from trainguard.clients.streams import STREAM_LIMITS, STREAMS, StreamLimits, streams_max_bytes
@@ -88,11 +90,10 @@ def test_table_single_writers_and_reasons():
     # the worker can publish everything the rank side sends, and nothing a service sends
     worker = ROLES["worker"].publish
     for subject in ("tg.job.j.rank.3.hb", "tg.job.j.worker", "tg.job.j.log", "tg.job.j.ckpt",
-                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.launcher.j",
-                    "tg.node.n.heartbeat"):  # the last: launchers of earlier releases
+                    "tg.job.j.recovery", "tg.job.j.action", "tg.node.n.launcher.j"):
         assert _covers(worker, subject), subject
     for subject in ("tg.job.j.decision", "tg.job.j.verdict", "tg.job.j.anomaly",
-                    "tg.node.n.xid", "$JS.API.STREAM.DELETE.TG_EVENTS"):
+                    "tg.node.n.xid", "tg.node.n.heartbeat", "$JS.API.STREAM.DELETE.TG_EVENTS"):
         assert not _covers(worker, subject), subject
 
 
@@ -100,7 +101,7 @@ def test_each_client_dead_letters_under_its_own_name_only():
     """A service role dead-letters on ``tg.dlq.<service>`` alone; a job's ranks and launchers
     under their job (``subjects.job_dead_letter``); the agent and the Slurm watcher decode
     nothing, so they have no dead-letter subject at all."""
-    from trainguard.security.auth import job_role, node_role
+    from trainguard.security.roles import job_role, node_role
 
     for service in ("detector", "attributor", "remediator", "checkpoint_validator"):
         writers = {n for n, r in ROLES.items()
@@ -167,14 +168,14 @@ async def test_a_ranks_dead_letter_goes_under_its_job_and_the_server_takes_it(se
 
 
 def test_node_heartbeats_who_sends_them_and_who_reads_them():
-    """The node agent's subject: the agent, and the shared worker (launchers of earlier
-    releases beat there), never a job's own user. Every role that reads the agents' beats reads
-    the launchers' too."""
-    from trainguard.security.auth import job_role
+    """The node agent's subject: the agent alone (a worker there could keep a lost node looking
+    alive), never the shared worker nor a job's own user. Every role that reads the agents'
+    beats reads the launchers' too."""
+    from trainguard.security.roles import job_role
 
     agent_beat, launcher_beat = "tg.node.n.heartbeat", "tg.node.n.launcher.j"
     assert {n for n, r in ROLES.items() if _covers(r.publish, agent_beat)} == {
-        "admin", "agent", "worker"}
+        "admin", "agent"}
     assert {n for n, r in ROLES.items() if _covers(r.publish, launcher_beat)} == {
         "admin", "worker"}
     job = job_role("j")
@@ -547,15 +548,15 @@ def test_one_stack_per_data_dir(tmp_path):
 
 
 def _compose_env() -> dict[str, str]:
-    """``python -m trainguard.security.auth compose-env`` as a dict (what docker compose reads from .env)."""
-    out = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "compose-env"],
+    """``python -m trainguard.stack.deploy compose-env`` as a dict (what docker compose reads from .env)."""
+    out = subprocess.run([sys.executable, "-m", "trainguard.stack.deploy", "compose-env"],
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                          text=True, check=True).stdout
     return dict(line.split("=", 1) for line in out.split())
 
 
 def _server_config(dest, *flags, env):
-    return subprocess.run([sys.executable, "-m", "trainguard.security.auth", "server-config", str(dest),
+    return subprocess.run([sys.executable, "-m", "trainguard.stack.deploy", "server-config", str(dest),
                            *flags], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True)
 
@@ -582,7 +583,7 @@ def test_compose_server_config_is_valid(tmp_path):
     assert r.returncode == 0, r.stderr + r.stdout
     assert (tmp_path / "users.acl").read_text().startswith("user default off")
     missing = {k: v for k, v in env.items() if k != "TG_SLURM_WATCH_PASSWORD"}
-    r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "server-config",
+    r = subprocess.run([sys.executable, "-m", "trainguard.stack.deploy", "server-config",
                         str(tmp_path / "x")], capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if not k.startswith("TG_")}
                        | missing | {"PYTHONPATH": str(ROOT)})
@@ -619,7 +620,7 @@ async def test_compose_server_config_serves_tls(tmp_path, monkeypatch):
     assert stat.S_IMODE((secrets_dir / "nats.conf").stat().st_mode) == 0o600
     assert stat.S_IMODE((secrets_dir / "users.acl").stat().st_mode) == 0o644
     # a relative DIR: the config still names its files wherever the server starts
-    r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "server-config", "rel"],
+    r = subprocess.run([sys.executable, "-m", "trainguard.stack.deploy", "server-config", "rel"],
                        env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -730,7 +731,7 @@ def test_server_config_from_a_mounted_secret(tmp_path):
     from trainguard.stack.nats_server import nats_server_binary
 
     base = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "trainguard.security.auth", "tls-secret",
+    r = subprocess.run([sys.executable, "-m", "trainguard.stack.deploy", "tls-secret",
                         str(tmp_path / "s"), "--tls-san", "nats.example"], env=base,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "create secret generic trainguard-tls" in r.stderr, r.stderr

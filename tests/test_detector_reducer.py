@@ -51,11 +51,10 @@ def xid(t, node="g1", gpu_index=None, number=79):
         ts=wall(t)), wall(t))
 
 
-def node_beat(t, node, role, job=None, end=False, legacy=False):
+def node_beat(t, node, role, job=None, end=False):
     """A node heartbeat at ``t``: an agent's on ``tg.node.<node>.heartbeat``; a launcher's on
-    its job's ``tg.node.<node>.launcher.<job>``, or (``legacy``) on the agent's subject, where
-    launchers of earlier releases beat."""
-    subject = (subjects.launcher(node, job) if role == "launcher" and not legacy
+    its job's ``tg.node.<node>.launcher.<job>``."""
+    subject = (subjects.launcher(node, job) if role == "launcher"
                else subjects.node(node, "heartbeat"))
     return t, Received(subject, schemas.NodeHeartbeat(node=node, role=role, job=job,
                                                       ending=end), wall(t))
@@ -214,8 +213,7 @@ def test_a_record_that_shortens_a_node_timeout_is_judged_at_the_next_tick():
 
 
 # ---- job-record refresh ---------------------------------------------------------------------
-@pytest.mark.parametrize("legacy", [False, True])
-def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only(legacy):
+def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only():
     node = "ip-10-0-1-2.ec2.internal"
     recs = {"a": JobRecord(runs=1, generation=3, members=[
                 {"rank": 0, "node": node, "local_rank": 0},
@@ -223,7 +221,7 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only(legacy):
             "b": JobRecord(runs=1, members=[{"rank": 0, "node": node, "local_rank": 0}])}
 
     def node_hb(t, role, job=None):
-        return node_beat(t, node, role, job, legacy=legacy)
+        return node_beat(t, node, role, job)
 
     inputs = [hb(T0, job="a", rank=0, node=node, generation=3), hb(T0, job="b", node=node),
               node_hb(T0, "launcher", "a"), node_hb(T0, "launcher", "b"), tick(T0 + 0.05)]
@@ -242,13 +240,12 @@ def test_a_lost_launcher_on_a_live_node_is_published_to_its_job_only(legacy):
     assert not published(eff, "node_lost")
 
 
-@pytest.mark.parametrize("legacy", [False, True])
 @pytest.mark.parametrize("ending, status, lost", [
     (False, "running", 1), (True, "running", 0),
     # a run that is over without a last beat: its user revoked (``revoke_job`` marks it
     # stopped; the launcher fences itself unheard), or ended by the Slurm requeue
     (False, "stopped", 0), (False, "requeued", 0), (False, "finished", 0)])
-def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, lost, legacy):
+def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, lost):
     """A job stopped by a decision: its launcher kills its ranks and ends, with a last beat
     marked ``ending``; its silence after that must not become an infrastructure fault of the
     node (which cross-job history would hold against it). Nor the silence of a launcher whose
@@ -258,7 +255,7 @@ def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, los
                            members=[{"rank": 0, "node": node, "local_rank": 0}])}
 
     def node_hb(t, role, job=None, end=False):
-        return node_beat(t, node, role, job, end, legacy=legacy)
+        return node_beat(t, node, role, job, end)
 
     inputs = [hb(T0, job="a", rank=0, node=node), node_hb(T0, "launcher", "a"),
               tick(T0 + 0.05), node_hb(T0 + 0.1, "launcher", "a", end=ending)]
@@ -270,14 +267,13 @@ def test_a_launcher_that_ends_on_purpose_is_no_lost_launcher(ending, status, los
     assert len(published(eff, "launcher_lost")) == lost
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_a_powered_off_node_is_lost_not_its_launcher(legacy):
+def test_a_powered_off_node_is_lost_not_its_launcher():
     """The agent's last beat comes a moment after the launcher's (a power-off stops both):
     node lost only."""
     recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": "g1", "local_rank": 0}])}
 
     def node_hb(t, role, job=None):
-        return node_beat(t, "g1", role, job, legacy=legacy)
+        return node_beat(t, "g1", role, job)
 
     inputs = [hb(T0, job="a", node="g1"), node_hb(T0, "launcher", "a"), node_hb(T0 + 0.9, "agent")]
     inputs += [tick(T0 + k * 0.25) for k in range(1, 24)]
@@ -287,15 +283,13 @@ def test_a_powered_off_node_is_lost_not_its_launcher(legacy):
         "node_lost"]
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_a_node_with_only_launcher_beats_is_alive_while_they_go_on_then_lost(legacy):
-    """No agent on the node (none deployed): its launcher's beats alone keep it alive, on the
-    launcher's subject as on the agent's (a launcher of an earlier release); the node is lost
-    the node timeout (3 s) after the last one."""
+def test_a_node_with_only_launcher_beats_is_alive_while_they_go_on_then_lost():
+    """No agent on the node (none deployed): its launcher's beats alone keep it alive; the
+    node is lost the node timeout (3 s) after the last one."""
     recs = {"a": JobRecord(runs=1, members=[{"rank": 0, "node": "g1", "local_rank": 0}])}
     inputs = learn_jobs("a")
     for k in range(11):  # beats every 0.5 s up to T0 + 5
-        inputs += [node_beat(T0 + k * 0.5, "g1", "launcher", "a", legacy=legacy),
+        inputs += [node_beat(T0 + k * 0.5, "g1", "launcher", "a"),
                    tick(T0 + k * 0.5 + 0.25)]
     inputs += [tick(T0 + 5 + k * 0.25) for k in range(1, 20)]
     s, eff = run_offline(step, state(rules=DetectorConfig(silence_timeout_s=60.0)), inputs,
@@ -643,3 +637,16 @@ def test_past_its_bounds_the_detector_refuses_new_jobs_ranks_and_nodes_and_keeps
              hb(T0 + 6.2, job="c", rank=0)]
     s, _ = run_offline(step, s, later, records({"a": JobRecord(), "c": JobRecord()}))
     assert "c" in s.jobs and "b" not in s.jobs and s.ranks == 3
+
+
+def test_a_launcher_beat_on_the_agents_subject_is_refused_and_changes_nothing():
+    """Only the node agent beats on ``tg.node.<node>.heartbeat``: a beat of another role there
+    (a worker vouching for a node, or a launcher on the wrong subject) is refused, and the node
+    it names stays unknown."""
+    s = state()
+    t, inp = node_beat(T0, "g9", "agent")
+    inp = Received(subjects.node("g9", "heartbeat"),
+                   schemas.NodeHeartbeat(node="g9", role="launcher", job="a"), wall(T0))
+    with pytest.raises(ValueError, match="not 'agent'"):
+        step(s, inp, T0)
+    assert "g9" not in s.nodes

@@ -94,7 +94,7 @@ def test_environment_scan_finds_reads_and_sets_not_stream_names():
     assert "set" in kinds["TG_CKPT_DIR"]        # handed to every rank by the launcher
     assert "read" in kinds["TG_SLURM_REQUEUE"]
     assert any(d == "'auto'" for *_, d in found["TG_SLURM_REQUEUE"])
-    assert "TG_RDZV_TOKEN" in found             # named by auth.RDZV_TOKEN_ENV
+    assert "TG_RDZV_TOKEN" in found             # named by credentials.RDZV_TOKEN_ENV
     for stream in ("TG_EVENTS", "TG_TELEMETRY", "TG_DLQ"):  # JetStream streams, not variables
         assert stream not in found
 
@@ -112,11 +112,11 @@ def test_mkdocs_strict_build(tmp_path):
     cli_html = (site / "reference/cli/index.html").read_text()
     assert "trainguard launch" in cli_html and "--nproc-per-node" in cli_html
     from trainguard import schemas
-    from trainguard.security import auth
+    from trainguard.security import roles
     from trainguard.remediator import policy
 
     roles_html = (site / "reference/roles/index.html").read_text()
-    assert all(name in roles_html for name in auth.ROLES)
+    assert all(name in roles_html for name in roles.ROLES)
     policy_html = (site / "reference/policy/index.html").read_text()
     assert all(r.source.split(":")[0][:40].replace("'", "&#39;") in policy_html
                or r.action in policy_html for r in policy.TABLE)

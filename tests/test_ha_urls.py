@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.clients.nats_url import server_options
 from trainguard.clients.streams import STREAMS, stream_replicas
 from trainguard.stack.ha import SENTINEL_READ_RULES, sentinel_config
@@ -65,7 +65,7 @@ def test_streams_get_three_copies_on_a_cluster_and_one_on_a_server():
 
 
 def test_sentinels_let_roles_find_the_primary_and_only_admin_change_it():
-    from trainguard.security.auth import Credentials
+    from trainguard.security.credentials import Credentials
 
     class Creds(Credentials):
         def __init__(self):

@@ -104,7 +104,7 @@ def test_detector_attributor_and_remediator_offline_restart_the_lost_pods_ranks(
         for node, ranks in ((OTHER, (0, 1)), (NODE, (2, 3))):
             if node == NODE and t > 2.0:
                 continue  # this pod is gone: its launcher and ranks say nothing more
-            put(t, subjects.node(node, "heartbeat"), schemas.NodeHeartbeat(
+            put(t, subjects.launcher(node, "llm"), schemas.NodeHeartbeat(
                 node=node, job="llm", role="launcher", ts=t0 + int(t * 1e9)))
             for r in ranks:
                 put(t, subjects.rank_hb("llm", r), schemas.RankHeartbeat(

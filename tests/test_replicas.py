@@ -275,8 +275,8 @@ def test_detector_judges_no_silence_while_the_bus_is_down_and_restarts_the_clock
     from trainguard.core.reducer import BusDown, BusUp, Received
 
     def node_hb(t):
-        return t, Received(subjects.node("n0", "heartbeat"),
-                           schemas.NodeHeartbeat(node="n0", role="launcher"), WALL)
+        return t, Received(subjects.launcher("n0", "j"),
+                           schemas.NodeHeartbeat(node="n0", job="j", role="launcher"), WALL)
 
     st, _ = run_offline(dred.step, d_state(), [hb(100.0), node_hb(100.0), tick(100.05)])
     # the bus stops answering at 100.5; ticks go on for 20 s: nothing is judged

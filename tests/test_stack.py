@@ -231,13 +231,13 @@ CA_PATH = "/etc/trainguard/ca/ca.pem"  # where compose and Kubernetes mount the 
 def test_compose_runs_every_service_against_its_servers():
     import yaml
 
-    from trainguard.security.auth import ROLES
+    from trainguard.security.roles import ROLES
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         compose = yaml.safe_load(fh)
     svcs = compose["services"]
     # the servers run from the config the credentials service writes (users, JetStream, TLS)
     cred = svcs["credentials"]
-    assert cred["command"][:4] == ["python", "-m", "trainguard.security.auth", "server-config"]
+    assert cred["command"][:4] == ["python", "-m", "trainguard.stack.deploy", "server-config"]
     assert "--no-tls" not in cred["command"]
     assert cred["command"][cred["command"].index("--ca-dir") + 1] == "/ca"
     assert set(cred["volumes"]) == {"tg-secrets:/secrets", "tg-ca:/ca"}
@@ -324,7 +324,7 @@ def test_kubernetes_manifests_cover_every_service():
     for server in ("nats", "valkey"):
         spec = workloads[("StatefulSet", server)]["spec"]["template"]["spec"]
         cmd = spec["initContainers"][0]["command"]
-        assert cmd[:4] == ["python", "-m", "trainguard.security.auth", "server-config"]
+        assert cmd[:4] == ["python", "-m", "trainguard.stack.deploy", "server-config"]
         assert cmd[cmd.index("--tls-from") + 1] == "/tls"  # the one Secret: one CA for all
 
 

@@ -7,7 +7,8 @@ import asyncio
 import time
 
 from trainguard.schemas import JobSettings
-from trainguard.clients.store import LauncherConflict, RankConflict, StateStore
+from trainguard.clients.store import StateStore
+from trainguard.clients.store_runs import LauncherConflict, RankConflict
 
 
 def _run(coro):
@@ -123,36 +124,35 @@ def test_the_run_id_of_a_launch():
 async def _outboxes(url: str):
     import redis.asyncio as aioredis
 
-    from trainguard.clients.store_scripts import OUTBOX_INDEX, outbox_key
+    from trainguard.clients.store_scripts import OUTBOX_INDEX
     raw = aioredis.Redis.from_url(url, decode_responses=True)
-    # a decision kept by a release without the index: only the outbox hash holds it
-    await raw.sadd("tg:jobs", "old", "a", "b")
-    await raw.hset(outbox_key("old"), "d0", '{"event_id": "d0", "ts": 1}')
+    await raw.sadd("tg:jobs", "a", "b")
     st = StateStore(url)
     try:
-        first = await st.outbox()                          # the one full scan indexes it
+        first = await st.outbox()                          # nothing kept yet
         await st.outbox_put("a", {"event_id": "d1", "ts": 3})
         await st.commit_decision("b", retries_used=1, last_decision={"id": "d2"},
                                  outbox={"event_id": "d2", "ts": 2})
         await st.outbox_put("a", {"event_id": "d3", "ts": 4})
         indexed = sorted(await raw.smembers(OUTBOX_INDEX))
         swept = await st.outbox()
+        named = await st.outbox(["b", "c"])               # the jobs asked for, those with one
         await st.outbox_done("a", "d1")                    # a keeps d3: stays indexed
         await st.outbox_done("b", "d2")
-        await st.outbox_done("old", "d0")
         after = sorted(await raw.smembers(OUTBOX_INDEX)), await st.outbox()
-        return first, indexed, swept, after
+        return first, indexed, swept, named, after
     finally:
         await st.close()
         await raw.aclose()
 
 
 def test_the_outbox_index_names_exactly_the_jobs_with_a_decision_kept(redis_db):
-    first, indexed, swept, (left, last) = _run(_outboxes(redis_db))
-    assert first == {"old": [{"event_id": "d0", "ts": 1}]}
-    assert indexed == ["a", "b", "old"]
+    first, indexed, swept, named, (left, last) = _run(_outboxes(redis_db))
+    assert first == {}
+    assert indexed == ["a", "b"]
     assert {j: [d["event_id"] for d in ds] for j, ds in swept.items()} == {
-        "a": ["d1", "d3"], "b": ["d2"], "old": ["d0"]}
+        "a": ["d1", "d3"], "b": ["d2"]}
+    assert {j: [d["event_id"] for d in ds] for j, ds in named.items()} == {"b": ["d2"]}
     assert left == ["a"] and [d["event_id"] for d in last["a"]] == ["d3"] and set(last) == {"a"}
 
 

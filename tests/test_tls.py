@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from trainguard import schemas
 
 from trainguard.security import tls
-from trainguard.security.auth import ROLES, job_role, job_user
+from trainguard.security.roles import ROLES, job_role, job_user
 from trainguard.clients.bus import Bus
 from trainguard.stack.embedded import EmbeddedServers
 from trainguard.clients.errors import ServerUnreachable
@@ -176,14 +176,14 @@ def test_job_role_is_the_worker_row_narrowed():
     assert job_user("train.7") == role.name == "job-train.7"
     assert "tg.job.train%2E7.log" in role.publish and "tg.job.train%2E7.rank.*.hb" in role.publish
     assert not any(s.startswith("tg.job.*") for s in role.publish + role.subscribe)
-    # its launchers' beats on any node, never the node agent's subject (where launchers of
-    # earlier releases beat: the shared worker keeps it) nor another job's launchers'
+    # its launchers' beats on any node, never the node agent's subject (neither has the shared
+    # worker) nor another job's launchers'
     assert "tg.node.*.launcher.train%2E7" in role.publish
     assert "tg.node.*.heartbeat" not in role.publish + role.subscribe
-    assert "tg.node.*.heartbeat" in ROLES["worker"].publish
+    assert "tg.node.*.heartbeat" not in ROLES["worker"].publish
     assert not any(s.startswith("tg.node.") for s in role.publish
                    if s != "tg.node.*.launcher.train%2E7")
-    assert len(role.publish) == len(ROLES["worker"].publish) - 1
+    assert len(role.publish) == len(ROLES["worker"].publish)  # one for one, narrowed
     assert "~tg:job:train.7" in role.valkey.split() and "~tg:job:*" not in role.valkey.split()
     for bad in ("a:b", "a*", "", "x y"):
         with pytest.raises(ValueError):
@@ -260,26 +260,27 @@ async def test_a_job_worker_cannot_touch_another_job(tls_stack):
     await shared.close()
 
 
-async def test_launcher_beats_of_this_release_and_an_earlier_one_are_kept(tls_stack):
+async def test_launcher_beats_are_kept_and_a_worker_cannot_beat_for_a_node(tls_stack):
     """A launcher's beat on its job's subject is stored by TG_TELEMETRY (what a restarted
-    detector reads back); a launcher of an earlier release, with the shared worker role, still
-    beats on the node agent's subject."""
+    detector reads back); the shared worker role may not beat on the node agent's subject (it
+    could keep a lost node looking alive)."""
     ca = tls_stack.tls_ca
     hb = schemas.NodeHeartbeat(node="n2", job="job-a", role="launcher")
     assert await _publish_as(tls_stack.urls("job-job-a")[0], "tg.node.n2.launcher.job-a",
                              schemas.encode(hb), ca) == []
-    old = schemas.NodeHeartbeat(node="n2", job="job-old", role="launcher")
-    assert await _publish_as(tls_stack.urls("worker")[0], "tg.node.n2.heartbeat",
-                             schemas.encode(old), ca) == []
+    forged = schemas.NodeHeartbeat(node="n2", role="agent")
+    errors = await _publish_as(tls_stack.urls("worker")[0], "tg.node.n2.heartbeat",
+                               schemas.encode(forged), ca)
+    assert any("permissions violation" in e.lower() for e in errors), errors
     admin = await Bus(tls_stack.nats_url, "beats-admin", tls_ca=ca).connect()
-    for subject, sent in (("tg.node.n2.launcher.job-a", hb), ("tg.node.n2.heartbeat", old)):
-        msg = await admin.last_stored(subject)
-        assert msg is not None and schemas.decode(msg.data).event_id == sent.event_id, subject
+    msg = await admin.last_stored("tg.node.n2.launcher.job-a")
+    assert msg is not None and schemas.decode(msg.data).event_id == hb.event_id
+    assert await admin.last_stored("tg.node.n2.heartbeat") is None
     await admin.close()
 
 
 def test_node_role_is_the_agent_row_narrowed():
-    from trainguard.security.auth import node_role, node_user, scoped_role
+    from trainguard.security.roles import node_role, node_user, scoped_role
 
     role = node_role("gpu-7.cluster")
     assert node_user("gpu-7.cluster") == role.name == "node-gpu-7.cluster"
@@ -702,7 +703,8 @@ def test_the_binary_for_tls_is_one_built_with_it(tmp_path, monkeypatch, on_path,
 def test_acl_rules_name_only_commands_the_server_knows(version, has_setinfo):
     """Redis 7.0 refuses an ACL naming ``CLIENT SETINFO`` (it came in 7.2): the rules given to
     an older server leave it out, and nothing else."""
-    from trainguard.security.auth import Credentials, rules_for_version, valkey_acl
+    from trainguard.security.credentials import Credentials
+    from trainguard.security.server_config import rules_for_version, valkey_acl
 
     rules = ROLES["worker"].valkey
     kept = rules_for_version(rules, version)

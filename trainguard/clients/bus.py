@@ -26,7 +26,7 @@ from trainguard.clients.errors import ServerUnreachable
 from trainguard.clients.nats_url import server_options, tls_context, user_inbox
 from trainguard.core import partitions as parts
 from trainguard.schemas import DecodeError, Event, subjects
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.security.tls import CA_ENV, ca_file
 
 log = logging.getLogger("trainguard.clients.bus")
@@ -286,7 +286,7 @@ class Bus:
         ``partitions.partition``), then as published (a stream made without partitions). A
         stream with ``allow_direct`` (``ensure_streams`` sets it) is read with a direct get whose
         API subject names the subject read (``$JS.API.DIRECT.GET.<stream>.<subject>``), so that
-        ``trainguard.security.auth`` can let a job's workers read their own job's stored
+        ``trainguard.security.roles`` can let a job's workers read their own job's stored
         messages only; another stream with ``$JS.API.STREAM.MSG.GET.<stream>`` (the subject in
         the body)."""
         assert self.nc is not None, "call connect() first"

@@ -11,7 +11,7 @@ import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
-from trainguard.security.auth import inbox_of
+from trainguard.security.roles import inbox_of
 from trainguard.security.tls import ca_file, client_context
 
 
@@ -63,7 +63,7 @@ def server_options(url: str) -> dict[str, Any]:
 
 def user_inbox(url: str) -> str:
     """The inbox prefix of the user in NATS URL ``url`` (``auth.inbox_of``: ``_INBOX.<user>``),
-    or ``_INBOX`` for a URL without a user. ``trainguard.security.auth`` lets each role and
+    or ``_INBOX`` for a URL without a user. ``trainguard.security.roles`` lets each role and
     per-job user subscribe to its own prefix only, so no client reads the replies to another's
     requests (a JetStream answer carries stored events)."""
     try:

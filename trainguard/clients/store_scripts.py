@@ -1,5 +1,5 @@
 """The state store's key names and its atomic Lua scripts (``trainguard.clients.store.StateStore`` runs
-them; the key table is that module's docstring). Pure data and string functions: nothing here
+them; each key family's module has its keys' table). Pure data and string functions: nothing here
 talks to Valkey."""
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ class FailoverRetry(Retry):
         try:
             try:
                 role = await r.execute_command("ROLE")
-            except NoPermissionError:  # a role without ROLE (``trainguard.security.auth``): the
+            except NoPermissionError:  # a role without ROLE (``trainguard.security.roles``): the
                 await r.ping()  # sentinels' word that it is the primary, and it answers
                 return host, port
             kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])

@@ -41,7 +41,7 @@ from trainguard.demo.faults import FaultInjection
 from trainguard.demo.measure import RecoveryTiming
 from trainguard.demo.recorder import Recorder
 from trainguard.demo.report import fault_line, print_report
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 
 
 class Demo(FaultInjection, RecoveryTiming):

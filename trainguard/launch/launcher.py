@@ -37,7 +37,7 @@ from typing import TextIO
 from trainguard import schemas
 from trainguard.schemas import subjects
 
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.clients.threaded_bus import ThreadedBus
 from trainguard.launch.config import LaunchConfig, StdSpec
 from trainguard.launch.lease import JobLease

@@ -25,9 +25,10 @@ from redis.exceptions import RedisError
 from trainguard import schemas
 from trainguard.schemas import JobSettings, subjects
 
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.launch.loop import GroupRestarted, LeaseLost, LeaseRenewalFailed
-from trainguard.clients.store import LauncherConflict, RankConflict, StateStore
+from trainguard.clients.store import StateStore
+from trainguard.clients.store_runs import LauncherConflict, RankConflict
 
 if TYPE_CHECKING:
     from trainguard.launch.config import LaunchConfig

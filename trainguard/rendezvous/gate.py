@@ -19,7 +19,7 @@ of it and a relay beside each client, so that neither torch nor the training scr
 Both run an asyncio loop in a daemon thread, with ``TCP_NODELAY`` on every socket (a store
 request is a few small writes; Nagle would add tens of ms to each). The token is given by
 ``trainguard up`` (``TG_RDZV_TOKEN`` on its export line, kept in the data dir), or, for docker
-compose and Kubernetes, by ``python -m trainguard.security.auth compose-env`` (``.env``, the Secret
+compose and Kubernetes, by ``python -m trainguard.stack.deploy compose-env`` (``.env``, the Secret
 ``trainguard-credentials``); without one the store is open, as before (``python -m
 trainguard.rendezvous.store`` by hand, a private stack).
 """
@@ -34,8 +34,8 @@ import ssl
 import threading
 from typing import Callable
 
-from trainguard.security.auth import RDZV_TOKEN_ENV as TOKEN_ENV  # the variable carrying the store's token
-from trainguard.security.auth import rdzv_token as new_token  # a new token: 32 URL-safe characters (192 bits)
+from trainguard.security.credentials import RDZV_TOKEN_ENV as TOKEN_ENV  # the variable carrying the store's token
+from trainguard.security.credentials import rdzv_token as new_token  # a new token: 32 URL-safe characters (192 bits)
 
 __all__ = ["TOKEN_ENV", "PREAMBLE", "PREAMBLE_MAX", "PREAMBLE_TIMEOUT_S", "Gate", "Relay",
            "new_token", "preamble", "relay_for", "server_context"]

@@ -1,1 +1,2 @@
-"""Roles and rights, credentials, TLS and private files."""
+"""Roles and rights (``roles``), the credentials kept for them (``credentials``), the servers'
+configuration that enforces them (``server_config``), TLS and private files."""

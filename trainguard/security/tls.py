@@ -41,7 +41,7 @@ CA_VALID_DAYS = 3650
 RENEW_BEFORE_S = 30 * 86400
 #: The names the servers of docker compose and of the Kubernetes manifests answer to: the compose
 #: services, the Services of namespace ``trainguard``, and loopback (a port published to the host
-#: or forwarded by ``kubectl port-forward``). ``python -m trainguard.security.auth server-config`` and
+#: or forwarded by ``kubectl port-forward``). ``python -m trainguard.stack.deploy server-config`` and
 #: ``tls-secret`` certify these plus each ``--tls-san NAME``.
 SERVICE_NAMES = ("127.0.0.1", "localhost", "nats", "valkey", "rendezvous",
                  "nats.trainguard.svc", "valkey.trainguard.svc", "rendezvous.trainguard.svc")

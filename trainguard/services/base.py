@@ -39,7 +39,7 @@ from trainguard.clients.store import StateStore
 from trainguard.clients.streams import PARTITIONED_STREAMS
 from trainguard.core import partitions
 from trainguard.schemas import subjects
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.services import durable as consume, metrics, tracing
 from trainguard.services.intake import DurableIntake
 from trainguard.services.membership import (Membership, MembershipConfig, default_replica,

@@ -1,6 +1,6 @@
 """``trainguard credentials issue --job NAME``: one job's workers get their own user.
 
-The user ``job-<NAME>`` (``trainguard.security.auth.job_role``) may publish only that job's subjects
+The user ``job-<NAME>`` (``trainguard.security.roles.job_role``) may publish only that job's subjects
 (rank heartbeats, worker, log, ckpt, recovery, action) plus node heartbeats and health
 requests, listen only to that job's decisions and control requests, and write only that job's
 Valkey keys. It is saved in ``DATA_DIR/credentials.json`` and, when ``trainguard up`` runs on
@@ -15,7 +15,7 @@ both servers close its open connections at once, so the job's launchers and rank
 and the state store (training goes on stepping; they stop at the end of their lease).
 
 ``--node NAME`` instead of ``--job``: the node's agent gets (or loses) its own user ``node-<NAME>``
-(``trainguard.security.auth.node_role``), which may publish only that node's telemetry, heartbeat, XID
+(``trainguard.security.roles.node_role``), which may publish only that node's telemetry, heartbeat, XID
 and kernel subjects (the shared ``agent`` role may publish any node's).
 """
 from __future__ import annotations
@@ -25,7 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-from trainguard.security.auth import job_user, node_user, write_private
+from trainguard.security.private_file import write_private
+
+from trainguard.security.roles import job_user, node_user
 from trainguard.stack.process import ServerStartError
 from trainguard.stack.statedir import default_data_dir
 from trainguard.stack.users import issue_job, issue_node, revoke_job, revoke_node
@@ -33,7 +35,7 @@ from trainguard.stack.users import issue_job, issue_node, revoke_job, revoke_nod
 
 def exports(data_dir: Path, user: str) -> str:
     """The ``export`` line of ``user`` on the stack of ``data_dir`` (its last host and ports)."""
-    from trainguard.security.auth import Credentials
+    from trainguard.security.credentials import Credentials
 
     creds = Credentials.load_or_create(data_dir / "credentials.json")
     ports = json.loads((data_dir / "ports.json").read_text())

@@ -3,7 +3,7 @@ valkey-server (``trainguard.stack.valkey_server``), started on free loopback por
 stack, the demo and tests, dying with the process that started them
 (``trainguard.stack.process``).
 
-Both require a user by default (``auth=True``): the roles of ``trainguard.security.auth``, one
+Both require a user by default (``auth=True``): the roles of ``trainguard.security.roles``, one
 password each, in ``credentials.json`` of the data directory (``trainguard.stack.statedir``);
 ``nats_url``/``redis_url`` are the ``admin`` URLs, ``urls(role)`` the others.
 
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Callable
 
 from trainguard.security import tls as tlsmod
-from trainguard.security.auth import Credentials, job_user, node_user, write_private
+from trainguard.security.credentials import Credentials
+from trainguard.security.private_file import write_private
+from trainguard.security.roles import job_user, node_user
 from trainguard.stack.nats_server import nats_command
 from trainguard.stack.process import (ServerStartError, die_with_parent, free_port, port_free,
                                       stop_process, wait_port)
@@ -41,7 +43,7 @@ from trainguard.stack.valkey_server import pick_binary, refused_tls, valkey_comm
 class EmbeddedServer:
     """One child server process. ``url`` is set once ``start()`` returned.
 
-    ``creds`` — require a user (``trainguard.security.auth`` roles; None: open, as before);
+    ``creds`` — require a user (``trainguard.security.roles`` roles; None: open, as before);
     ``persistent`` — Valkey keeps an append-only file in ``workdir`` (the JetStream store is
     always on disk in ``workdir/js``); ``max_file_store`` — NATS: cap of the JetStream store
     (bytes); ``tls`` — serve TLS only, with these files (Valkey: when its binary can; ``start``
@@ -137,7 +139,7 @@ class EmbeddedServers:
     in a shell must not send the demo's injected faults, or the tests' events, to somebody's
     bus). ``data_dir`` — keep credentials, the JetStream store and Valkey's AOF there across
     starts (None: a temporary directory removed by ``stop``); ``auth`` — require the users of
-    ``trainguard.security.auth``; ``rotate`` — new passwords for every role; ``host`` — the address the
+    ``trainguard.security.roles``; ``rotate`` — new passwords for every role; ``host`` — the address the
     servers listen on (default loopback; the cluster harness gives its bridge's, so that node
     namespaces reach them); ``tls`` — serve TLS (see the module docstring) with a certificate
     for ``trainguard.security.tls.default_names(host, tls_names)``. Context manager; ``stop()`` is
@@ -197,7 +199,7 @@ class EmbeddedServers:
     def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
         """Give ``job``'s workers their own user on the running servers (``issue_job``);
         returns their ``(nats_url, redis_url)``. Raises ``ValueError`` for a job name that
-        cannot be one (``trainguard.security.auth.job_user``), ``RuntimeError`` before ``start``."""
+        cannot be one (``trainguard.security.roles.job_user``), ``RuntimeError`` before ``start``."""
         return self._issue(issue_job, job, job_user(job), rotate)
 
     def issue_node(self, node: str, rotate: bool = False) -> tuple[str, str]:
@@ -225,7 +227,7 @@ class EmbeddedServers:
         return had
 
     def urls(self, role: str) -> tuple[str, str]:
-        """``(nats_url, redis_url)`` for ``role`` (a name of ``trainguard.security.auth.ROLES``, or a
+        """``(nats_url, redis_url)`` for ``role`` (a name of ``trainguard.security.roles.ROLES``, or a
         per-job user ``job-<job>``)."""
         out = []
         for kind in ("nats", "valkey"):

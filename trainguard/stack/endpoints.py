@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from trainguard.security.auth import write_private
+from trainguard.security.private_file import write_private
 from trainguard.stack.process import free_port
 
 __all__ = ["PORTS_FILE", "port_free", "kept_ports", "console_command", "wait_http", "url"]

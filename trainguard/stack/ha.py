@@ -12,7 +12,7 @@ the process that started them.
   ``bus.stream_replicas`` copies (3: ``bus.STREAM_REPLICAS`` says why telemetry too): a stream
   acknowledges a message once a majority of its copies stored it.
 * Valkey: the primary and ``replicas`` replicas (``--replicaof``, authenticated as ``admin``
-  when users are required), every one with the ACL of ``trainguard.security.auth``; ``sentinels``
+  when users are required), every one with the ACL of ``trainguard.security.roles``; ``sentinels``
   sentinels monitor the primary under ``master_name`` with quorum 2 (a majority of 3),
   ``down_after_ms`` before a sentinel thinks it down and ``failover_timeout_ms`` for a failover.
   The sentinels require the same users: every role may ask where the primary is
@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainguard.security.auth import Credentials
+from trainguard.security.credentials import Credentials
 from trainguard.security.private_file import write_private
 from trainguard.stack.embedded import EmbeddedServer
 from trainguard.stack.process import ServerStartError, free_port, port_free
@@ -93,7 +93,7 @@ class HAServers:
 
     ``data_dir`` — keep credentials and stores there (locked against a second stack; None: a
     temporary directory removed by ``stop``); ``auth`` — require the users of
-    ``trainguard.security.auth``; ``tls`` — NATS serves TLS to clients (routes stay plaintext on
+    ``trainguard.security.roles``; ``tls`` — NATS serves TLS to clients (routes stay plaintext on
     ``host``); ``down_after_ms`` / ``failover_timeout_ms`` — the sentinels' timings (a primary is
     thought down after ``down_after_ms`` without an answer; the defaults make a failover take
     about 2 s). Context manager; ``stop()`` is idempotent. Raises ``ServerStartError`` when a

@@ -17,7 +17,7 @@ Use::
 (the rest goes to stderr), runs until Ctrl-C or SIGTERM, restarts a service that dies (at most
 ``--max-restarts`` times each), then stops everything, leaving no process behind.
 
-Security (``trainguard.security.auth``): the embedded servers require a user; each service connects as
+Security (``trainguard.security.roles``): the embedded servers require a user; each service connects as
 its role (URLs with credentials in its environment, never on a command line that ``ps`` shows),
 the printed line carries the ``worker`` role's URLs (what a launcher needs), and
 ``<data dir>/env/<role>.env`` holds each role's. ``Stack.nats_url``/``redis_url`` are ``admin``'s.
@@ -48,7 +48,7 @@ from typing import Any, Sequence
 
 from trainguard.rendezvous.gate import TOKEN_ENV as RDZV_TOKEN_ENV
 from trainguard.schemas import subjects
-from trainguard.security.auth import ROLES
+from trainguard.security.roles import ROLES
 from trainguard.security.tls import CA_ENV as TLS_CA_ENV
 from trainguard.stack import rendezvous_store
 from trainguard.stack.children import StackError, kill_group, spawn, stop_all, tail
@@ -85,7 +85,7 @@ class Stack:
       in ``<dir>/memory-budget-<node>``, ``memory_budget_path``);
     * ``data_dir`` — embedded servers keep credentials and data there across starts (None: a
       temporary directory removed on stop); ``auth`` — embedded servers require the users of
-      ``trainguard.security.auth``; ``rotate_credentials`` — new passwords for every role;
+      ``trainguard.security.roles``; ``rotate_credentials`` — new passwords for every role;
     * ``host`` — the address NATS, Valkey and the rendezvous store listen on (default loopback;
       the cluster harness gives its bridge's address);
     * ``tls`` — the embedded servers serve TLS (``trainguard.stack.embedded``; ``trainguard up`` by
@@ -172,7 +172,7 @@ class Stack:
         return self._servers.redis_url
 
     def urls(self, role: str) -> tuple[str, str]:
-        """``(nats_url, redis_url)`` of ``role`` (see ``trainguard.security.auth.ROLES``) or of a
+        """``(nats_url, redis_url)`` of ``role`` (see ``trainguard.security.roles.ROLES``) or of a
         per-job user ``job-<job>`` given by ``issue_job`` (or per-node ``node-<node>``).
         Raises ``KeyError``."""
         creds = self._servers.creds
@@ -187,7 +187,7 @@ class Stack:
 
     def issue_job(self, job: str, rotate: bool = False) -> tuple[str, str]:
         """Give ``job``'s workers their own user on the running servers
-        (``trainguard.security.auth.job_role``); returns their ``(nats_url, redis_url)``."""
+        (``trainguard.security.roles.job_role``); returns their ``(nats_url, redis_url)``."""
         return self._servers.issue_job(job, rotate)
 
     def revoke_job(self, job: str) -> bool:

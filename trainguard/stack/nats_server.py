@@ -2,7 +2,7 @@
 generated configuration, and a configuration reload on a running server.
 
 NATS runs from a generated config (payload limit, JetStream store and its cap, users and
-permissions of ``trainguard.security.auth``, with ``tls`` the server's certificate: TLS from
+permissions of ``trainguard.security.roles``, with ``tls`` the server's certificate: TLS from
 every client, ``tls://`` URLs). A user added or removed while it runs reaches it by rewriting the
 users and a reload (SIGHUP to the pid in ``nats.pid``), without a restart.
 """
@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 from trainguard.security import tls as tlsmod
-from trainguard.security.auth import MAX_PAYLOAD, Credentials, nats_config, nats_users, write_private
+from trainguard.security.credentials import Credentials
+from trainguard.security.private_file import write_private
+from trainguard.security.server_config import MAX_PAYLOAD, nats_config, nats_users
 from trainguard.stack.process import ServerStartError
 
 

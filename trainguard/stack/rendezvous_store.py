@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from trainguard.security import tls as tlsmod
-from trainguard.security.auth import write_private
+from trainguard.security.private_file import write_private
 from trainguard.stack.children import StackError, tail
 from trainguard.stack.process import free_port
 

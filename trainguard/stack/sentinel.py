@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from trainguard.security.auth import Credentials
+from trainguard.security.credentials import Credentials
 from trainguard.security.private_file import write_private
 from trainguard.stack.process import die_with_parent, stop_process, wait_port
 from trainguard.stack.valkey_server import valkey_server_binary

@@ -24,7 +24,7 @@ DEFAULT_SERVICES = ("agent", "detector", "attributor", "remediator", "checkpoint
 class ServiceSpec:
     """How to run one service: the package run with ``python -m``; ``per_node`` services run
     once per node name with ``--node NAME`` and are named ``<name>-<node>``; ``role``: the
-    ``trainguard.security.auth`` role it connects as."""
+    ``trainguard.security.roles`` role it connects as."""
 
     module: str
     role: str

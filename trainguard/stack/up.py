@@ -39,7 +39,11 @@ from typing import Any
 
 from trainguard.schemas import subjects
 
-from trainguard.security.auth import ROLES, job_user, redact, write_private
+from trainguard.security.credentials import redact
+
+from trainguard.security.private_file import write_private
+
+from trainguard.security.roles import ROLES, job_user
 from trainguard.stack.process import ServerStartError
 from trainguard.stack.statedir import default_data_dir
 from trainguard.clients.errors import ServerUnreachable

@@ -13,14 +13,16 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from trainguard.security.auth import Credentials, job_user, node_user
+from trainguard.security.credentials import Credentials
+
+from trainguard.security.roles import job_user, node_user
 from trainguard.stack.nats_server import reload_nats
 from trainguard.stack.valkey_server import update_valkey_user
 
 
 def issue_job(data_dir: str | os.PathLike, job: str,
               rotate: bool = False) -> tuple[Credentials, bool]:
-    """Give ``job``'s workers their own user (``trainguard.security.auth.job_role``) in the stack whose
+    """Give ``job``'s workers their own user (``trainguard.security.roles.job_role``) in the stack whose
     state is ``data_dir``: saved in its credentials file and, when the stack runs, added to NATS
     (``reload_nats``) and Valkey (``update_valkey_user``) at once; ``rotate``: a new password
     for a job that has one. Returns the credentials and whether running servers took the user
@@ -32,7 +34,7 @@ def issue_job(data_dir: str | os.PathLike, job: str,
 
 def issue_node(data_dir: str | os.PathLike, node: str,
                rotate: bool = False) -> tuple[Credentials, bool]:
-    """Give ``node``'s agent its own user (``trainguard.security.auth.node_role``: that node's subjects
+    """Give ``node``'s agent its own user (``trainguard.security.roles.node_role``: that node's subjects
     only), as ``issue_job`` does a job's workers. Raises as ``issue_job``."""
     return _issue_user(data_dir, node_user(node), lambda creds: creds.add_node(node, rotate))
 

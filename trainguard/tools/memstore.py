@@ -22,13 +22,13 @@ from typing import Any
 
 from trainguard import schemas
 from trainguard.schemas.job import FIELDS, JobRecord, _check_shapes, encode_fields
-from trainguard.clients.store import settle_value
+from trainguard.clients.store_decisions import settle_value
 
 __all__ = ["MemoryStore", "MemoryController"]
 
 
 class MemoryStore:
-    """The state of one replay. ``records`` — job → ``JobRecord``; ``claims`` — idempotency key
+    """The state of one replay, a ``trainguard.clients.store_protocol.ReducerStore``. ``records`` — job → ``JobRecord``; ``claims`` — idempotency key
     → owner; ``audits`` — job → audit records in order; ``history`` — node → fault records
     (dicts with ``ts``, Unix ns) and ``signatures`` — signature → ``[(job, node, ts_ns)]``."""
 
@@ -132,6 +132,14 @@ class MemoryStore:
             return self.claims[key]
         self.claims[key] = owner
         return None
+
+    def take_claim(self, key: str, old: str, owner: str) -> str | None:
+        """``key`` passes from ``old`` to ``owner`` only while ``old`` holds it (the live
+        store's compare-and-set); None when it passed, else the holder now."""
+        if self.claims.get(key) == old:
+            self.claims[key] = owner
+            return None
+        return self.claims.get(key)
 
     def settle(self, key: str, outcome: str, ttl_s: int = 0) -> None:
         self.claims[key] = outcome

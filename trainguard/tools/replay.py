@@ -36,7 +36,7 @@ from typing import IO, Any, Iterator
 
 from trainguard import schemas
 
-from trainguard.security.auth import redact
+from trainguard.security.credentials import redact
 from trainguard.clients.bus import Bus
 from trainguard.tools.recording import Record, read_recording
 
