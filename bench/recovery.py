@@ -182,19 +182,25 @@ def ref_step_time(recs: list[Rec], before_ns: int | None) -> float | None:
     return statistics.median(d) if d else None
 
 
-def recovery(recs: list[Rec], t_f: int) -> dict[str, Any] | None:
+def recovery(recs: list[Rec], t_f: int, faulted: Iterable[int] = ()) -> dict[str, Any] | None:
     """Fault at ``t_f`` → the time every rank of the new world completed a new step.
 
     A record is *new* when it comes after ``t_f`` and either its rank's incarnation changed, or
-    its step is beyond ``S + 1`` (``S`` the highest step any rank completed by ``t_f``: the old
-    incarnation can still finish at most step ``S + 1``, the one its collectives had already
-    completed). Returns None when no complete new world appears."""
-    s_f, inc_at = -1, {}
+    its step is beyond ``S + 1`` (``S`` the highest step any rank completed before the fault took
+    effect: the old incarnation can still finish at most step ``S + 1``, the one its collectives
+    had already completed). The fault takes effect at ``t_f``, or, for ``faulted`` ranks that
+    still completed steps of their incarnation after it (a node's launcher killed: its ranks die
+    a moment later, when the kernel delivers their parent-death signal), at the last of those
+    steps. Returns None when no complete new world appears."""
+    faulted = set(faulted)
+    inc_at: dict[int, str] = {}
     for r in recs:
         if r.t > t_f:
             break
-        s_f = max(s_f, r.step)
         inc_at[r.rank] = r.inc
+    t_eff = max([t_f] + [r.t for r in recs if r.rank in faulted and r.t > t_f
+                         and r.inc == inc_at.get(r.rank)])
+    s_f = max((r.step for r in recs if r.t <= t_eff), default=-1)
 
     def new(r: Rec) -> bool:
         return r.t > t_f and (r.inc != inc_at.get(r.rank) or r.step > s_f + 1)
@@ -265,7 +271,7 @@ def analyse_run(lines: Iterable[str], culprits: list[list[int] | None] | None = 
         if ev["kind"] == "straggler":
             r = back_to_normal(recs, ev["t_ns"], ref) if ref else None
         else:
-            r = recovery(recs, ev["t_ns"])
+            r = recovery(recs, ev["t_ns"], ev["ranks"] or ())
             downs.append((ev["t_ns"], r["resumed_ns"] if r else (recs[-1].t if recs else ev["t_ns"])))
         named = None if culprits is None or i >= len(culprits) else culprits[i]
         samples.append({

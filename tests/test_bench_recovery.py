@@ -104,6 +104,21 @@ def test_in_process_and_shrink(R):
     assert f["steps_rolled_back"] == 0
 
 
+def test_a_lost_nodes_ranks_dying_late_are_not_a_recovery(R):
+    """A node's launcher killed at ``t_f``: its ranks die a moment later (their parent-death
+    signal), so the old world of 4 completes two more steps after the mark. Those steps are the
+    old incarnation's, not a recovery: the figure is the new generation's first complete step,
+    3 s after the fault (the bench once read 0.10 s here)."""
+    before, t = steady(4, 30, inc="g0")
+    t_f = t + int(0.01 * S)
+    late, _ = steady(4, 2, inc="g0", t0=t_f, dt=0.05, start=30)
+    after, _ = steady(4, 20, inc="g1", t0=t_f + int(2.9 * S), pid0=200, start=32)
+    marks = [f"#fault node_loss 2 29 {t_f}", f"#fault node_loss 3 29 {t_f}"]
+    (f,) = R.analyse_run(before + late + after + marks)["faults"]
+    assert f["recovery_s"] == pytest.approx(3.0, abs=1e-3)
+    assert f["steps_rolled_back"] == 0
+
+
 def test_never_recovered_and_culprit(R):
     before, t = steady(4, 30)
     t_f = t + 1
