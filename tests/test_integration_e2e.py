@@ -174,7 +174,7 @@ def test_lightning_ddp_resumes_after_a_rank_is_killed(stack, tmp_path):
     finally:
         launch.stop()
     # the checkpoints the group restarted from were verified by TrainguardCheckpointIO
-    from trainguard.integrations import _verified
+    from trainguard.rank import verified_file as _verified
 
     ck = launch.out / "ckpt" / f"epoch=0-step={rep['resumed_step']}.ckpt"
     assert _verified.verify(str(ck))[0]

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning.pytorch")
 
 from trainguard.rank import hooks  # noqa: E402
-from trainguard.integrations import _verified  # noqa: E402
+from trainguard.rank import verified_file as _verified  # noqa: E402
 from trainguard.integrations.lightning import (CorruptCheckpointError,  # noqa: E402
                                                TrainguardCallback, TrainguardCheckpointIO,
                                                newest_checkpoint)

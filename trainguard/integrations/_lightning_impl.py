@@ -11,7 +11,7 @@ from typing import Any
 
 from trainguard.rank import hooks
 from trainguard.integrations._common import ScalarReader, as_float
-from trainguard.integrations._verified import AsyncFileSaver, newest_valid, verify
+from trainguard.rank.verified_file import AsyncFileSaver, newest_valid, verify
 
 LOSS_KEYS = ("loss", "train_loss")
 
@@ -88,7 +88,7 @@ class CorruptCheckpointError(RuntimeError):
 
 
 class CheckpointIOMixin:
-    """Lightning's checkpoints off the training loop and verified on load (``_verified``).
+    """Lightning's checkpoints off the training loop and verified on load (``trainguard.rank.verified_file``).
 
     ``save_checkpoint`` blocks only while the checkpoint's tensors are copied into reused host
     buffers (and while the previous write, if still running, finishes); writing, fsync, checksum

@@ -169,7 +169,7 @@ def lightning_checkpoint_complete(path: str, crc: bool = True
                                   ) -> tuple[bool, str, int | None]:
     """``(complete, reason, global_step)`` of one Lightning checkpoint file (module docstring).
     ``global_step`` is None when it is not complete."""
-    from trainguard.integrations._verified import read_sidecar, verify
+    from trainguard.rank.verified_file import read_sidecar, verify
 
     real = os.path.realpath(path)
     try:
