@@ -55,7 +55,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenanc
 import provenance  # noqa: E402
 
 FAULTS = ("kill_rank", "kill_writer", "kill_launcher", "flip", "truncate", "fill", "nan")
-JOB = "crash"
+JOB = f"crash-{os.getpid()}"  # two harnesses on one machine (a test run and a bench) share no staging buffer
 
 
 def build(seed: int = 0):
