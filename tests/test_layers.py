@@ -246,3 +246,29 @@ def test_rules_import_no_io():
                 bad.append(f"{mod} loads {', '.join(why)} via {' ← '.join(chain)}")
                 break
     assert not bad, "\n".join(bad)
+
+
+#: A product module over this many lines is two concepts or more (docs/design.md): split it.
+MAX_MODULE_LINES = 500
+
+
+def test_no_product_module_over_the_size_limit():
+    big = sorted(f"{mod} ({n} lines)" for mod, path in _modules().items()
+                 if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES)
+    assert not big, "split along their concepts: " + ", ".join(big)
+
+
+def test_the_only_top_level_import_name_is_trainguard():
+    """Every folder of the design card installs under ``trainguard`` (pyproject's package-dir):
+    nothing else lands at the top of site-packages."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {p.split(".")[0] for p in cfg["packages"]} == {"trainguard"}
+    assert set(cfg["package-dir"]) <= set(cfg["packages"])
+    # every package folder with an __init__ is listed (a missing one is left out of a wheel)
+    listed = set(cfg["packages"])
+    for folder, pkg in PACKAGES.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            assert ".".join([pkg, *rel]) in listed, f"{'.'.join([pkg, *rel])} not in pyproject's packages"
