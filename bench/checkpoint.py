@@ -14,8 +14,9 @@ per race and as median, min and max over the races (``summary``); ``targets`` ch
 issue's goals on the medians; ``settings`` says what each system was given.
 
 Per system: ``blocking_s`` (median seconds the training loop is blocked per save, each save
-right after a reference copy of the state in the same processes: ``memcpy_in_run_s``, and
-``blocking_vs_copy`` their ratio), ``durable_s`` (median seconds from the call until the
+beside a reference copy of the state in the same processes, each right after a training step
+and a barrier, in alternating order: ``memcpy_in_run_s``, and ``blocking_vs_copy`` their
+ratio), ``durable_s`` (median seconds from the call until the
 checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
 steps without saves / with saves, measured in alternating windows without and with saves,
 ``--rounds`` rounds; the intervals are 1×, 3× and 10× the disk's own write time of the state in
@@ -287,20 +288,31 @@ def rank_main(a) -> None:
         out["validation_gbps"] = rep.gbps
         out["skipped"] = ck.stats["skipped"]
     wait_all()
-    # blocking: each save right after the reference copy of the same state in these processes
-    # (both ranks at once, after the peak RSS was taken), so that the ratio compares the two at
-    # the same moment; the machine's drift between runs (±30 % here) would otherwise swamp it
+    # blocking: each save beside a reference copy of the same state in these processes (both
+    # ranks at once, after the peak RSS was taken), so that the ratio compares the two at the
+    # same moment; the machine's drift between runs (±30 % here) would otherwise swamp it. Both
+    # in the same place: right after a training step and a barrier, as a save comes in
+    # training, their order alternating. On a shared machine a task that has just slept (as
+    # after the wait for a save to be durable) runs ahead of one that has been running: a copy
+    # measured right after that wait, the save then after the copy and a barrier, gave the
+    # copy that lead and the save none (blocking 1.2-1.8x the copy under 4 busy processes on
+    # the 2 cores, about 1x with the same idle time before each)
     bufs = [torch.empty_like(p) for p in params]
     copies, blocks = [], []
-    for _ in range(a.reps + 1):
-        copies.append(timed_copy(bufs))
-        dist.barrier(group=ckg)
-        b, wfn = save()
-        wfn()
-        blocks.append(b)
+    for i in range(2 * a.reps + 1):
+        for op in ("copy", "save") if i % 2 == 0 else ("save", "copy"):
+            step()
+            if op == "copy":
+                copies.append(timed_copy(bufs))
+                continue
+            dist.barrier()
+            b, wfn = save()
+            wfn()
+            blocks.append(b)
     del bufs
     out["memcpy_in_run_s"] = statistics.median(copies[1:])
     out["blocking_s"] = statistics.median(blocks[1:])
+    out["blocking_samples_s"], out["memcpy_in_run_samples_s"] = blocks[1:], copies[1:]
     if ck is not None:
         ck.finalize()
     if floor is not None:
@@ -570,6 +582,7 @@ def main() -> None:
     tmp = a.dir or tempfile.mkdtemp(prefix="tg-bench-ckpt-", dir=os.getcwd())
     os.makedirs(tmp, exist_ok=True)
     try:
+        load0 = os.getloadavg()
         cache = reset_page_cache(tmp)
         given = [int(x) for x in a.intervals.split(",") if x]
         ref = run_system("memcpy", a, tmp, given)
@@ -584,7 +597,9 @@ def main() -> None:
             results = {}
             for s in order:
                 reset_page_cache(tmp)
+                load = os.getloadavg()
                 r = run_system(s, a, tmp, intervals)
+                r["loadavg_before"], r["loadavg_after"] = load, os.getloadavg()
                 r["blocking_vs_copy"] = r["blocking_s"] / r["memcpy_in_run_s"]
                 results[s] = r
                 print(f"run {run + 1}/{a.runs} {s:18s} blocking {r['blocking_s'] * 1e3:7.1f} ms "
@@ -612,7 +627,8 @@ def main() -> None:
                "baseline_peak_rss_bytes": ref["rss_before_copies"],
                "state_bytes": ref["state_bytes"], "dcp_import_bytes": ref["dcp_import_bytes"],
                "conditions": {"page_cache_before_each_system": cache,
-                              "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+                              "cpus": os.cpu_count(), "loadavg_at_start": load0,
+                              "loadavg_at_end": os.getloadavg(),
                               "order": "each run rotates the system order by one",
                               "processes": "each system in fresh rank processes"},
                "settings": SETTINGS, "summary": summary, "targets": checks,
