@@ -166,8 +166,9 @@ def rank_main(a) -> None:
         # which took this bench's staging buffers from under its saves
         shm = os.path.join("/dev/shm", f"tg-bench-{a.port}")
         os.makedirs(shm, exist_ok=True)
+        nice = {} if a.writer_nice is None else {"writer_nice": a.writer_nice}
         ck = Checkpointer(model, None, config=CheckpointConfig(root=root, keep=2, certify=False,
-                                                               shm_dir=shm),
+                                                               shm_dir=shm, **nice),
                           job=f"bench-{os.getpid() if a.rank == 0 else 'x'}-{a.port}",
                           rank=a.rank, world_size=a.world, group=ckg)
         ck.job = f"bench{a.port}"
@@ -438,14 +439,16 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
            "--reps", str(args.reps), "--matmuls", str(args.matmuls),
            "--saves-per-window", str(args.saves_per_window),
            "--max-window-steps", str(args.max_window_steps), "--rounds", str(args.rounds),
-           "--intervals", ",".join(map(str, intervals))] + (["--fsdp"] if args.fsdp else [])
+           "--intervals", ",".join(map(str, intervals))] + (["--fsdp"] if args.fsdp else []) \
+        + ([] if args.writer_nice is None else ["--writer-nice", str(args.writer_nice)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("TG_CKPT_WRITER", None)
     nw = None
     if system == "trainguard" and not args.private_writer:  # as `trainguard launch` runs it
         from trainguard.checkpoint import NodeWriter
 
-        nw = NodeWriter(os.path.join(tmp, "node-writer.sock")).start()
+        nw = NodeWriter(os.path.join(tmp, "node-writer.sock"),
+                        nice=args.writer_nice or 0).start()
         env["TG_CKPT_WRITER"] = nw.socket_path
         cmd += ["--node-writer-pid", str(nw.proc.pid)]
     try:
@@ -560,6 +563,10 @@ def main() -> None:
                    help="the state as FSDP2 shards (fully_shard) instead of plain tensors")
     p.add_argument("--private-writer", action="store_true",
                    help="trainguard: a writer process per rank instead of the node writer")
+    p.add_argument("--writer-nice", type=int, default=None,
+                   help="trainguard: niceness of its writer processes (default: the node "
+                        "writer at 0, a private writer at CheckpointConfig's writer_nice, 10; "
+                        "`trainguard launch` starts its node writer at writer_nice)")
     # internal (rank processes)
     p.add_argument("--rank-main", action="store_true")
     p.add_argument("--system")
@@ -622,7 +629,8 @@ def main() -> None:
                   f"peak RSS {g('peak_rss_bytes', 1e-6)} MB  efficiency {eff}", flush=True)
         print(f"targets (medians): {checks}", flush=True)
         out = {"mb_per_rank": a.mb, "world_size": 2, "fsdp": a.fsdp, "runs": a.runs,
-               "private_writer": a.private_writer, "memcpy_s": ref["memcpy_s"],
+               "private_writer": a.private_writer, "writer_nice": a.writer_nice,
+               "argv": sys.argv[1:], "memcpy_s": ref["memcpy_s"],
                "step_s": ref["step_s"], "write_s": ref["write_s"], "intervals": intervals,
                "baseline_peak_rss_bytes": ref["rss_before_copies"],
                "state_bytes": ref["state_bytes"], "dcp_import_bytes": ref["dcp_import_bytes"],
@@ -654,7 +662,9 @@ def main() -> None:
 SETTINGS = {
     "trainguard": "Checkpointer defaults (xxh3_64 checksums, NaN/Inf count, fsync on) except "
                   "certify=False (the bench's ranks hold shards, not replicas); written through "
-                  "a node writer (nice 0) as `trainguard launch` runs it, or --private-writer",
+                  "a node writer (nice 0 unless --writer-nice; `trainguard launch` starts it at "
+                  "writer_nice, 10), or with --private-writer a writer process per rank (at "
+                  "CheckpointConfig.writer_nice, 10, unless --writer-nice)",
     "dcp_async_thread": "torch.distributed.checkpoint.async_save, thread executor, one "
                         "DefaultStager kept across saves (cached staging buffers; pinned memory, "
                         "non-blocking copies and async staging need an accelerator), "
