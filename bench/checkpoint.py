@@ -296,8 +296,8 @@ def rank_main(a) -> None:
     # training, their order alternating. On a shared machine a task that has just slept (as
     # after the wait for a save to be durable) runs ahead of one that has been running: a copy
     # measured right after that wait, the save then after the copy and a barrier, gave the
-    # copy that lead and the save none (blocking 1.2-1.8x the copy under 4 busy processes on
-    # the 2 cores, about 1x with the same idle time before each)
+    # copy that lead and the save none (blocking 1.2-1.6x the copy under 4 busy processes on
+    # the 2 cores, 0.9-1.1x with the same idle time before each)
     bufs = [torch.empty_like(p) for p in params]
     copies, blocks = [], []
     for i in range(2 * a.reps + 1):
