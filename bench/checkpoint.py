@@ -14,8 +14,9 @@ per race and as median, min and max over the races (``summary``); ``targets`` ch
 issue's goals on the medians; ``settings`` says what each system was given.
 
 Per system: ``blocking_s`` (median seconds the training loop is blocked per save, each save
-right after a reference copy of the state in the same processes: ``memcpy_in_run_s``, and
-``blocking_vs_copy`` their ratio), ``durable_s`` (median seconds from the call until the
+beside a reference copy of the state in the same processes, each right after a training step
+and a barrier, in alternating order: ``memcpy_in_run_s``, and ``blocking_vs_copy`` their
+ratio), ``durable_s`` (median seconds from the call until the
 checkpoint is durable / committed), ``efficiency`` (save interval in steps → time of the same
 steps without saves / with saves, measured in alternating windows without and with saves,
 ``--rounds`` rounds; the intervals are 1×, 3× and 10× the disk's own write time of the state in
@@ -167,8 +168,9 @@ def rank_main(a) -> None:
         # which took this bench's staging buffers from under its saves
         shm = os.path.join("/dev/shm", f"tg-bench-{a.port}")
         os.makedirs(shm, exist_ok=True)
+        nice = {} if a.writer_nice is None else {"writer_nice": a.writer_nice}
         ck = Checkpointer(model, None, config=CheckpointConfig(root=root, keep=2, certify=False,
-                                                               shm_dir=shm),
+                                                               shm_dir=shm, **nice),
                           job=f"bench-{os.getpid() if a.rank == 0 else 'x'}-{a.port}",
                           rank=a.rank, world_size=a.world, group=ckg)
         ck.job = f"bench{a.port}"
@@ -289,20 +291,31 @@ def rank_main(a) -> None:
         out["validation_gbps"] = rep.gbps
         out["skipped"] = ck.stats["skipped"]
     wait_all()
-    # blocking: each save right after the reference copy of the same state in these processes
-    # (both ranks at once, after the peak RSS was taken), so that the ratio compares the two at
-    # the same moment; the machine's drift between runs (±30 % here) would otherwise swamp it
+    # blocking: each save beside a reference copy of the same state in these processes (both
+    # ranks at once, after the peak RSS was taken), so that the ratio compares the two at the
+    # same moment; the machine's drift between runs (±30 % here) would otherwise swamp it. Both
+    # in the same place: right after a training step and a barrier, as a save comes in
+    # training, their order alternating. On a shared machine a task that has just slept (as
+    # after the wait for a save to be durable) runs ahead of one that has been running: a copy
+    # measured right after that wait, the save then after the copy and a barrier, gave the
+    # copy that lead and the save none (blocking 1.2-1.6x the copy under 4 busy processes on
+    # the 2 cores, 0.9-1.1x with the same idle time before each)
     bufs = [torch.empty_like(p) for p in params]
     copies, blocks = [], []
-    for _ in range(a.reps + 1):
-        copies.append(timed_copy(bufs))
-        dist.barrier(group=ckg)
-        b, wfn = save()
-        wfn()
-        blocks.append(b)
+    for i in range(2 * a.reps + 1):
+        for op in ("copy", "save") if i % 2 == 0 else ("save", "copy"):
+            step()
+            if op == "copy":
+                copies.append(timed_copy(bufs))
+                continue
+            dist.barrier()
+            b, wfn = save()
+            wfn()
+            blocks.append(b)
     del bufs
     out["memcpy_in_run_s"] = statistics.median(copies[1:])
     out["blocking_s"] = statistics.median(blocks[1:])
+    out["blocking_samples_s"], out["memcpy_in_run_samples_s"] = blocks[1:], copies[1:]
     if ck is not None:
         ck.finalize()
     if floor is not None:
@@ -428,14 +441,16 @@ def run_system(system: str, args, tmp: str, intervals: list[int]) -> dict:
            "--reps", str(args.reps), "--matmuls", str(args.matmuls),
            "--saves-per-window", str(args.saves_per_window),
            "--max-window-steps", str(args.max_window_steps), "--rounds", str(args.rounds),
-           "--intervals", ",".join(map(str, intervals))] + (["--fsdp"] if args.fsdp else [])
+           "--intervals", ",".join(map(str, intervals))] + (["--fsdp"] if args.fsdp else []) \
+        + ([] if args.writer_nice is None else ["--writer-nice", str(args.writer_nice)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("TG_CKPT_WRITER", None)
     nw = None
     if system == "trainguard" and not args.private_writer:  # as `trainguard launch` runs it
         from trainguard.checkpoint import NodeWriter
 
-        nw = NodeWriter(os.path.join(tmp, "node-writer.sock")).start()
+        nw = NodeWriter(os.path.join(tmp, "node-writer.sock"),
+                        nice=args.writer_nice or 0).start()
         env["TG_CKPT_WRITER"] = nw.socket_path
         cmd += ["--node-writer-pid", str(nw.proc.pid)]
     try:
@@ -550,6 +565,10 @@ def main() -> None:
                    help="the state as FSDP2 shards (fully_shard) instead of plain tensors")
     p.add_argument("--private-writer", action="store_true",
                    help="trainguard: a writer process per rank instead of the node writer")
+    p.add_argument("--writer-nice", type=int, default=None,
+                   help="trainguard: niceness of its writer processes (default: the node "
+                        "writer at 0, a private writer at CheckpointConfig's writer_nice, 10; "
+                        "`trainguard launch` starts its node writer at writer_nice)")
     # internal (rank processes)
     p.add_argument("--rank-main", action="store_true")
     p.add_argument("--system")
@@ -573,6 +592,7 @@ def main() -> None:
     tmp = a.dir or tempfile.mkdtemp(prefix="tg-bench-ckpt-", dir=os.getcwd())
     os.makedirs(tmp, exist_ok=True)
     try:
+        load0 = os.getloadavg()
         cache = reset_page_cache(tmp)
         given = [int(x) for x in a.intervals.split(",") if x]
         ref = run_system("memcpy", a, tmp, given)
@@ -587,7 +607,9 @@ def main() -> None:
             results = {}
             for s in order:
                 reset_page_cache(tmp)
+                load = os.getloadavg()
                 r = run_system(s, a, tmp, intervals)
+                r["loadavg_before"], r["loadavg_after"] = load, os.getloadavg()
                 r["blocking_vs_copy"] = r["blocking_s"] / r["memcpy_in_run_s"]
                 results[s] = r
                 print(f"run {run + 1}/{a.runs} {s:18s} blocking {r['blocking_s'] * 1e3:7.1f} ms "
@@ -610,12 +632,14 @@ def main() -> None:
                   f"peak RSS {g('peak_rss_bytes', 1e-6)} MB  efficiency {eff}", flush=True)
         print(f"targets (medians): {checks}", flush=True)
         out = {"mb_per_rank": a.mb, "world_size": 2, "fsdp": a.fsdp, "runs": a.runs,
-               "private_writer": a.private_writer, "memcpy_s": ref["memcpy_s"],
+               "private_writer": a.private_writer, "writer_nice": a.writer_nice,
+               "argv": sys.argv[1:], "memcpy_s": ref["memcpy_s"],
                "step_s": ref["step_s"], "write_s": ref["write_s"], "intervals": intervals,
                "baseline_peak_rss_bytes": ref["rss_before_copies"],
                "state_bytes": ref["state_bytes"], "dcp_import_bytes": ref["dcp_import_bytes"],
                "conditions": {"page_cache_before_each_system": cache,
-                              "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+                              "cpus": os.cpu_count(), "loadavg_at_start": load0,
+                              "loadavg_at_end": os.getloadavg(),
                               "order": "each run rotates the system order by one",
                               "processes": "each system in fresh rank processes"},
                "settings": SETTINGS, "summary": summary, "targets": checks,
@@ -642,7 +666,9 @@ def main() -> None:
 SETTINGS = {
     "trainguard": "Checkpointer defaults (xxh3_64 checksums, NaN/Inf count, fsync on) except "
                   "certify=False (the bench's ranks hold shards, not replicas); written through "
-                  "a node writer (nice 0) as `trainguard launch` runs it, or --private-writer",
+                  "a node writer (nice 0 unless --writer-nice; `trainguard launch` starts it at "
+                  "writer_nice, 10), or with --private-writer a writer process per rank (at "
+                  "CheckpointConfig.writer_nice, 10, unless --writer-nice)",
     "dcp_async_thread": "torch.distributed.checkpoint.async_save, thread executor, one "
                         "DefaultStager kept across saves (cached staging buffers; pinned memory, "
                         "non-blocking copies and async staging need an accelerator), "

@@ -324,14 +324,19 @@ def checkpoint_race(runs: Runs, name: str = "checkpoint-200mb.json") -> list[str
         return sm[a][fa]["median"] / sm[b][fb]["median"]
 
     races = f"Medians of {d['runs']} races" if d["runs"] > 1 else "One race, not a median"
-    ratios = (f"{races}: trainguard durable in "
-              f"{ratio('trainguard', 'durable_s', 'write_only', 'durable_s'):.2f}× the disk's own "
-              f"time and {ratio('dcp_async_thread', 'durable_s', 'trainguard', 'durable_s'):.1f}× "
-              f"sooner than DCP; blocking "
-              f"{ratio('trainguard', 'blocking_s', 'trainguard', 'memcpy_in_run_s'):.2f}× the copy "
-              f"in the same processes and "
-              f"{ratio('trainguard', 'blocking_s', 'dcp_async_thread', 'blocking_s'):.2f}× DCP's; "
-              f"validation {sm['trainguard']['validation_gbps']['median']:.2f} GB/s.")
+    parts = [f"trainguard durable in "
+             f"{ratio('trainguard', 'durable_s', 'write_only', 'durable_s'):.2f}× the disk's own time"]
+    if "dcp_async_thread" in sm:
+        parts[0] += (f" and {ratio('dcp_async_thread', 'durable_s', 'trainguard', 'durable_s'):.1f}× "
+                     f"sooner than DCP")
+    blocking = (f"blocking {ratio('trainguard', 'blocking_s', 'trainguard', 'memcpy_in_run_s'):.2f}× "
+                f"the copy in the same processes")
+    if "dcp_async_thread" in sm:
+        blocking += f" and {ratio('trainguard', 'blocking_s', 'dcp_async_thread', 'blocking_s'):.2f}× DCP's"
+    parts.append(blocking)
+    if "validation_gbps" in sm["trainguard"]:
+        parts.append(f"validation {sm['trainguard']['validation_gbps']['median']:.2f} GB/s")
+    ratios = f"{races}: " + "; ".join(parts) + "."
     return table(head, rows) + ["", ratios, "", runs_line(runs)]
 
 

@@ -41,6 +41,10 @@ def test_checkpoint_bench_reports_every_system(tmp_path):
         assert run["systems"]["trainguard"]["validation_ok"] is True
         # trainguard wrote through a node writer: rank 0's share of it is counted
         assert run["systems"]["trainguard"]["children_uss_bytes"] > 0
+        for x in run["systems"].values():  # each save beside a copy, 2 of each after the first
+            assert len(x["blocking_samples_s"]) == len(x["memcpy_in_run_samples_s"]) == 2
+            assert len(x["loadavg_before"]) == len(x["loadavg_after"]) == 3
+    assert len(d["conditions"]["loadavg_at_start"]) == 3
     assert set(d["targets"]) >= {"blocking_le_1.2x_copy", "durable_le_1.2x_write_only"}
     assert set(d["efficiency_ceiling"]) == set(tg["efficiency"])
     assert all(0 < v < 1 for v in d["efficiency_ceiling"].values())

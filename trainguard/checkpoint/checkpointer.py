@@ -3,8 +3,8 @@ background process, validated before anyone resumes from them, restorable on ano
 
 Save path (every rank calls ``save`` collectively)::
 
-    save(step) ─ one all_gather on the checkpoint group (agree: step, overlap, plan, nonce)
-               ─ copy every local tensor into the reused /dev/shm staging buffer   ← blocks here
+    save(step) ─ copy every local tensor into the reused /dev/shm staging buffer   ← blocks here
+                 while one all_gather agrees on step, overlap, plan, nonce (after it: a new plan)
                ─ hand the request to the writer process                            ─ returns
     writer     ─ writes __<rank>_0.distcp (torch.save blobs DCP can read), xxh3_64 and NaN/Inf
                  count in the same pass, fsync
@@ -23,10 +23,9 @@ byte-identical to it, from shared memory.
 
 The parts: ``plan`` (the ``SavePlan``: where every item goes), ``session`` (one save in flight),
 ``restorer`` (choosing, loading, the post-restore check), ``resources`` (what the process holds
-between saves: writer connection, staging buffer, the save in flight), ``collectives``,
-``index`` (verdicts and retention), ``live`` (recovery from peers), ``replicas`` (the digest,
-the recovery plan, the certificate of a save). This class runs them in order and keeps the
-counters.
+between saves: writer connection, staging buffer, the save in flight), ``collectives``, ``index``
+(verdicts and retention), ``live`` (recovery from peers), ``replicas`` (the digest, the recovery
+plan, the certificate of a save). This class runs them in order and keeps the counters.
 
 Certified saves: every save all-gathers each replica's state digest with the save agreement; a
 disagreement, or a state identical to the previous certified save's while the step advanced,
@@ -52,7 +51,7 @@ from trainguard.checkpoint.plan import SavePlan, make_plan, new_plan_id, signatu
 from trainguard.checkpoint.replicas import Certificate, certify, manifest_fields, state_digest
 from trainguard.checkpoint.resources import CheckpointResources
 from trainguard.checkpoint.restorer import Restorer, RestoreResult, loss_matches, recovery_check
-from trainguard.checkpoint.session import RankIdentity, SaveSession
+from trainguard.checkpoint.session import RankIdentity, SaveSession, copy_state
 from trainguard.checkpoint.staging import staging_path
 
 __all__ = ["Checkpointer", "loss_matches"]
@@ -98,23 +97,18 @@ class Checkpointer:
                  resources: CheckpointResources | None = None, data: Any = None):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.job, self.rank, self.world_size = job, int(rank), int(world_size)
-        self.generation, self.group, self.bus, self.redis_url = int(generation), group, bus, \
-            redis_url
+        self.generation, self.group, self.bus = int(generation), group, bus
+        self.redis_url = redis_url
         self.root = os.path.abspath(config.root)
-        self.restored_step: int | None = None
-        self.restored_loss: float | None = None
-        self.restore_source = "none"
-        self.restore_reason = ""
-        self.restored_path: str | None = None
+        self.restored_step = self.restored_loss = self.restored_path = None  # int, float, str
+        self.restore_source, self.restore_reason = "none", ""
         self.recovery_path, self.recovery_reason = "checkpoint", ""
         self.certificate: Certificate | None = None
         self.live = LiveState(model, optimizer, data)
-        self.stats: dict[str, Any] = {"saves": 0, "skipped": 0, "failed": 0, "committed": 0,
-                                      "uncertified": 0, "blocking_s": None, "durable_s": None,
-                                      "last_error": ""}
+        self.stats: dict[str, Any] = dict(saves=0, skipped=0, failed=0, committed=0, uncertified=0,
+                                          blocking_s=None, durable_s=None, last_error="")
         self.resources = resources if resources is not None else CheckpointResources()
-        self._interrupt = interrupt
-        self._plan: SavePlan | None = None
+        self._interrupt, self._plan = interrupt, None  # the SavePlan in use
         self._verdicts: dict[str, str] = {}  # path → the writers' verdict, for retention
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -123,7 +117,7 @@ class Checkpointer:
         """This rank now (the attributes may change between saves)."""
         return RankIdentity(self.job, self.rank, self.world_size, self.generation)
 
-    def _gather(self, obj: Any) -> list[Any]:
+    def _gather(self, obj: Any) -> list[Any]:  # collectives.all_gather
         return collectives.all_gather(obj, self.group, self.world_size)
 
     def _index(self) -> dict[str, dict] | None:
@@ -183,15 +177,20 @@ class Checkpointer:
         info = {"busy": busy, "changed": changed, "failed": failed, "step": step,
                 "nonce": random.getrandbits(40), "digest": digest,
                 "byte_lens": [len(b) for b in byte_blobs] if byte_blobs is not None else None}
-        infos = collectives.all_gather_small(info, self.group, self.world_size)
+        # stage during the agreement when this rank's writer is done with the buffer and its plan
+        # fits (a new plan: staged again below; a skip leaves no sidecar, so no shm restore)
+        st = None if changed or busy else res.fitting_staging(self._staging_path(), plan)
+        pending = collectives.start_all_gather_small(info, self.group, self.world_size)
+        if st is not None:
+            copy_state(plan, st)
+        infos = pending.wait()
         nonce = int(infos[0]["nonce"])
         steps = {i["step"] for i in infos}
         if len(steps) != 1:
             self._fail(step, f"ranks disagree on the step to save ({sorted(steps)}): call "
                        f"save() with the same step on every rank", None)
             return False
-        cert = self.certificate = certify([i["digest"] for i in infos], step,
-                                          res.last_certified)
+        cert = self.certificate = certify([i["digest"] for i in infos], step, res.last_certified)
         if not cert.ok:
             self._uncertified(step, cert)
         elif cert.digest:
@@ -212,6 +211,7 @@ class Checkpointer:
                 self._wait_inflight()
         if any(i["changed"] for i in infos):
             plan = self._make_plan(sd)
+            st = None  # the layout may have moved: stage again
             byte_blobs = plan.byte_blobs(sd)
             infos = self._gather({"byte_lens": [len(b) for b in byte_blobs]})
         try:
@@ -228,7 +228,7 @@ class Checkpointer:
         session = SaveSession(res.next_seq(), step, loss, plan, self.identity, nonce, t0,
                               self._on_done)
         session.certified = cert.ok
-        session.stage(staging)
+        session.stage(staging, copied=st is not None)
         res.inflight = session
         request = session.request(self.root, staging.path, byte_blobs, meta, self.config)
         request["manifest"].update(manifest_fields(cert))

@@ -38,23 +38,45 @@ def all_gather_small(obj: Any, group: Any, world_size: int) -> list[Any]:
     median of 50 on an idle 2-rank gloo group here). A rank whose pickle does not fit in
     ``SMALL`` bytes says so in its slot, and then every rank exchanges the objects with
     ``all_gather_object`` (all ranks take the same path)."""
+    return start_all_gather_small(obj, group, world_size).wait()
+
+
+class PendingGather:
+    """An ``all_gather_small`` in flight (``start_all_gather_small``): ``wait()`` returns every
+    rank's object in rank order. The exchange runs on the process group's own thread, so the
+    caller may do other work (not collectives on the same group) before ``wait()``."""
+
+    def __init__(self, obj: Any, group: Any, world_size: int, work: Any = None,
+                 slots: list[torch.Tensor] | None = None):
+        self.obj, self.group, self.world_size = obj, group, world_size
+        self.work, self.slots = work, slots
+
+    def wait(self) -> list[Any]:
+        if self.slots is None:
+            return [self.obj]
+        self.work.wait()
+        raw = [bytes(t.numpy()) for t in self.slots]
+        lens = [int.from_bytes(b[:4], "little") for b in raw]
+        if any(n > SMALL - 4 for n in lens):
+            return all_gather(self.obj, self.group, self.world_size)
+        return [pickle.loads(b[4:4 + n]) for b, n in zip(raw, lens)]
+
+
+def start_all_gather_small(obj: Any, group: Any, world_size: int) -> PendingGather:
+    """Start ``all_gather_small`` of ``obj`` (collective) and return at once; the answer comes
+    from the returned ``PendingGather.wait()``."""
     if not distributed(world_size):
-        return [obj]
+        return PendingGather(obj, group, world_size)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     slot = torch.zeros(SMALL, dtype=torch.uint8)
-    fits = len(data) <= SMALL - 4
-    if fits:
+    if len(data) <= SMALL - 4:
         slot[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
         slot[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
         slot[:4] = 0xFF  # length 2**32 - 1: "does not fit"
     slots = [torch.empty_like(slot) for _ in range(world_size)]
-    dist.all_gather(slots, slot, group=group)
-    raw = [bytes(t.numpy()) for t in slots]
-    lens = [int.from_bytes(b[:4], "little") for b in raw]
-    if any(n > SMALL - 4 for n in lens):
-        return all_gather(obj, group, world_size)
-    return [pickle.loads(b[4:4 + n]) for b, n in zip(raw, lens)]
+    work = dist.all_gather(slots, slot, group=group, async_op=True)
+    return PendingGather(obj, group, world_size, work, slots)
 
 
 def broadcast(obj: Any, group: Any, world_size: int) -> Any:

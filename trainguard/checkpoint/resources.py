@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from trainguard.checkpoint.client import WriterClient
 
 if TYPE_CHECKING:  # staging imports torch; this module does not need it
+    from trainguard.checkpoint.plan import SavePlan
     from trainguard.checkpoint.session import SaveSession
     from trainguard.checkpoint.staging import Staging
 
@@ -61,6 +62,13 @@ class CheckpointResources:
                 w.close()
             self.writer = w = WriterClient(nice)
         return w
+
+    def fitting_staging(self, path: str, plan: SavePlan) -> Staging | None:
+        """The current staging buffer when it is at ``path`` and holds ``plan``'s staged
+        tensors (``plan.staging_size`` bytes), else None."""
+        st = self.staging
+        return st if st is not None and st.path == path and st.size >= plan.staging_size \
+            else None
 
     def ensure_staging(self, path: str, size: int) -> Staging:
         """The staging buffer at ``path`` of at least ``size`` bytes: the current one when it

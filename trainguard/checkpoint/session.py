@@ -73,29 +73,17 @@ class SaveSession:
         return self.event.wait(timeout)
 
     # ---- the steps ---------------------------------------------------------------------------
-    def stage(self, staging: Any) -> None:
+    def stage(self, staging: Any, copied: bool = False) -> None:
         """Copy every local tensor into ``staging`` (``staging.Staging``; the only blocking
-        part), then describe the buffer in its sidecar."""
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        from trainguard.checkpoint.plan import item_key
-
-        plan, ident = self.plan, self.identity
-        planner = plan.planner
-        staging.clear_meta()
-        for wi in plan.local_items:
-            if wi.type == WriteItemType.BYTE_IO:
-                continue
-            s = plan.staged[item_key(wi)]
-            src = planner.resolve_data(wi)
-            if hasattr(src, "to_local"):
-                src = src.to_local()
-            staging.view(s.offset, s.nbytes, s.dtype, s.shape).copy_(
-                src.detach().reshape(s.shape))
+        part; ``copied``: ``copy_state`` already did, with this plan), then describe the buffer
+        in its sidecar."""
+        ident = self.identity
+        if not copied:
+            copy_state(self.plan, staging)
         staging.write_meta({"job": ident.job, "rank": ident.rank,
                             "world_size": ident.world_size, "step": self.step,
                             "generation": ident.generation, "nonce": self.nonce,
-                            "items": plan.staging_index()})
+                            "items": self.plan.staging_index()})
 
     def request(self, root: str, shm_path: str, byte_blobs: list[bytes],
                 metadata: bytes | None, config: CheckpointConfig) -> dict:
@@ -147,3 +135,23 @@ class SaveSession:
     def durable_s(self) -> float:
         """Seconds since ``save`` was called."""
         return time.perf_counter() - self.t0
+
+
+def copy_state(plan: SavePlan, staging: Any) -> None:
+    """Copy every local tensor of ``plan`` into ``staging`` (``staging.Staging``, at least
+    ``plan.staging_size`` bytes) at its planned offset. The sidecar is removed first: until
+    ``SaveSession.stage`` describes the buffer again, nothing restores from it."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from trainguard.checkpoint.plan import item_key
+
+    planner = plan.planner
+    staging.clear_meta()
+    for wi in plan.local_items:
+        if wi.type == WriteItemType.BYTE_IO:
+            continue
+        s = plan.staged[item_key(wi)]
+        src = planner.resolve_data(wi)
+        if hasattr(src, "to_local"):
+            src = src.to_local()
+        staging.view(s.offset, s.nbytes, s.dtype, s.shape).copy_(src.detach().reshape(s.shape))
