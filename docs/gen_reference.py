@@ -173,8 +173,9 @@ def cli_page() -> str:
             out += _parser_md(shown, parser, 4)
     out += ["## Modules run with `python -m`", "",
             "`SERVICE` is one of `detector`, `attributor`, `remediator`, "
-            "`checkpoint_validator`, `slurm_watch` (`trainguard.services.entry.main`); `python -m "
-            "trainguard.agents` is the node agent.", ""]
+            "`checkpoint_validator` (`trainguard.services.entry.main`); `python -m "
+            "trainguard.scheduler.slurm.watch` is the Slurm watcher, `python -m "
+            "trainguard.agents` the node agent.", ""]
     for shown, module, wrap in MODULE_COMMANDS:
         mod = importlib.import_module(module)
         out += _parser_md(shown, capture_parser(wrap(mod) if wrap else mod.main, []))

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from trainguard.rendezvous import store as rendezvous
+from trainguard.rendezvous.endpoint import is_tls
 from trainguard.rendezvous.gate import PREAMBLE, TOKEN_ENV, Gate, Relay, preamble, relay_for
 
 TOKEN = "t0ken-for-tests_0123456789abcdef"
@@ -169,7 +170,7 @@ def test_a_tls_endpoint_needs_the_token():
     with pytest.raises(ValueError, match="TG_RDZV_TOKEN"):
         relay_for("tls://127.0.0.1:29400", token="")
     assert rendezvous.parse_endpoint("tls://h.example:29400") == ("h.example", 29400)
-    assert rendezvous.is_tls("tls://h:1") and not rendezvous.is_tls("h:1")
+    assert is_tls("tls://h:1") and not is_tls("h:1")
     with pytest.raises(SystemExit):
         rendezvous.main(["--port", "0", "--tls-cert", "c.pem"])  # the key is missing
 

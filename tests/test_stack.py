@@ -441,9 +441,13 @@ def test_a_standalone_launch_leaves_no_temporary_folder(tmp_path, exit_code):
     assert logs.startswith(str(tmp / "trainguard-up-")), p.stderr[-3000:]
     left = sorted(x.name for x in tmp.iterdir())
     # what stays by design: the host lock folder of standalone launches
-    # (``launcher.standalone_lock``) and the ranks' own log folder (``trainguard-<job>-…``,
-    # kept as torchrun keeps its ``torchelastic_…``); the stack's state folder (its credentials)
-    # and its servers' folders go
+    # (``launcher.standalone_lock``); the stack's state folder (its credentials) and its
+    # servers' folders go; the ranks' own log folder (``trainguard-<job>-…``) goes when the
+    # job succeeds and is kept, and named, when it fails
+    ranks = [n for n in left if n.startswith(f"trainguard-tmp-{exit_code}-")]
+    assert ranks == ([] if exit_code == 0 else ranks[:1]) and (exit_code == 0 or ranks), left
+    if exit_code:
+        assert f"the ranks' logs are kept in {tmp / ranks[0]}" in p.stderr, p.stderr[-3000:]
     assert not [n for n in left if (tmp / n / "credentials.json").exists()
                 or n.startswith(("tg-nats-", "tg-valkey-"))], left
     assert [n for n in left if n.startswith("trainguard-up-")] == (

@@ -232,6 +232,10 @@ class Launcher:
             self.loop.exit_status, self.loop.fenced, bool(os.environ.get("SLURM_JOB_ID"))))
         self.pool.shutdown()
         status = self.loop.exit_status
+        kept = self.pool.remove_log_dir(keep=status != 0)
+        if kept is not None:
+            print(f"trainguard launch [{cfg.node}]: the ranks' logs are kept in {kept}",
+                  file=sys.stderr, flush=True)
         if self.loop.fenced:
             pass  # lost its lease: the job's record is no longer this node's to write
         elif not cfg.spare_node and status == 0:

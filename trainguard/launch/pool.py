@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -314,11 +315,29 @@ class ProcessPool:
     # ---- the job's own imports (trainguard.rank.job_imports) ---------------------------------------
     def _imports_path(self) -> str:
         """``<log dir>/<job>/job_imports.json``: where local rank 0 records its imports."""
-        if not self.cfg.log_dir:
-            self.cfg.log_dir = tempfile.mkdtemp(prefix=f"trainguard-{self.cfg.job}-")
+        self._own_log_dir()
         d = os.path.join(self.cfg.log_dir, self.cfg.job)
         os.makedirs(d, exist_ok=True)
         return os.path.join(d, "job_imports.json")
+
+    def _own_log_dir(self) -> None:
+        """Make the temporary log folder (``trainguard-<job>-…``, as torchrun's
+        ``torchelastic_…``) when the launch was given none; ``remove_log_dir`` takes it away."""
+        if not self.cfg.log_dir:
+            self.cfg.log_dir = tempfile.mkdtemp(prefix=f"trainguard-{self.cfg.job}-")
+            self._made_log_dir = self.cfg.log_dir
+
+    def remove_log_dir(self, keep: bool) -> str | None:
+        """At the end of the launch: remove the temporary log folder this pool made (nothing
+        when the launch was given ``--log-dir``), or, with ``keep`` (the job failed), leave it
+        and return its path for the launch to name."""
+        made = getattr(self, "_made_log_dir", None)
+        if made is None or not os.path.isdir(made):
+            return None
+        if keep:
+            return made
+        shutil.rmtree(made, ignore_errors=True)
+        return None
 
     def _taint(self, why: str) -> None:
         self._template_tainted = why
@@ -334,8 +353,7 @@ class ProcessPool:
     def _rank_dir(self, local_rank: int, restart_count: int) -> str:
         """torchrun's per-rank directory: ``<log dir>/<job>/attempt_<n>/<local rank>``
         (the log dir defaults to a temporary one, as torchrun's)."""
-        if not self.cfg.log_dir:
-            self.cfg.log_dir = tempfile.mkdtemp(prefix=f"trainguard-{self.cfg.job}-")
+        self._own_log_dir()
         return os.path.join(self.cfg.log_dir, self.cfg.job, f"attempt_{restart_count}",
                             str(local_rank))
 

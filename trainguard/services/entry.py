@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from typing import Callable
 
 from trainguard.schemas import subjects
@@ -18,7 +19,10 @@ def main(factory: Callable[[ServiceConfig], Service], argv: list[str] | None = N
     """Command-line entry of a service: parse the flags (``argv``; default ``sys.argv``), build
     ``factory(ServiceConfig)`` and run it until SIGTERM or SIGINT. Raises SystemExit with the
     reason when NATS or Valkey cannot be reached."""
-    p = argparse.ArgumentParser()
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    prog = (f"python -m {spec.name.removesuffix('.__main__')}" if spec is not None
+            else None)  # `python -m trainguard.detector`, not `__main__.py`
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL", ""))
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
     p.add_argument("--node", default=subjects.default_node())

@@ -88,9 +88,15 @@ def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "readmit":
         raise SystemExit(asyncio.run(readmit(argv[1:])))
+    usage = ("usage: python -m trainguard.scheduler.k8s drain [options] | readmit NODE "
+             "[--canary-cmd CMD] [--canary-timeout S]\n\n"
+             "  drain    the checkpoint-aware drain handshake (one replica; `drain --help`)\n"
+             "  readmit  return a cordoned node to service after its canary (`readmit --help`)")
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        raise SystemExit(0)
     if not argv or argv[0] != "drain":
-        raise SystemExit("usage: python -m trainguard.scheduler.k8s drain [options] | readmit NODE "
-                         "[--canary-cmd CMD] (see --help)")
+        raise SystemExit(usage)
     drain, kube = parse(argv[1:])
 
     def factory(cfg: ServiceConfig) -> DrainService:
