@@ -144,11 +144,11 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 PHASES = ["detected", "verdict", "decision", "acted", "rendezvous", "first_step"]
 
 
-def _partition(runs: Runs) -> dict:
+def _partition(runs: Runs, name: str = "tails-partition-30.json") -> dict:
     """The 30 partitions: seconds to training again, and how many recoveries waited for the heal
     (the runs' ``waited_for_heal``; in runs before it was recorded, training again no sooner than
     the heal, ``fault_spec.heal_after_s``)."""
-    row = runs("tails-partition-30.json")[0]
+    row = runs(name)[0]
     done = [r for r in row["runs"] if r["again_s"] is not None]
     heal = row["fault_spec"].get("heal_after_s")
     if any("waited_for_heal" in r for r in done):
@@ -185,7 +185,21 @@ def headline(runs: Runs) -> list[str]:
     guard, off = fleet["guard"]["rollout"], fleet["off"]["rollout"]
     cause = guard.get("shared_cause") or {}
     named = ", ".join(f"{k}={v}" for k, v in cause.get("common", {}).items()) or "none"
+    po = _partition(runs, "tails-power-off-30.json")
+    demo = runs("demo-3.json")["summary"]
+    kinds = [k for k in ("sigkill", "exception", "hang") if k in demo]
+    demo_s = " / ".join(med_range(_stats(x for x in demo[k]["resumed_s"] if x is not None),
+                                  unit="s") for k in kinds)
+    demo_ok = all(all(demo[k]["recovered"]) for k in kinds)
+    rolled = max((x for k in kinds for x in demo[k]["rolled_back"] if x is not None), default=0)
     rows = [
+        [f"`make demo`: {' / '.join(kinds)} → every rank training again",
+         f"{demo_s}; at most {rolled} steps rolled back"
+         + ("" if demo_ok else "; not every fault recovered"), "–",
+         str(len(demo[kinds[0]]["resumed_s"]))],
+        ["node power-off on fresh clusters, a spare node takes over ([tails](docs/benchmarks.md))",
+         f"{med_range(po['again'], unit='s')}, p95 {po['p95']:.2f} s; {po['recovered']} of "
+         f"{po['n']} recovered", "–", f"{po['n']}"],
         ["node partition on fresh clusters ([tails](docs/benchmarks.md))",
          f"{med_range(p['again'], unit='s')}, p95 {p['p95']:.2f} s; {p['recovered']} of "
          f"{p['n']} recovered, {waited} waited for the heal", "–", f"{p['n']}"],
@@ -194,8 +208,11 @@ def headline(runs: Runs) -> list[str]:
          f"{med_range(ck['trainguard']['durable_s'], unit='s')}, blocking "
          f"{med_range(ck['trainguard']['blocking_s'], 1, 'ms', 1e3)}",
          f"DCP `async_save` {med_range(ck['dcp_async_thread']['durable_s'], unit='s')}, blocking "
-         f"{med_range(ck['dcp_async_thread']['blocking_s'], 1, 'ms', 1e3)}; the disk's own write "
-         f"{med_range(ck['write_only']['durable_s'], unit='s')}",
+         f"{med_range(ck['dcp_async_thread']['blocking_s'], 1, 'ms', 1e3)}; `torch.save` "
+         f"{med_range(ck['torch_save']['durable_s'], unit='s')}, blocking "
+         f"{med_range(ck['torch_save']['blocking_s'], 0, 'ms', 1e3)}; the disk's own write "
+         f"{med_range(ck['write_only']['durable_s'], unit='s')} (each system's settings: "
+         "[checkpoints](docs/checkpoints.md))",
          f"{ck['trainguard']['durable_s']['n']} races"],
         ["unmodified Lightning / HF `Trainer`, SIGKILL of rank 1 → training again, no flags "
          "([frameworks](docs/frameworks.md))",
@@ -224,14 +241,15 @@ def headline(runs: Runs) -> list[str]:
     return table(["what", "trainguard", "compared with", "runs"], rows) + ["", runs_line(runs)]
 
 
-def tails_partition(runs: Runs) -> list[str]:
-    p = _partition(runs)
+def tails_partition(runs: Runs, name: str = "tails-partition-30.json") -> list[str]:
+    p = _partition(runs, name)
     row, a = p["row"], p["again"]
     ratio = a["max"] / a["median"]
     out = table(["runs", "recovered", "median (min–max)", "p95", "max / median",
                  "waited for the heal"],
                 [[str(p["n"]), str(p["recovered"]), med_range(a, unit="s"), f"{p['p95']:.2f} s",
-                  f"{ratio:.2f}", "none" if not p["waited"] else str(p["waited"])]])
+                  f"{ratio:.2f}", "none" if not p["waited"] else str(p["waited"])
+                  if p["row"]["fault_spec"].get("heal_after_s") else "–"]])
     durs = [r["timeline"]["durations"] for r in row["runs"] if r["again_s"] is not None]
     cells = []
     for ph in PHASES:
@@ -466,6 +484,7 @@ def ha(runs: Runs, name: str = "ha.json") -> list[str]:
 TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "headline": headline,
     "tails-partition": tails_partition,
+    "tails-power-off": functools.partial(tails_partition, name="tails-power-off-30.json"),
     "tails-recovery": tails_recovery,
     "checkpoint-race": checkpoint_race,
     "checkpoint": checkpoint_full,

@@ -114,3 +114,29 @@ def test_a_hang_is_timed_from_the_ranks_last_progress_everywhere():
     bare = job_page("j", job.to_dict(), {"source": "the audit trail", "goodput": None,
                                          "incidents": [], "flags": []}, [], [], [])
     assert 'id="no-timeline"' in bare and "<svg" not in bare
+
+
+def test_a_script_that_restores_itself_has_an_unknown_restored_step_in_the_report():
+    """An unmodified torchrun script restores from its own checkpoint and tells trainguard no
+    step: its ranks' ``recovery.resumed`` say -1. The report says "unknown", never step -1 nor
+    a count of replayed steps computed from it."""
+    from trainguard.tools.report import to_markdown
+
+    hbs = _heartbeats()
+    a = _hang_anomaly(hbs)
+    spec = attribute([a])
+    verdict = schemas.Verdict(job="j", fault_class=spec.fault_class, layer=spec.layer,
+                              culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes),
+                              confidence=spec.confidence, first_ts=spec.first_ts,
+                              generation=0, detail=spec.detail, ts=a.ts + 4_000_000)
+    job = JobRecord(mode="action", generation=0, world_size=2, min_world_size=1,
+                    retry_budget=5, retries_used=0, members=MEMBERS, spare_nodes=[])
+    dec = remediate(verdict, job).model_copy(update={"ts": a.ts + 6_000_000})
+    resumed = [schemas.TrainingResumed(job="j", rank=r, node="n0", generation=1, world_size=2,
+                                       restored_step=-1, resumed_step=0,
+                                       ts=wall(T0 + 4.0) + r) for r in (0, 1)]
+    rep = build_report("j", [*hbs, a, verdict, dec, *resumed])
+    [r] = rep["recoveries"]
+    assert r["restored_step"] is None and r["steps_replayed"] is None
+    md = to_markdown(rep)
+    assert "restored step unknown" in md and "restored step -1" not in md

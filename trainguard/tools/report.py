@@ -102,6 +102,8 @@ def build_report(job: str, events: list[schemas.Event],
                     and x.ts >= inc.decided_ns and x.generation >= inc.generation), None)
         loss_after = ver.loss_after if ver and ver.loss_after is not None else _loss_after(
             hbs_loss, inc.resumed_ns)
+        restored = (inc.restored_step if inc.restored_step is not None and inc.restored_step >= 0
+                    else None)
         recoveries.append({
             "fault_class": inc.fault_class, "action": inc.action, "generation": inc.generation,
             "times_ns": {"fault": inc.fault_ns, "detected": inc.detected_ns,
@@ -110,7 +112,10 @@ def build_report(job: str, events: list[schemas.Event],
                                    "decided": _s(inc.fault_ns, inc.decided_ns),
                                    "resumed": _s(inc.fault_ns, inc.resumed_ns)},
             "decision_id": inc.decision_id,
-            "restored_step": inc.restored_step, "steps_replayed": inc.steps_rolled_back,
+            # a script that restores itself (an unmodified torchrun script) reports no step:
+            # its ranks say -1, which is "unknown", not a step
+            "restored_step": restored,
+            "steps_replayed": inc.steps_rolled_back if restored is not None else None,
             "path": back[-1].path if back else None,
             "path_reason": back[-1].reason if back else None,
             "loss_rank": loss_rank, "loss_before": _loss_before(hbs_loss, inc.fault_ns),
@@ -164,11 +169,15 @@ def to_markdown(rep: dict[str, Any], picture: str | None = None) -> str:
                   f"(generation {r['generation']})", "",
                   f"* times from the fault: detected {_f(sec['detected'])} s, decided "
                   f"{_f(sec['decided'])} s, training again {_f(sec['resumed'])} s",
-                  f"* restored step {_f(r['restored_step'])}, steps replayed "
-                  f"{_f(r['steps_replayed'])}, from {_f(r.get('path'))}",
-                  f"* loss (rank {r['loss_rank']}) before {_f(r['loss_before'], '{:.4f}')}, after "
-                  f"{_f(r['loss_after'], '{:.4f}')}, at save {_f(r['loss_at_save'], '{:.4f}')}"
-                  f"; continuity verdict: "
+                  (f"* restored step {_f(r['restored_step'])}, steps replayed "
+                   f"{_f(r['steps_replayed'])}, from {_f(r.get('path'))}"
+                   if r["restored_step"] is not None else
+                   "* restored step unknown: the script restores itself and reports no step"),
+                  (f"* loss (rank {r['loss_rank']}) before {_f(r['loss_before'], '{:.4f}')}, "
+                   f"after {_f(r['loss_after'], '{:.4f}')}, at save "
+                   f"{_f(r['loss_at_save'], '{:.4f}')}" if r["loss_rank"] is not None else
+                   "* loss: not reported by the script")
+                  + f"; continuity verdict: "
                   f"{ {True: 'ok', False: 'NOT ok', None: 'not checked'}[r['continuity_ok']] }"]
         if v:
             lines.append(f"* verdict: {v['fault_class']}/{v['layer']}, ranks {v['ranks']}, "
