@@ -15,6 +15,7 @@ from trainguard.schemas import Decision, JobRecord, Member, Verdict
 from trainguard.schemas.vocabulary import (Action, FaultClass, Layer, first_error_line, signature,
                                            stronger)
 
+from trainguard.core.cuda_errors import sticky_error
 from trainguard.remediator import progress
 from trainguard.remediator.policy_table import CONFIDENCE, DEFAULT_POLICY, RECOVERY_ACTIONS, Migration, Policy, Rule
 from trainguard.remediator.world import new_world, nodes_of, ranks_on
@@ -198,6 +199,11 @@ def table_action(verdict: Verdict, job: JobRecord,
     if fact:
         action, why = fact
         reasons.append(why)
+    lost = context_lost(verdict, policy) if action == A.RESTART_IN_PROCESS else None
+    if lost:
+        action = A.RESTART_WORKERS
+        reasons.append(f"the CUDA context is lost ({lost}): the rank is respawned, never "
+                       f"restarted in process")
     if action in policy.action_aliases:
         reasons.append(f"{action} is carried out as {policy.action_aliases[action]}")
         action = policy.action_aliases[action]
@@ -210,6 +216,17 @@ def table_action(verdict: Verdict, job: JobRecord,
             reasons.append(f"no culprit rank or node named: {rule.fallback} (flag only)")
             action = rule.fallback
     return action, reasons
+
+
+def context_lost(verdict: Verdict, policy: Policy = DEFAULT_POLICY) -> str | None:
+    """Why ``verdict``'s fault leaves the culprit's CUDA context unusable, or None: its pattern
+    is a row of ``policy.context_lost_patterns``, or a line of its evidence quotes a sticky
+    CUDA error (``trainguard.core.cuda_errors.STICKY_ERRORS``)."""
+    pattern = verdict.detail.get("pattern")
+    if pattern in policy.context_lost_patterns:
+        return policy.context_lost_patterns[pattern]
+    row = next((e for e in map(sticky_error, verdict.evidence) if e is not None), None)
+    return f"{row.name} {row.code}: {row.source}" if row is not None else None
 
 
 def planned_migration(verdict: Verdict, job: JobRecord, mig: Migration) -> tuple[str, list[str]]:

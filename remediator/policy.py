@@ -12,6 +12,10 @@ re-exported here):
 * ``FACT_RULES`` — facts the attributor found in cross-job history (a node that fails across
   jobs, a job that fails the same way on different nodes) that call for a *stronger* action than
   the table's, taken when the verdict is confident enough.
+* ``CONTEXT_LOST_PATTERNS`` — detector patterns of a sticky CUDA error (illegal address,
+  device-side assert, launch failure: the CUDA context is lost for the life of the process,
+  ``trainguard.core.cuda_errors``): their ``restart_in_process`` becomes ``restart_workers``, as
+  does any verdict whose evidence quotes a sticky error (``plan.context_lost``).
 * ``ACTION_ALIASES`` — actions no executor carries out, mapped to one that does.
 * ``ACTING_WARNINGS`` — a verdict whose root is a warning (``detail["severity"]``: a
   corrected-ECC count, a PCIe replay rate, host memory pressure before any kill) is flagged,
@@ -59,8 +63,8 @@ from trainguard.schemas.vocabulary import Action
 from trainguard.remediator import holds
 # the steps and the tables are plan's and policy_table's; re-exported as the policy's own names
 from trainguard.remediator.plan import (CHECKS, escalate, fault_generation, fault_step, new_world, plan,  # noqa: F401
-                   planned_migration, pod_restart, rule_for, table_action, with_defaults)
-from trainguard.remediator.policy_table import (ACTING_WARNINGS, ACTION_ALIASES, CONFIDENCE,  # noqa: F401
+                   context_lost, planned_migration, pod_restart, rule_for, table_action, with_defaults)
+from trainguard.remediator.policy_table import (ACTING_WARNINGS, ACTION_ALIASES, CONFIDENCE, CONTEXT_LOST_PATTERNS,  # noqa: F401
                            DEFAULT_POLICY, DEFAULT_RULE, ESCALATIONS, FACT_RULES, MIGRATIONS,
                            POD_RESTARTS, RECOVERY_ACTIONS, TABLE, WATCHDOG_LADDER, Escalation,
                            FactRule, Migration, PodRestart, Policy, Rule)

@@ -1,7 +1,7 @@
 """The remediator's policy tables: the data ``remediator.policy`` decides with.
 
 ``TABLE`` (fault class and layer → the cheapest surviving action), ``FACT_RULES``,
-``ACTION_ALIASES``, ``ACTING_WARNINGS``, ``MIGRATIONS``, ``POD_RESTARTS``, ``ESCALATIONS`` and
+``ACTION_ALIASES``, ``CONTEXT_LOST_PATTERNS``, ``ACTING_WARNINGS``, ``MIGRATIONS``, ``POD_RESTARTS``, ``ESCALATIONS`` and
 ``WATCHDOG_LADDER``: what each means is ``remediator.policy``'s module docstring. Data only: no
 I/O, no decisions; ``Policy`` gathers them (the policy's
 one object; a site's own is built with ``dataclasses.replace``). ``remediator.policy`` re-exports
@@ -66,9 +66,11 @@ TABLE: tuple[Rule, ...] = (
          "a crash attributed to the node's hardware recurs on that node: move off it"),
     Rule(F.OOM_HOST, None, A.RESTART_WORKERS,
          "the kernel killed the process; a fresh one starts with clean memory"),
-    Rule(F.OOM_GPU, None, A.RESTART_WORKERS,
-         "a fresh process frees the caching allocator; a deterministic OOM is caught by loop "
-         "detection"),
+    Rule(F.OOM_GPU, None, A.RESTART_IN_PROCESS,
+         "a CUDA OOM is no sticky error (CUDA Runtime API cudaErrorMemoryAllocation; PyTorch's "
+         "torch.OutOfMemoryError): the context survives, the rank empties the caching "
+         "allocator and rejoins in process (a rank that cannot is restarted by its launcher); "
+         "a deterministic OOM is caught by loop detection"),
     Rule(F.HANG, None, A.RESTART_WORKERS,
          "a stuck gloo collective cannot be aborted from another thread: the hung rank is killed and "
          "restarted"),
@@ -105,6 +107,18 @@ TABLE: tuple[Rule, ...] = (
          "only by a spare (corpus: a throttled GPU's node is moved off), else flagged",
          requires_spare=True, fallback=A.NONE, overridable=False),
 )
+
+#: Detector patterns whose error leaves the CUDA context unusable for the life of the process
+#: (``trainguard.core.cuda_errors.STICKY_ERRORS``): their ``restart_in_process`` becomes
+#: ``restart_workers`` — the rank is respawned. A verdict whose evidence quotes a sticky error
+#: is escalated the same way, whatever its pattern.
+CONTEXT_LOST_PATTERNS: dict[str, str] = {
+    "cuda_device_assert": "cudaErrorAssert 710 (CUDA Runtime API enum cudaError: 'the process "
+                          "must be terminated and relaunched')",
+    "cuda_illegal_access": "cudaErrorIllegalAddress 700, cudaErrorMisalignedAddress 716, "
+                           "cudaErrorLaunchFailure 719 (CUDA Runtime API enum cudaError: 'the "
+                           "process must be terminated and relaunched')",
+}
 
 #: Unknown fault classes are flagged, never acted on.
 DEFAULT_RULE = Rule("*", None, A.NONE, "unknown fault class: flagged, no action taken")
@@ -259,6 +273,8 @@ class Policy:
     acting_warnings: tuple[str, ...] = ACTING_WARNINGS
     pod_restarts: tuple[PodRestart, ...] = POD_RESTARTS
     migrations: tuple[Migration, ...] = MIGRATIONS
+    context_lost_patterns: dict[str, str] = field(
+        default_factory=lambda: dict(CONTEXT_LOST_PATTERNS))
 
 
 DEFAULT_POLICY = Policy()

@@ -13,6 +13,7 @@ import traceback
 from typing import Any
 
 from trainguard import schemas
+from trainguard.core.cuda_errors import cuda_error_is_sticky, is_cuda_oom, recover_from_oom
 from trainguard.core.recovery_plan import RankAction
 from trainguard.schemas import subjects
 
@@ -173,7 +174,10 @@ class _Runtime:
     # ---- fault handling -----------------------------------------------------------------------
     def on_fault(self, exc: BaseException) -> None:
         """Report the fault, abort the groups, wait for the decision and apply it. Re-raises
-        ``exc`` in observe mode or when the job is to stop."""
+        ``exc`` in observe mode, when the job is to stop, and after a sticky CUDA error
+        (``core.cuda_errors.cuda_error_is_sticky``: the CUDA context is lost for the life of
+        the process, so the rank leaves it and its launcher starts it again, whatever the
+        decision says)."""
         cfg = self.cfg
         self.last_fault_ts = time.time_ns()
         self.last_step_before_fault = self.p.step
@@ -184,6 +188,11 @@ class _Runtime:
             print(f"trainguard: rank {cfg.rank} generation {cfg.generation} step {self.p.step}: "
                   f"{'collective failed (a peer faulted)' if symptom else 'fault'}:\n{text}",
                   file=sys.stdout, flush=True)
+        if cuda_error_is_sticky(exc):
+            print(f"trainguard: rank {cfg.rank}: the CUDA context is lost (a sticky CUDA "
+                  f"error): this process ends, its launcher starts the rank again",
+                  file=sys.stdout, flush=True)
+            raise exc
         self.abort()  # after the report: the root cause goes on the bus first
         if self.ckpt_resources is not None:
             # a save of the ended generation may wait for a dead rank's shard: drop it
@@ -206,11 +215,17 @@ class _Runtime:
     def report_fault(self, exc: BaseException, step: int | None) -> tuple[str, bool]:
         """Publish ``exc`` on ``tg.job.<job>.log``: stream ``exception`` for a root cause,
         ``stderr`` for a collective error caused by a peer (``COLLECTIVE_ERROR_MARKERS``).
-        Returns the traceback text and whether it was such a symptom."""
+        After a CUDA OOM the frames of the traceback are cleared (their tensors freed), the
+        caching allocator is emptied and its memory summary follows the traceback in the line
+        (``cuda_oom_summary``). Returns the traceback text and whether it was such a symptom."""
         text = "".join(traceback.format_exception(exc)).strip()
         symptom = any(m in text for m in COLLECTIVE_ERROR_MARKERS)
+        line = text[-4000:]
+        summary = cuda_oom_summary(exc)
+        if summary:
+            line = f"{line}\n{summary}"
         self.publish(subjects.job(self.cfg.job, "log"), schemas.LogLine(
-            **self._ids(), stream="stderr" if symptom else "exception", line=text[-4000:],
+            **self._ids(), stream="stderr" if symptom else "exception", line=line,
             step=step, generation=self.cfg.generation, source="shim"))
         return text, symptom
 
@@ -223,3 +238,17 @@ class _Runtime:
                 **self._ids(), generation=self.cfg.generation, pid=os.getpid(), step=self.p.step,
                 phase="done", world_size=self.cfg.world_size, local_rank=self.cfg.local_rank))
             self.bus.close(timeout=2.0)
+
+
+def cuda_oom_summary(exc: BaseException) -> str | None:
+    """For a CUDA OOM (``core.cuda_errors.is_cuda_oom``) in a process that has loaded torch:
+    clear the frames of ``exc``'s traceback (the failed step's tensors are freed), then
+    ``recover_from_oom`` with torch's ``cuda.is_available``, ``cuda.empty_cache`` and
+    ``cuda.memory_summary``. Returns the summary (at most 4 KB), or None: not an OOM, no torch,
+    no CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not is_cuda_oom(exc):
+        return None
+    traceback.clear_frames(exc.__traceback__)
+    return recover_from_oom(torch.cuda.is_available, torch.cuda.empty_cache,
+                            torch.cuda.memory_summary)
