@@ -171,6 +171,9 @@ def _framework(runs: Runs, name: str = "framework_restart.json") -> dict:
     return {k: (_stats(v) if isinstance(v, list) else v) for k, v in out.items()}
 
 
+DEMO_NAMES = {"sigkill": "SIGKILL", "exception": "exception", "hang": "hang (timeout 2 s)"}
+
+
 def headline(runs: Runs) -> list[str]:
     p = _partition(runs)
     ck = _checkpoint(runs)["summary"]
@@ -186,15 +189,20 @@ def headline(runs: Runs) -> list[str]:
     cause = guard.get("shared_cause") or {}
     named = ", ".join(f"{k}={v}" for k, v in cause.get("common", {}).items()) or "none"
     po = _partition(runs, "tails-power-off-30.json")
-    demo = runs("demo-3.json")["summary"]
+    demo_runs = runs("demo-3.json")
+    demo = demo_runs["summary"]
+    same_acc = all(r["accuracy"] is not None and abs(r["accuracy"] - r["baseline_accuracy"]) < 1e-9
+                   for r in demo_runs["runs"])
     kinds = [k for k in ("sigkill", "exception", "hang") if k in demo]
     demo_s = " / ".join(med_range(_stats(x for x in demo[k]["resumed_s"] if x is not None),
                                   unit="s") for k in kinds)
     demo_ok = all(all(demo[k]["recovered"]) for k in kinds)
     rolled = max((x for k in kinds for x in demo[k]["rolled_back"] if x is not None), default=0)
     rows = [
-        [f"`make demo`: {' / '.join(kinds)} → every rank training again",
-         f"{demo_s}; at most {rolled} steps rolled back"
+        [f"`make demo`: {' / '.join(DEMO_NAMES.get(k, k) for k in kinds)} → every rank "
+         "training again",
+         f"{demo_s}; {'at most ' if rolled else ''}{rolled} steps rolled back"
+         + ("; test accuracy as the fault-free run's" if same_acc else "")
          + ("" if demo_ok else "; not every fault recovered"), "–",
          str(len(demo[kinds[0]]["resumed_s"]))],
         ["node power-off on fresh clusters, a spare node takes over ([tails](docs/benchmarks.md))",
@@ -484,6 +492,7 @@ def ha(runs: Runs, name: str = "ha.json") -> list[str]:
 TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "headline": headline,
     "tails-partition": tails_partition,
+    "tails-partition-busy": functools.partial(tails_partition, name="tails-partition-30-busy.json"),
     "tails-power-off": functools.partial(tails_partition, name="tails-power-off-30.json"),
     "tails-recovery": tails_recovery,
     "checkpoint-race": checkpoint_race,
