@@ -301,8 +301,8 @@ FAULT_NAMES = {"sigkill": "SIGKILL", "exception": "exception", "hang": "hang",
                "node_loss": "node loss"}
 
 
-def tails_recovery(runs: Runs) -> list[str]:
-    d = runs("tails-recovery-5-detail.json")
+def tails_recovery(runs: Runs, name: str = "tails-recovery-5-detail.json") -> list[str]:
+    d = runs(name)
     rows = []
     for r in d["rows"]:
         secs = [f["recovery_s"] for run in d["runs"][f"{r['system']}/{r['fault']}"]
@@ -495,6 +495,7 @@ TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "tails-partition-busy": functools.partial(tails_partition, name="tails-partition-30-busy.json"),
     "tails-power-off": functools.partial(tails_partition, name="tails-power-off-30.json"),
     "tails-recovery": tails_recovery,
+    "tails-recovery-30": functools.partial(tails_recovery, name="tails-recovery-30-detail.json"),
     "checkpoint-race": checkpoint_race,
     "checkpoint": checkpoint_full,
     "attribution": attribution,

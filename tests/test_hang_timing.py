@@ -61,6 +61,18 @@ def _hang_anomaly(hbs: list[schemas.RankHeartbeat]) -> schemas.Anomaly:
     return a
 
 
+def _decided(a, spec):
+    """The verdict the attributor's ``spec`` gives 4 ms after anomaly ``a``, the job record, and
+    the remediator's decision 2 ms later."""
+    verdict = schemas.Verdict(job="j", fault_class=spec.fault_class, layer=spec.layer,
+                              culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes),
+                              confidence=spec.confidence, first_ts=spec.first_ts,
+                              generation=0, detail=spec.detail, ts=a.ts + 4_000_000)
+    job = JobRecord(mode="action", generation=0, world_size=2, min_world_size=1,
+                    retry_budget=5, retries_used=0, members=MEMBERS, spare_nodes=[])
+    return verdict, job, remediate(verdict, job).model_copy(update={"ts": a.ts + 6_000_000})
+
+
 def test_a_hang_is_timed_from_the_ranks_last_progress_everywhere():
     hbs = _heartbeats()
     a = _hang_anomaly(hbs)
@@ -73,13 +85,7 @@ def test_a_hang_is_timed_from_the_ranks_last_progress_everywhere():
     assert spec.first_ts == wall(T0 + 0.7)
     assert spec.detail["detected_ts"] == a.ts
     assert spec.detail["last_progress_ts"] == wall(T0 + 0.7)
-    verdict = schemas.Verdict(job="j", fault_class=spec.fault_class, layer=spec.layer,
-                              culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes),
-                              confidence=spec.confidence, first_ts=spec.first_ts,
-                              generation=0, detail=spec.detail, ts=a.ts + 4_000_000)
-    job = JobRecord(mode="action", generation=0, world_size=2, min_world_size=1,
-                    retry_budget=5, retries_used=0, members=MEMBERS, spare_nodes=[])
-    dec = remediate(verdict, job).model_copy(update={"ts": a.ts + 6_000_000})
+    verdict, job, dec = _decided(a, spec)
     assert dec.action == "restart_workers" and dec.ranks == [1]
     assert dec.fault_ts == wall(T0 + 0.7) and dec.detected_ts == a.ts
 
@@ -125,13 +131,7 @@ def test_a_script_that_restores_itself_has_an_unknown_restored_step_in_the_repor
     hbs = _heartbeats()
     a = _hang_anomaly(hbs)
     spec = attribute([a])
-    verdict = schemas.Verdict(job="j", fault_class=spec.fault_class, layer=spec.layer,
-                              culprit=schemas.Culprit(ranks=spec.ranks, nodes=spec.nodes),
-                              confidence=spec.confidence, first_ts=spec.first_ts,
-                              generation=0, detail=spec.detail, ts=a.ts + 4_000_000)
-    job = JobRecord(mode="action", generation=0, world_size=2, min_world_size=1,
-                    retry_budget=5, retries_used=0, members=MEMBERS, spare_nodes=[])
-    dec = remediate(verdict, job).model_copy(update={"ts": a.ts + 6_000_000})
+    verdict, job, dec = _decided(a, spec)
     resumed = [schemas.TrainingResumed(job="j", rank=r, node="n0", generation=1, world_size=2,
                                        restored_step=-1, resumed_step=0,
                                        ts=wall(T0 + 4.0) + r) for r in (0, 1)]
