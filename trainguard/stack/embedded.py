@@ -131,7 +131,25 @@ class EmbeddedServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-class EmbeddedServers:
+class AdminURLs:
+    """The ``admin`` role's URLs of a set of servers that has ``urls(role)``: what the stack's
+    own clients connect with (``EmbeddedServers`` and ``trainguard.stack.ha.HAServers``)."""
+
+    def urls(self, role: str) -> tuple[str, str]:
+        raise NotImplementedError
+
+    @property
+    def nats_url(self) -> str:
+        """The ``admin`` NATS URL (or the given one)."""
+        return self.urls("admin")[0]
+
+    @property
+    def redis_url(self) -> str:
+        """The ``admin`` Valkey URL (or the given one)."""
+        return self.urls("admin")[1]
+
+
+class EmbeddedServers(AdminURLs):
     """nats-server + valkey-server on free ports of ``host`` (loopback), or the given URLs.
 
     ``nats_url``/``redis_url`` make it use existing servers instead of starting its own (every
@@ -167,15 +185,6 @@ class EmbeddedServers:
     def _server(self, kind: str) -> EmbeddedServer | None:
         return next((s for s in self.servers if s.kind == kind), None)
 
-    @property
-    def nats_url(self) -> str:
-        """The ``admin`` NATS URL (or the given one)."""
-        return self.urls("admin")[0]
-
-    @property
-    def redis_url(self) -> str:
-        """The ``admin`` Valkey URL (or the given one)."""
-        return self.urls("admin")[1]
 
     @property
     def tls_ca(self) -> str | None:

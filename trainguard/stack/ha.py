@@ -39,7 +39,7 @@ from pathlib import Path
 
 from trainguard.security.credentials import Credentials
 from trainguard.security.private_file import write_private
-from trainguard.stack.embedded import EmbeddedServer
+from trainguard.stack.embedded import AdminURLs, EmbeddedServer
 from trainguard.stack.process import ServerStartError, free_port, port_free
 from trainguard.stack.statedir import close_state_dir, open_state_dir
 from trainguard.stack.sentinel import SENTINEL_READ_RULES, SentinelProcess, sentinel_config
@@ -87,7 +87,7 @@ class ValkeyNode(EmbeddedServer):
         return cmd
 
 
-class HAServers:
+class HAServers(AdminURLs):
     """``nats`` nats-servers in a JetStream cluster and a Valkey primary with ``replicas``
     replicas under ``sentinels`` sentinels, on free ports of ``host``; see the module docstring.
 
@@ -140,14 +140,6 @@ class HAServers:
     def urls(self, role: str) -> tuple[str, str]:
         """``(nats_url, redis_url)`` for ``role``: the comma list and the sentinel URL."""
         return ",".join(self.nats_urls(role)), self.sentinel_url(role)
-
-    @property
-    def nats_url(self) -> str:
-        return self.urls("admin")[0]
-
-    @property
-    def redis_url(self) -> str:
-        return self.urls("admin")[1]
 
     @property
     def tls_ca(self) -> str | None:
