@@ -20,7 +20,9 @@ trail in Valkey and the events on the bus:
 * ``trials``, ``faults`` (injected), ``full_restarts`` (a trial nothing recovered within
   ``--recovery-timeout``: the job is restarted whole, as a scheduler would, for the next one),
   ``recovered`` (every rank of the new world completed a new
-  step, from the progress file), ``recovery_s`` (median, max);
+  step, from the progress file), ``recovery_s`` (median, p95 nearest rank, max);
+  ``recovery_tails``: the same by fault kind and outage moment, with every trial over twice its
+  group's median named with its slow phase (each trial's ``timeline`` is in ``per_trial``);
 * ``decisions_lost`` — faults followed by no decision that acts (``none`` does not) within
   ``--recovery-timeout``: none on the bus, none in the audit trail, and the job never
   recovered;
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -185,7 +188,7 @@ def account(trials: list[dict[str, Any]], outages: list[dict[str, Any]], rank0_n
     ``trials``: per fault ``injected_ns``, ``recovered_ns`` (None: never), ``decided``
     (a decision seen anywhere); ``outages``: ``{"target", "when", "down_ns", "up_ns"}``;
     ``rank0_ns``: Unix ns of every step rank 0 completed. Returns ``faults``, ``recovered``,
-    ``decisions_lost``, ``recovery_s`` (median, max), ``training_blocked_s`` (total, in fault
+    ``decisions_lost``, ``recovery_s`` (median, p95, max), ``training_blocked_s`` (total, in fault
     windows, outside), ``steps_per_s`` (steady outages, fault-free time without outages) and
     ``throughput_ratio``."""
     rank0_ns = sorted(rank0_ns)
@@ -229,6 +232,8 @@ def account(trials: list[dict[str, Any]], outages: list[dict[str, Any]], rank0_n
         "decisions_lost": sum(1 for t in inj if not t.get("decided") and
                               not t.get("recovered_ns")),
         "recovery_s": {"median": round(statistics.median(rec), 3) if rec else None,
+                       "p95": round(sorted(rec)[max(0, math.ceil(0.95 * len(rec)) - 1)], 3)
+                       if rec else None,
                        "max": round(max(rec), 3) if rec else None},
         "training_blocked_s": {"total": round(blocked, 2), "in_fault_windows": round(in_faults, 2),
                                "outside": round(blocked - in_faults, 2)},
@@ -423,9 +428,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                        "decided": bool(audit_dec or bus_dec),
                        "decision": (r.get("decision") or {}).get("action"),
                        "harness_recovered": r.get("recovered"),
-                       "full_restart": bool(r.get("full_restart"))})
+                       "full_restart": bool(r.get("full_restart")),
+                       "timeline": r.get("timeline")})
     rank0 = [x.t for x in recs if x.rank == 0]
     acc = account(trials, chaos.outages, rank0)
+    acc["recovery_tails"] = recovery_tails(trials)
     dup = duplicate_actions(
         [{"idempotency_key": e.idempotency_key, "executor": e.executor, "ok": e.ok,
           "skipped": e.skipped} for e in events if isinstance(e, schemas.ActionResult)],
@@ -445,6 +452,27 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def recovery_tails(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Distributions of the trials' recovery seconds (``trainguard.core.timeline.tails``: median,
+    p95, max, each trial over 2 x its group's median or never recovered with the phase that
+    took the extra time) — all trials (``"all"``), and by the fault's kind and the outage's
+    moment (``"sigkill/steady"``, ``"exception/during"``, …): a fault whose recovery ran into
+    an outage is compared with its own kind."""
+    from trainguard.core import timeline
+
+    groups: dict[str, list[dict[str, Any]]] = {"all": list(trials)}
+    for t in trials:
+        groups.setdefault(f"{t.get('kind')}/{t.get('when')}", []).append(t)
+    out = {}
+    for name, ts in groups.items():
+        d = timeline.tails([t.get("recovery_s") for t in ts], [t.get("timeline") for t in ts])
+        for sr in d["slow_runs"]:  # the trial's own id and outage beside its index in the group
+            t = ts[sr["run"]]
+            sr.update(trial=t.get("id"), target=t.get("target"), when=t.get("when"))
+        out[name] = d
+    return out
+
+
 def _by_target(trials: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for t in trials:
@@ -461,7 +489,13 @@ def print_report(r: dict[str, Any]) -> None:
     for k, v in sorted(r["outages_by_target"].items()):
         print(f"{k:22} {v['trials']:6} {v['decided']:7} {v['recovered']:9}")
     print(f"\nrecovered {r['recovered']}/{r['faults']}; recovery s median "
-          f"{r['recovery_s']['median']} max {r['recovery_s']['max']}")
+          f"{r['recovery_s']['median']} p95 {r['recovery_s'].get('p95')} "
+          f"max {r['recovery_s']['max']}")
+    for name, d in sorted((r.get("recovery_tails") or {}).items()):
+        print(f"  {name:20} n={d['n']:3} median {d['median_s']} p95 {d['p95_s']} max {d['max_s']}")
+        for sr in d["slow_runs"] if name == "all" else []:
+            print(f"    slow: trial {sr['trial']} ({sr['target']}, {sr['when']}): {sr['seconds']} s,"
+                  f" slow phase {sr['slow_phase']} (+{sr['extra_s']} s over its median)")
     print(f"decisions_lost {r['decisions_lost']}; duplicate_actions {r['duplicate_actions']}; "
           f"whole-job restarts after a stuck trial {r['full_restarts']}")
     b = r["training_blocked_s"]

@@ -82,7 +82,7 @@ class Settings:
     ``start_timeout_s``: for the first steps; ``recover_timeout_s``: for training again."""
 
     window_s: float = 12.0
-    rounds: int = 2
+    rounds: int = 3
     hang_wait_s: float = 30.0
     settle_timeout_s: float = 120.0
     start_timeout_s: float = 300.0
@@ -206,6 +206,40 @@ class Stack:
     rdzv_endpoint: str = ""
 
 
+def step_records(recs: list[Rec], t_f: int, before: dict[int, Rec], gen: int = 1
+                 ) -> list[dict[str, Any]]:
+    """The step records of ``trainguard.core.timeline`` (``{"t_ns", "rank", "gen", "step"}``)
+    around the fault at ``t_f``: generation ``gen`` for a rank's steps in a process other than
+    its process at the fault (``before``), ``gen - 1`` for the others."""
+    return [{"t_ns": r.t, "rank": r.rank, "step": r.step,
+             "gen": gen - 1 + int(r.t > t_f and r.rank in before and r.pid != before[r.rank].pid)}
+            for r in recs]
+
+
+def job_events(stack: Stack, job: str) -> list[Any]:
+    """Every event JetStream kept on ``tg.job.<job>.>``, as schema objects (for a timeline)."""
+    from trainguard import schemas
+
+    out = []
+    for e in bus_events(stack, job, ">"):
+        try:
+            out.append(schemas.from_dict(e))
+        except Exception:  # noqa: BLE001 - a message of another shape: not a phase
+            pass
+    return out
+
+
+def recovery_timeline(recs: list[Rec], t_f: int, before: dict[int, Rec],
+                      events: list[Any] = ()) -> dict[str, Any]:
+    """The phases of one recovery (``trainguard.core.timeline``): from the bus ``events`` where
+    the launcher publishes them (trainguard), and from the ranks' records for every launcher
+    (last progress, first step of every rank in its new process)."""
+    from trainguard.core import timeline
+
+    gen = max(1, timeline.build(t_f, events).generation or 1)  # the generation recovery made
+    return timeline.build(t_f, events, steps=step_records(recs, t_f, before, gen)).to_dict()
+
+
 def bus_events(stack: Stack, job: str, kind: str) -> list[dict[str, Any]]:
     """What JetStream kept on ``tg.job.<job>.<kind>``, oldest first."""
     from trainguard.tools.replay import history
@@ -304,6 +338,8 @@ def run_one(system: str, job: str, rnd: int, s: Settings, stack: Stack, root: st
             res.notes.append(f"SIGKILL: not training again within {s.recover_timeout_s:g} s "
                              f"(launcher exit {proc.poll()})")
             return res
+        evs = job_events(stack, tg_job) if system == "trainguard" else []
+        res.kill["timeline"] = recovery_timeline(read_records(recs_path), t_f, before, evs)
         if system == "trainguard":
             ds = [e for e in bus_events(stack, tg_job, "decision")
                   if e.get("execute") and e["ts"] > t_f]
@@ -341,6 +377,9 @@ def run_one(system: str, job: str, rnd: int, s: Settings, stack: Stack, root: st
             back = back_after(read_records(recs_path), t_h, before)
             if back is not None:
                 hang["training_again_s"] = back["recovery_s"]
+                hang["timeline"] = recovery_timeline(
+                    read_records(recs_path), t_h, before,
+                    job_events(stack, tg_job) if system == "trainguard" else [])
                 if not hang["detected"]:
                     hang.update(detected=True, by=f"{system} restarted the group",
                                 detected_s=back["recovery_s"])
@@ -379,8 +418,11 @@ def _median(xs: list[float]) -> float | None:
 
 def summarize(results: list[RunResult], jobs: list[str], missing: dict[str, str]
               ) -> list[dict[str, Any]]:
-    """One row per job: rates and their ratio, SIGKILL recovery per launcher and the ratio
+    """One row per job: rates and their ratio, SIGKILL recovery per launcher (median, samples,
+    ``kill_<launcher>_tails``: p95, max and slow runs with their phase) and the ratio
     torchrun/trainguard, hang detection per launcher."""
+    from trainguard.core import timeline
+
     rows = []
     for job in jobs:
         of = {sy: [r for r in results if r.job == job and r.system == sy] for sy in SYSTEMS}
@@ -401,6 +443,10 @@ def summarize(results: list[RunResult], jobs: list[str], missing: dict[str, str]
             ks = [r.kill["recovery_s"] for r in of[sy] if r.kill]
             row[f"kill_{sy}_s"] = _median(ks)
             row[f"kill_{sy}_samples"] = ks
+            if of[sy]:  # p95, max and each slow run's phase (a launch that never came back: None)
+                row[f"kill_{sy}_tails"] = timeline.tails(
+                    [r.kill["recovery_s"] if r.kill else None for r in of[sy]],
+                    [r.kill.get("timeline") if r.kill else None for r in of[sy]])
             hs = [r.hang for r in of[sy] if r.hang]
             if hs:
                 det = [h for h in hs if h["detected"]]

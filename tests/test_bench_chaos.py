@@ -91,7 +91,7 @@ def test_account_splits_stalls_and_measures_throughput_in_outages(C):
                 "up_ns": T0 + 22 * S}]
     r = C.account(trials, outages, rank0)
     assert r["faults"] == 2 and r["recovered"] == 1 and r["decisions_lost"] == 1
-    assert r["recovery_s"] == {"median": 3.0, "max": 3.0}
+    assert r["recovery_s"] == {"median": 3.0, "p95": 3.0, "max": 3.0}
     b = r["training_blocked_s"]
     assert b["total"] == pytest.approx(5.2, abs=0.3)
     assert b["in_fault_windows"] == pytest.approx(3.0, abs=0.2)
@@ -100,6 +100,32 @@ def test_account_splits_stalls_and_measures_throughput_in_outages(C):
     assert sp["without"] == pytest.approx(10.0, rel=0.05)
     assert sp["during_outages"] == pytest.approx(2.5, rel=0.1)  # 10 steps in 4 s of outage
     assert r["throughput_ratio"] == pytest.approx(0.25, rel=0.15)
+
+
+def _tl(fault_ns: int, detected_s: float, first_step_s: float) -> dict:
+    from trainguard.core import timeline
+
+    return timeline.Timeline({**dict.fromkeys(timeline.PHASES), "fault": fault_ns,
+                              "detected": fault_ns + int(detected_s * S),
+                              "first_step": fault_ns + int(first_step_s * S)}).to_dict()
+
+
+def test_recovery_tails_group_by_kind_and_moment_and_name_the_slow_phase(C):
+    trials = []
+    for i in range(10):  # 10 SIGKILLs in steady outages, 0.3 s each; trial 7 waited 2 s to be seen
+        det = 2.0 if i == 7 else 0.1
+        trials.append({"id": i, "kind": "sigkill", "when": "steady", "target": "nats",
+                       "recovery_s": det + 0.2, "timeline": _tl(T0 + i * 10 * S, det, det + 0.2)})
+    trials.append({"id": 10, "kind": "exception", "when": "during", "target": "valkey",
+                   "recovery_s": None, "timeline": None})  # never recovered
+    t = C.recovery_tails(trials)
+    assert set(t) == {"all", "sigkill/steady", "exception/during"}
+    k = t["sigkill/steady"]
+    assert (k["n"], k["recovered"], k["median_s"], k["max_s"]) == (10, 10, 0.3, 2.2)
+    assert k["slow_runs"] == [{"run": 7, "seconds": 2.2, "slow_phase": "detected", "extra_s": 1.9,
+                               "trial": 7, "target": "nats", "when": "steady"}]
+    assert [sr["trial"] for sr in t["all"]["slow_runs"]] == [7, 10]
+    assert t["exception/during"]["recovered"] == 0
 
 
 def test_account_with_no_outage_or_no_records(C):

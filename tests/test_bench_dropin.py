@@ -28,7 +28,7 @@ def D():
 
 def test_arguments_and_plan(D):
     a = D.parse_args(["--json", "x.json"])
-    assert a.jobs == ["plain", "lightning", "hf"] and D.settings_from(a).rounds == 2
+    assert a.jobs == ["plain", "lightning", "hf"] and D.settings_from(a).rounds == 3
     q = D.settings_from(D.parse_args(["--quick", "--no-hang"]))
     assert q.rounds == 1 and not q.hang and q.window_s == D.QUICK["window_s"]
     with pytest.raises(SystemExit):
@@ -60,6 +60,11 @@ def test_rate_and_recovery_from_records(D, tmp_path):
     back = D.back_after(recs, t_f, before)
     assert back == {"recovery_s": 2.0, "resumed_step": 40, "last_step": 49, "rolled_back": 10}
     assert D.back_after(recs[:-1], t_f, before) is None  # rank 1 not back yet
+    # the phases a launcher without bus events still shows: last progress, first step by rank
+    tl = D.recovery_timeline(recs, t_f, before)
+    assert tl["seconds"]["first_step"] == 2.0 and tl["first_step_by_rank"] == {"0": 1.5, "1": 2.0}
+    assert tl["seconds"]["last_progress"] == pytest.approx(0.0, abs=1e-3)  # rank 1, step 49
+    assert tl["seconds"]["decision"] is None  # torchrun publishes none
 
 
 def test_summary_ratios_and_table(D):
@@ -70,11 +75,20 @@ def test_summary_ratios_and_table(D):
             R("torchrun", "plain", 0, rate=40.4, kill={"recovery_s": 6.0},
               hang={"detected": False, "by": "nobody in 30 s", "waited_s": 30}),
             R("trainguard", "plain", 1, rate=41.0, kill={"recovery_s": 1.2}),
-            R("torchrun", "plain", 1, rate=40.6, kill={"recovery_s": 5.0})]
+            R("torchrun", "plain", 1, rate=40.6, kill={"recovery_s": 5.0}),
+            R("trainguard", "plain", 2, rate=40.5, kill={"recovery_s": 3.5}),
+            R("torchrun", "plain", 2, rate=40.5, kill=None, notes=["never again"])]
     (row,) = D.summarize(runs, ["plain"], {"nvrx": "not installed"})
     assert row["rate_ratio"] == pytest.approx(40.5 / 40.5)
-    assert row["kill_trainguard_s"] == 1.1 and row["kill_torchrun_s"] == 5.5
-    assert row["kill_ratio_torchrun_over_trainguard"] == 5.0
+    assert row["kill_trainguard_s"] == 1.2 and row["kill_torchrun_s"] == 5.5
+    assert row["kill_ratio_torchrun_over_trainguard"] == round(5.5 / 1.2, 2)
+    t = row["kill_trainguard_tails"]  # 3.5 s is over 2 x the 1.2 s median: listed as slow
+    assert (t["median_s"], t["p95_s"], t["max_s"]) == (1.2, 3.5, 3.5)
+    assert [x["run"] for x in t["slow_runs"]] == [2]
+    # a launch that never trained again counts as not recovered and is listed
+    assert row["kill_torchrun_tails"]["recovered"] == 2 and \
+        row["kill_torchrun_tails"]["slow_runs"] == [{"run": 2, "seconds": None,
+                                                     "slow_phase": None, "extra_s": 0.0}]
     assert row["hang_trainguard"]["detected"] == "1/1"
     assert row["hang_torchrun"]["detected"] == "0/1"
     assert row["hang_nvrx"]["by"].startswith("not run")
