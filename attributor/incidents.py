@@ -191,7 +191,7 @@ KEPT_SOURCE_IDS = 8
 
 
 #: Incidents (generations) one job keeps at once: the default retry budget
-#: (``remediator.policy.Policy.default_retry_budget``, 10 recoveries, each a new generation)
+#: (``remediator.policy_table.Policy.default_retry_budget``, 10 recoveries, each a new generation)
 #: and its first generation fit, with room to spare. A new generation past it drops the job's
 #: oldest incident (its verdict, if any, was published): a late anomaly of that generation opens
 #: it again, and a verdict reached again has the same ``event_id`` (derived from job,

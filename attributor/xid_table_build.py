@@ -6,7 +6,7 @@ immediate_action, investigatory_action, xid154_linkage, nvsentinel_recommended_a
 
 Run ``python -m trainguard.attributor.xid_table_build CATALOG.csv > schemas/xid_table.csv`` to
 regenerate. The table keeps fault class and layer, not actions: what to do about a fault is the
-remediator's policy (``remediator.policy.TABLE``). NVIDIA's immediate action tells the layer and
+remediator's policy (``remediator.policy_table.TABLE``). NVIDIA's immediate action tells the layer and
 the severity; the mapping is the data below:
 
 * ``IMMEDIATE`` maps NVIDIA's immediate action to a default layer and a severity;

@@ -20,7 +20,7 @@ What the rows keep in mind:
 * **Someone else's drain is a warning.** An operator or a health check draining a node of the
   job (NHC, a prolog) means it is to be taken away while the ranks there still run: a warning
   of kind ``slurm_drain``, which the remediator turns into a planned migration when a spare
-  node is registered (``remediator.policy.MIGRATIONS``) and flags otherwise.
+  node is registered (``remediator.policy_table.MIGRATIONS``) and flags otherwise.
 * **Requeue, cancel, end** are the scheduler carrying out someone's decision (trainguard's
   controller, the user, an operator, a time limit): no fault of the training.
 
@@ -42,7 +42,7 @@ __all__ = ["SchedulerRow", "ROWS", "scheduler_row", "node_finding", "job_finding
 
 #: The pattern of every Slurm node-loss finding (one anomaly per job, node and generation).
 NODE_LOST_PATTERN = "slurm_node_lost"
-#: The kind of a drain someone else set (a warning; ``remediator.policy.MIGRATIONS``).
+#: The kind of a drain someone else set (a warning; ``remediator.policy_table.MIGRATIONS``).
 DRAIN_KIND = "slurm_drain"
 
 

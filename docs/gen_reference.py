@@ -270,11 +270,11 @@ def roles_page() -> str:
 
 
 def policy_page() -> str:
-    from trainguard.remediator import policy as P
+    from trainguard.remediator import policy_table
 
-    d = P.DEFAULT_POLICY
-    out = [GENERATED_NOTE.format(src="remediator/policy.py"), "# Remediation policy", "",
-           "The remediator's tables (`remediator/policy.py`). A verdict's fault class and layer "
+    d = policy_table.DEFAULT_POLICY
+    out = [GENERATED_NOTE.format(src="remediator/policy_table.py"), "# Remediation policy", "",
+           "The remediator's tables (`remediator/policy_table.py`). A verdict's fault class and layer "
            "pick a row of the policy table (a row with a layer wins over one without); facts "
            "the attributor found may make it stronger; the escalations then apply. "
            f"Default mode `{d.default_mode}`, default retry budget {d.default_retry_budget}. "

@@ -2,6 +2,8 @@
 ``remediator.reducer`` for what the service decides around it — claims, commit, exclusion,
 watchdog — and ``remediator.service`` for the service)."""
 
-from trainguard.remediator.policy import DEFAULT_POLICY, Policy, decide, escalate
+from trainguard.remediator.plan import escalate
+from trainguard.remediator.policy import decide
+from trainguard.remediator.policy_table import DEFAULT_POLICY, Policy
 
 __all__ = ["DEFAULT_POLICY", "Policy", "decide", "escalate"]

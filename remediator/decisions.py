@@ -14,6 +14,8 @@ from trainguard.schemas.vocabulary import stronger
 
 from trainguard.remediator import gate
 from trainguard.remediator import policy as pol
+from trainguard.remediator import plan
+from trainguard.remediator import policy_table
 from trainguard.remediator import progress
 from trainguard.remediator.model import (ENDED, Out, Pending, RemediatorState, Work, brief, count, count_outbox,
                     FOLDED, decision_id, done, fold, in_flight, owner_action, owner_of, stamp, start,
@@ -99,7 +101,7 @@ def _node_steps(state: RemediatorState, dec: Decision, verdict: Verdict | None
         return "exclude", tuple(dec.nodes)
     if dec.action == "stop_job_notify_user" and state.cancels_jobs:
         return "stop", JOB_TARGET
-    pods, _ = pol.pod_restart(dec, verdict, state.restarts_pods, state.config.policy)
+    pods, _ = plan.pod_restart(dec, verdict, state.restarts_pods, state.config.policy)
     if pods:
         return "restart_pod", tuple(pods)
     return None
@@ -126,7 +128,7 @@ def on_job(state, seq, w: Work, inp: Reply, now) -> Out:
             "type": "ignored", "verdict_id": v.event_id, "fault_class": v.fault_class,
             "reason": "verdict names no job"}),
             store("settle", verdict_key(w.job, v.event_id), FOLDED, wait=False)]
-    fault_gen = pol.fault_generation(v, pol.with_defaults(rec, policy))
+    fault_gen = plan.fault_generation(v, plan.with_defaults(rec, policy))
     # the verdict's own decision id: decided again after a restart, it is the same decision
     dec = stamp(dec, inp.wall_ns).model_copy(update={"event_id": decision_id(v.event_id)})
     state, w = update(state, seq, record=rec, decision=dec, fault_gen=fault_gen)
@@ -160,10 +162,10 @@ def on_claim(state, seq, w: Work, inp: Reply, now) -> Out:
     # compare the table's action, not the escalated one: a budget or loop stop computed for an
     # incident that already has its decision is not a new incident
     policy = state.config.policy
-    table_action, _ = pol.table_action(w.verdict, pol.with_defaults(w.record, policy), policy)
+    table_action, _ = plan.table_action(w.verdict, plan.with_defaults(w.record, policy), policy)
     if not stronger(table_action, held):
         why = f"generation already decided ({held})"
-        pods, _ = pol.pod_restart(w.decision, w.verdict, state.restarts_pods, policy)
+        pods, _ = plan.pod_restart(w.decision, w.verdict, state.restarts_pods, policy)
         if pods and w.decision.execute and held == w.decision.action:
             return _fold_then_pods(state, seq, w, owner, why, inp.wall_ns, pods)
         return fold(state, seq, w, owner, why, inp.wall_ns)
@@ -229,14 +231,14 @@ def on_bump(state, seq, w: Work, inp: Reply, now) -> Out:
     v = w.verdict
     policy = state.config.policy
     last_fault = None if v is None else progress.next_last_fault(
-        v, pol.with_defaults(w.record, policy), w.fault_gen, policy.progress_s)
+        v, plan.with_defaults(w.record, policy), w.fault_gen, policy.progress_s)
     world: dict[str, Any] = {}
     if dec.members:
         new_nodes = {m.node for m in dec.members}
         world = dict(members=[m.model_dump() for m in dec.members], world_size=dec.world_size,
                      spare_nodes=[s for s in w.record.spare_nodes if s not in new_nodes])
     pending = None
-    if dec.execute and dec.action in pol.RECOVERY_ACTIONS:
+    if dec.execute and dec.action in policy_table.RECOVERY_ACTIONS:
         pending = {**dec.to_dict(), "deadline_ns": inp.wall_ns
                    + int(state.config.decision_timeout_s * 1e9)}
     return state, [store("commit_decision", w.job, retries_used=dec.retries_used,
@@ -300,7 +302,7 @@ def _finish(state: RemediatorState, seq: int, now: float, wall_ns: int,
         *publish,
         Log(logging.INFO, f"{job}: {dec.action} (generation {dec.generation}, "
                           f"execute={dec.execute}): {dec.reason}")]
-    if dec.execute and dec.action in pol.RECOVERY_ACTIONS:
+    if dec.execute and dec.action in policy_table.RECOVERY_ACTIONS:
         state = replace(state, pending={**state.pending, job: Pending(
             dec, now + state.config.decision_timeout_s)})
     elif dec.execute:  # a stop supersedes a pending recovery; a flag (none) does not

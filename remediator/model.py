@@ -12,7 +12,7 @@ from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.job import ENDED_STATUSES
 
 from trainguard.remediator import breaker as br
-from trainguard.remediator import policy as pol
+from trainguard.remediator import policy_table
 
 #: job record statuses of a run that is over: its lingering anomalies decide nothing
 #: (``requeued``: the scheduler restarts the job, whose launchers start a new run)
@@ -29,7 +29,7 @@ class RemediatorConfig:
       ranks, as measured with gloo);
     * ``controller`` — node controller for exclusions: ``local`` (state store only), ``slurm``
       or ``kubernetes`` (env ``TG_NODE_CONTROLLER``, default ``local``);
-    * ``policy`` — the ``remediator.policy.Policy`` (default ``DEFAULT_POLICY``);
+    * ``policy`` — the ``remediator.policy_table.Policy`` (default ``DEFAULT_POLICY``);
     * ``outbox_sweep_s`` — period, seconds, of the outbox sweep that publishes again the
       decisions no stream acknowledged yet (2 s: a decision lost with the bus reaches the
       stream within 2 s of its return).
@@ -39,7 +39,7 @@ class RemediatorConfig:
         default_factory=lambda: float(os.environ.get("TG_DECISION_TIMEOUT_S", "60")))
     controller: str = field(
         default_factory=lambda: os.environ.get("TG_NODE_CONTROLLER", "local"))
-    policy: pol.Policy = field(default_factory=lambda: pol.DEFAULT_POLICY)
+    policy: policy_table.Policy = field(default_factory=lambda: policy_table.DEFAULT_POLICY)
     outbox_sweep_s: float = 2.0
     #: a state-store call of a verdict's chain that failed (Valkey restarting, a connection
     #: closed) is issued again after ``store_retry_s`` × 2^tries (capped at ``store_retry_max_s``)

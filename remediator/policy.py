@@ -3,8 +3,8 @@
 Everything here is pure (no I/O, no clock unless passed in) so it is unit-tested as a table.
 
 The policy is data (the tables are ``remediator.policy_table``'s, the steps between them
-``remediator.plan``'s, the fallback of a held decision ``remediator.holds``'; every name is
-re-exported here):
+``remediator.plan``'s, the fallback of a held decision ``remediator.holds``'; this module is
+the entry point, ``decide``):
 
 * ``TABLE`` — ``(fault_class, layer) → Rule``: the cheapest recovery action that survives the
   fault (the nested layers of the design: in-process restart < worker restart < node exclusion <
@@ -61,13 +61,8 @@ from trainguard.schemas import Decision, JobRecord, Verdict
 from trainguard.schemas.vocabulary import Action
 
 from trainguard.remediator import holds
-# the steps and the tables are plan's and policy_table's; re-exported as the policy's own names
-from trainguard.remediator.plan import (CHECKS, escalate, fault_generation, fault_step, new_world, plan,  # noqa: F401
-                   context_lost, planned_migration, pod_restart, rule_for, table_action, with_defaults)
-from trainguard.remediator.policy_table import (ACTING_WARNINGS, ACTION_ALIASES, CONFIDENCE, CONTEXT_LOST_PATTERNS,  # noqa: F401
-                           DEFAULT_POLICY, DEFAULT_RULE, ESCALATIONS, FACT_RULES, MIGRATIONS,
-                           POD_RESTARTS, RECOVERY_ACTIONS, TABLE, WATCHDOG_LADDER, Escalation,
-                           FactRule, Migration, PodRestart, Policy, Rule)
+from trainguard.remediator.plan import fault_generation, plan, pod_restart, table_action, with_defaults
+from trainguard.remediator.policy_table import DEFAULT_POLICY, Policy
 
 A = Action
 

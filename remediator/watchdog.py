@@ -11,7 +11,7 @@ from trainguard.core.reducer import Effect, Log, Reply, store
 from trainguard.schemas import ActionResult, Decision, JobRecord, TrainingResumed
 
 from trainguard.remediator import gate
-from trainguard.remediator import policy as pol
+from trainguard.remediator import plan
 from trainguard.remediator.decisions import claim_call, commit
 from trainguard.remediator.model import (Out, Pending, RemediatorState, Work, count, done, stamp, start, update,
                     without_pending)
@@ -65,7 +65,7 @@ def on_wd_job(state, seq, w: Work, inp: Reply, now) -> Out:
     assert prev is not None
     if rec.generation > prev.generation:
         return done(state, seq), []  # a later decision superseded it
-    dec = pol.escalate(prev, rec, w.why, state.config.policy)
+    dec = plan.escalate(prev, rec, w.why, state.config.policy)
     if dec is None:
         return done(state, seq), [store("clear_pending", w.job)]
     state, w = update(state, seq, record=rec, decision=stamp(dec, inp.wall_ns),

@@ -6,7 +6,7 @@ Every service speaks these words and nothing else:
   names one);
 * the attributor chooses the root cause and its ``Layer`` (``VOCABULARY`` gives the default layer
   and the root-cause priority of each class);
-* only the remediator chooses an ``Action``: its policy table (``remediator.policy.TABLE``)
+* only the remediator chooses an ``Action``: its policy table (``remediator.policy_table.TABLE``)
   maps (fault class, layer) to an action, with one any-layer row per fault class
   (``tests/test_vocabulary.py`` checks it).
 
@@ -63,7 +63,7 @@ class Action(StrEnum):
 
     ``reset_gpu`` and ``fix_config`` are corpus words without an executor; a policy that names
     them has them carried out as ``exclude_node_and_requeue`` / ``stop_job_notify_user``
-    (``remediator.policy.ACTION_ALIASES``)."""
+    (``remediator.policy_table.ACTION_ALIASES``)."""
 
     NONE = "none"
     RESTART_IN_PROCESS = "restart_in_process"
@@ -114,7 +114,7 @@ def _row(fc: FaultClass, layer: Layer, priority: int, program: bool, why: str) -
 F, L = FaultClass, Layer
 
 #: One row per fault class: default layer, root-cause priority, whether the program can be at
-#: fault. The policy row of each class is its any-layer row of ``remediator.policy.TABLE``.
+#: fault. The policy row of each class is its any-layer row of ``remediator.policy_table.TABLE``.
 ROWS: tuple[FaultSpec, ...] = (
     _row(F.ECC, L.HARDWARE, 92, False,
          "uncorrectable GPU memory error: explains whatever the process on that GPU did next"),

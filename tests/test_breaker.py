@@ -9,6 +9,7 @@ import pytest
 
 from trainguard.remediator import breaker as br
 from trainguard.remediator import policy as pol
+from trainguard.remediator import policy_table
 from trainguard.remediator import progress
 from trainguard.remediator.holds import no_node_decision
 from trainguard.schemas import BreakerState, JobRecord, Verdict
@@ -193,7 +194,7 @@ def test_a_shared_cause_takes_no_node_out():
 
 
 # ---- restarts count progress ----------------------------------------------------------------
-def run_faults(steps, gap_s=60.0, budget=10, policy=pol.DEFAULT_POLICY):
+def run_faults(steps, gap_s=60.0, budget=10, policy=policy_table.DEFAULT_POLICY):
     """Decide a crash at each step in turn, committing each decision's bookkeeping as the
     remediator does; returns the actions."""
     rec = job(retry_budget=budget, generation=0)

@@ -157,7 +157,7 @@ async def test_failed_save_is_flagged_and_training_goes_on(servers, redis_db):
     """A ``ckpt.save_failed`` (disk full) becomes a ``checkpoint_save`` anomaly and a verdict
     the policy flags (action ``none``): the Checkpointer keeps training and the last valid checkpoint, so
     the job is flagged, not stopped. A skipped save (overlap_policy="skip") is no fault."""
-    from trainguard.remediator.policy import rule_for
+    from trainguard.remediator.plan import rule_for
 
     job = "savefail"
     async with Stack(servers, job) as st:

@@ -113,13 +113,13 @@ def test_mkdocs_strict_build(tmp_path):
     assert "trainguard launch" in cli_html and "--nproc-per-node" in cli_html
     from trainguard import schemas
     from trainguard.security import roles
-    from trainguard.remediator import policy
+    from trainguard.remediator import policy_table
 
     roles_html = (site / "reference/roles/index.html").read_text()
     assert all(name in roles_html for name in roles.ROLES)
     policy_html = (site / "reference/policy/index.html").read_text()
     assert all(r.source.split(":")[0][:40].replace("'", "&#39;") in policy_html
-               or r.action in policy_html for r in policy.TABLE)
+               or r.action in policy_html for r in policy_table.TABLE)
     exported = json.loads((site / "reference/schemas/decision.json").read_text())
     assert exported == schemas.json_schemas()["decision"]
     # the README's pictures and the pages it links are in the site

@@ -1,8 +1,11 @@
 """The remediator's pure decide(): the policy table, escalations and the new world."""
 import pytest
 
-from trainguard.remediator import policy as pol
-from trainguard.remediator.policy import decide, escalate, new_world
+from trainguard.remediator import plan
+
+from trainguard.remediator import policy_table
+from trainguard.remediator.policy import decide
+from trainguard.remediator.plan import escalate, new_world
 from trainguard.schemas import JobRecord, Verdict
 from trainguard.schemas.vocabulary import signature
 
@@ -48,7 +51,7 @@ def test_table(fault_class, layer, expected):
     d = decide(verdict(fault_class, layer, ranks=[2], nodes=["n2"]), job())
     assert d.action == expected, d.reason
     assert d.execute is (expected != "none")
-    if expected in pol.RECOVERY_ACTIONS or expected == "stop_job_notify_user":
+    if expected in policy_table.RECOVERY_ACTIONS or expected == "stop_job_notify_user":
         assert d.generation == 4 and d.idempotency_key == "j:g3"
     else:
         assert d.generation == 3 and d.idempotency_key.startswith("j:g3:none:")
@@ -57,7 +60,7 @@ def test_table(fault_class, layer, expected):
 def test_every_fault_class_has_a_row():
     from trainguard.schemas import FAULT_CLASSES
     for fc in FAULT_CLASSES:
-        assert pol.rule_for(fc, "unknown") is not pol.DEFAULT_RULE, fc
+        assert plan.rule_for(fc, "unknown") is not policy_table.DEFAULT_RULE, fc
 
 
 def test_restart_names_culprit_ranks_and_their_nodes():
@@ -206,7 +209,7 @@ def test_attributor_facts_strengthen_only_when_stronger_and_confident():
 
 def test_actions_without_executor_are_aliased():
     # reset_gpu has no executor: a policy row that names it is carried out as an exclusion
-    own = pol.Policy(table=(pol.Rule("gpu_xid", None, "reset_gpu", "mine"),))
+    own = policy_table.Policy(table=(policy_table.Rule("gpu_xid", None, "reset_gpu", "mine"),))
     d = decide(verdict("gpu_xid", "hardware", ranks=[0]), job(), own)
     assert d.action == "exclude_node_and_requeue" and "reset_gpu is carried out" in d.reason
 
@@ -296,7 +299,7 @@ def test_plan_and_escalate_change_none_of_their_inputs():
     rec = job(retries_used=5, members=[dict(m) for m in MEMBERS])
     reasons = ["crash/unknown: the table"]
     before = (v.model_dump(), rec.to_dict())
-    d = pol.plan(v, rec, "restart_workers", reasons, 3)
+    d = plan.plan(v, rec, "restart_workers", reasons, 3)
     assert d.action == "stop_job_notify_user" and "retry budget spent" in d.reason
     assert reasons == ["crash/unknown: the table"]  # the caller's list is not appended to
     assert (v.model_dump(), rec.to_dict()) == before
@@ -379,7 +382,7 @@ POD_CASES = [
 def test_pod_restart(case, v, rec, pods, action, nodes):
     d = decide(v, rec, restarts_pods=pods)
     assert d.action == action, d.reason
-    got, why = pol.pod_restart(d, v, pods)
+    got, why = plan.pod_restart(d, v, pods)
     assert got == nodes, case
     if nodes:
         assert d.ranks == [2, 3] and d.nodes == ["n2"] and d.members == []  # world unchanged
@@ -389,8 +392,8 @@ def test_pod_restart(case, v, rec, pods, action, nodes):
 
 
 def test_every_pod_restart_row_has_a_source_and_an_acting_action():
-    for row in pol.POD_RESTARTS:
-        assert row.source and row.elsewhere and row.action in pol.RECOVERY_ACTIONS
+    for row in policy_table.POD_RESTARTS:
+        assert row.source and row.elsewhere and row.action in policy_table.RECOVERY_ACTIONS
         assert row.action != "exclude_node_and_requeue"  # a pod restart keeps the node
 
 
@@ -448,9 +451,9 @@ def test_every_migration_row_has_a_source_and_a_detector_kind():
     from trainguard.detector import scheduler
     from trainguard.detector import telemetry as tel
 
-    assert {m.root_kind for m in pol.MIGRATIONS} == {
+    assert {m.root_kind for m in policy_table.MIGRATIONS} == {
         "ecc_corrected_rate", "host_memory_trend", "host_memory_exhausted", "slurm_drain"}
     kinds = set(tel.RULES) | {r.kind for r in scheduler.ROWS if r.severity == "warning"}
-    for m in pol.MIGRATIONS:
+    for m in policy_table.MIGRATIONS:
         assert m.source and m.root_kind in kinds
-        assert m.root_kind not in pol.ACTING_WARNINGS
+        assert m.root_kind not in policy_table.ACTING_WARNINGS

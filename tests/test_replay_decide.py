@@ -9,7 +9,7 @@ import pytest
 
 from trainguard import schemas
 from trainguard.tools.memstore import MemoryStore
-from trainguard.remediator import policy as pol
+from trainguard.remediator import plan
 from trainguard.tools.recording import Record, read_recording
 from trainguard.tools.replay_decide import (ReplayError, decide, load_policy_file, parse_row,
                                       policy_with)
@@ -25,9 +25,9 @@ def test_rows_and_policy_files(tmp_path):
         with pytest.raises(ReplayError, match=why):
             parse_row(bad)
     p = policy_with([parse_row("crash=stop_job_notify_user")])
-    assert pol.rule_for("crash", "unknown", p).action == "stop_job_notify_user"
-    assert pol.rule_for("crash", "hardware", p).action == "exclude_node_and_requeue"  # kept
-    assert pol.rule_for("crash", "unknown").action == "restart_workers"  # default untouched
+    assert plan.rule_for("crash", "unknown", p).action == "stop_job_notify_user"
+    assert plan.rule_for("crash", "hardware", p).action == "exclude_node_and_requeue"  # kept
+    assert plan.rule_for("crash", "unknown").action == "restart_workers"  # default untouched
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"rows": [{"fault_class": "hang", "layer": None,
                                        "action": "restart_in_process"}],

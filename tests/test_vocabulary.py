@@ -12,6 +12,8 @@ from trainguard.attributor.decide import History, decide as attribute
 from trainguard.detector import patterns as pat
 from trainguard.detector import rules
 from trainguard.remediator import policy as pol
+from trainguard.remediator import plan
+from trainguard.remediator import policy_table
 from trainguard.schemas.vocabulary import (ROWS, VOCABULARY, Action, FaultClass, Layer, signature, strength,
                                 stronger)
 from trainguard.core.xid import xid_table
@@ -80,23 +82,23 @@ def test_detector_tables_carry_layers_not_actions():
 
 
 def test_every_policy_rule_speaks_the_vocabulary():
-    for r in pol.TABLE:
+    for r in policy_table.TABLE:
         assert r.fault_class in VOCABULARY, r
         assert r.layer is None or r.layer in LAYERS, r
         assert r.action in ACTIONS and r.fallback in ACTIONS and r.source, r
     # one policy row per fault class (its any-layer row), and (class, layer) pairs unique
-    any_layer = collections.Counter(r.fault_class for r in pol.TABLE if r.layer is None)
+    any_layer = collections.Counter(r.fault_class for r in policy_table.TABLE if r.layer is None)
     assert set(any_layer) == set(FaultClass) and set(any_layer.values()) == {1}
-    pairs = collections.Counter((r.fault_class, r.layer) for r in pol.TABLE)
+    pairs = collections.Counter((r.fault_class, r.layer) for r in policy_table.TABLE)
     assert set(pairs.values()) == {1}
-    for f in pol.FACT_RULES:
-        assert f.action in ACTIONS and f.min_confidence in pol.CONFIDENCE and f.source
-    for a, b in {**pol.ACTION_ALIASES, **pol.WATCHDOG_LADDER}.items():
+    for f in policy_table.FACT_RULES:
+        assert f.action in ACTIONS and f.min_confidence in policy_table.CONFIDENCE and f.source
+    for a, b in {**policy_table.ACTION_ALIASES, **policy_table.WATCHDOG_LADDER}.items():
         assert a in ACTIONS and b in ACTIONS
-    for a, b in pol.WATCHDOG_LADDER.items():
+    for a, b in policy_table.WATCHDOG_LADDER.items():
         assert stronger(b, a), (a, b)  # the watchdog only escalates
-    for e in pol.ESCALATIONS:
-        assert e.then in ACTIONS and set(e.applies_to) <= ACTIONS and e.check in pol.CHECKS
+    for e in policy_table.ESCALATIONS:
+        assert e.then in ACTIONS and set(e.applies_to) <= ACTIONS and e.check in plan.CHECKS
 
 
 def test_action_order_is_its_strength():

@@ -3,7 +3,7 @@
 Runs the detector's rules (``detector.rules`` + the ``detector.patterns`` table + the XID
 parser) over saved job logs, dmesg output or journal exports, then the attributor's
 ``attributor.decide.decide`` over what they found, then the remediator's policy table for the
-action it would choose (``remediator.policy.table_action`` for a job with no registered state:
+action it would choose (``remediator.plan.table_action`` for a job with no registered state:
 no spare node) — the same code the live services run.
 
 Offline specifics:
@@ -34,7 +34,7 @@ from trainguard import schemas
 from trainguard.attributor.decide import APP_XIDS, History, VerdictSpec, decide
 from trainguard.detector import rules
 from trainguard.detector import patterns as pat
-from trainguard.remediator import policy
+from trainguard.remediator import plan
 from trainguard.core.xid import parse_gpu_uuid_line, parse_xid_line
 
 _JOURNAL_NODE = re.compile(
@@ -153,7 +153,7 @@ def policy_action(v: VerdictSpec) -> str:
                               confidence=v.confidence, culprit=schemas.Culprit(
                                   ranks=v.ranks, nodes=v.nodes, gpus=v.gpus),
                               evidence=v.evidence, detail=v.detail)
-    action, _ = policy.table_action(verdict, policy.with_defaults(schemas.JobRecord()))
+    action, _ = plan.table_action(verdict, plan.with_defaults(schemas.JobRecord()))
     return str(action)
 
 

@@ -35,7 +35,7 @@ rules) came out the same in every recording tried.
 
 Policy backtesting: ``--set crash=stop_job_notify_user`` (``FAULT_CLASS[/LAYER]=ACTION``) or
 ``--policy FILE`` (JSON: ``{"rows": [{"fault_class", "layer", "action", "source"}],
-"default_mode", "default_retry_budget"}``) changes rows of ``remediator.policy.TABLE`` for the
+"default_mode", "default_retry_budget"}``) changes rows of ``remediator.policy_table.TABLE`` for the
 replay; the report then shows what the change would have decided.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ from trainguard.attributor import incidents as att
 from trainguard.detector import reducer as det
 from trainguard.core.reducer import Call, Publish, Received, Tick, run_offline
 from trainguard.remediator import reducer as rem
-from trainguard.remediator import policy as pol
+from trainguard.remediator import policy_table
 
 from trainguard.tools.memstore import MemoryController, MemoryStore
 from trainguard.tools.recording import Record, read_recording
@@ -133,7 +133,7 @@ def _recorded_facts(events: list[tuple[Record, schemas.Event]]) -> dict[str, dic
     return facts
 
 
-def decide(records: Iterable[Record], policy: pol.Policy | None = None,
+def decide(records: Iterable[Record], policy: policy_table.Policy | None = None,
            job_records: dict[str, dict[str, Any]] | None = None, tick_s: float = 0.05,
            tail_s: float = 2.0, detector_config: det.DetectorServiceConfig | None = None,
            remediator_config: rem.RemediatorConfig | None = None) -> ReplayResult:

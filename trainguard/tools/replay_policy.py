@@ -1,5 +1,5 @@
 """Policy changes for a replay (``trainguard replay decide --set`` / ``--policy``): rows that
-replace rows of ``remediator.policy.TABLE`` (same fault class and layer) or are added to it.
+replace rows of ``remediator.policy_table.TABLE`` (same fault class and layer) or are added to it.
 
 ``--set FAULT_CLASS[/LAYER]=ACTION``; a policy file is JSON ``{"rows": [{"fault_class",
 "layer", "action", "source"}], "default_mode", "default_retry_budget"}``. Every word is checked
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from trainguard.remediator import policy as pol
+from trainguard.remediator import policy_table
 from trainguard.schemas.vocabulary import Action, FaultClass, Layer
 
 __all__ = ["ReplayError", "Row", "parse_row", "load_policy_file", "policy_with"]
@@ -76,13 +76,13 @@ def load_policy_file(path: str) -> tuple[list[Row], dict[str, Any]]:
     return rows, settings
 
 
-def policy_with(rows: Iterable[Row], base: pol.Policy = pol.DEFAULT_POLICY,
-                **settings: Any) -> pol.Policy:
+def policy_with(rows: Iterable[Row], base: policy_table.Policy = policy_table.DEFAULT_POLICY,
+                **settings: Any) -> policy_table.Policy:
     """``base`` with ``rows`` replacing the table rows of the same fault class and layer (or
     added), and ``settings`` (``Policy`` fields) replaced."""
     table = list(base.table)
     for row in rows:
-        new = pol.Rule(row.fault_class, row.layer, row.action, row.source)
+        new = policy_table.Rule(row.fault_class, row.layer, row.action, row.source)
         at = [i for i, r in enumerate(table)
               if r.fault_class == row.fault_class and r.layer == row.layer]
         if at:

@@ -14,7 +14,7 @@ cluster (``TG_NODE_CONTROLLER=kubernetes``, registered in ``trainguard.scheduler
 
 ``restart_pod(node, job, before_ns)`` deletes only the failed pod of a job on a node (one created
 before the fault) and lets the job's controller recreate it; the remediator calls it when a
-job's launcher is lost while its node is healthy (``remediator.policy.POD_RESTARTS``), and
+job's launcher is lost while its node is healthy (``remediator.policy_table.POD_RESTARTS``), and
 never cordons the node for it. ``readmit(node, canary)`` (``NodeController.readmit``: the same
 reputation and policy as every controller) uncordons a suspect node and removes its label only
 when the policy allows it and ``canary(node)`` passes (default: the node's ``Ready`` condition is
