@@ -4,6 +4,7 @@ the generic rows last. Part of the ordered table ``patterns.PATTERNS`` (after
 ``patterns_machine.MACHINE_ROWS``); see ``trainguard.detector.patterns`` for the row fields."""
 from __future__ import annotations
 
+from trainguard.core import cuda_errors
 from trainguard.detector.pattern_types import _NOT_INFO, _TINY, LogPattern
 from trainguard.detector.pattern_types import row as _p
 
@@ -200,11 +201,9 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "find_unused_parameters=True found none unused is no error: the Hugging Face Trainer "
            "sets it by default)"),
     # ==== CUDA application errors ===============================================================
-    _p("cuda_illegal_access",
-       r"an illegal memory access was encountered|cudaErrorIllegalAddress|"
-       r"illegal instruction was encountered|misaligned address|CUDA_ERROR_ILLEGAL_ADDRESS|"
-       r"CUDA error: unspecified launch failure|cudaErrorLaunchFailure|"
-       r"Cuda failure (?:\d+ )?'unspecified launch failure'",
+    _p("cuda_illegal_access",  # the sticky errors' own strings (trainguard.core.cuda_errors)
+       cuda_errors.texts("cudaErrorIllegalAddress", "cudaErrorIllegalInstruction",
+                         "cudaErrorMisalignedAddress", "cudaErrorLaunchFailure"),
        "crash", "unknown", weight=0.7,
        source=("https://github.com/RVC-Boss/GPT-SoVITS/issues/1341",
                "https://github.com/tensorflow/tensorflow/issues/25866",
@@ -217,7 +216,7 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
            "toolkit (GauHuman: fixed by a newer CUDA) or the GPU when it recurs on one GPU "
            "across processes"),
     _p("cuda_device_assert",
-       r"device-side assert(?:ion)? triggered|Assertion `.*` failed\.?$",
+       cuda_errors.texts("cudaErrorAssert") + r"|Assertion `.*` failed\.?$",
        "app_exception", "application", weight=0.9,
        why="a device-side assert (cudaErrorAssert 710 'device-side assert triggered'; the "
            "kernel's own 'Assertion `…` failed.'): index out of range, bad label — a "

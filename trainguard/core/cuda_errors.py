@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["CudaError", "STICKY_ERRORS", "OOM_ERRORS", "cuda_error_is_sticky", "is_cuda_oom",
-           "error_text", "recover_from_oom", "SUMMARY_LIMIT"]
+           "error_text", "recover_from_oom", "SUMMARY_LIMIT", "texts"]
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ STICKY_ERRORS: tuple[CudaError, ...] = (
     CudaError("cudaErrorHardwareStackError", 714,
               r"hardware stack error|cudaErrorHardwareStackError", _STICKY_DOC),
     CudaError("cudaErrorIllegalInstruction", 715,
-              r"an illegal instruction was encountered|cudaErrorIllegalInstruction", _STICKY_DOC),
+              r"illegal instruction was encountered|cudaErrorIllegalInstruction", _STICKY_DOC),
     CudaError("cudaErrorMisalignedAddress", 716,
-              r"CUDA error: misaligned address|cudaErrorMisalignedAddress", _STICKY_DOC),
+              r"misaligned address|cudaErrorMisalignedAddress", _STICKY_DOC),
     CudaError("cudaErrorInvalidAddressSpace", 717,
               r"operation not supported on global/shared address space|"
               r"cudaErrorInvalidAddressSpace", _STICKY_DOC),
@@ -59,6 +59,7 @@ STICKY_ERRORS: tuple[CudaError, ...] = (
               r"CUDA error: invalid program counter|cudaErrorInvalidPc", _STICKY_DOC),
     CudaError("cudaErrorLaunchFailure", 719,
               r"unspecified launch failure|cudaErrorLaunchFailure", _STICKY_DOC),
+    # (NCCL prints the same string as "Cuda failure 'unspecified launch failure'")
     CudaError("cudaErrorECCUncorrectable", 214,
               r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable",
               "an uncorrectable ECC error in device memory (XID 48/94/95, NVIDIA XID catalog): "
@@ -80,6 +81,14 @@ OOM_ERRORS: tuple[CudaError, ...] = (
               "CUDA Runtime API enum cudaError 2: 'unable to allocate enough memory'; not a "
               "sticky error"),
 )
+
+def texts(*names: str) -> str:
+    """One regular expression matching any of the rows ``names`` (``cudaError`` enum names, of
+    either table): what a log rule over the same errors matches (the detector's CUDA rows).
+    Raises KeyError for a name in neither table."""
+    rows = {e.name: e for e in STICKY_ERRORS + OOM_ERRORS}
+    return "|".join(rows[n].text for n in names)
+
 
 _STICKY = [(e, re.compile(e.text)) for e in STICKY_ERRORS]
 _OOM = [(e, re.compile(e.text)) for e in OOM_ERRORS]
