@@ -433,3 +433,30 @@ def child_output_pump(tag: str, out: Any) -> Callable[[IO[str]], None]:
             out.write(f"{tag} {line}")
             out.flush()
     return pump
+
+
+def warm_env(cfg) -> dict[str, str]:
+    """What the template's warm-up reads of the environment: ``TG_WARM_IMPORTS`` and, with more
+    than one rank on the node and none set, ``OMP_NUM_THREADS=1`` (as torchrun: oversubscribed
+    cores stall collectives; a spare's torch sizes its thread pool when it warms up)."""
+    env = {"TG_WARM_IMPORTS": cfg.warm_imports}
+    if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def start_template(cfg, env: dict[str, str]) -> ForkServer:
+    """Start the spares' template (``trainguard.launch.forkserver``) with ``env``, from the
+    main thread (its PR_SET_PDEATHSIG)."""
+    return ForkServer().start(env, preexec_fn=pdeathsig_kill,
+                              on_output=child_output_pump(f"[{cfg.node} spare]", sys.stderr))
+
+
+def early_template(cfg) -> ForkServer | None:
+    """The spares' template started before the launcher knows its servers (an embedded stack
+    still starting), so it imports torch and the job's modules meanwhile; None where the
+    spares are not forked (``--no-fork-spares``, ``--no-python``). Safe: its warm-up reads only
+    ``warm_env``, and every spare forked from it gets its whole environment at the fork."""
+    if not cfg.fork_spares or cfg.no_python:
+        return None
+    return start_template(cfg, {**os.environ, "PYTHONUNBUFFERED": "1", **warm_env(cfg)})

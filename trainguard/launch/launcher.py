@@ -42,6 +42,7 @@ from trainguard.clients.threaded_bus import ThreadedBus
 from trainguard.launch.config import LaunchConfig, StdSpec
 from trainguard.launch.lease import JobLease
 from trainguard.launch.loop import DecisionReceived, LaunchState, RunLoop, StopRequested
+from trainguard.launch.forkserver import early_template
 from trainguard.launch.pool import ProcessPool, pdeathsig_kill
 
 __all__ = ["LaunchConfig", "Launcher", "LaunchState", "StdSpec", "main", "parse_args"]
@@ -97,7 +98,7 @@ class Launcher:
 
     LEASE_S = JobLease.LEASE_S
 
-    def __init__(self, cfg: LaunchConfig):
+    def __init__(self, cfg: LaunchConfig, template=None):
         for name, val, env in (("--nats-url", cfg.nats_url, "NATS_URL"),
                                ("--redis-url", cfg.redis_url, "REDIS_URL"),
                                ("--rdzv-endpoint", cfg.rdzv_endpoint, "TG_RDZV_ENDPOINT")):
@@ -113,6 +114,7 @@ class Launcher:
                                dead_letters=subjects.job_dead_letter(cfg.job,
                                                                      f"launcher-{cfg.node}"))
         self.pool = ProcessPool(cfg, self.bus, self.events.put)
+        self.pool.adopt_template(template)  # started early (``early_template``), else None
         self.lease = JobLease(cfg, self.bus, self.events.put)
         self.loop = RunLoop(cfg, self.pool, self.lease, self.bus, self.events)
         self.rdzv_proc: subprocess.Popen | None = None
@@ -302,7 +304,9 @@ def _embedded_stack(cfg: LaunchConfig):
           f"this job (services' logs in {stack.log_dir}, removed at the end unless the job "
           f"fails); `trainguard up` runs one to share",
           file=sys.stderr, flush=True)
-    stack.start(timeout=120)
+    # the ranks start once the servers and the rendezvous store answer; the services come up
+    # beside them (what the ranks publish meanwhile waits in the streams)
+    stack.start(timeout=120, background_services=True)
     cfg.nats_url, cfg.redis_url = stack.nats_url, stack.redis_url
     if stack.rdzv_token:  # this launcher's relay opens its connections with it
         from trainguard.rendezvous.gate import TOKEN_ENV
@@ -356,18 +360,23 @@ def main(argv: list[str]) -> int:
     if (why := _script_missing(cfg)) is not None:
         print(why, file=sys.stderr)
         return 2
-    lock = None
+    lock = template = None
     if _needs_embedded_stack(cfg):
         lock = standalone_lock(cfg.job, cfg.node)
-    stack = _embedded_stack(cfg)
+        # the template imports torch and the job's modules while the stack starts
+        template = early_template(cfg)
     status = 1
+    stack = launcher = None
     try:
-        launcher = Launcher(cfg)
+        stack = _embedded_stack(cfg)
+        launcher = Launcher(cfg, template)
         signal.signal(signal.SIGTERM, lambda *a: launcher.request_stop(143))
         signal.signal(signal.SIGINT, lambda *a: launcher.request_stop(130))
         status = launcher.run()
         return status
     finally:
+        if template is not None and launcher is None:
+            template.close()  # the launcher never took it over
         if stack is not None:
             # the embedded stack's temporary logs go with it, unless the job failed
             stack.keep_logs = stack.keep_logs or status != 0

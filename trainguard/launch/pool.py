@@ -32,7 +32,7 @@ from trainguard import schemas
 from trainguard.schemas import subjects
 
 from trainguard.core.recovery_plan import LocalRank
-from trainguard.launch.forkserver import ForkedProcess, ForkServer, child_output_pump, pdeathsig_kill
+from trainguard.launch.forkserver import ForkedProcess, ForkServer, pdeathsig_kill, start_template, warm_env
 from trainguard.launch.job_imports import JobImportsWatch
 from trainguard.launch.loop import RankExited, RefillPool
 from trainguard.rendezvous.gate import TOKEN_ENV
@@ -238,8 +238,7 @@ class ProcessPool:
         })
         if not cfg.auto_resume:
             env["TG_AUTO_RESUME"] = "0"  # trainguard.rank.auto_resume
-        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = "1"  # as torchrun: oversubscribed cores stall collectives
+        env.update(warm_env(cfg))
         if cfg.ckpt_dir:
             env["TG_CKPT_DIR"] = cfg.ckpt_dir
         if self.node_writer is not None:
@@ -284,9 +283,13 @@ class ProcessPool:
     TEMPLATE_RESTARTS = 3
 
     def _start_template(self) -> ForkServer:
-        return ForkServer().start(
-            self.base_env(), preexec_fn=pdeathsig_kill,
-            on_output=child_output_pump(f"[{self.cfg.node} spare]", sys.stderr))
+        return start_template(self.cfg, self.base_env())
+
+    def adopt_template(self, template: ForkServer | None) -> None:
+        """Use ``template`` (``early_template``: started before this pool) as the spares'
+        template; nothing when this pool has one already or ``template`` is None."""
+        if template is not None and self._template is None:
+            self._template = template
 
     def template(self) -> ForkServer | None:
         """The warm template the spares are forked from (``trainguard.launch.forkserver``), started on

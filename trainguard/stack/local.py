@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -155,6 +156,8 @@ class Stack:
         self._want_rdzv_token = rdzv_token
         self._rdzv_log_offset = 0
         self._started = False
+        self.services_ready = threading.Event()
+        self.services_error = ""
         self.console = console
         self.metrics = metrics
         #: endpoint name ("console", "metrics-<process>") → port, given at start
@@ -279,10 +282,17 @@ class Stack:
         return memory_budget_file(self.sim_dir, node)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def start(self, timeout: float = 60.0) -> "Stack":
+    def start(self, timeout: float = 60.0, background_services: bool = False) -> "Stack":
         """Start everything and wait until each service is healthy (``timeout`` seconds in all).
         Raises ``StackError`` (with the failing child's log tail) after stopping what started;
-        the logs are then kept (``keep_logs``)."""
+        the logs are then kept (``keep_logs``).
+
+        ``background_services`` (a launch's embedded stack): return as soon as NATS, Valkey, the
+        streams and the rendezvous store answer, so the job's ranks start at once; the services
+        are started after the store answers and their health is awaited on a thread
+        (``services_ready`` is set when they are all healthy; ``services_error`` says why one
+        was not, also printed to stderr, with its log kept). What the ranks publish meanwhile
+        waits in the streams for the services' durable consumers."""
         if self._started:
             return self
         self._started = True
@@ -292,24 +302,47 @@ class Stack:
             run_async(lambda: ensure_streams(self.nats_url, self.tls_ca))
             rdzv = self._start_rendezvous()
             self._give_http_ports()
+            if background_services and rdzv is not None:
+                self.rdzv_endpoint = rendezvous_store.wait_ready(
+                    rdzv, self.log_dir / "rendezvous.log", self._rdzv_log_offset, deadline)
             for name in self.service_names():
                 self._spawn(name, *self._service_cmd(name))
             if self.console:
                 self._spawn("console", console_command(self.host, self.http_ports["console"]),
                             "reader")
-            if rdzv is not None:
+            if rdzv is not None and not background_services:
                 self.rdzv_endpoint = rendezvous_store.wait_ready(
                     rdzv, self.log_dir / "rendezvous.log", self._rdzv_log_offset, deadline)
-            self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
-            if self.console:
-                self._wait_console(deadline)
-            if self.metrics:
-                self._check_metrics_ports()
+            if background_services:
+                threading.Thread(target=self._await_services, args=(deadline,),
+                                 name="stack-services-health", daemon=True).start()
+                return self
+            self._await_services(deadline)
         except BaseException:
             self.keep_logs = True  # the error names a log: it stays to be read
             self.stop()
             raise
         return self
+
+    def _await_services(self, deadline: float) -> None:
+        """Wait for the services' (and the console's) health; sets ``services_ready``. Run on a
+        thread (``start(background_services=True)``), a failure is kept in ``services_error``
+        and printed instead of raised."""
+        try:
+            self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
+            if self.console:
+                self._wait_console(deadline)
+            if self.metrics:
+                self._check_metrics_ports()
+        except Exception as exc:  # noqa: BLE001 - on the thread: said, not raised
+            if threading.current_thread() is threading.main_thread():
+                raise
+            self.keep_logs = True
+            self.services_error = str(exc)
+            print(f"trainguard: a service of the stack did not come up: {exc}", file=sys.stderr,
+                  flush=True)
+            return
+        self.services_ready.set()
 
     # ---- the operator's endpoints (trainguard.stack.endpoints) ------------------------------------------
     def _give_http_ports(self) -> None:

@@ -1,0 +1,64 @@
+"""The tables of figures measured beside peers and under chaos, rendered from ``docs/benchmarks/``:
+the drop-in bench (``bench/dropin.py``: unmodified scripts under trainguard, torchrun and NVRx
+``ft_launcher``), the five-fault run (``bench/recovery.py --faults five_faults``), the chaos bench
+(``bench/chaos.py``: the control plane killed during faults), Slurm's own requeue
+(``bench/cluster.py --systems slurm``), the hostile-input, detector-throughput and scale benches.
+
+Each function takes ``figure_tables.Runs`` and returns Markdown lines (``figure_tables.TABLES``
+holds them under their block names). Raises ``KeyError`` / ``FileNotFoundError`` when a committed
+JSON lacks what a table reads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from figure_tables import Runs, _stats, med_range, runs_line, table
+
+CHAOS_RUNS = ("chaos-100-seed0.json", "chaos-100-seed1.json", "chaos-100-seed2.json")
+
+
+def _s(x: float | None, nd: int = 2) -> str:
+    return "–" if x is None else f"{x:.{nd}f} s"
+
+
+def chaos_summary(runs: Runs, names: tuple[str, ...] = CHAOS_RUNS) -> dict[str, Any]:
+    """The chaos runs together: trials, faults injected and recovered, decisions lost,
+    duplicate actions, whole-job restarts, every recovery's seconds, the steady-outage step-rate
+    ratios and the accuracies."""
+    ds = [runs(n) for n in names]
+    secs = [t["recovery_s"] for d in ds for t in d["per_trial"] if t.get("recovery_s") is not None]
+    return {"runs": ds, "n": len(ds), "trials": sum(d["trials"] for d in ds),
+            "faults": sum(d["faults"] for d in ds), "recovered": sum(d["recovered"] for d in ds),
+            "lost": sum(d["decisions_lost"] for d in ds),
+            "dups": sum(d["duplicate_actions"] for d in ds),
+            "restarts": sum(d["full_restarts"] for d in ds),
+            "seconds": _stats(secs),
+            "p95": sorted(secs)[max(0, -(-95 * len(secs) // 100) - 1)],
+            "ratio": _stats(d["throughput_ratio"] for d in ds),
+            "same_accuracy": all(d["accuracy"] == d["baseline_accuracy"] for d in ds)}
+
+
+def chaos(runs: Runs, names: tuple[str, ...] = CHAOS_RUNS) -> list[str]:
+    c = chaos_summary(runs, names)
+    rows = []
+    for d in c["runs"]:
+        r, b = d["recovery_s"], d["training_blocked_s"]
+        slow = d["recovery_tails"]["all"]["slow_runs"]
+        phases: dict[str, int] = {}
+        for x in slow:
+            if x.get("slow_phase"):
+                phases[x["slow_phase"]] = phases.get(x["slow_phase"], 0) + 1
+        named = ", ".join(f"{k} {v}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+        rows.append([str(d["seed"]), f"{d['recovered']} of {d['faults']}"
+                     + (f" ({d['trials'] - d['faults']} not injected)"
+                        if d["trials"] != d["faults"] else ""),
+                     str(d["decisions_lost"]), str(d["duplicate_actions"]),
+                     str(d["full_restarts"]),
+                     f"{_s(r['median'])} / {_s(r['p95'])} / {_s(r['max'])}",
+                     f"{len(slow)}" + (f" ({named})" if named else ""),
+                     f"{d['throughput_ratio']:.3f}", f"{b['outside']:.2f} s"])
+    return table(["seed", "faults recovered", "decisions lost", "duplicate actions",
+                  "whole-job restarts", "recovery median / p95 / max",
+                  "trials over 2 × median (slow phase: count)",
+                  "step rate in steady outages / without", "training blocked outside faults"],
+                 rows) + ["", runs_line(runs)]
