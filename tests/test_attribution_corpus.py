@@ -128,6 +128,21 @@ ROW_CASES = [
     ("nccl_connect_aborted", "nccl-tests-166"),     # NVIDIA/nccl-tests#166
     ("store_barrier_timeout", "pytorch-distributed-18"),  # tczhangzhi/pytorch-distributed#18
     ("slurm_task_exec_failed", "arjunausers-46"),   # ArjunaCluster/ArjunaUsers#46
+    # fourth round: the kinds of misses the issue named, gathered as new dev cases
+    ("torch_shm_segment", "hopsworks-1557"),        # logicalclocks/hopsworks#1557
+    ("torch_shm_segment", "eslam-20"),              # idiap/ESLAM#20
+    ("sigsegv", "triton-server-6506"),              # triton-inference-server/server#6506
+    ("sigsegv", "triton-server-3916"),              # triton-inference-server/server#3916
+    ("sigsegv", "triton-server-7400"),              # triton-inference-server/server#7400
+    ("sigabrt", "clearml-serving-36"),              # clearml/clearml-serving#36
+    ("sigabrt", "xla-6426"),                        # pytorch/xla#6426
+    ("k8s_crash_loop", "gpu-operator-35"),          # NVIDIA/gpu-operator#35
+    ("k8s_crash_loop", "gpu-operator-624"),         # NVIDIA/gpu-operator#624
+    ("k8s_crash_loop", "gpu-operator-488"),         # NVIDIA/gpu-operator#488
+    ("k8s_pod_table_oomkilled", "flyte-3686"),      # flyteorg/flyte#3686
+    ("k8s_pod_table_oomkilled", "geti_v2-146"),     # open-edge-platform/geti_v2#146
+    ("ib_qp_async_error", "nccl-1710"),             # NVIDIA/nccl#1710
+    ("stack_in_collective", "pytorch-135703"),      # pytorch/pytorch#135703
 ]
 
 
@@ -178,3 +193,33 @@ def test_more_workers_than_the_world_size_is_the_launch_fewer_is_undecided(bench
             "timeout=0:30:00)")
     assert bench.verdict({"excerpt": line.format(w=2, j=4)})[:2] == ("rendezvous", "application")
     assert bench.verdict({"excerpt": line.format(w=16, j=12)})[:2] == ("rendezvous", "unknown")
+
+
+def test_the_fourth_rounds_rows_keep_to_what_their_line_shows(bench):
+    """The rows of the fourth round read only their own format: a Python traceback through
+    distributed_c10d.py is no hang (only a py-spy frame parked in a collective is); a pod in
+    CrashLoopBackOff yields to the container's own fault when the log holds it; a full disk is
+    still a disk unless the file is torch's /dev/shm segment; an IB port error still names the
+    fabric (NVIDIA/nccl#905) while a queue pair's access error does not decide the layer."""
+    from trainguard.detector import patterns as pat
+    frame = "    barrier (torch/distributed/distributed_c10d.py:4551)"
+    assert pat.match_line(frame).name == "stack_in_collective"
+    tb = ('  File "/usr/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", '
+          'line 4551, in barrier')
+    assert pat.match_line(tb) is None
+    assert pat.match_line("    train_step (train.py:88)") is None
+    table = "trainer-0   0/1   CrashLoopBackOff   7 (2m ago)   20m"
+    assert bench.verdict({"excerpt": table})[:2] == ("crash", "unknown")
+    fc, layer, _ = bench.verdict({"excerpt": table + "\ntorch.OutOfMemoryError: CUDA out of "
+                                  "memory. Tried to allocate 2.00 GiB"})
+    assert (fc, layer) != ("crash", "unknown") and fc == "oom_gpu"
+    assert bench.verdict({"excerpt": "OSError: [Errno 28] No space left on device: "
+                          "'/ckpt/step_100/model.pt'"})[:2] == ("filesystem", "infrastructure")
+    assert bench.verdict({"excerpt": "RuntimeError: unable to write to file </torch_8_1_2>: "
+                          "No space left on device (28)"})[:2] == ("crash", "infrastructure")
+    assert bench.verdict({"excerpt": "NCCL WARN NET/IB : mlx5_0:1 Got async event : local "
+                          "access violation work queue error"})[:2] == ("network", "unknown")
+    assert bench.verdict({"excerpt": "NCCL WARN NET/IB : mlx5_0:1 Got async event : port "
+                          "error"})[:2] == ("network", "infrastructure")
+    assert bench.verdict({"excerpt": "web-7d9   0/1   OOMKilled   3 (1m ago)   9m"})[:2] == (
+        "oom_host", "unknown")
