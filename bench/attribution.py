@@ -83,8 +83,8 @@ def verdict(case: dict[str, Any]) -> tuple[str | None, str, str]:
 def groups(case: dict[str, Any]) -> list[str]:
     """The report groups a case counts in: its split, and for a held-out case also its round
     (``heldout_round1``: gathered with the dev split, before any rule was written;
-    ``heldout_round2`` / ``heldout_round3``: gathered after the first / second round of rules
-    was frozen)."""
+    ``heldout_round2`` / ``heldout_round3`` / ``heldout_round4``: gathered after the first /
+    second / fourth round of rules was frozen)."""
     if case["split"] == "heldout" and "round" in case:
         return ["heldout", f"heldout_round{case['round']}"]
     return [case["split"]]

@@ -131,6 +131,18 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "task_cgroup_memory.c '%ps hit memory limit at least once during execution. This may "
            "or may not result in some failure.'; cgroup v1 'oom-kill event count'): a hint — the "
            "'Detected … oom_kill event' line or the process's own fault decides"),
+    _p("k8s_pod_table_oomkilled",
+       r"^\s*(?:\S+\s+)?(?:pod/)?[\w.-]+\s+\d+/\d+\s+OOMKilled\s+\d+",
+       "oom_host", "unknown", weight=0.85,
+       source=("https://github.com/flyteorg/flyte/issues/3686",
+               "https://github.com/open-edge-platform/geti_v2/issues/146",
+               "https://github.com/hmcts/cnp-flux-config/pull/28772"),
+       why="a row of `kubectl get pods` (NAME READY STATUS RESTARTS AGE) whose STATUS is "
+           "OOMKilled: the container's cgroup memory limit was hit (kubernetes container state "
+           "reason OOMKilled). The row says no more: neither how much the program asked for nor "
+           "who set the limit — in the real threads the layer was undecided twice and once the "
+           "deployment's limit (raised in the fix), never shown by the table — so the layer "
+           "is unknown"),
     _p("container_oom",
        r"OOMKilled|System OOM encountered|\bReason:\s*OOMKilling|container .{0,60}was OOM.?killed|"
        r"OOM killed process",
@@ -169,6 +181,16 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "'The node was low on resource: %v.'; kubernetes.io docs 'Node-pressure Eviction'): "
            "the node ran short of memory and the kubelet evicted the pod"),
     # ==== signals and exits =====================================================================
+    _p("torch_shm_segment",
+       r"unable to write to file </torch_\w+>\s*:\s*No space left on device",
+       "crash", "infrastructure", weight=0.85,
+       source=("https://github.com/logicalclocks/hopsworks/issues/1557",
+               "https://github.com/idiap/ESLAM/issues/20"),
+       why="torch.multiprocessing could not grow a shared-memory segment of its own (the "
+           "'</torch_<pid>_<n>>' names are the files it creates in /dev/shm for tensors passed "
+           "between processes — DataLoader workers; c10 'unable to write to file <%s>: %s (%d)' "
+           "with ENOSPC): /dev/shm is full, the container's 64 MB default — a crash of the "
+           "container's configuration like a SIGBUS in a worker, not a full training disk"),
     _p("sigbus",
        r"Signal 7 \(SIGBUS\)|exit ?code\s*:\s*-7\b|Caught signal 7\b|\bBus error\b|"
        r"insufficient shared memory|/dev/shm.*(?:No space|too small|full)|return code = -7\b|"
@@ -190,10 +212,17 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "unknown: an exit status names no cause)"),
     _p("sigsegv",
        r"Signal 11 \(SIGSEGV\)|exit ?code\s*:\s*-11\b|Caught signal 11\b|Segmentation fault|"
-       r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b|<Signals\.SIGSEGV: 11>",
+       r"SIGSEGV|segfault at [0-9a-f]+ ip |return code = -11\b|<Signals\.SIGSEGV: 11>|"
+       r"\bSignal \(11\) received\.",
        "crash", "unknown", weight=0.7,
+       source=("https://github.com/triton-inference-server/server/issues/6506",
+               "https://github.com/triton-inference-server/server/issues/3916",
+               "https://github.com/triton-inference-server/server/issues/7400"),
        why="native crash in the process: extension, library, driver or memory (kernel: "
-           "arch/x86/mm/fault.c 'segfault at %lx ip %px sp %px error %lx')"),
+           "arch/x86/mm/fault.c 'segfault at %lx ip %px sp %px error %lx'; Triton Inference "
+           "Server's own handler prints 'Signal (11) received.' and its backtrace — a serving "
+           "engine's crash shows no CUDA line, and the frames of a backend library name the "
+           "code, not the cause)"),
     _p("sigkill",
        r"Signal 9 \(SIGKILL\)|exit ?code\s*:\s*-9\b|exit(?:ed)? with (?:status|exit) code 137\b|"
        r"exit(?:ed)? with code 137\b|^(?:\[[\d,]+\]<std\w+>:)?Killed\s*$|"
@@ -217,10 +246,15 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
     _p("sigabrt",
        r"Signal 6 \(SIGABRT\)|exit ?code\s*:\s*-6\b|Aborted \(core dumped\)|"
        r"exit(?:ed)? with (?:status|exit) code 134\b|terminate called (?:after throwing|without)|"
-       r"return code = -6\b|terminated with signal SIGABRT|<Signals\.SIGABRT: 6>",
+       r"return code = -6\b|terminated with signal SIGABRT|<Signals\.SIGABRT: 6>|"
+       r"\bSignal \(6\) received\.|\*\*\* SIGABRT received by PID \d+",
        "crash", "unknown", symptom=True, weight=0.3,
+       source=("https://github.com/clearml/clearml-serving/issues/36",
+               "https://github.com/pytorch/xla/issues/6426"),
        why="abort() after an uncaught C++ exception (libstdc++ 'terminate called after "
-           "throwing an instance of'): the exception printed before it is the cause"),
+           "throwing an instance of'; Triton Inference Server's handler 'Signal (6) "
+           "received.'; absl's failure signal handler '*** SIGABRT received by PID %d (TID %d) "
+           "… stack trace: ***'): the exception printed before it is the cause"),
     _p("agent_sigterm",
        r"Received Signals\.SIGTERM death signal|SignalException: Process \d+ got signal: 15\b",
        "crash", "infrastructure", symptom=True, weight=0.3,
@@ -301,6 +335,17 @@ MACHINE_ROWS: tuple[LogPattern, ...] = (
            "'The node was low on resource: ephemeral-storage', 'Pod ephemeral local storage usage "
            "exceeds the total limit of containers %s', 'Container %s exceeded its local "
            "ephemeral storage limit %q', 'Usage of EmptyDir volume %q exceeds the limit %q')"),
+    _p("k8s_crash_loop",
+       r"\bCrashLoopBackOff\b|Back-off restarting failed container",
+       "crash", "unknown", symptom=True, weight=0.4,
+       source=("https://github.com/NVIDIA/gpu-operator/issues/35",
+               "https://github.com/NVIDIA/gpu-operator/issues/624",
+               "https://github.com/NVIDIA/gpu-operator/issues/488"),
+       why="the kubelet restarts a container that keeps exiting, with a growing delay (pod "
+           "status waiting reason CrashLoopBackOff in `kubectl get pods`, event 'Back-off "
+           "restarting failed container'; kubernetes.io 'Pod Lifecycle'): the container died "
+           "again and again — a crash whose cause is in the container's own log (`kubectl logs "
+           "--previous`), so a symptom; alone, a crash of unknown layer"),
     _p("k8s_evicted",
        r"^\s*(?:Status:\s*Failed\s+)?Reason:\s*Evicted\s*$|\bWarning\s+Evicted\s*$|"
        r"\bpod .{0,80}\bevicted\b",

@@ -38,6 +38,18 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
        "network", "infrastructure", symptom=True, weight=0.5,
        why="ncclRemoteError (src/init.cc ncclGetErrorString): a remote peer exited or the "
            "network failed; a symptom of the peer's fault"),
+    _p("ib_qp_async_error",
+       r"NET/IB\w*\s*:.{0,40}Got async event\s*:\s*(?:local access violation work queue|"
+       r"invalid request local work queue|local work queue catastrophic) error",
+       "network", "unknown", weight=0.5,
+       source=("https://github.com/NVIDIA/nccl/issues/1710",),
+       why="an InfiniBand async event of one queue pair (ibv_event_type_str of "
+           "IBV_EVENT_QP_ACCESS_ERR 'local access violation work queue error', "
+           "IBV_EVENT_QP_REQ_ERR 'invalid request local work queue error', IBV_EVENT_QP_FATAL "
+           "'local work queue catastrophic error', as NCCL's net_ib prints it): the local side "
+           "used the queue pair or its memory registration wrongly — the net plugin, the "
+           "driver or the HCA; unlike a port error it names no link, and the real thread "
+           "(a NET plugin swap changed it) did not decide the layer: unknown, at a low weight"),
     _p("ib_completion_error",
        r"NET/IB\w*\s*:\s*Got completion (?:from peer (?:(?P<peer>\d[\d.]*)\S*|\S+)\s*)?with "
        r"(?:error|status=)|IBV_WC_\w+_ERR|transport retry counter exceeded|RETRY_EXC_ERR|"
@@ -188,6 +200,18 @@ SOFTWARE_ROWS: tuple[LogPattern, ...] = (
        why="Horovod's stall inspector (horovod/common/stall_inspector.cc: 'One or more tensors "
            "were submitted to be reduced, gathered or broadcasted by subset of ranks', '[ready "
            "ranks: …]') lists the ranks that are ready; the missing ones are hung"),
+    _p("stack_in_collective",
+       r"^\s*(?:all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|barrier|"
+       r"monitored_barrier|all_to_all\w*|reduce|gather|scatter|send|recv|"
+       r"destroy_process_group)\s+\((?:\S*/)?torch/distributed/distributed_c10d\.py:\d+\)\s*$",
+       "hang", "unknown", symptom=True, weight=0.45,
+       source=("https://github.com/pytorch/pytorch/issues/135703",),
+       why="a frame of a py-spy dump ('    <function> (<file>:<line>)', benfred/py-spy's dump "
+           "format) inside a torch.distributed collective or teardown: the process was dumped "
+           "because it stopped making progress, and it is parked in the collective — a hang "
+           "seen from a blocked rank, with no watchdog line (the watchdog fires only after its "
+           "timeout, or never when the rank sits in teardown); a symptom: which rank is "
+           "behind, and why, the stack does not say"),
     _p("collective_mismatch",
        r"Detected mismatch between collectives|Expected to have finished reduction in the prior "
        r"iteration|Parameters which did not receive grad|"

@@ -392,6 +392,7 @@ def attribution(runs: Runs) -> list[str]:
     parts = [("dev", "dev ({n})"), ("heldout_round1", "held-out, round 1 ({n})"),
              ("heldout_round2", "held-out, round 2 ({n}, after the first freeze)"),
              ("heldout_round3", "held-out, round 3 ({n}, after the second freeze)"),
+             ("heldout_round4", "held-out, round 4 ({n}, after the fourth freeze)"),
              ("heldout", "**held-out, all rounds ({n})**"),
              ("reference", "reference corpus `../shared/corpus` ({n})")]
     rows = []
@@ -409,6 +410,26 @@ def attribution(runs: Runs) -> list[str]:
         rows.append([label.format(n=n)] + cells)
     return (table(["part", "fault class before → after", "layer before → after"], rows)
             + ["", runs_line(runs)])
+
+
+def attribution_round(runs: Runs, before_name: str) -> list[str]:
+    """One round of rules on one corpus: the rules before the round (``before_name``) and after
+    it (``attribution_after.json``), both scored on the corpus as it is after the round."""
+    before = runs(before_name)["splits"]
+    after = runs("attribution_after.json")["splits"]
+    names = {"dev": "dev", "heldout": "**held-out, all rounds**", "reference": "reference corpus"}
+    rows = []
+    for key in ["dev"] + sorted(k for k in after if k.startswith("heldout_")) + ["heldout",
+                                                                                 "reference"]:
+        if key not in after or key not in before:
+            continue
+        a, b = after[key], before[key]
+        label = names.get(key, key.replace("heldout_round", "held-out, round "))
+        cells = [f"{pct(b[f])} → **{pct(a[f])}**" for f in
+                 ("fault_class_accuracy", "layer_accuracy", "layer_accuracy_confident")]
+        rows.append([f"{label} ({a['cases']}; {a['layer_cases_confident']} medium/high)"] + cells)
+    return (table(["part (cases; medium/high labels)", "fault class", "layer",
+                   "layer, medium/high labels"], rows) + ["", runs_line(runs)])
 
 
 def label_agreement(runs: Runs) -> list[str]:
@@ -499,6 +520,8 @@ TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "checkpoint-race": checkpoint_race,
     "checkpoint": checkpoint_full,
     "attribution": attribution,
+    "attribution-round4": functools.partial(attribution_round,
+                                            before_name="attribution_round4_before.json"),
     "label-agreement": label_agreement,
     "fleet": fleet,
     "framework-restart": framework_restart,
