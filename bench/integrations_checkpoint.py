@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -103,6 +104,10 @@ def main() -> None:
     ap.add_argument("--dir", default="")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance
+    import provenance
+
+    load0 = provenance.loadavg()
     torch.set_num_threads(1)
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
@@ -119,6 +124,7 @@ def main() -> None:
             out["writers"][name].pop("first_blocking_s")
         for name in ("AsyncCheckpointIO (Lightning)", "TrainguardCheckpointIO"):
             out["writers"][name].update(step_slowdown(writers[name], st, d))
+    out["provenance"] = provenance.record(load0)
     if a.json:
         print(json.dumps(out, indent=2))
         return

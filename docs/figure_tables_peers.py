@@ -62,3 +62,45 @@ def chaos(runs: Runs, names: tuple[str, ...] = CHAOS_RUNS) -> list[str]:
                   "trials over 2 × median (slow phase: count)",
                   "step rate in steady outages / without", "training blocked outside faults"],
                  rows) + ["", runs_line(runs)]
+
+
+DEMO_FAULTS = {"sigkill": "SIGKILL", "exception": "Python exception", "hang": "hang (SIGSTOP)"}
+
+
+def demo(runs: Runs, name: str = "demo-3.json") -> list[str]:
+    """``make demo``'s faults over its runs: detected, decided, every rank training again
+    (seconds from the injection), steps rolled back, how many recovered."""
+    d = runs(name)
+    rows = []
+    for k, label in DEMO_FAULTS.items():
+        s = d["summary"].get(k)
+        if not s:
+            continue
+        cells = [med_range(_stats(x for x in s[f] if x is not None), 3, "s")
+                 for f in ("detected_s", "decided_s", "resumed_s")]
+        rolled = [x for x in s["rolled_back"] if x is not None]
+        rows.append([label, *cells, f"{max(rolled) if rolled else '–'}",
+                     f"{sum(bool(x) for x in s['recovered'])} of {len(s['recovered'])}"])
+    acc = ", ".join(f"{100 * r['accuracy']:.2f} %" for r in d["runs"])
+    base = ", ".join(f"{100 * r['baseline_accuracy']:.2f} %" for r in d["runs"])
+    return table(["fault", "detected", "decided", "every rank training again",
+                  "steps rolled back (max)", "recovered"], rows) + [
+        "", f"Test accuracy per run {acc}; the fault-free runs with the same seeds {base}.",
+        "", runs_line(runs)]
+
+
+CRASH_RUNS = ("checkpoint-crash-1000-seed1.json", "checkpoint-crash-1000-seed2.json",
+              "checkpoint-crash-1000-seed3.json")
+
+
+def crash_safety(runs: Runs, names: tuple[str, ...] = CRASH_RUNS) -> list[str]:
+    """Each crash-safety run: trials by fault, corrupt / stale / failed restores."""
+    rows = []
+    for n in names:
+        d = runs(n)
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(d["by_fault"].items()))
+        rows.append([n.rsplit("seed", 1)[-1].split(".")[0], f"{d['trials']:,}", kinds,
+                     str(d["corrupt_restores"]), str(d["stale_restores"]),
+                     str(d["restore_failures"]), f"{d['seconds']:.0f} s"])
+    return table(["seed", "trials", "faults", "corrupt restores", "stale restores",
+                  "failed restores", "wall"], rows) + ["", runs_line(runs)]
