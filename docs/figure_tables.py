@@ -534,3 +534,8 @@ TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "tails-short": functools.partial(cluster_runs, names=(
         "tails-partition-first-after-boot.json", "tails-after-trigger-fix.json")),
 }
+
+# the tables of runs beside peers, under chaos and at scale (they use the helpers above)
+import figure_tables_peers  # noqa: E402
+
+TABLES.update(figure_tables_peers.TABLES)

@@ -104,3 +104,59 @@ def crash_safety(runs: Runs, names: tuple[str, ...] = CRASH_RUNS) -> list[str]:
                      str(d["restore_failures"]), f"{d['seconds']:.0f} s"])
     return table(["seed", "trials", "faults", "corrupt restores", "stale restores",
                   "failed restores", "wall"], rows) + ["", runs_line(runs)]
+
+
+JOB_NAMES = {"plain": "plain DDP script (own snapshot)", "lightning": "Lightning `Trainer.fit`",
+             "hf": "Hugging Face `Trainer.train`"}
+LAUNCHERS = (("trainguard", "trainguard"), ("torchrun", "torchrun"), ("nvrx", "`ft_launcher`"))
+
+
+def _kill_cell(row: dict, sy: str) -> str:
+    xs = row.get(f"kill_{sy}_samples") or []
+    if not xs:
+        h = row.get(f"hang_{sy}") or {}
+        return "not run" if str(h.get("by", "")).startswith("not run") else "–"
+    t = row.get(f"kill_{sy}_tails") or {}
+    cell = med_range(_stats(xs), 2, "s")
+    if t.get("n") and t["recovered"] < t["n"]:
+        cell += f", {t['n'] - t['recovered']} of {t['n']} never"
+    return cell
+
+
+def _hang_cell(row: dict, sy: str) -> str:
+    h = row.get(f"hang_{sy}") or {}
+    if h.get("detected") is None:
+        return "not run"
+    n_ok, n = (int(x) for x in h["detected"].split("/"))
+    if not n_ok:
+        return f"never ({h['detected']} in {h['waited_s']:g} s)"
+    again = h.get("training_again_s")
+    return (f"{h['detected']} in {h['detected_s']:.2f} s"
+            + (f", training again {again:.2f} s" if again is not None else ""))
+
+
+def dropin(runs: Runs, name: str = "dropin-3.json") -> list[str]:
+    """Per job: SIGKILL → every rank training again per launcher (median (range) over the
+    rounds), torchrun / trainguard, hang detection, fault-free step rate ratio."""
+    d = runs(name)
+    rows = []
+    for r in d["rows"]:
+        ratio = r.get("kill_ratio_torchrun_over_trainguard")
+        samples = r.get("rate_samples") or {}
+        spread = ", ".join(f"{sy} {min(v):.0f}–{max(v):.0f}" for sy, v in samples.items()
+                           if v and None not in v)
+        rows.append([JOB_NAMES.get(r["job"], r["job"]),
+                     *(_kill_cell(r, sy) for sy, _ in LAUNCHERS),
+                     f"{ratio:.0f}×" if ratio else "–",
+                     _hang_cell(r, "trainguard"),
+                     "; ".join(f"{label}: {_hang_cell(r, sy)}" for sy, label in LAUNCHERS[1:]),
+                     (f"{r['rate_ratio']:.2f} ({spread} steps/s)" if r.get("rate_ratio")
+                      else "–")])
+    return table(["job", "SIGKILL → training again: trainguard", "torchrun", "`ft_launcher`",
+                  "torchrun / trainguard", "hang (SIGSTOP): trainguard", "the peers",
+                  "fault-free step rate, trainguard / torchrun"], rows) + [
+        "", f"{d['settings']['rounds']} rounds; every launch's timelines, p95, max and slow "
+        "runs are in the JSON.", "", runs_line(runs)]
+
+
+TABLES = {"chaos": chaos, "demo": demo, "crash-safety": crash_safety, "dropin": dropin}

@@ -357,3 +357,23 @@ def test_lease_renewal_failure_is_a_warning(caplog):
 
 def test_states_are_terminal_only_at_the_end():
     assert {s for s in S if s.terminal} == {S.SUCCEEDED, S.STOPPED, S.FAILED}
+
+
+def test_a_decision_read_back_from_the_stream_is_carried_out_once_and_an_earlier_runs_quietly(
+        capsys):
+    """The launcher reads its job's newest stored decision at the start and after every
+    reconnect (a decision published while it was off the bus): one it missed is carried out,
+    one it has seen is not carried out again, and an earlier run's is dropped without a word."""
+    import time
+
+    loop = _loop(generation=3)
+    old = _decision("restart_workers", 3, ranks=[1], key="j:g2")
+    old.decision.ts = loop.started_ns - 10**9  # the previous run's, stored before this start
+    loop.handle(old)
+    assert len(loop.pool.spawned) == 2 and "stale" not in capsys.readouterr().err
+    missed = _decision("restart_workers", 4, ranks=[1], key="j:g3")
+    missed.decision.ts = time.time_ns()
+    loop.handle(missed)  # published while this launcher was away, read back when it returned
+    assert loop.generation == 4 and [s["generation"] for s in loop.pool.spawned][2:] == [4, 4]
+    loop.handle(missed)  # read back again at the next reconnect
+    assert [s["generation"] for s in loop.pool.spawned][2:] == [4, 4]

@@ -202,7 +202,11 @@ class Launcher:
         cfg = self.cfg
         # the spares' template warms while this launcher connects, registers and rendezvous
         self.pool.template()
-        self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision)
+        # last_stored: a decision published while this launcher was off the bus (NATS restarted,
+        # its connection cut) is read from the stream when it is back, else the ranks would
+        # wait for a recovery nobody carries out (the chaos bench's lost trial)
+        self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision,
+                           last_stored=True)
         self.bus.start()
         if not self.bus.wait_connected(15.0):
             raise SystemExit(f"trainguard launch: {self.bus.error}" if self.bus.error else

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import sys
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -193,6 +194,8 @@ class RunLoop:
         self.seen_keys: set[str] = set()
         self.exit_status: int | None = None
         self.fenced = False  # the lease was lost: write nothing more to the job's record
+        #: Unix ns this run started: a decision stored before it is an earlier run's
+        self.started_ns = time.time_ns()
         self._steps: dict[type, Callable[[Any], None]] = {
             RankExited: self._on_rank_exited, DecisionReceived: self._on_decision,
             GroupRestarted: self._on_group_restarted, RefillPool: lambda ev: self.pool.fill(),
@@ -312,6 +315,8 @@ class RunLoop:
         if d.idempotency_key in self.seen_keys:
             return
         self.seen_keys.add(d.idempotency_key)
+        if d.ts and d.ts < self.started_ns and not (d.execute and d.generation > self.generation):
+            return  # made before this run started (read back from the stream): nothing to do
         if d.execute and d.generation <= self.generation:
             # decided for a generation this run is already past: e.g. the hang of the ranks of
             # a launcher that was killed, decided while this launch waited out its lease
