@@ -235,6 +235,7 @@ def headline(runs: Runs) -> list[str]:
          f"{guard['nodes_taken_out']} nodes taken out, {guard['jobs_stopped']} jobs stopped, "
          f"shared cause named: {named}",
          f"without the guard {off['nodes_taken_out']} nodes taken out, same run", "1 (counts)"],
+        _chaos_row(runs),
         ["checkpoint crash-safety trials (kills, flipped bytes, full disk, NaN)",
          f"{crash['trials']} trials, {crash['corrupt_restores']} corrupt, "
          f"{crash['stale_restores']} stale, {crash['restore_failures']} failed restores", "–",
@@ -247,6 +248,18 @@ def headline(runs: Runs) -> list[str]:
          "exact counts"],
     ]
     return table(["what", "trainguard", "compared with", "runs"], rows) + ["", runs_line(runs)]
+
+
+def _chaos_row(runs: Runs) -> list[str]:
+    from figure_tables_peers import chaos_summary
+
+    c = chaos_summary(runs)
+    return [f"control plane killed during faults: NATS, Valkey, a service or an agent SIGKILLed "
+            f"in each of {c['trials']} trials ([chaos](docs/benchmarks.md#the-control-plane-under-chaos))",
+            f"{c['recovered']} of {c['faults']} faults recovered, {c['lost']} decisions lost, "
+            f"{c['dups']} duplicate actions; {med_range(c['seconds'], unit='s')}, p95 "
+            f"{c['p95']:.2f} s; step rate during outages {med_range(c['ratio'], 3)} of normal",
+            "–", f"{c['n']}"]
 
 
 def tails_partition(runs: Runs, name: str = "tails-partition-30.json") -> list[str]:

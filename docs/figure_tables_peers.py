@@ -159,4 +159,4 @@ def dropin(runs: Runs, name: str = "dropin-3.json") -> list[str]:
         "runs are in the JSON.", "", runs_line(runs)]
 
 
-TABLES = {"chaos": chaos, "demo": demo, "crash-safety": crash_safety, "dropin": dropin}
+TABLES = {"chaos": chaos, "demo": demo}
