@@ -382,15 +382,27 @@ def _verdict(inc: Incident, spec: VerdictSpec, root: schemas.Anomaly, wall_ns: i
         trace=root.child_trace(), **({"ts": wall_ns} if wall_ns else {}))
 
 
+#: Root kinds whose verdict says nothing of the node in cross-job history (recorded with layer
+#: ``unknown``, so they never make the node a repeat offender): a launcher silent while its
+#: node's agent beats was stopped from outside — a pod deleted, a container killed, a user's
+#: SIGTERM or Ctrl-C of ``trainguard launch`` — and the node is fine. Counted as an
+#: infrastructure fault, one stopped job made every later crash on that node a hardware fault
+#: for a day (``bench/dropin.py``: three jobs stopped after the first launch was ended).
+NOT_THE_NODES = ("launcher_lost",)
+
+
 def _record(inc: Incident, spec: VerdictSpec, wall_ns: int) -> list[Call]:
     """``record_fault`` writes of a published verdict: per culprit node (its signature, and the
     layer its evidence gave: ``detail["evidence_layer"]`` when the history made it hardware) and
     per XID anomaly (``xid|<n>``, with GPU and pid); ``ts_ns`` is the input's Unix ns (the
     store's clock when 0)."""
     ts: dict[str, Any] = {"ts_ns": wall_ns} if wall_ns else {}
+    layer = spec.detail.get("evidence_layer", spec.layer)
+    if spec.detail.get("root_kind") in NOT_THE_NODES:
+        layer = "unknown"
     calls = [store("record_fault", n, inc.job, spec.signature,
                    {"fault_class": spec.fault_class,
-                    "layer": spec.detail.get("evidence_layer", spec.layer),
+                    "layer": layer,
                     "generation": inc.generation}, **ts) for n in spec.nodes]
     for a in inc.anomalies:
         xid = a.detail.get("xid")

@@ -159,4 +159,69 @@ def dropin(runs: Runs, name: str = "dropin-3.json") -> list[str]:
         "runs are in the JSON.", "", runs_line(runs)]
 
 
+
+SYSTEM_NAMES = {"trainguard": "trainguard", "torchrun": "torchrun `--max-restarts`",
+                "full_restart": "full job restart", "torchft": "torchft 0.2.0",
+                "nvrx": "NVRx 0.4.1 `ft_launcher`"}
+
+
+def five_faults(runs: Runs, name: str = "recovery-five-faults-3-detail.json") -> list[str]:
+    """Per system over the runs of ``bench/recovery.py --faults five_faults``: seconds per
+    fault (median (range), p95), steps rolled back per fault, training goodput per run
+    (median (range)) and its ratio to the best peer's."""
+    d = runs(name)
+    good: dict[str, dict] = {}
+    rows_by = {r["system"]: r for r in d["rows"] if r["fault"] == "five_faults"}
+    for sy in rows_by:
+        g = [x["training_goodput"] for x in d["runs"].get(f"{sy}/five_faults", [])
+             if x.get("training_goodput") is not None]
+        if g:
+            good[sy] = _stats(g)
+    peers = {sy: g["median"] for sy, g in good.items() if sy != "trainguard"}
+    best = max(peers, key=peers.get) if peers else None
+    rows = []
+    for sy in SYSTEM_NAMES:
+        r = rows_by.get(sy)
+        if r is None:
+            continue
+        secs = [f["recovery_s"] for x in d["runs"].get(f"{sy}/five_faults", [])
+                for f in x["faults"] if f.get("recovery_s") is not None]
+        rb = sorted({f["steps_rolled_back"] for x in d["runs"].get(f"{sy}/five_faults", [])
+                     for f in x["faults"] if f.get("steps_rolled_back") is not None})
+        g = good.get(sy)
+        vs = ("(best peer)" if sy == best else
+              f"{g['median'] / peers[best]:.2f}×" if g and best and sy == "trainguard" else "")
+        rows.append([SYSTEM_NAMES[sy],
+                     f"{med_range(_stats(secs), 2, 's')}, p95 {_s(r.get('p95_s'))}" if secs
+                     else "–", r["recovered"],
+                     ", ".join(str(x) for x in rb) or "–",
+                     med_range(g, 3) if g else "–", vs])
+    return table(["system", "seconds per fault", "faults recovered", "steps rolled back",
+                  "training goodput", "× best peer"], rows) + [
+        "", f"{d['settings'].get('runs', '?')} runs of each system; each fault's timeline is in "
+        "the JSON.", "", runs_line(runs)]
+
+
+def _cluster_row(runs: Runs, name: str, fault: str) -> dict | None:
+    return next((r for r in runs(name) if r["fault"] == fault), None)
+
+
+def slurm_alone(runs: Runs, tg: str = "tails-power-off-30.json",
+                slurm: str = "cluster-slurm-power-off-3.json") -> list[str]:
+    """A node powered off: trainguard's runs (a spare node takes over) beside Slurm alone
+    (``sbatch --requeue``): runs, recovered, seconds to every rank training again."""
+    rows, med = [], {}
+    for label, name in (("trainguard (a spare node takes over)", tg),
+                        ("Slurm alone (`sbatch --requeue`, SlurmdTimeout 10 s)", slurm)):
+        r = _cluster_row(runs, name, "power_off")
+        done = [x["again_s"] for x in r["runs"] if x.get("again_s") is not None]
+        st = _stats(done)
+        med[name] = st["median"]
+        rows.append([label, str(len(r["runs"])), str(len(done)), med_range(st, 2, "s"),
+                     _s(r.get("p95_s")), str(r.get("steps_rolled_back", "–"))])
+    ratio = med[slurm] / med[tg]
+    return table(["system", "runs", "recovered", "fault → every rank training again",
+                  "p95", "steps rolled back"], rows) + [
+        "", f"Slurm alone takes {ratio:.0f}× trainguard's median.", "", runs_line(runs)]
+
 TABLES = {"chaos": chaos, "demo": demo}

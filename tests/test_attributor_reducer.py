@@ -296,3 +296,22 @@ def test_every_detail_key_attribution_reads_is_kept():
     read |= set(re.findall(r'_hint\(\w+, "([a-z_]+)"', src))
     assert read >= {"layer", "seq", "pattern", "xid", "pid", "weight", "stream"}  # the scan works
     assert read <= incidents.READ_DETAIL_KEYS, read - incidents.READ_DETAIL_KEYS
+
+
+def test_a_launcher_stopped_from_outside_does_not_count_against_its_node():
+    """A launcher silent while its node's agent beats (a pod deleted, a user's Ctrl-C) is
+    recovered from, but it says nothing of the node: its history record says ``unknown``, so a
+    later SIGKILL in another job on that node is not made a hardware fault by it."""
+    gone = anomaly("launcher_lost", "crash", 100, [0, 1], ["n1"], layer="infrastructure",
+                   weight=0.9, launcher_lost=["n1"])
+    _, eff = run([at(0.0, gone)])
+    [v] = verdicts(eff)
+    assert v.layer == "infrastructure"  # the verdict itself is unchanged
+    [rec] = [w for w in writes(eff) if w.args[0] == "n1"]
+    assert rec.args[3]["layer"] == "unknown"
+    # fed back as the next job's history, the record makes no repeat offender
+    h = History(nodes={"n1": [{"job": "stopped-job", "layer": rec.args[3]["layer"],
+                               "ts": WALL - 10}]})
+    _, eff = run([at(0.0, crash(node="n1"))], h)
+    [v2] = verdicts(eff)
+    assert "repeat_offender" not in v2.detail and v2.layer == "unknown"
