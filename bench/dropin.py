@@ -535,8 +535,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(JOBS)} (default: all)")
     p.add_argument("--systems", type=_csv(SYSTEMS), default=list(SYSTEMS),
                    help="comma-separated subset of trainguard,torchrun,nvrx (default: all)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="launches per (job, launcher), orders alternating (default 2; "
+    p.add_argument("--rounds", "--runs", dest="rounds", type=int, default=None,
+                   help="launches per (job, launcher), orders alternating (default 3; "
                         "--quick 1); ft_launcher runs in the first round only")
     p.add_argument("--window", type=float, default=None,
                    help="seconds of fault-free steps per rate sample (default 12; --quick 5)")
