@@ -224,4 +224,49 @@ def slurm_alone(runs: Runs, tg: str = "tails-power-off-30.json",
                   "p95", "steps rolled back"], rows) + [
         "", f"Slurm alone takes {ratio:.0f}× trainguard's median.", "", runs_line(runs)]
 
+
+# ---- headline rows (README) --------------------------------------------------------------------
+
+def dropin_row(runs: Runs, name: str = "dropin-3.json") -> list[str]:
+    """The README's row of the drop-in bench: SIGKILL → training again per job and launcher."""
+    d = runs(name)
+    by = {r["job"]: r for r in d["rows"]}
+    jobs = [j for j in ("plain", "lightning", "hf") if j in by]
+
+    def cell(sy: str) -> str:
+        return " / ".join(_kill_cell(by[j], sy) for j in jobs)
+
+    return ["unmodified DDP script / Lightning / HF `Trainer`, SIGKILL of rank 1 → every rank "
+            "training again ([drop-in](docs/benchmarks.md#unmodified-training-code))",
+            cell("trainguard"),
+            f"torchrun {cell('torchrun')}; NVRx `ft_launcher` {cell('nvrx')}; same run",
+            f"{d['settings']['rounds']} rounds"]
+
+
+def five_faults_row(runs: Runs, name: str = "recovery-five-faults-3-detail.json") -> list[str]:
+    """The README's row of the five-fault run: training goodput, trainguard and the best peer."""
+    d = runs(name)
+    good = {}
+    for key, xs in d["runs"].items():
+        sy, fault = key.split("/")
+        g = [x["training_goodput"] for x in xs if x.get("training_goodput") is not None]
+        if fault == "five_faults" and g:
+            good[sy] = _stats(g)
+    peers = {sy: g for sy, g in good.items() if sy != "trainguard"}
+    best = max(peers, key=lambda sy: peers[sy]["median"])
+    tg = good["trainguard"]
+    return ["five faults in one run (SIGKILL, exception, hang, SIGKILL, exception), training "
+            "goodput ([five faults](docs/benchmarks.md#five-faults-every-system-in-one-run))",
+            f"{med_range(tg, 3)}", f"best peer ({SYSTEM_NAMES[best]}) "
+            f"{med_range(peers[best], 3)}: trainguard {tg['median'] / peers[best]['median']:.1f}×; "
+            "same runs", f"{d['settings']['runs']}"]
+
+
+def slurm_cell(runs: Runs, name: str = "cluster-slurm-power-off-3.json") -> str:
+    """Slurm alone on the same power-off: its median (range) and run count."""
+    r = _cluster_row(runs, name, "power_off")
+    done = [x["again_s"] for x in r["runs"] if x.get("again_s") is not None]
+    return (f"Slurm `--requeue` alone {med_range(_stats(done), 1, 's')} "
+            f"({len(done)} of {len(r['runs'])} runs)")
+
 TABLES = {"chaos": chaos, "demo": demo}

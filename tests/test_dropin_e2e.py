@@ -293,6 +293,25 @@ def test_exception_in_a_rank_restarts_the_group(stack, tmp_path, runs):
     assert any("injected bug in rank 1" in e["line"] and e["rank"] == 1 for e in exc), exc
 
 
+def test_observe_mode_without_restarts_fails_as_torchrun_and_prints_its_decision(
+        stack, tmp_path, runs):
+    """Observe mode (the default) with no --max-restarts: a rank's exception ends the job with
+    exit 1, as under torchrun, and the launch log still says what trainguard would have done."""
+    marker = tmp_path / "raise_once"
+    marker.write_text("")
+    run = Run(tmp_path, _job("obs"), extra=("--raise-marker", str(marker), "--raise-rank", "1",
+                                            "--raise-epoch", str(FAULT_EPOCH)))
+    runs.append(run)
+    node0 = run.launch(stack, ["--nproc-per-node", "2", "--node", "node0"])
+    assert node0.wait(150) == 1, run.tails()
+    text = node0.text()
+    said = re.search(r"decision (\w+) \(observe mode: not executed\) generation \d+ ranks "
+                     r"\[([\d, ]*)\]", text)
+    assert said, text[-3000:]
+    assert said.group(1) in ("restart_workers", "restart_in_process") and "1" in said.group(2)
+    assert [d["action"] for d in decisions(stack, run.job) if not d["execute"]], "on the bus"
+
+
 def test_hang_is_named_and_the_group_restarts(stack, tmp_path, runs):
     run = Run(tmp_path, _job("hang"))
     runs.append(run)

@@ -266,7 +266,7 @@ class Launcher:
 
     def _await_observed_decision(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s`` seconds) for a decision not seen before on this job's
-        decision subject; True when one came."""
+        decision subject and print it; True when one came."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -275,6 +275,10 @@ class Launcher:
                 break
             if isinstance(ev, DecisionReceived) and \
                     ev.decision.idempotency_key not in self.loop.seen_keys:
+                d = ev.decision  # said, as torchrun's user would read it: nothing carried out
+                print(f"trainguard launch [{self.cfg.node}]: decision {d.action} (observe mode: "
+                      f"not executed) generation {d.generation} ranks {d.ranks} nodes "
+                      f"{d.nodes}: {d.reason}", file=sys.stderr, flush=True)
                 return True
         return False
 
