@@ -129,6 +129,17 @@ def step_rate(recs: list[Rec], t_a: int, t_b: int, rank: int = 0) -> float | Non
     return (len(rs) - 1) / ((rs[-1].t - rs[0].t) / 1e9)
 
 
+def startup(recs: list[Rec], t_launch: int, world: int = NPROC) -> float | None:
+    """Seconds from the launcher's start (Unix ns ``t_launch``) until every rank completed
+    its first step; None while some rank has not."""
+    first: dict[int, int] = {}
+    for r in recs:
+        first.setdefault(r.rank, r.t)
+    if len(first) < world:
+        return None
+    return round((max(first.values()) - t_launch) / 1e9, 3)
+
+
 def latest(recs: list[Rec]) -> dict[int, Rec]:
     out: dict[int, Rec] = {}
     for r in recs:
@@ -259,6 +270,7 @@ class RunResult:
     job: str
     round: int
     rate: float | None = None
+    startup_s: float | None = None
     settle_s: float | None = None
     kill: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None
@@ -298,6 +310,7 @@ def run_one(system: str, job: str, rnd: int, s: Settings, stack: Stack, root: st
     cmd, env = command(system, job, tg_job, stack, nvrx_python)
     recs_path = os.path.join(d, "records.txt")
     t0 = time.monotonic()
+    t_launch = time.time_ns()
     with open(os.path.join(d, "launcher.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -320,6 +333,7 @@ def run_one(system: str, job: str, rnd: int, s: Settings, stack: Stack, root: st
         if not ok:
             res.notes.append(f"never trained (launcher exit {proc.poll()}; see {d})")
             return res
+        res.startup_s = startup(read_records(recs_path), t_launch)
         # --- 1. fault-free step rate
         res.settle_s = settle(proc.pid, {r.pid for r in latest(read_records(recs_path))
                                          .values()}, s.settle_timeout_s)
@@ -434,6 +448,9 @@ def summarize(results: list[RunResult], jobs: list[str], missing: dict[str, str]
             if rate["trainguard"] and rate["torchrun"] else None,
             "rate_samples": {sy: [r.rate and round(r.rate, 3) for r in of[sy]]
                              for sy in ("trainguard", "torchrun")},
+            # launch → every rank's first step (trainguard here on a stack already up)
+            "startup_s": {sy: _median([r.startup_s for r in of[sy]]) for sy in SYSTEMS
+                          if sy not in missing},
         }
         for sy in SYSTEMS:
             if sy in missing:

@@ -60,6 +60,9 @@ def test_rate_and_recovery_from_records(D, tmp_path):
     back = D.back_after(recs, t_f, before)
     assert back == {"recovery_s": 2.0, "resumed_step": 40, "last_step": 49, "rolled_back": 10}
     assert D.back_after(recs[:-1], t_f, before) is None  # rank 1 not back yet
+    # start-up: launch → every rank's first step (rank 1's first record, 1000 ns after rank 0's)
+    assert D.startup(recs, T0 - 2 * S) == pytest.approx(2.0, abs=1e-3)
+    assert D.startup([r for r in recs if r.rank == 0], T0) is None
     # the phases a launcher without bus events still shows: last progress, first step by rank
     tl = D.recovery_timeline(recs, t_f, before)
     assert tl["seconds"]["first_step"] == 2.0 and tl["first_step_by_rank"] == {"0": 1.5, "1": 2.0}
@@ -69,7 +72,7 @@ def test_rate_and_recovery_from_records(D, tmp_path):
 
 def test_summary_ratios_and_table(D):
     R = D.RunResult
-    runs = [R("trainguard", "plain", 0, rate=40.0, kill={"recovery_s": 1.0},
+    runs = [R("trainguard", "plain", 0, rate=40.0, startup_s=6.0, kill={"recovery_s": 1.0},
               hang={"detected": True, "by": "trainguard decision restart_workers ranks [1]",
                     "detected_s": 2.1, "training_again_s": 3.0, "waited_s": 30}),
             R("torchrun", "plain", 0, rate=40.4, kill={"recovery_s": 6.0},
@@ -80,6 +83,7 @@ def test_summary_ratios_and_table(D):
             R("torchrun", "plain", 2, rate=40.5, kill=None, notes=["never again"])]
     (row,) = D.summarize(runs, ["plain"], {"nvrx": "not installed"})
     assert row["rate_ratio"] == pytest.approx(40.5 / 40.5)
+    assert row["startup_s"]["trainguard"] == 6.0 and row["startup_s"]["torchrun"] is None
     assert row["kill_trainguard_s"] == 1.2 and row["kill_torchrun_s"] == 5.5
     assert row["kill_ratio_torchrun_over_trainguard"] == round(5.5 / 1.2, 2)
     t = row["kill_trainguard_tails"]  # 3.5 s is over 2 x the 1.2 s median: listed as slow
