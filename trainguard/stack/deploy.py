@@ -73,7 +73,7 @@ def _write_replicated(args, creds: Credentials, files, out: Path, nats_text: str
     in ``out``; returns their names. ``--cluster``: ``<host>.conf`` per peer, or with
     ``--cluster-self NAME`` that peer's as ``nats.conf``; ``--sentinel-primary HOST``:
     ``valkey.conf`` (holds ``admin``'s password: 0640, of ``--key-group`` when given),
-    ``sentinel.conf`` (0600) and ``valkey-start.sh``. Raises ValueError for a bad peer list, a
+    ``sentinel.conf`` (0600), ``valkey-start.sh`` and ``sentinel-start.sh``. Raises ValueError for a bad peer list, a
     ``--cluster-self`` that is none of them, or Valkey files asked for without TLS."""
     written = []
     triple = (str(files.cert), str(files.key), str(files.ca)) if files else None
@@ -100,11 +100,15 @@ def _write_replicated(args, creds: Credentials, files, out: Path, nats_text: str
         os.chmod(out / "valkey.conf", 0o640)  # valkey-server runs as the valkey user
         write_private(out / "sentinel.conf",
                       cc.ha_sentinel_config(creds, args.sentinel_primary, triple,
-                                            quorum=len(sentinels) // 2 + 1))
+                                            quorum=len(sentinels) // 2 + 1,
+                                            data_dir=args.store_dir))
         (out / "valkey-start.sh").write_text(cc.valkey_start_script(
             str(out / "valkey.conf"), sentinels, args.sentinel_primary, str(files.ca)))
-        os.chmod(out / "valkey-start.sh", 0o755)
-        written += ["valkey.conf", "sentinel.conf", "valkey-start.sh"]
+        (out / "sentinel-start.sh").write_text(cc.sentinel_start_script(
+            str(out / "sentinel.conf"), args.store_dir))
+        for script in ("valkey-start.sh", "sentinel-start.sh"):
+            os.chmod(out / script, 0o755)
+        written += ["valkey.conf", "sentinel.conf", "valkey-start.sh", "sentinel-start.sh"]
     return written
 
 
@@ -140,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     "route ports (default 6222): write <HOST>.conf for each")
     sc.add_argument("--cluster-self", metavar="NAME", help="with --cluster: write only this "
                     "server's, as nats.conf (NAME: its host or the host's first label)")
-    sc.add_argument("--sentinel-primary", metavar="HOST", help="write valkey.conf, sentinel.conf "
-                    "and valkey-start.sh for a Valkey primary HOST, its replicas and sentinels")
+    sc.add_argument("--sentinel-primary", metavar="HOST", help="write valkey.conf, sentinel.conf, "
+                    "valkey-start.sh and sentinel-start.sh for a Valkey primary HOST, its replicas and sentinels")
     sc.add_argument("--sentinels", default="sentinel-0,sentinel-1,sentinel-2", metavar="HOST,…",
                     help="the sentinels' host names (valkey-start.sh asks them for the primary)")
     ts = sub.add_parser("tls-secret", help="write ca.pem, ca.key, server.pem, server.key into DIR "
