@@ -384,6 +384,7 @@ def test_kubernetes_ha_overlay_builds_validates_and_spreads_every_replica():
         assert svc["spec"]["clusterIP"] == "None", d["metadata"]["name"]
         assert svc["spec"]["publishNotReadyAddresses"] is True
         assert _matches(svc["spec"]["selector"], labels)
+    assert ("Service", "valkey") not in by  # would reach the replica too: the sentinels say
     assert by[("StatefulSet", "nats")]["spec"]["replicas"] == 3
     assert by[("StatefulSet", "nats")]["spec"]["podManagementPolicy"] == "Parallel"
     assert by[("StatefulSet", "valkey")]["spec"]["replicas"] == 2
