@@ -256,7 +256,8 @@ def test_compose_runs_every_service_against_its_servers():
     # the servers' secrets stay with the servers: a client mounts only the CA's volume
     for name, c in svcs.items():
         mounts = [v.split(":")[:2] for v in c.get("volumes", [])]
-        if name in ("credentials", "nats", "valkey", "rendezvous"):
+        if name in ("credentials", "rendezvous") or c.get("image", "").startswith(
+                ("nats:", "valkey/")):  # the servers (the profile ha's replicated ones too)
             continue
         assert not any(src == "tg-secrets" for src, _ in mounts), name
     for name in [*DEFAULT_SERVICES, "streams"]:
@@ -298,13 +299,18 @@ def test_compose_runs_every_service_against_its_servers():
 
 def test_kubernetes_manifests_cover_every_service():
     import yaml
-    kdir = os.path.join(ROOT, "deploy", "kubernetes")
-    with open(os.path.join(kdir, "kustomization.yaml")) as fh:
-        files = yaml.safe_load(fh)["resources"]
     docs = []
-    for f in files:
-        with open(os.path.join(kdir, f)) as fh:
-            docs += [d for d in yaml.safe_load_all(fh) if d]
+
+    def load(kdir: str) -> None:  # a resource is a file or a directory with its kustomization
+        with open(os.path.join(kdir, "kustomization.yaml")) as fh:
+            for f in yaml.safe_load(fh)["resources"]:
+                path = os.path.join(kdir, f)
+                if os.path.isdir(path):
+                    load(path)
+                    continue
+                with open(path) as fh2:
+                    docs.extend(d for d in yaml.safe_load_all(fh2) if d)
+    load(os.path.join(ROOT, "deploy", "kubernetes"))
     workloads = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     cfg = workloads[("ConfigMap", "trainguard-config")]["data"]
     assert "NATS_URL" not in cfg and "REDIS_URL" not in cfg  # no URL without a user

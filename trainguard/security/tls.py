@@ -43,8 +43,16 @@ RENEW_BEFORE_S = 30 * 86400
 #: services, the Services of namespace ``trainguard``, and loopback (a port published to the host
 #: or forwarded by ``kubectl port-forward``). ``python -m trainguard.stack.deploy server-config`` and
 #: ``tls-secret`` certify these plus each ``--tls-san NAME``.
+#: The replicated servers' names are there too: docker compose's profile ``ha`` (``nats-0`` …,
+#: ``valkey-0``, ``valkey-1``, ``sentinel-0`` …) and the pods of ``deploy/kubernetes/ha`` under
+#: their headless Services (a wildcard: any pod of the StatefulSet). NATS routes check them both
+#: ways; a client checks the primary the sentinels name.
 SERVICE_NAMES = ("127.0.0.1", "localhost", "nats", "valkey", "rendezvous",
-                 "nats.trainguard.svc", "valkey.trainguard.svc", "rendezvous.trainguard.svc")
+                 "nats.trainguard.svc", "valkey.trainguard.svc", "rendezvous.trainguard.svc",
+                 "nats-0", "nats-1", "nats-2", "valkey-0", "valkey-1",
+                 "sentinel-0", "sentinel-1", "sentinel-2",
+                 "*.nats-cluster.trainguard.svc", "*.valkey-cluster.trainguard.svc",
+                 "*.sentinel.trainguard.svc")
 
 
 def ca_file(explicit: str | os.PathLike | None = None) -> str | None:
@@ -98,6 +106,19 @@ def _names_of(cert) -> list[str]:
                   + san.get_values_for_type(x509.DNSName))
 
 
+def _client_auth(cert) -> bool:
+    """True when ``cert`` may also authenticate a client (a NATS route): an older server
+    certificate without it is issued again."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True  # no restriction: any use
+    return ExtendedKeyUsageOID.CLIENT_AUTH in eku
+
+
 def _san(names: Iterable[str]):
     from cryptography import x509
 
@@ -147,7 +168,9 @@ def _issue(subject_cn: str, pub, signer, issuer, days: int, ca: bool, names=()):
                                           decipher_only=False), critical=True)
     else:
         b = (b.add_extension(_san(names), critical=False)
-             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+             # client auth too: a NATS server routes to its peers with this certificate
+             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                   ExtendedKeyUsageOID.CLIENT_AUTH]),
                             critical=False)
              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                  issuer.public_key()), critical=False))
@@ -157,7 +180,8 @@ def _issue(subject_cn: str, pub, signer, issuer, days: int, ca: bool, names=()):
 def ensure(directory: str | os.PathLike, names: Iterable[str], rotate: bool = False) -> TLSFiles:
     """The CA and a server certificate covering ``names`` in ``directory`` (created 0700),
     generated when missing, when ``rotate`` (a new CA too), or — the server certificate only —
-    when its names differ from ``names`` or it expires within ``RENEW_BEFORE_S``. Keys are
+    when its names differ from ``names``, it may not authenticate a client (``_client_auth``)
+    or it expires within ``RENEW_BEFORE_S``. Keys are
     written 0600. Raises ``ValueError`` for files there that are not PEM."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
@@ -185,7 +209,7 @@ def ensure(directory: str | os.PathLike, names: Iterable[str], rotate: bool = Fa
         cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
         left = (cert.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc))
         if (_names_of(cert) == sorted(_san_strings(names)) and cert.issuer == ca_cert.subject
-                and left.total_seconds() > RENEW_BEFORE_S):
+                and left.total_seconds() > RENEW_BEFORE_S and _client_auth(cert)):
             return files
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _issue("trainguard servers", key.public_key(), ca_key, ca_cert, SERVER_VALID_DAYS,

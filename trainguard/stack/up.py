@@ -56,8 +56,13 @@ class _Stop(Exception):
     pass
 
 
-def _streams_only(nats_url: str | None) -> int:
-    """Create the JetStream streams on ``nats_url``, retrying while NATS starts (30 s)."""
+def _streams_only(nats_url: str | None, cluster_size: int | None = None,
+                  timeout: float = 60.0) -> int:
+    """Create the JetStream streams on ``nats_url``, retrying while NATS starts (``timeout``
+    seconds). ``cluster_size``: the streams get the copies of a cluster of that many servers
+    (``streams.stream_replicas``), and their creation is tried again until the cluster has
+    formed (a stream of 3 copies is refused while fewer servers have joined); None: the copies
+    of the cluster the server announces."""
     if not nats_url:
         print("trainguard up --streams-only: pass --nats-url or set NATS_URL", file=sys.stderr)
         return 2
@@ -65,9 +70,19 @@ def _streams_only(nats_url: str | None) -> int:
     async def run() -> None:
         from trainguard.clients.bus import Bus
 
-        bus = await Bus(nats_url, "trainguard-streams").connect(timeout=30.0)
+        deadline = time.monotonic() + timeout
+        bus = await Bus(nats_url, "trainguard-streams").connect(timeout=timeout)
         try:
-            await bus.ensure_streams()
+            while True:
+                try:
+                    await bus.ensure_streams(cluster_size=cluster_size)
+                    return
+                except Exception as exc:  # noqa: BLE001 - the cluster has not formed yet
+                    if cluster_size is None or time.monotonic() > deadline:
+                        raise
+                    print(f"trainguard up --streams-only: {type(exc).__name__}: {exc}; "
+                          f"again in 1 s", file=sys.stderr)
+                    await asyncio.sleep(1.0)
         finally:
             await bus.close()
     try:
@@ -169,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams-only", action="store_true",
                    help="only create the JetStream streams on --nats-url, then exit (for "
                         "docker-compose and Kubernetes, where the services run elsewhere)")
+    p.add_argument("--cluster-size", type=int, metavar="N",
+                   help="with --streams-only: give the streams the copies of a cluster of N "
+                        "NATS servers, waiting (--timeout) until it has formed")
     args = p.parse_args(argv)
     if args.streams_only:
-        return _streams_only(args.nats_url)
+        return _streams_only(args.nats_url, args.cluster_size, args.timeout)
 
     def _raise(signum: int, frame: Any) -> None:
         raise _Stop()

@@ -44,7 +44,7 @@ def _req(method: str, path: str, **extra: Any) -> dict[str, Any]:
 class KubernetesNodeController(NodeController):
     """Cordon, label and drain a node through the API server (see the module docstring).
     The service account needs ``get``/``list``/``patch`` on nodes, ``list``/``delete`` on pods
-    and ``create`` on ``pods/eviction`` (deploy/kubernetes/rbac.yaml)."""
+    and ``create`` on ``pods/eviction`` (deploy/kubernetes/base/rbac.yaml)."""
 
     name = "kubernetes"
     restarts_pods = True
