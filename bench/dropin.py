@@ -24,7 +24,11 @@ Each run of (job, launcher) is one launch, in phases:
    the whole group, which resumes from the job's own checkpoint. trainguard runs ``--mode action``;
    torchrun (and ``ft_launcher``) ``--max-restarts 3`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
    (without it torch 2.13's gloo restarts hang: findings).
-3. **Hang (SIGSTOP of rank 1)**, once the restarted ranks have trained a few steps and the
+3. **A Python exception in rank 1** (``--no-exception`` skips it), once the restarted ranks
+   have trained a few steps and the launcher's other processes are idle: ``records.py`` raises
+   ``RuntimeError`` at rank 1's next step (the bench's trigger file); seconds to every rank's
+   first step in a new process (all three launchers restart the group for these scripts).
+4. **Hang (SIGSTOP of rank 1)**, once the restarted ranks have trained a few steps and the
    launcher's other processes are idle again (trainguard's replacement spares have warmed), up
    to ``--hang-wait`` seconds: trainguard: seconds to its decision naming the stopped rank (and
    to every rank training again); torchrun, whose only
@@ -88,6 +92,7 @@ class Settings:
     start_timeout_s: float = 300.0
     recover_timeout_s: float = 120.0
     hang: bool = True
+    exception: bool = True
 
 
 QUICK = dict(window_s=5.0, rounds=1, hang_wait_s=12.0)
@@ -273,6 +278,7 @@ class RunResult:
     startup_s: float | None = None
     settle_s: float | None = None
     kill: dict[str, Any] | None = None
+    exception: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -360,19 +366,37 @@ def run_one(system: str, job: str, rnd: int, s: Settings, stack: Stack, root: st
             if ds:
                 res.kill["decision"] = {"action": ds[0]["action"], "ranks": ds[0]["ranks"],
                                         "after_s": round((ds[0]["ts"] - t_f) / 1e9, 3)}
+        def steady() -> float:
+            """Every rank a few steps into its new process, and the launcher's other
+            processes idle again: trainguard starts replacement spares 2 s after a respawn
+            (refill_delay_s) and they take seconds to warm; a fault while they warm would be
+            recovered from cold processes (a second fault that soon after the first one is a
+            separate case, not this one). Returns the seconds the settling took."""
+            now = latest(read_records(recs_path))
+            wait_for(lambda rs: all(sum(1 for r in rs if r.rank == k and r.pid == now[k].pid)
+                                    >= 5 for k in now), 30)
+            time.sleep(3.0)
+            return settle(proc.pid, {r.pid for r in latest(read_records(recs_path)).values()},
+                          s.settle_timeout_s)
+
+        # --- 2b. a Python exception in rank 1 (``records.py`` raises at its next step)
+        if s.exception:
+            steady()
+            before = latest(read_records(recs_path))
+            t_e = time.time_ns()
+            open(os.path.join(d, f"{os.path.basename(recs_path)}.raise1"), "w").close()
+            res.exception = wait_for(lambda rs: back_after(rs, t_e, before), s.recover_timeout_s)
+            if res.exception is None:
+                res.notes.append(f"exception: not training again within "
+                                 f"{s.recover_timeout_s:g} s (launcher exit {proc.poll()})")
+                return res
+            res.exception["timeline"] = recovery_timeline(
+                read_records(recs_path), t_e, before,
+                job_events(stack, tg_job) if system == "trainguard" else [])
         if not s.hang:
             return res
-        # --- 3. hang of rank 1 (every rank a few steps into its new process first)
-        after_kill = latest(read_records(recs_path))
-        wait_for(lambda rs: all(sum(1 for r in rs if r.rank == k and r.pid == after_kill[k].pid)
-                                >= 5 for k in after_kill), 30)
-        # and the launcher's processes idle again: trainguard starts replacement spares 2 s
-        # after a respawn (refill_delay_s) and they take seconds to import torch; a hang while
-        # they warm would be recovered from cold processes (a second fault that soon after the
-        # first one is a separate case, not this one)
-        time.sleep(3.0)
-        settled = settle(proc.pid, {r.pid for r in latest(read_records(recs_path)).values()},
-                         s.settle_timeout_s)
+        # --- 3. hang of rank 1
+        settled = steady()
         before = latest(read_records(recs_path))
         stopped = before[1].pid
         t_h = time.time_ns()
@@ -457,6 +481,9 @@ def summarize(results: list[RunResult], jobs: list[str], missing: dict[str, str]
                 row[f"kill_{sy}_s"] = None
                 row[f"hang_{sy}"] = {"detected": None, "by": f"not run: {missing[sy]}"}
                 continue
+            es = [r.exception["recovery_s"] for r in of[sy] if r.exception]
+            row[f"exception_{sy}_s"] = _median(es)
+            row[f"exception_{sy}_samples"] = es
             ks = [r.kill["recovery_s"] for r in of[sy] if r.kill]
             row[f"kill_{sy}_s"] = _median(ks)
             row[f"kill_{sy}_samples"] = ks
@@ -500,8 +527,8 @@ def _hang(h: dict[str, Any] | None) -> str:
 
 
 COLUMNS = ("job", "steps/s tg", "steps/s torchrun", "rate tg/torchrun", "SIGKILL→training tg",
-           "torchrun", "ft_launcher", "torchrun/tg", "hang: trainguard", "hang: torchrun",
-           "hang: ft_launcher")
+           "torchrun", "ft_launcher", "torchrun/tg", "exception→training tg", "torchrun",
+           "hang: trainguard", "hang: torchrun", "hang: ft_launcher")
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -511,6 +538,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
              _f(r["kill_nvrx_s"], "{:.2f} s") if r["hang_nvrx"].get("detected") is not None
              or r["kill_nvrx_s"] is not None else "not run",
              _f(r["kill_ratio_torchrun_over_trainguard"], "{:.1f}×"),
+             _f(r.get("exception_trainguard_s"), "{:.2f} s"),
+             _f(r.get("exception_torchrun_s"), "{:.2f} s"),
              _hang(r["hang_trainguard"]), _hang(r["hang_torchrun"]), _hang(r["hang_nvrx"])]
             for r in rows]
 
@@ -560,6 +589,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-wait", type=float, default=None,
                    help="seconds a hang is given to be detected (default 30; --quick 12)")
     p.add_argument("--no-hang", action="store_true", help="skip the hang phase")
+    p.add_argument("--no-exception", action="store_true", help="skip the exception phase")
     p.add_argument("--nvrx-python", default=sys.executable, metavar="PATH",
                    help="the Python whose environment has nvidia-resiliency-ext (its "
                         "ft_launcher beside it); default: this one")
@@ -583,6 +613,7 @@ def settings_from(a: argparse.Namespace) -> Settings:
     if a.hang_wait is not None:
         s.hang_wait_s = a.hang_wait
     s.hang = not a.no_hang
+    s.exception = not a.no_exception
     return s
 
 

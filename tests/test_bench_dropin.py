@@ -1,6 +1,6 @@
 """The drop-in benchmark (``bench/dropin.py``): its pure parts on synthetic records, and the
 quickest real sample — the plain job, one round, trainguard and torchrun, a short rate window,
-no hang phase — checked for the JSON's shape and positive figures."""
+a SIGKILL and an exception, no hang phase — checked for the JSON's shape and positive figures."""
 from __future__ import annotations
 
 import importlib.util
@@ -113,7 +113,8 @@ def test_quickest_real_sample(tmp_path):
     (row,) = data["rows"]
     assert row["job"] == "plain"
     for key in ("rate_trainguard", "rate_torchrun", "rate_ratio", "kill_trainguard_s",
-                "kill_torchrun_s", "kill_ratio_torchrun_over_trainguard"):
+                "kill_torchrun_s", "kill_ratio_torchrun_over_trainguard",
+                "exception_trainguard_s", "exception_torchrun_s"):
         assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row, r.stdout)
     assert row["kill_nvrx_s"] is None and row["hang_nvrx"]["by"].startswith("not run")
     assert {x["system"] for x in data["runs"]} == {"trainguard", "torchrun"}

@@ -28,8 +28,13 @@ def note_start(module: str) -> None:
 
 
 class Records:
+    """``step(n)`` appends rank's line for step ``n``; then, when ``<path>.raise<rank>`` exists
+    (the bench's exception phase), removes it and raises ``RuntimeError``: a Python exception
+    in the training loop, the same under every launcher."""
+
     def __init__(self, path: str, rank: int):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+        self.path = path
         self.rank = rank
         self.pid = os.getpid()
         self.restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -38,3 +43,7 @@ class Records:
         if self.fd is not None:
             os.write(self.fd, f"{self.rank} {step} {time.time_ns()} {self.pid} "
                               f"{self.restarts}\n".encode())
+            trigger = f"{self.path}.raise{self.rank}"
+            if os.path.exists(trigger):
+                os.remove(trigger)
+                raise RuntimeError(f"injected exception in rank {self.rank} at step {step}")
