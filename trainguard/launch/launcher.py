@@ -294,6 +294,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     return parse(argv, description=__doc__.split("\n\n")[0])
 
 
+#: Seconds a failed launch waits for its embedded stack's services to come up before stopping it.
+STACK_SERVICES_WAIT_S = 20.0
+
+
 def _needs_embedded_stack(cfg: LaunchConfig) -> bool:
     """A single-node job with no NATS and no state store given runs on a stack of its own."""
     return not (cfg.nats_url or cfg.redis_url or cfg.nnodes != 1)
@@ -386,6 +390,10 @@ def main(argv: list[str]) -> int:
         if template is not None and launcher is None:
             template.close()  # the launcher never took it over
         if stack is not None:
+            if status != 0:
+                # a job that failed at once: its services (started beside the ranks) get the
+                # moment to come up and read what the ranks published, so the logs kept say it
+                stack.services_ready.wait(STACK_SERVICES_WAIT_S)
             # the embedded stack's temporary logs go with it, unless the job failed
             stack.keep_logs = stack.keep_logs or status != 0
             stack.stop()

@@ -158,6 +158,7 @@ class Stack:
         self._started = False
         self.services_ready = threading.Event()
         self.services_error = ""
+        self._stopping = False
         self.console = console
         self.metrics = metrics
         #: endpoint name ("console", "metrics-<process>") → port, given at start
@@ -337,6 +338,8 @@ class Stack:
         except Exception as exc:  # noqa: BLE001 - on the thread: said, not raised
             if threading.current_thread() is threading.main_thread():
                 raise
+            if self._stopping:
+                return  # stopped before the services were up (a job that ended at once)
             self.keep_logs = True
             self.services_error = str(exc)
             print(f"trainguard: a service of the stack did not come up: {exc}", file=sys.stderr,
@@ -459,6 +462,7 @@ class Stack:
         """SIGTERM every child (services first, then the rendezvous store), SIGKILL what is left
         after ``grace_s``, then stop the embedded servers; the stack's own temporary log folder
         is removed unless ``keep_logs``. Idempotent."""
+        self._stopping = True  # a health wait still running on its thread is no failure now
         stop_all(list(self.procs.values())[::-1], self.grace_s)
         self._servers.stop()
         if self._own_log_dir and not self.keep_logs:
