@@ -177,7 +177,6 @@ DEMO_NAMES = {"sigkill": "SIGKILL", "exception": "exception", "hang": "hang (tim
 def headline(runs: Runs) -> list[str]:
     p = _partition(runs)
     ck = _checkpoint(runs)["summary"]
-    fw = _framework(runs)
     fd = runs("fleet.json")
     fleet = fd["results"]
     after = runs("attribution_after.json")["splits"]
@@ -205,6 +204,7 @@ def headline(runs: Runs) -> list[str]:
          + ("; test accuracy as the fault-free run's" if same_acc else "")
          + ("" if demo_ok else "; not every fault recovered"), "–",
          str(len(demo[kinds[0]]["resumed_s"]))],
+        _peers_row(runs, "dropin_row"),
         ["node power-off on fresh clusters, a spare node takes over ([tails](docs/benchmarks.md))",
          f"{med_range(po['again'], unit='s')}, p95 {po['p95']:.2f} s; {po['recovered']} of "
          f"{po['n']} recovered", "–", f"{po['n']}"],
@@ -222,13 +222,6 @@ def headline(runs: Runs) -> list[str]:
          f"{med_range(ck['write_only']['durable_s'], unit='s')} (each system's settings: "
          "[checkpoints](docs/checkpoints.md))",
          f"{ck['trainguard']['durable_s']['n']} races"],
-        ["unmodified Lightning / HF `Trainer`, SIGKILL of rank 1 → training again, no flags "
-         "([frameworks](docs/frameworks.md))",
-         f"{med_range(fw[('lightning', 'after')], unit='s')} / "
-         f"{med_range(fw[('hf', 'after')], unit='s')}, resumed from the newest complete checkpoint",
-         f"spares with torch only {med_range(fw[('lightning', 'before')], 1, 's')} / "
-         f"{med_range(fw[('hf', 'before')], 1, 's')}, same rounds",
-         f"{fw['rounds']} rounds" + (" (below 3)" if fw["rounds"] < 3 else "")],
         [f"bad driver rollout: XID {fd['rollout']['xid']} on "
          f"{100 * fd['rollout']['fraction']:.0f} % of {fd['nodes']} nodes "
          "([fleet guard](docs/fleet-guard.md))",
@@ -248,6 +241,12 @@ def headline(runs: Runs) -> list[str]:
          "exact counts"],
     ]
     return table(["what", "trainguard", "compared with", "runs"], rows) + ["", runs_line(runs)]
+
+
+def _peers_row(runs: Runs, name: str) -> list[str]:
+    import figure_tables_peers
+
+    return getattr(figure_tables_peers, name)(runs)
 
 
 def _chaos_row(runs: Runs) -> list[str]:
