@@ -225,6 +225,49 @@ def slurm_alone(runs: Runs, tg: str = "tails-power-off-30.json",
         "", f"Slurm alone takes {ratio:.0f}× trainguard's median.", "", runs_line(runs)]
 
 
+
+FUZZ_RUNS = ("fuzz-100k-seed0.json", "fuzz-100k-seed1.json", "fuzz-100k-seed2.json")
+
+
+def fuzz(runs: Runs, names: tuple[str, ...] = FUZZ_RUNS) -> list[str]:
+    """Each hostile-input run: deaths, lost and missing dead letters, RSS growth per service
+    from the 10 % mark to the end, the real fault's recovery."""
+    rows = []
+    services: list[str] = []
+    for n in names:
+        d = runs(n)
+        services = services or sorted(d["rss"])
+        acct = d.get("accounting", {})
+        lost = sum(r.get("lost", 0) for r in acct.values())
+        missing = sum(r.get("dlq_missing", 0) for r in acct.values())
+        growth = [f"{100 * d['rss'][sv]['growth']:+.1f} %" if d["rss"][sv]["growth"] is not None
+                  else "–" for sv in services]
+        rf = d.get("real_fault") or {}
+        rows.append([n.rsplit("seed", 1)[-1].split(".")[0], str(len(d.get("deaths", []))),
+                     str(lost), str(missing), *growth,
+                     (_s(rf.get("recovery_s")) if rf.get("recovered") else "not recovered")
+                     if rf else "–"])
+    return table(["seed", "service deaths", "lost", "dead letters missing",
+                  *[f"RSS growth: {sv}" for sv in services], "real SIGKILL recovered in"],
+                 rows) + ["", runs_line(runs)]
+
+
+DETECTOR_RUNS = ("detector-10k-0.json", "detector-10k-1.json", "detector-10k-2.json")
+
+
+def detector(runs: Runs, names: tuple[str, ...] = DETECTOR_RUNS) -> list[str]:
+    """The detector's ingest and latency over its runs, median (range)."""
+    ds = [runs(n) for n in names]
+
+    def st(key: str) -> dict:
+        return _stats(d[key] for d in ds if d.get(key) is not None)
+
+    rows = [["heartbeats/s ingested (offered up to 100,000/s)", med_range(st("ingest_per_s"), 0)],
+            ["heartbeat → anomaly p50 at 10,000/s", med_range(st("latency_p50_ms"), 1, "ms")],
+            ["heartbeat → anomaly p99 at 10,000/s", med_range(st("latency_p99_ms"), 1, "ms")],
+            ["detector state per tracked rank", med_range(st("bytes_per_rank_state"), 0, "B")]]
+    return table(["what", f"median (range) of {len(ds)} runs"], rows) + ["", runs_line(runs)]
+
 # ---- headline rows (README) --------------------------------------------------------------------
 
 def dropin_row(runs: Runs, name: str = "dropin-3.json") -> list[str]:
