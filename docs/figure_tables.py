@@ -205,6 +205,7 @@ def headline(runs: Runs) -> list[str]:
          + ("" if demo_ok else "; not every fault recovered"), "–",
          str(len(demo[kinds[0]]["resumed_s"]))],
         _peers_row(runs, "dropin_row"),
+        _peers_row(runs, "five_faults_row"),
         ["node power-off on fresh clusters, a spare node takes over ([tails](docs/benchmarks.md))",
          f"{med_range(po['again'], unit='s')}, p95 {po['p95']:.2f} s; {po['recovered']} of "
          f"{po['n']} recovered", "–", f"{po['n']}"],

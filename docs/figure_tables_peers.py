@@ -312,4 +312,4 @@ def slurm_cell(runs: Runs, name: str = "cluster-slurm-power-off-3.json") -> str:
     return (f"Slurm `--requeue` alone {med_range(_stats(done), 1, 's')} "
             f"({len(done)} of {len(r['runs'])} runs)")
 
-TABLES = {"chaos": chaos, "demo": demo, "dropin": dropin}
+TABLES = {"chaos": chaos, "demo": demo, "dropin": dropin, "five-faults": five_faults}
