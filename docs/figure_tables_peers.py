@@ -268,6 +268,21 @@ def detector(runs: Runs, names: tuple[str, ...] = DETECTOR_RUNS) -> list[str]:
             ["detector state per tracked rank", med_range(st("bytes_per_rank_state"), 0, "B")]]
     return table(["what", f"median (range) of {len(ds)} runs"], rows) + ["", runs_line(runs)]
 
+
+def startup(runs: Runs, name: str = "startup-5.json") -> list[str]:
+    """Launch → every rank's first step, per launcher (``bench/startup.py``), median (range)."""
+    d = runs(name)
+    rows = []
+    for sy, xs in d["samples"].items():
+        ok = [x for x in xs if x is not None]
+        s = d["summary"][sy]
+        over = s.get("over_torchrun_s")
+        rows.append([f"`{sy}`" if sy == "torchrun" else f"trainguard ({sy})",
+                     med_range(_stats(ok), 2, "s"), f"{len(ok)} of {len(xs)}",
+                     "–" if over is None else f"+{over:.2f} s"])
+    return table(["launcher", "launch → every rank's first step", "started", "over torchrun"],
+                 rows) + ["", runs_line(runs)]
+
 # ---- headline rows (README) --------------------------------------------------------------------
 
 def dropin_row(runs: Runs, name: str = "dropin-3.json") -> list[str]:
@@ -312,4 +327,5 @@ def slurm_cell(runs: Runs, name: str = "cluster-slurm-power-off-3.json") -> str:
     return (f"Slurm `--requeue` alone {med_range(_stats(done), 1, 's')} "
             f"({len(done)} of {len(r['runs'])} runs)")
 
-TABLES = {"chaos": chaos, "demo": demo, "dropin": dropin, "five-faults": five_faults}
+TABLES = {"chaos": chaos, "demo": demo, "dropin": dropin, "five-faults": five_faults,
+          "startup": startup}
