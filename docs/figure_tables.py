@@ -86,11 +86,13 @@ def provenance(data: Any) -> dict:
     """
     out: dict = {"commit": None, "date": None, "date_from": None, "cpus": None, "load": []}
     ts: list[float] = []
+    commits: list[str] = []  # a file merged from runs of several commits names each
     for k, v in _walk(data):
         if k == "provenance" and isinstance(v, dict):
             if v.get("commit"):
-                out["commit"] = v["commit"][:7] + (" with uncommitted changes"
-                                                   if v.get("dirty") else "")
+                c = v["commit"][:7] + (" with uncommitted changes" if v.get("dirty") else "")
+                if c not in commits:
+                    commits.append(c)
             if v.get("date"):
                 out["date"], out["date_from"] = str(v["date"])[:10], None
         elif k == "cpus" and isinstance(v, int):
@@ -106,6 +108,8 @@ def provenance(data: Any) -> dict:
             ts.append(float(v))
         elif k == "t_ns" and isinstance(v, int):
             ts.append(v / 1e9)
+    if commits:
+        out["commit"] = ", ".join(commits)
     if out["date"] is None and ts:
         day = datetime.datetime.fromtimestamp(min(ts), datetime.timezone.utc)
         out["date"], out["date_from"] = day.strftime("%Y-%m-%d"), "from the faults' timestamps"

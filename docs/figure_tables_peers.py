@@ -283,6 +283,34 @@ def startup(runs: Runs, name: str = "startup-5.json") -> list[str]:
     return table(["launcher", "launch → every rank's first step", "started", "over torchrun"],
                  rows) + ["", runs_line(runs)]
 
+
+LCKPT_RUNS = ("lightning-checkpoint-io-0.json", "lightning-checkpoint-io-1.json",
+              "lightning-checkpoint-io-2.json")
+
+
+def lightning_checkpoint(runs: Runs, names: tuple[str, ...] = LCKPT_RUNS) -> list[str]:
+    """Lightning's checkpoint writers over the runs of ``bench/integrations_checkpoint.py``:
+    how long ``save_checkpoint`` blocks, until the file is written, a step's time while a
+    background write runs against alone; median (range) over the runs' medians."""
+    ds = [runs(n) for n in names]
+    rows = []
+    for w in ds[0]["writers"]:
+        vals = [d["writers"][w] for d in ds]
+
+        def st(key: str) -> dict:
+            return _stats(v[key] for v in vals if v.get(key) is not None)
+
+        during = ("–" if "step_during_write_s" not in vals[0] else
+                  f"{med_range(st('step_during_write_s'), 0, 'ms', 1e3)} (alone "
+                  f"{med_range(st('step_alone_s'), 0, 'ms', 1e3)})")
+        rows.append([f"`{w}`", med_range(st("blocking_s"), 2, "s"),
+                     med_range(st("until_written_s"), 2, "s"),
+                     "yes" if w.startswith("Trainguard") else "no", during])
+    return table(["writer", "training loop blocked", "until the file is written",
+                  "fsync, checksum", "a training step during the write"], rows) + [
+        "", f"A {ds[0]['state_mb']} MB checkpoint dict (weights and AdamW moments); "
+        f"{len(ds)} runs.", "", runs_line(runs)]
+
 # ---- headline rows (README) --------------------------------------------------------------------
 
 def dropin_row(runs: Runs, name: str = "dropin-3.json") -> list[str]:
