@@ -212,7 +212,7 @@ def headline(runs: Runs) -> list[str]:
         _peers_row(runs, "five_faults_row"),
         ["node power-off on fresh clusters, a spare node takes over ([tails](docs/benchmarks.md))",
          f"{med_range(po['again'], unit='s')}, p95 {po['p95']:.2f} s; {po['recovered']} of "
-         f"{po['n']} recovered", "–", f"{po['n']}"],
+         f"{po['n']} recovered", _peers_row(runs, "slurm_cell"), f"{po['n']}"],
         ["node partition on fresh clusters ([tails](docs/benchmarks.md))",
          f"{med_range(p['again'], unit='s')}, p95 {p['p95']:.2f} s; {p['recovered']} of "
          f"{p['n']} recovered, {waited} waited for the heal", "–", f"{p['n']}"],

@@ -218,10 +218,12 @@ def slurm_alone(runs: Runs, tg: str = "tails-power-off-30.json",
         st = _stats(done)
         med[name] = st["median"]
         rows.append([label, str(len(r["runs"])), str(len(done)), med_range(st, 2, "s"),
-                     _s(r.get("p95_s")), str(r.get("steps_rolled_back", "–"))])
+                     _s(r.get("p95_s")),
+                     ", ".join(f"{x.get('steps_rolled_back', 0):g}" for x in r["runs"])
+                     if len(r["runs"]) <= 5 else f"median {r.get('steps_rolled_back', 0):g}"])
     ratio = med[slurm] / med[tg]
     return table(["system", "runs", "recovered", "fault → every rank training again",
-                  "p95", "steps rolled back"], rows) + [
+                  "p95", "steps rolled back (per run, or the median)"], rows) + [
         "", f"Slurm alone takes {ratio:.0f}× trainguard's median.", "", runs_line(runs)]
 
 
@@ -356,4 +358,4 @@ def slurm_cell(runs: Runs, name: str = "cluster-slurm-power-off-3.json") -> str:
             f"({len(done)} of {len(r['runs'])} runs)")
 
 TABLES = {"chaos": chaos, "demo": demo, "dropin": dropin, "five-faults": five_faults,
-          "startup": startup}
+          "startup": startup, "slurm-alone": slurm_alone}
