@@ -137,6 +137,17 @@ def quiesce(nw: NodeWriter, timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
+def _kill(proc) -> None:
+    """SIGKILL a writer process (``psutil.Process``) that may have ended on its own already
+    (its save done between the listing and the kill)."""
+    import psutil
+
+    try:
+        proc.kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
 def run(trials: int, seed: int, verbose: bool = False) -> dict:
     torch.set_num_threads(1)
     rnd = random.Random(seed)
@@ -202,12 +213,12 @@ def run(trials: int, seed: int, verbose: bool = False) -> dict:
                     os.kill(pid, signal.SIGKILL)
                 elif fault == "kill_writer":
                     for w in writers_of(nw):
-                        w.kill()
+                        _kill(w)
                 else:
                     victims = writers_of(nw)
                     nw.proc.kill()
                     for w in victims:
-                        w.kill()
+                        _kill(w)
                     nw.proc.wait()
             end = time.monotonic() + 30
             while True:
