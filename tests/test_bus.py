@@ -178,3 +178,32 @@ async def test_ensure_streams_gives_an_existing_stream_the_subjects_it_lacks(ser
         msg = await admin.last_stored(subject)
         assert msg is not None and schemas.decode(msg.data).event_id == sent.event_id, subject
     await admin.close()
+
+
+def test_a_flush_waits_for_a_client_still_connecting():
+    """A rank that fails in its first moments publishes its exception while its client is still
+    connecting: ``flush`` (called at exit) gives it its timeout to connect and hands the message
+    over, instead of returning at once and dropping it."""
+    import subprocess
+
+    from trainguard.stack.nats_server import nats_server_binary
+    from trainguard.stack.process import free_port
+
+    port = free_port("127.0.0.1")
+    tb = ThreadedBus(f"nats://127.0.0.1:{port}", "early-rank")
+    tb.start()
+    server = None
+    try:
+        tb.publish("tg.job.early.log", schemas.LogLine(job="early", line="boom"))
+        time.sleep(0.3)
+        assert not tb.wait_connected(0.1)  # nothing listens yet
+        server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tb.flush(timeout=15.0)
+        assert tb.wait_connected(0.1) and tb._pending == 0  # handed to the server
+        assert tb.bus.stats.dropped == 0
+    finally:
+        tb.close(timeout=2.0)
+        if server is not None:
+            server.kill()
+            server.wait()

@@ -121,10 +121,12 @@ class ThreadedBus:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def flush(self, timeout: float = 2.0) -> None:
-        """Wait until queued messages are handed to the server (bounded by ``timeout``)."""
-        if not self._connected.is_set():
-            return  # nothing can be handed over now; queued messages are dropped at close
+        """Wait until queued messages are handed to the server (bounded by ``timeout``). A
+        client still connecting with messages queued is given that time to connect first: a
+        rank that fails in its first moments publishes its exception, then exits."""
         deadline = time.monotonic() + timeout
+        if not self._connected.is_set() and not (self._pending and self.wait_connected(timeout)):
+            return  # nothing can be handed over now; queued messages are dropped at close
         while self._pending and time.monotonic() < deadline:
             time.sleep(0.01)
         if self._connected.is_set():

@@ -39,13 +39,30 @@ def run_async(fn: Callable[[], Any]) -> Any:
     return box.get("v")
 
 
-async def ensure_streams(nats_url: str, tls_ca: str | None) -> None:
-    """Create (or update) the JetStream streams on the NATS at ``nats_url``."""
+async def ensure_streams(nats_url: str, tls_ca: str | None, cluster_size: int | None = None,
+                         timeout: float = 30.0) -> None:
+    """Create (or update) the JetStream streams on the NATS at ``nats_url``. ``cluster_size``
+    (a replicated stack's server count): the streams get that cluster's copies, and their
+    creation is tried again until every server has joined (JetStream refuses more copies than
+    servers, and a server announces only the peers it has met: on a loaded machine the third
+    server may join a second after the first answers); None: the cluster the server announces.
+    Raises what the last try raised after ``timeout`` seconds."""
+    import asyncio
+    import time
+
     from trainguard.clients.bus import Bus
 
+    deadline = time.monotonic() + timeout
     bus = await Bus(nats_url, CLIENT_NAME, tls_ca=tls_ca).connect(timeout=10.0)
     try:
-        await bus.ensure_streams()
+        while True:
+            try:
+                await bus.ensure_streams(cluster_size=cluster_size)
+                return
+            except Exception:  # noqa: BLE001 - the cluster has not formed yet
+                if cluster_size is None or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
         await bus.close()
 

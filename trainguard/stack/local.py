@@ -300,7 +300,8 @@ class Stack:
         deadline = time.monotonic() + timeout
         try:
             self._servers.start()
-            run_async(lambda: ensure_streams(self.nats_url, self.tls_ca))
+            size = getattr(self._servers, "n_nats", None)  # a replicated stack's servers
+            run_async(lambda: ensure_streams(self.nats_url, self.tls_ca, size))
             rdzv = self._start_rendezvous()
             self._give_http_ports()
             if background_services and rdzv is not None:
