@@ -185,7 +185,9 @@ def headline(runs: Runs) -> list[str]:
     fleet = fd["results"]
     after = runs("attribution_after.json")["splits"]
     agree = runs("attribution_label_agreement.json")
-    crash = runs("checkpoint-crash-100.json")
+    from figure_tables_peers import CRASH_RUNS
+
+    crashes = [runs(n) for n in CRASH_RUNS]
     waited = "none" if not p["waited"] else f"{p['waited']}"
     ref, held = after["reference"], after["heldout"]
     guard, off = fleet["guard"]["rollout"], fleet["off"]["rollout"]
@@ -235,9 +237,11 @@ def headline(runs: Runs) -> list[str]:
          f"without the guard {off['nodes_taken_out']} nodes taken out, same run", "1 (counts)"],
         _chaos_row(runs),
         ["checkpoint crash-safety trials (kills, flipped bytes, full disk, NaN)",
-         f"{crash['trials']} trials, {crash['corrupt_restores']} corrupt, "
-         f"{crash['stale_restores']} stale, {crash['restore_failures']} failed restores", "–",
-         "1"],
+         f"{sum(c['trials'] for c in crashes):,} trials, "
+         f"{sum(c['corrupt_restores'] for c in crashes)} corrupt, "
+         f"{sum(c['stale_restores'] for c in crashes)} stale, "
+         f"{sum(c['restore_failures'] for c in crashes)} failed restores", "–",
+         f"{len(crashes)}"],
         ["attribution of labelled real failure logs ([diagnose](docs/diagnose.md))",
          f"fault class {pct(ref['fault_class_accuracy'])} of {ref['cases']} reference logs; "
          f"held-out ({held['cases']}): fault class {pct(held['fault_class_accuracy'])}, layer "

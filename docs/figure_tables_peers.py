@@ -358,4 +358,5 @@ def slurm_cell(runs: Runs, name: str = "cluster-slurm-power-off-3.json") -> str:
             f"({len(done)} of {len(r['runs'])} runs)")
 
 TABLES = {"chaos": chaos, "demo": demo, "dropin": dropin, "five-faults": five_faults,
-          "startup": startup, "slurm-alone": slurm_alone}
+          "startup": startup, "slurm-alone": slurm_alone, "fuzz": fuzz,
+          "lightning-checkpoint": lightning_checkpoint, "crash-safety": crash_safety}
