@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import os
 import random
 import shutil
@@ -191,6 +190,8 @@ def account(trials: list[dict[str, Any]], outages: list[dict[str, Any]], rank0_n
     ``decisions_lost``, ``recovery_s`` (median, p95, max), ``training_blocked_s`` (total, in fault
     windows, outside), ``steps_per_s`` (steady outages, fault-free time without outages) and
     ``throughput_ratio``."""
+    from trainguard.core import timeline
+
     rank0_ns = sorted(rank0_ns)
     # in the order they were injected (a lagging harness injects out of the schedule's order)
     inj = sorted((t for t in trials if t.get("injected_ns")), key=lambda t: t["injected_ns"])
@@ -232,8 +233,7 @@ def account(trials: list[dict[str, Any]], outages: list[dict[str, Any]], rank0_n
         "decisions_lost": sum(1 for t in inj if not t.get("decided") and
                               not t.get("recovered_ns")),
         "recovery_s": {"median": round(statistics.median(rec), 3) if rec else None,
-                       "p95": round(sorted(rec)[max(0, math.ceil(0.95 * len(rec)) - 1)], 3)
-                       if rec else None,
+                       "p95": round(timeline.p95(rec), 3) if rec else None,
                        "max": round(max(rec), 3) if rec else None},
         "training_blocked_s": {"total": round(blocked, 2), "in_fault_windows": round(in_faults, 2),
                                "outside": round(blocked - in_faults, 2)},

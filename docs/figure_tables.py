@@ -185,9 +185,9 @@ def headline(runs: Runs) -> list[str]:
     fleet = fd["results"]
     after = runs("attribution_after.json")["splits"]
     agree = runs("attribution_label_agreement.json")
-    from figure_tables_peers import CRASH_RUNS
+    import figure_tables_peers as peers  # its tables use this module's helpers
 
-    crashes = [runs(n) for n in CRASH_RUNS]
+    crashes = [runs(n) for n in peers.CRASH_RUNS]
     waited = "none" if not p["waited"] else f"{p['waited']}"
     ref, held = after["reference"], after["heldout"]
     guard, off = fleet["guard"]["rollout"], fleet["off"]["rollout"]
@@ -210,11 +210,11 @@ def headline(runs: Runs) -> list[str]:
          + ("; test accuracy as the fault-free run's" if same_acc else "")
          + ("" if demo_ok else "; not every fault recovered"), "–",
          str(len(demo[kinds[0]]["resumed_s"]))],
-        _peers_row(runs, "dropin_row"),
-        _peers_row(runs, "five_faults_row"),
+        peers.dropin_row(runs),
+        peers.five_faults_row(runs),
         ["node power-off on fresh clusters, a spare node takes over ([tails](docs/benchmarks.md))",
          f"{med_range(po['again'], unit='s')}, p95 {po['p95']:.2f} s; {po['recovered']} of "
-         f"{po['n']} recovered", _peers_row(runs, "slurm_cell"), f"{po['n']}"],
+         f"{po['n']} recovered", peers.slurm_cell(runs), f"{po['n']}"],
         ["node partition on fresh clusters ([tails](docs/benchmarks.md))",
          f"{med_range(p['again'], unit='s')}, p95 {p['p95']:.2f} s; {p['recovered']} of "
          f"{p['n']} recovered, {waited} waited for the heal", "–", f"{p['n']}"],
@@ -235,7 +235,7 @@ def headline(runs: Runs) -> list[str]:
          f"{guard['nodes_taken_out']} nodes taken out, {guard['jobs_stopped']} jobs stopped, "
          f"shared cause named: {named}",
          f"without the guard {off['nodes_taken_out']} nodes taken out, same run", "1 (counts)"],
-        _chaos_row(runs),
+        peers.chaos_row(runs),
         ["checkpoint crash-safety trials (kills, flipped bytes, full disk, NaN)",
          f"{sum(c['trials'] for c in crashes):,} trials, "
          f"{sum(c['corrupt_restores'] for c in crashes)} corrupt, "
@@ -250,24 +250,6 @@ def headline(runs: Runs) -> list[str]:
          "exact counts"],
     ]
     return table(["what", "trainguard", "compared with", "runs"], rows) + ["", runs_line(runs)]
-
-
-def _peers_row(runs: Runs, name: str) -> list[str]:
-    import figure_tables_peers
-
-    return getattr(figure_tables_peers, name)(runs)
-
-
-def _chaos_row(runs: Runs) -> list[str]:
-    from figure_tables_peers import chaos_summary
-
-    c = chaos_summary(runs)
-    return [f"control plane killed during faults: NATS, Valkey, a service or an agent SIGKILLed "
-            f"in each of {c['trials']} trials ([chaos](docs/benchmarks.md#the-control-plane-under-chaos))",
-            f"{c['recovered']} of {c['faults']} faults recovered, {c['lost']} decisions lost, "
-            f"{c['dups']} duplicate actions; {med_range(c['seconds'], unit='s')}, p95 "
-            f"{c['p95']:.2f} s; step rate during outages {med_range(c['ratio'], 3)} of normal",
-            "–", f"{c['n']}"]
 
 
 def tails_partition(runs: Runs, name: str = "tails-partition-30.json") -> list[str]:

@@ -14,6 +14,8 @@ from typing import Any
 
 from figure_tables import Runs, _stats, med_range, runs_line, table
 
+from trainguard.core import timeline
+
 CHAOS_RUNS = ("chaos-100-seed0.json", "chaos-100-seed1.json", "chaos-100-seed2.json")
 
 
@@ -33,7 +35,7 @@ def chaos_summary(runs: Runs, names: tuple[str, ...] = CHAOS_RUNS) -> dict[str, 
             "dups": sum(d["duplicate_actions"] for d in ds),
             "restarts": sum(d["full_restarts"] for d in ds),
             "seconds": _stats(secs),
-            "p95": sorted(secs)[max(0, -(-95 * len(secs) // 100) - 1)],
+            "p95": timeline.p95(secs),
             "ratio": _stats(d["throughput_ratio"] for d in ds),
             "same_accuracy": all(d["accuracy"] == d["baseline_accuracy"] for d in ds)}
 
@@ -117,7 +119,7 @@ def _kill_cell(row: dict, sy: str) -> str:
         h = row.get(f"hang_{sy}") or {}
         return "not run" if str(h.get("by", "")).startswith("not run") else "–"
     t = row.get(f"kill_{sy}_tails") or {}
-    cell = med_range(_stats(xs), 2, "s")
+    cell = med_range(_stats(xs), 2, "s") + (" (1 run)" if len(xs) == 1 else "")
     if t.get("n") and t["recovered"] < t["n"]:
         cell += f", {t['n'] - t['recovered']} of {t['n']} never"
     return cell
@@ -314,6 +316,17 @@ def lightning_checkpoint(runs: Runs, names: tuple[str, ...] = LCKPT_RUNS) -> lis
         f"{len(ds)} runs.", "", runs_line(runs)]
 
 # ---- headline rows (README) --------------------------------------------------------------------
+
+def chaos_row(runs: Runs) -> list[str]:
+    """The README's row of the chaos bench."""
+    c = chaos_summary(runs)
+    return [f"control plane killed during faults: NATS, Valkey, a service or an agent SIGKILLed "
+            f"in each of {c['trials']} trials "
+            "([chaos](docs/benchmarks.md#the-control-plane-under-chaos))",
+            f"{c['recovered']} of {c['faults']} faults recovered, {c['lost']} decisions lost, "
+            f"{c['dups']} duplicate actions; {med_range(c['seconds'], unit='s')}, p95 "
+            f"{c['p95']:.2f} s; step rate during outages {med_range(c['ratio'], 3)} of normal",
+            "–", f"{c['n']}"]
 
 def dropin_row(runs: Runs, name: str = "dropin-3.json") -> list[str]:
     """The README's row of the drop-in bench: SIGKILL → training again per job and launcher."""

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 from trainguard import schemas
 
 __all__ = ["PHASES", "Timeline", "build", "steps_from_heartbeats", "with_mark",
-           "median_durations", "slow_phase", "tails", "format_timeline"]
+           "median_durations", "slow_phase", "p95", "tails", "format_timeline"]
 
 PHASES = ("fault", "last_progress", "detected", "verdict", "decision", "acted", "rendezvous",
           "first_step")
@@ -263,8 +263,8 @@ def slow_phase(timeline: dict[str, Any], medians: dict[str, float | None]
     return best, extra
 
 
-def _p95(xs: Sequence[float]) -> float:
-    """Nearest-rank 95th percentile."""
+def p95(xs: Sequence[float]) -> float:
+    """Nearest-rank 95th percentile of ``xs`` (non-empty; IndexError when empty)."""
     s = sorted(xs)
     return s[max(0, math.ceil(0.95 * len(s)) - 1)]
 
@@ -289,7 +289,7 @@ def tails(seconds: Sequence[float | None], timelines: Sequence[dict[str, Any] | 
         slow.append({"run": i, "seconds": s, "slow_phase": phase, "extra_s": extra})
     return {"n": len(seconds), "recovered": len(vals),
             "median_s": None if med is None else round(med, 3),
-            "p95_s": round(_p95(vals), 3) if vals else None,
+            "p95_s": round(p95(vals), 3) if vals else None,
             "max_s": round(max(vals), 3) if vals else None,
             "median_phases": phases, "slow_runs": slow}
 

@@ -40,28 +40,29 @@ def run_async(fn: Callable[[], Any]) -> Any:
 
 
 async def ensure_streams(nats_url: str, tls_ca: str | None, cluster_size: int | None = None,
-                         timeout: float = 30.0) -> None:
-    """Create (or update) the JetStream streams on the NATS at ``nats_url``. ``cluster_size``
-    (a replicated stack's server count): the streams get that cluster's copies, and their
-    creation is tried again until every server has joined (JetStream refuses more copies than
-    servers, and a server announces only the peers it has met: on a loaded machine the third
-    server may join a second after the first answers); None: the cluster the server announces.
-    Raises what the last try raised after ``timeout`` seconds."""
-    import asyncio
-    import time
-
+                         timeout: float = 30.0, connect_timeout: float = 10.0,
+                         on_retry: Callable[[Exception], None] | None = None) -> None:
+    """Create (or update) the JetStream streams on the NATS at ``nats_url`` (waiting up to
+    ``connect_timeout`` seconds for it to accept the connection). ``cluster_size`` (a replicated
+    stack's server count): the streams get that cluster's copies, and their creation is tried
+    again until every server has joined (JetStream refuses more copies than servers, and a
+    server announces only the peers it has met: on a loaded machine the third server may join a
+    second after the first answers), ``on_retry`` told of each refusal; None: the cluster the
+    server announces. Raises what the last try raised after ``timeout`` seconds."""
     from trainguard.clients.bus import Bus
 
     deadline = time.monotonic() + timeout
-    bus = await Bus(nats_url, CLIENT_NAME, tls_ca=tls_ca).connect(timeout=10.0)
+    bus = await Bus(nats_url, CLIENT_NAME, tls_ca=tls_ca).connect(timeout=connect_timeout)
     try:
         while True:
             try:
                 await bus.ensure_streams(cluster_size=cluster_size)
                 return
-            except Exception:  # noqa: BLE001 - the cluster has not formed yet
+            except Exception as exc:  # noqa: BLE001 - the cluster has not formed yet
                 if cluster_size is None or time.monotonic() > deadline:
                     raise
+                if on_retry is not None:
+                    on_retry(exc)
                 await asyncio.sleep(0.5)
     finally:
         await bus.close()

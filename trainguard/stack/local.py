@@ -316,20 +316,20 @@ class Stack:
                 self.rdzv_endpoint = rendezvous_store.wait_ready(
                     rdzv, self.log_dir / "rendezvous.log", self._rdzv_log_offset, deadline)
             if background_services:
-                threading.Thread(target=self._await_services, args=(deadline,),
+                threading.Thread(target=self._await_services, args=(deadline, False),
                                  name="stack-services-health", daemon=True).start()
                 return self
-            self._await_services(deadline)
+            self._await_services(deadline, raise_errors=True)
         except BaseException:
             self.keep_logs = True  # the error names a log: it stays to be read
             self.stop()
             raise
         return self
 
-    def _await_services(self, deadline: float) -> None:
-        """Wait for the services' (and the console's) health; sets ``services_ready``. Run on a
-        thread (``start(background_services=True)``), a failure is kept in ``services_error``
-        and printed instead of raised."""
+    def _await_services(self, deadline: float, raise_errors: bool) -> None:
+        """Wait for the services' (and the console's) health; sets ``services_ready``. Without
+        ``raise_errors`` (on a thread: ``start(background_services=True)``) a failure is kept in
+        ``services_error`` and printed instead of raised."""
         try:
             self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
             if self.console:
@@ -337,7 +337,7 @@ class Stack:
             if self.metrics:
                 self._check_metrics_ports()
         except Exception as exc:  # noqa: BLE001 - on the thread: said, not raised
-            if threading.current_thread() is threading.main_thread():
+            if raise_errors:
                 raise
             if self._stopping:
                 return  # stopped before the services were up (a job that ended at once)

@@ -48,6 +48,7 @@ from trainguard.stack.process import ServerStartError
 from trainguard.stack.statedir import default_data_dir
 from trainguard.clients.errors import ServerUnreachable
 from trainguard.stack.children import StackError, tail
+from trainguard.stack.health import ensure_streams
 from trainguard.stack.local import Stack
 from trainguard.stack.services import DEFAULT_SERVICES
 
@@ -67,26 +68,12 @@ def _streams_only(nats_url: str | None, cluster_size: int | None = None,
         print("trainguard up --streams-only: pass --nats-url or set NATS_URL", file=sys.stderr)
         return 2
 
-    async def run() -> None:
-        from trainguard.clients.bus import Bus
+    def say(exc: Exception) -> None:
+        print(f"trainguard up --streams-only: {type(exc).__name__}: {exc}; again",
+              file=sys.stderr)
 
-        deadline = time.monotonic() + timeout
-        bus = await Bus(nats_url, "trainguard-streams").connect(timeout=timeout)
-        try:
-            while True:
-                try:
-                    await bus.ensure_streams(cluster_size=cluster_size)
-                    return
-                except Exception as exc:  # noqa: BLE001 - the cluster has not formed yet
-                    if cluster_size is None or time.monotonic() > deadline:
-                        raise
-                    print(f"trainguard up --streams-only: {type(exc).__name__}: {exc}; "
-                          f"again in 1 s", file=sys.stderr)
-                    await asyncio.sleep(1.0)
-        finally:
-            await bus.close()
     try:
-        asyncio.run(run())
+        asyncio.run(ensure_streams(nats_url, None, cluster_size, timeout, timeout, say))
     except (ConnectionError, OSError) as exc:
         print(f"trainguard up --streams-only: {exc}", file=sys.stderr)
         return 1
