@@ -211,7 +211,7 @@ def assert_resumed(run: Run, world: int, before: dict[int, dict], t_fault: int,
         assert f["restarts"] >= 1, f
         assert 0 < f["start_epoch"] <= last_before + 1, (f, last_before)
         assert f["epoch"] == f["start_epoch"], f  # it started at the snapshot's next epoch
-        assert {r["pid"] for r in new} == {f["pid"]}, "restarted more than once"
+        assert {r["pid"] for r in new} == {f["pid"]}, "restarted more than once\n" + run.tails()
         assert rs[-1]["epoch"] == epochs - 1, f"rank {rank} stopped at {rs[-1]}"
     # the restarted group resumed together from one snapshot
     assert len({f["start_epoch"] for f in first.values()}) == 1, first

@@ -147,32 +147,36 @@ class Launcher:
         endpoint on this machine that nothing serves yet is hosted here, as torchrun's c10d
         backend hosts its store (``python -m trainguard.rendezvous.store``, dies with the launcher);
         another node waits up to ``startup_timeout_s`` for its host."""
-        from trainguard.rendezvous.endpoint import is_tls, parse_endpoint
+        from trainguard.rendezvous.endpoint import is_tls, parse_endpoint, split_endpoints
 
         try:
-            host, port = parse_endpoint(self.cfg.rdzv_endpoint)
+            stores = [parse_endpoint(e) for e in split_endpoints(self.cfg.rdzv_endpoint)]
         except ValueError as exc:
             raise SystemExit(f"trainguard launch: bad rendezvous endpoint "
                              f"{self.cfg.rdzv_endpoint!r} ({exc}): give host:port") from None
-        # a tls:// store is a `trainguard up`'s: never hosted here
+        host, port = stores[0]
+        # a tls:// store is a `trainguard up`'s, a list of standbys a stack's: never hosted here
         hosting = _is_local(host) and self.cfg.node_rank == 0 and not self.cfg.spare_node \
-            and not is_tls(self.cfg.rdzv_endpoint)
+            and not is_tls(self.cfg.rdzv_endpoint) and len(stores) == 1
         deadline = time.monotonic() + (timeout_s if hosting else self.cfg.startup_timeout_s)
         while True:
-            try:
-                with socket.create_connection((host, port), timeout=timeout_s):
-                    return
-            except OSError as exc:
-                if hosting and self.rdzv_proc is None:
-                    self._host_rendezvous(host, port)
-                    deadline = time.monotonic() + 60.0  # its torch import takes seconds
-                elif time.monotonic() >= deadline or (
-                        self.rdzv_proc is not None and self.rdzv_proc.poll() is not None):
-                    raise SystemExit(
-                        f"trainguard launch: the rendezvous store at {self.cfg.rdzv_endpoint} "
-                        f"does not answer ({exc}): start it with `trainguard up` (it prints "
-                        f"TG_RDZV_ENDPOINT) or `python -m trainguard.rendezvous.store --port N`"
-                    ) from None
+            exc: OSError | None = None
+            for store in stores:  # any of them: the ranks' relay takes the one that answers
+                try:
+                    with socket.create_connection(store, timeout=timeout_s):
+                        return
+                except OSError as e:
+                    exc = e
+            if hosting and self.rdzv_proc is None:
+                self._host_rendezvous(host, port)
+                deadline = time.monotonic() + 60.0  # its torch import takes seconds
+            elif time.monotonic() >= deadline or (
+                    self.rdzv_proc is not None and self.rdzv_proc.poll() is not None):
+                raise SystemExit(
+                    f"trainguard launch: the rendezvous store at {self.cfg.rdzv_endpoint} "
+                    f"does not answer ({exc}): start it with `trainguard up` (it prints "
+                    f"TG_RDZV_ENDPOINT) or `python -m trainguard.rendezvous.store --port N`"
+                ) from None
             time.sleep(0.1)
 
     def _host_rendezvous(self, host: str, port: int) -> None:

@@ -119,7 +119,10 @@ class _Runtime:
     # ---- groups -------------------------------------------------------------------------------
     def join(self) -> None:
         """Barrier at the current generation, then form the groups. Restarts the barrier at a
-        newer generation when a newer decision arrives meanwhile."""
+        newer generation when a newer decision arrives meanwhile, and once on a new store
+        connection when the old one failed (the store's host died: the relay reaches a
+        standby). Raises ``RendezvousError``, or torch's store error when the new connection
+        fails too."""
         cfg = self.cfg
         if cfg.world_size > 1 or cfg.rdzv_endpoint:
             if self.store is None:
@@ -128,6 +131,7 @@ class _Runtime:
                         "no rendezvous endpoint: set TG_RDZV_ENDPOINT (or MASTER_ADDR and "
                         "MASTER_PORT), e.g. by starting the ranks with `trainguard launch`")
                 self.store = rendezvous.connect_store(cfg.rdzv_endpoint)
+        reconnected = False
         while True:
             self.p.phase = "recovery" if self.restarts else "startup"
             try:
@@ -148,6 +152,18 @@ class _Runtime:
                 return
             except rendezvous.Superseded:
                 self._apply(self.newer_decision())
+            except rendezvous.RendezvousError:
+                raise
+            except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError
+                if reconnected or self.store is None:
+                    raise
+                # the store's host went away under this connection: a new one through the
+                # relay, which moves to a standby when the store does not answer
+                reconnected = True
+                log.warning("rank %d: the rendezvous store connection failed at generation "
+                            "%d (%s): connecting again", cfg.rank, cfg.generation, exc)
+                rendezvous.destroy_groups()  # a group half-formed on the old store
+                self.store = rendezvous.connect_store(cfg.rdzv_endpoint)
 
     def check_abort(self) -> None:
         """Raise ``RestartRequested`` when a decision asked this rank to leave its generation."""

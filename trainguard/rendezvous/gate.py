@@ -37,7 +37,8 @@ from typing import Callable
 from trainguard.security.credentials import RDZV_TOKEN_ENV as TOKEN_ENV  # the variable carrying the store's token
 from trainguard.security.credentials import rdzv_token as new_token  # a new token: 32 URL-safe characters (192 bits)
 
-__all__ = ["TOKEN_ENV", "PREAMBLE", "PREAMBLE_MAX", "PREAMBLE_TIMEOUT_S", "Gate", "Relay",
+__all__ = ["TOKEN_ENV", "PREAMBLE", "PREAMBLE_MAX", "PREAMBLE_TIMEOUT_S", "CONNECT_TIMEOUT_S",
+           "Gate", "Relay",
            "new_token", "preamble", "relay_for", "server_context"]
 
 log = logging.getLogger("trainguard.rendezvous.gate")
@@ -243,41 +244,82 @@ class Gate(_Server):
         await _splice(reader, writer, sr, sw)
 
 
+#: Seconds a relay waits for one store to accept a connection before it tries the next (a
+#: powered-off host answers no SYN: without a bound, a connect waits out the kernel's retries).
+CONNECT_TIMEOUT_S = 2.0
+
+
 class Relay(_Server):
-    """Listens on ``127.0.0.1`` (a free port) and opens each connection to the gate at
-    ``remote`` (``host:port``, or ``tls://host:port``: over TLS, the gate's certificate and
-    name verified against ``ca``, else env ``TG_TLS_CA``) with ``preamble(token)`` first.
-    Raises ``FileNotFoundError`` / ``ssl.SSLError`` for a CA file that is missing or not
-    PEM."""
+    """Listens on ``127.0.0.1`` (a free port) and opens each connection to a store at
+    ``remote``: ``host:port``, or ``tls://host:port`` (over TLS, the gate's certificate and name
+    verified against ``ca``, else env ``TG_TLS_CA``), with ``preamble(token)`` first when
+    ``token`` is set (a gate), nothing when it is "" (a store without one).
+
+    ``remote`` may list standbys (``split_endpoints``: ``a:1,b:2``): each connection goes to the
+    store in use (``current``), and when it does not accept within ``CONNECT_TIMEOUT_S``, to the
+    next in order, which then stays in use (``failovers`` counts the moves; each is logged).
+    Sticky, so a primary restarted empty is not taken back while the standby holds the job's
+    keys. Raises ``ValueError`` for a malformed list, ``FileNotFoundError`` / ``ssl.SSLError``
+    for a CA file that is missing or not PEM."""
 
     def __init__(self, remote: str, token: str, ca: str | None = None):
         super().__init__("127.0.0.1", 0)
-        from trainguard.rendezvous.endpoint import is_tls, parse_endpoint
+        from trainguard.rendezvous.endpoint import is_tls, parse_endpoint, split_endpoints
         from trainguard.security.tls import client_context
 
-        self.remote = parse_endpoint(remote)
-        self._preamble = preamble(token)
+        self.remotes = [parse_endpoint(e) for e in split_endpoints(remote)]
+        self.current = 0
+        self.failovers = 0
+        self._preamble = preamble(token) if token else b""
         self._client_ssl = client_context(ca) if is_tls(remote) else None
         self._warned = False
 
+    @property
+    def remote(self) -> tuple[str, int]:
+        """The store in use, ``(host, port)``."""
+        return self.remotes[self.current]
+
+    async def _connect(self, host: str, port: int):
+        if self._client_ssl is not None:
+            return await asyncio.wait_for(asyncio.open_connection(
+                host, port, ssl=self._client_ssl, server_hostname=host), PREAMBLE_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+
+    async def _open(self):
+        """``(reader, writer)`` of a connection to the store in use, or else the next that
+        accepts; raises the last store's error when none does."""
+        n, start, last = len(self.remotes), self.current, None
+        for i in range(n):
+            idx = (start + i) % n
+            try:
+                conn = await self._connect(*self.remotes[idx])
+            except (OSError, asyncio.TimeoutError) as exc:
+                last = exc
+                if isinstance(exc, ssl.SSLError) and not self._warned:
+                    self._warned = True  # once: the client retries its connection
+                    log.warning("rendezvous relay: TLS to %s:%d failed: %s (is TG_TLS_CA the "
+                                "CA of the stack that printed the endpoint?)",
+                                *self.remotes[idx], exc)
+                continue
+            if idx != self.current:
+                log.warning("rendezvous relay: the store at %s:%d does not answer (%s); "
+                            "using the standby at %s:%d from now on", *self.remotes[self.current],
+                            last or "no answer", *self.remotes[idx])
+                self.current = idx
+                self.failovers += 1
+            return conn
+        raise last if last is not None else OSError("no rendezvous store")
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            if self._client_ssl is not None:
-                rr, rw = await asyncio.wait_for(asyncio.open_connection(
-                    *self.remote, ssl=self._client_ssl, server_hostname=self.remote[0]),
-                    PREAMBLE_TIMEOUT_S)
-            else:
-                rr, rw = await asyncio.open_connection(*self.remote)
-        except (OSError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, ssl.SSLError) and not self._warned:
-                self._warned = True  # once: the client retries its connection
-                log.warning("rendezvous relay: TLS to %s:%d failed: %s (is TG_TLS_CA the CA "
-                            "of the stack that printed the endpoint?)", *self.remote, exc)
+            rr, rw = await self._open()
+        except (OSError, asyncio.TimeoutError):
             writer.close()  # the client sees the store as unreachable, as without a relay
             return
         _nodelay(writer)
         _nodelay(rw)
-        rw.write(self._preamble)
+        if self._preamble:
+            rw.write(self._preamble)
         await _splice(reader, writer, rr, rw)
 
 
@@ -287,18 +329,21 @@ _relays_lock = threading.Lock()
 
 def relay_for(endpoint: str, token: str | None = None) -> str:
     """The endpoint a client of the store at ``endpoint`` connects to: ``endpoint`` itself
-    without a token (``token`` None: env ``TG_RDZV_TOKEN``), else that of this process's relay
-    to it (started on first use, one per endpoint and token; to a ``tls://`` endpoint over
-    TLS, ``Relay``). Raises OSError when the relay cannot listen or its CA cannot be read,
-    ValueError for a ``tls://`` endpoint without a token."""
-    from trainguard.rendezvous.endpoint import is_tls
+    for one store without a token (``token`` None: env ``TG_RDZV_TOKEN``), else that of this
+    process's relay to it (started on first use, one per endpoint and token; to a ``tls://``
+    endpoint over TLS; to the standbys of a list in turn, ``Relay``). Raises OSError when the
+    relay cannot listen or its CA cannot be read, ValueError for a malformed endpoint or a
+    ``tls://`` one without a token."""
+    from trainguard.rendezvous.endpoint import is_tls, split_endpoints
 
     token = os.environ.get(TOKEN_ENV, "") if token is None else token
+    several = len(split_endpoints(endpoint)) > 1
     if not token:
         if is_tls(endpoint):
             raise ValueError(f"the rendezvous store at {endpoint} serves TLS behind a token: "
                              f"set {TOKEN_ENV} (the line `trainguard up` printed carries it)")
-        return endpoint
+        if not several:
+            return endpoint
     with _relays_lock:
         relay = _relays.get((endpoint, token))
         if relay is None:

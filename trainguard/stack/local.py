@@ -95,6 +95,9 @@ class Stack:
     * ``ha`` — the replicated control plane instead of one NATS and one Valkey
       (``trainguard.stack.ha``: 3 NATS servers, a Valkey primary, a replica and 3
       sentinels; the URLs are a NATS server list and a ``redis+sentinel://`` URL);
+    * ``rdzv_standby`` — also start a standby rendezvous store (default: with ``ha``):
+      ``rdzv_endpoint`` is then ``primary,standby``, and the launchers' relays move to the
+      standby when the primary stops answering (``trainguard.rendezvous.gate.Relay``);
     * ``rdzv_token`` — the rendezvous store admits only clients with its token
       (``trainguard.rendezvous.gate``; ``trainguard up`` by default, off here as ``tls``): kept in
       ``<data dir>/rdzv.token`` (0600) across starts, given as ``TG_RDZV_TOKEN`` on the
@@ -116,7 +119,7 @@ class Stack:
                  host: str = "127.0.0.1", sim_dir: str | os.PathLike | None = None,
                  tls: bool = False, tls_names: Sequence[str] = (),
                  rdzv_token: bool = False, console: bool = False, metrics: bool = False,
-                 ha: bool = False, keep_logs: bool = False):
+                 ha: bool = False, keep_logs: bool = False, rdzv_standby: bool | None = None):
         if replicas < 1:
             raise ValueError(f"replicas must be 1 or more, not {replicas}")
         self.replicas = replicas
@@ -154,7 +157,11 @@ class Stack:
         #: the rendezvous store's token (``trainguard.rendezvous.gate``; "" when it is open)
         self.rdzv_token = ""
         self._want_rdzv_token = rdzv_token
-        self._rdzv_log_offset = 0
+        #: the rendezvous stores started (the primary, then a standby in a replicated stack):
+        #: (process name, process, offset of its log where this start's lines begin)
+        self._rdzv_starts: list[tuple[str, subprocess.Popen, int]] = []
+        #: also start a standby rendezvous store (default: in a replicated stack)
+        self._rdzv_standby = ha if rdzv_standby is None else rdzv_standby
         self._started = False
         self.services_ready = threading.Event()
         self.services_error = ""
@@ -302,19 +309,17 @@ class Stack:
             self._servers.start()
             size = getattr(self._servers, "n_nats", None)  # a replicated stack's servers
             run_async(lambda: ensure_streams(self.nats_url, self.tls_ca, size))
-            rdzv = self._start_rendezvous()
+            self._start_rendezvous()
             self._give_http_ports()
-            if background_services and rdzv is not None:
-                self.rdzv_endpoint = rendezvous_store.wait_ready(
-                    rdzv, self.log_dir / "rendezvous.log", self._rdzv_log_offset, deadline)
+            if background_services:
+                self._wait_rendezvous(deadline)
             for name in self.service_names():
                 self._spawn(name, *self._service_cmd(name))
             if self.console:
                 self._spawn("console", console_command(self.host, self.http_ports["console"]),
                             "reader")
-            if rdzv is not None and not background_services:
-                self.rdzv_endpoint = rendezvous_store.wait_ready(
-                    rdzv, self.log_dir / "rendezvous.log", self._rdzv_log_offset, deadline)
+            if not background_services:
+                self._wait_rendezvous(deadline)
             if background_services:
                 threading.Thread(target=self._await_services, args=(deadline, False),
                                  name="stack-services-health", daemon=True).start()
@@ -395,27 +400,45 @@ class Stack:
                 self.http_ports.pop(key, None)
 
     # ---- the rendezvous store (trainguard.stack.rendezvous_store) ---------------------------------
-    def _start_rendezvous(self) -> subprocess.Popen | None:
+    #: The rendezvous stores' process names: the primary, then (``ha``) a standby that the
+    #: launchers' relays move to when the primary stops answering (``rendezvous.gate.Relay``).
+    RDZV_NAMES = ("rendezvous", "rendezvous-standby")
+
+    def _start_rendezvous(self) -> None:
+        """Start the rendezvous store, and in a replicated stack its standby, each on its own
+        port (kept in the data directory across starts)."""
         if not self.rendezvous:
-            return None
+            return
         if not rendezvous_store.store_installed():
             print("trainguard up: trainguard.rendezvous.store is not installed: no rendezvous store",
                   file=sys.stderr)
-            return None
-        port = rendezvous_store.store_port(self.data_dir, self.host, self._want_rdzv_token)
-        log = self.log_dir / "rendezvous.log"
-        # logs are appended across runs: only what this store prints counts as its answer
-        self._rdzv_log_offset = log.stat().st_size if log.exists() else 0
+            return
         if self._want_rdzv_token:
             self.rdzv_token = rendezvous_store.store_token(self.data_dir, self._servers.rotate)
             self.env[RDZV_TOKEN_ENV] = self.rdzv_token
         files = self._servers.tls_files
         gate_tls = files if self.rdzv_token and self.tls_ca and files is not None else None
         try:
-            return self._spawn("rendezvous",
-                               rendezvous_store.store_command(self.host, port, gate_tls), None)
+            for name in self.RDZV_NAMES[:2 if self._rdzv_standby else 1]:
+                port = rendezvous_store.store_port(self.data_dir, self.host,
+                                                   self._want_rdzv_token, name)
+                log = self.log_dir / f"{name}.log"
+                # logs are appended across runs: only what this store prints is its answer
+                offset = log.stat().st_size if log.exists() else 0
+                proc = self._spawn(name, rendezvous_store.store_command(self.host, port, gate_tls),
+                                   None)
+                self._rdzv_starts.append((name, proc, offset))
         finally:
-            self.env.pop(RDZV_TOKEN_ENV, None)  # the store's alone among the children
+            self.env.pop(RDZV_TOKEN_ENV, None)  # the stores' alone among the children
+
+    def _wait_rendezvous(self, deadline: float) -> None:
+        """Wait for every store started to print its endpoint; ``rdzv_endpoint`` is then the
+        primary's, followed by the standby's (``a,b``) in a replicated stack. Raises
+        ``StackError`` (``rendezvous_store.wait_ready``)."""
+        if self._rdzv_starts:
+            self.rdzv_endpoint = ",".join(
+                rendezvous_store.wait_ready(proc, self.log_dir / f"{name}.log", offset, deadline)
+                for name, proc, offset in self._rdzv_starts)
 
     # ---- health (trainguard.stack.health) ------------------------------------------------------------
     def wait_healthy(self, names: Sequence[str], timeout: float = 30.0) -> None:
@@ -456,7 +479,7 @@ class Stack:
         self._spawn(name, self.commands[name], self.roles[name])
         if name == "console":
             self._wait_console(time.monotonic() + timeout)
-        elif name != "rendezvous":
+        elif name not in self.RDZV_NAMES:
             self.wait_healthy([name], timeout)
 
     def stop(self) -> None:

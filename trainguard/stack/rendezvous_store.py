@@ -27,12 +27,14 @@ def store_installed() -> bool:
     return importlib.util.find_spec(MODULE) is not None
 
 
-def store_port(data_dir: Path | None, host: str, gated: bool) -> int:
-    """The rendezvous store's port: the one of the last start, kept in ``data_dir``
-    (``rdzv.port``), when it is free again; else a free one on ``host``, kept for the next
-    start. ``gated``: the store is behind the token gate, which binds ``host``; without it the
-    store is torch's TCPStore, which binds every interface."""
-    path = Path(data_dir) / "rdzv.port" if data_dir is not None else None
+def store_port(data_dir: Path | None, host: str, gated: bool, name: str = "rendezvous") -> int:
+    """The port of rendezvous store ``name`` (``rendezvous``, or a replicated stack's
+    ``rendezvous-standby``): the one of the last start, kept in ``data_dir`` (``rdzv.port``,
+    ``rdzv-standby.port``), when it is free again; else a free one on ``host``, kept for the
+    next start. ``gated``: the store is behind the token gate, which binds ``host``; without it
+    the store is torch's TCPStore, which binds every interface."""
+    kept_in = "rdzv.port" if name == "rendezvous" else f"rdzv-{name.split('-', 1)[-1]}.port"
+    path = Path(data_dir) / kept_in if data_dir is not None else None
     try:
         kept = int(path.read_text()) if path is not None else 0
     except (OSError, ValueError):
@@ -44,7 +46,7 @@ def store_port(data_dir: Path | None, host: str, gated: bool) -> int:
                 s.bind((host if gated else "", kept))
                 return kept
             except OSError:
-                print(f"trainguard up: the rendezvous port of the last start ({kept}) is "
+                print(f"trainguard up: the {name} port of the last start ({kept}) is "
                       f"taken: a new one (launchers need the new line)", file=sys.stderr)
     port = free_port(host)
     if path is not None:

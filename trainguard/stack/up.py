@@ -221,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
                 n = restarts.get(name, 0)
                 if n >= args.max_restarts:
                     continue
+                if name in stack.RDZV_NAMES and len(stack.rdzv_endpoint.split(",")) > 1:
+                    # a replicated stack's store is not started again empty on its port: a
+                    # launcher started later would take it while the others' relays stay on
+                    # the store that took over, and the job's rendezvous would split
+                    restarts[name] = args.max_restarts
+                    print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); the "
+                          f"launchers' relays use the other store from now on; it is not "
+                          f"started again until the next `trainguard up`", file=sys.stderr)
+                    continue
                 restarts[name] = n + 1
                 log = stack.log_dir / f"{name}.log"
                 print(f"trainguard up: {name} exited ({stack.procs[name].returncode}); restart "
