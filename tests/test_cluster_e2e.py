@@ -12,6 +12,7 @@ import ipaddress
 import os
 import re
 import time
+import warnings
 
 import pytest
 from cluster_helpers import audit, wait_for
@@ -89,20 +90,38 @@ def _check_resumed(recs, fault_s, again, lost_node):
 
 
 def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
+    """Tried once more (a new job) when the first try fails, as tests/test_recovery_e2e.py's
+    ``_tried``: the first failure is reported as a warning with every launcher's log, and two
+    failures in a row fail the test (seen once in CI on a loaded machine: no rank trained
+    again within 60 s, with only node0's log kept to say why)."""
+    try:
+        _power_off_trial(cluster, tmp_path / "try1", "c-off")
+    except AssertionError as first:
+        warnings.warn(f"c-off: first try failed, retrying: {str(first)[-12000:]}")
+        _power_off_trial(cluster, tmp_path / "try2", "c-off-2")
+
+
+def _logs(c, job):
+    return "\n".join(f"--- {n} ---\n{c.launcher_log(job, n)[-3000:]}"
+                     for n in ("node0", "node1", "node2"))
+
+
+def _power_off_trial(c, tmp_path, job):
     from trainguard.cluster import FaultRunner, training_again
 
-    c, job = cluster, "c-off"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     faults = _schedule(tmp_path, "faults:\n  - {kind: power-off, node: node1, step: 10, "
                                  "rank: 3}\n")
     t0 = time.time()
-    c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=_args(c, job))
+    procs = c.launch(job, ["node0", "node1"], ["node2"], 2, script_args=_args(c, job))
+    ok = False
     runner = FaultRunner(c, job, faults)
     runner.start()
     try:
-        assert wait_for(lambda: runner.fired, 150, 0.05), c.launcher_log(job, "node0")[-3000:]
+        assert wait_for(lambda: runner.fired, 150, 0.05), _logs(c, job)
         fault_s = runner.fired[0]["ts"]
         again = wait_for(lambda: training_again(c.steps(job), fault_s), 60)
-        assert again, c.launcher_log(job, "node0")[-3000:]
+        assert again, _logs(c, job)
         print(f"power-off: launch → fault {fault_s - t0:.1f} s, fault → every rank training "
               f"again {again['t'] - fault_s:.2f} s")
         # the spare node took node1's ranks: the world kept its size
@@ -117,8 +136,14 @@ def test_power_off_moves_the_ranks_to_the_spare_node(cluster, tmp_path):
         assert peers and all(ipaddress.ip_address(p.split(":")[0]) in subnet for p in peers)
         assert {r["host"] for r in recs} == {"node0", "node1", "node2"}
         assert wait_for(lambda: os.path.exists(os.path.join(c.records_dir(job), "done.json")), 60)
+        ok = True
     finally:
         runner.cancel()
+        if not ok:  # a failed try leaves no launcher behind for the next
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
         c.net.power_on("node1")  # an empty node again, for the next test
         c.start_agent("node1")
 
