@@ -280,6 +280,8 @@ def run_row(kind: str, target: str, a: argparse.Namespace, work: Path,
                 raise RuntimeError(f"job did not train: {out.read_text()[-2000:]}")
             time.sleep(0.1)
         sampler.start()
+        if target == "rendezvous":
+            import torch.distributed  # noqa: F401 - imported here, not inside the measured failover
         time.sleep(4.0)
         victim = _target(stack, kind, target)
         t_kill = time.monotonic()

@@ -530,6 +530,7 @@ TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "framework-restart": framework_restart,
     "ha": ha,
     "ha-after-merge": functools.partial(ha, name="ha-after-merge.json"),
+    "ha-rendezvous": functools.partial(ha, name="ha-rendezvous.json"),
     "framework-restart-busy": functools.partial(framework_restart,
                                                 name="framework_restart_busy.json"),
     "checkpoint-private-writer": functools.partial(
