@@ -384,6 +384,20 @@ def test_a_script_that_fails_at_import_is_stopped_as_a_loop(stack, tmp_path, run
     assert not run.records()
 
 
+def test_a_standalone_launch_whose_script_fails_at_once_still_gets_its_decisions(tmp_path, runs):
+    """The embedded stack's services wait for the ranks' first steps (``--standalone``): a
+    script that never gets there is still decided on, because the ranks' failure starts the
+    services (``Launcher.when_training``): stopped as a loop after two tries, as on a shared
+    stack."""
+    run = Run(tmp_path, _job("import-standalone"), script=FIXTURES / "fails_at_import.py")
+    runs.append(run)
+    node0 = run.launch(None, ["--standalone", "--nproc-per-node", "2", "--mode", "action",
+                              "--job", run.job])
+    assert node0.wait(150) == 3, run.tails()
+    assert "decision stop_job_notify_user (executing)" in node0.text(), node0.text()[-3000:]
+    assert len({g for _r, _p, g in node0.started()}) == 2, node0.text()[-3000:]
+
+
 def test_a_second_launch_under_another_node_name_is_refused_and_harms_nothing(
         stack, tmp_path, runs):
     """The running job's ranks are held by node0's live launcher: a second launch of the job
@@ -417,8 +431,9 @@ def test_a_second_launch_under_another_node_name_is_refused_and_harms_nothing(
 
 
 def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, runs):
-    """No NATS_URL/REDIS_URL/TG_RDZV_ENDPOINT: the launcher starts an embedded stack; observe
-    mode (the default) restarts the group after a SIGKILL as torchrun does. (The same script
+    """No NATS_URL/REDIS_URL/TG_RDZV_ENDPOINT: the launcher starts an embedded stack, whose
+    services start once the ranks train; observe mode (the default) restarts the group after a
+    SIGKILL as torchrun does. (The same script
     and arguments under torchrun itself run in ``tests/test_bench_dropin.py``'s real sample.)"""
     argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
     run = Run(tmp_path / "tg", _job("torchrun-cli"))
@@ -426,6 +441,31 @@ def test_torchruns_command_line_with_only_the_program_name_changed(tmp_path, run
     runs.append(run)
     tg = run.launch(None, argv, "trainguard")
     before = run.wait_epoch(2, FAULT_EPOCH, 180)
+    # the embedded stack's services started once both ranks trained, not beside their start-up
+    # (``Launcher.when_training``): every service process is younger than each rank's first step
+    import psutil
+
+    from trainguard.stack.services import SERVICE_SPECS
+
+    modules = {f"-m {spec.module}" for spec in SERVICE_SPECS.values()}
+
+    def _services() -> list:
+        out = []
+        for p in psutil.Process(tg.p.pid).children(recursive=True):
+            try:
+                if any(m in " ".join(p.cmdline()) for m in modules):
+                    out.append(p)
+            except psutil.Error:  # gone, or a zombie not yet reaped
+                pass
+        return out
+
+    deadline = time.monotonic() + 30
+    while len(services := _services()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(services) >= 4, [p.cmdline() for p in services]
+    last_first_step = max(rs[0]["t_ns"] for rs in run.by_rank().values()) / 1e9
+    assert min(p.create_time() for p in services) > last_first_step - 0.5, (
+        [(p.cmdline()[-1], p.create_time()) for p in services], last_first_step)
     # the ranks were forked from the node's warm template (trainguard.launch.forkserver), a child of
     # the launcher
     for rec in before.values():

@@ -42,3 +42,26 @@ def test_a_service_that_cannot_start_is_said_not_raised(capfd):
         assert stack.keep_logs  # its log stays to be read
     finally:
         stack.stop()
+
+
+def test_deferred_services_start_when_asked_once_and_never_after_stop():
+    """``start(defer_services=True)`` (a launch's embedded stack: the services wait until its
+    ranks train): nothing but the servers and the store until ``start_services``; a second call
+    starts nothing more, and a call after ``stop`` starts nothing."""
+    stack = Stack(services=("detector", "remediator"), agent_nodes=("n0",), rendezvous=True)
+    try:
+        stack.start(timeout=120, defer_services=True)
+        assert _answers(stack.rdzv_endpoint)
+        assert set(stack.procs) == {"rendezvous"}
+        assert not stack.services_ready.wait(1.0)
+        stack.start_services(timeout=90)
+        pids = {n: p.pid for n, p in stack.procs.items()}
+        assert {"detector", "remediator"} <= set(pids)
+        stack.start_services(timeout=90)
+        assert {n: p.pid for n, p in stack.procs.items()} == pids
+        assert stack.services_ready.wait(90), stack.services_error
+        assert stack.health("detector")["ok"] is True
+    finally:
+        stack.stop()
+    stack.start_services()
+    assert all(p.poll() is not None for p in stack.procs.values())

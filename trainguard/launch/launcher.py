@@ -31,8 +31,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from typing import TextIO
+from typing import Callable, TextIO
 
 from trainguard import schemas
 from trainguard.schemas import subjects
@@ -41,7 +42,8 @@ from trainguard.security.credentials import redact
 from trainguard.clients.threaded_bus import ThreadedBus
 from trainguard.launch.config import LaunchConfig, StdSpec
 from trainguard.launch.lease import JobLease
-from trainguard.launch.loop import DecisionReceived, LaunchState, RunLoop, StopRequested
+from trainguard.launch.loop import (DecisionReceived, LaunchState, RunLoop, RunOnLoop,
+                                    StopRequested)
 from trainguard.launch.forkserver import early_template
 from trainguard.launch.pool import ProcessPool, pdeathsig_kill
 
@@ -118,6 +120,37 @@ class Launcher:
         self.lease = JobLease(cfg, self.bus, self.events.put)
         self.loop = RunLoop(cfg, self.pool, self.lease, self.bus, self.events)
         self.rdzv_proc: subprocess.Popen | None = None
+        #: set when a deferred stack's services are to start (``when_training``)
+        self._services_wanted: threading.Event | None = None
+        self._training_ranks: set[int] = set()
+        self._want_services: Callable[[], None] = lambda: None
+
+    def when_training(self, start_services: Callable[[], None],
+                      max_wait_s: float | None = None) -> None:
+        """Call ``start_services`` (an embedded stack's ``Stack.start_services``) once every
+        rank of this node reported a completed step (its heartbeat), a rank failed, or
+        ``max_wait_s`` seconds (``SERVICES_DEFER_MAX_S``) passed, whichever comes first, on
+        the loop's thread (``RunOnLoop``: a service started from a thread that ends would get
+        its parent-death signal). Before ``start()``."""
+        wanted = self._services_wanted = threading.Event()
+
+        def _want() -> None:
+            if not wanted.is_set():
+                wanted.set()
+                self.loop.post(RunOnLoop(start_services))
+        self._want_services = _want
+        self.loop.on_fault = _want
+        t = threading.Timer(SERVICES_DEFER_MAX_S if max_wait_s is None else max_wait_s, _want)
+        t.daemon = True
+        t.start()
+
+    def _on_rank_hb(self, subject: str, ev: schemas.Event) -> None:
+        if self._services_wanted is None or self._services_wanted.is_set():
+            return
+        if isinstance(ev, schemas.RankHeartbeat) and ev.phase == "train" and ev.step >= 0:
+            self._training_ranks.add(ev.rank)
+            if len(self._training_ranks) >= self.cfg.nproc_per_node * max(1, self.cfg.nnodes):
+                self._want_services()
 
     @property
     def state(self) -> LaunchState:
@@ -211,6 +244,9 @@ class Launcher:
         # wait for a recovery nobody carries out (the chaos bench's lost trial)
         self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision,
                            last_stored=True)
+        if self._services_wanted is not None:  # an embedded stack's services wait for this
+            self.bus.subscribe(f"{subjects.PREFIX}.job.{subjects.token(cfg.job)}.rank.*.hb",
+                               self._on_rank_hb)
         self.bus.start()
         if not self.bus.wait_connected(15.0):
             raise SystemExit(f"trainguard launch: {self.bus.error}" if self.bus.error else
@@ -300,6 +336,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
 
 #: Seconds a failed launch waits for its embedded stack's services to come up before stopping it.
 STACK_SERVICES_WAIT_S = 20.0
+#: Seconds after the launch an embedded stack's services start at the latest when no rank has
+#: reported a step yet (a script that works long before its first step). Until then they wait
+#: (``Launcher.when_training``): on 2 cores their start-up beside the ranks' put a launch 1.5 s
+#: behind torchrun's (bench/startup.py); what the ranks publish meanwhile waits in the streams.
+SERVICES_DEFER_MAX_S = 20.0
 
 
 def _needs_embedded_stack(cfg: LaunchConfig) -> bool:
@@ -321,8 +362,9 @@ def _embedded_stack(cfg: LaunchConfig):
           f"fails); `trainguard up` runs one to share",
           file=sys.stderr, flush=True)
     # the ranks start once the servers and the rendezvous store answer; the services come up
-    # beside them (what the ranks publish meanwhile waits in the streams)
-    stack.start(timeout=120, background_services=True)
+    # once they train (``Launcher.when_training``; what they publish meanwhile waits in the
+    # streams)
+    stack.start(timeout=120, defer_services=True)
     cfg.nats_url, cfg.redis_url = stack.nats_url, stack.redis_url
     if stack.rdzv_token:  # this launcher's relay opens its connections with it
         from trainguard.rendezvous.gate import TOKEN_ENV
@@ -386,6 +428,8 @@ def main(argv: list[str]) -> int:
     try:
         stack = _embedded_stack(cfg)
         launcher = Launcher(cfg, template)
+        if stack is not None:
+            launcher.when_training(stack.start_services)
         signal.signal(signal.SIGTERM, lambda *a: launcher.request_stop(143))
         signal.signal(signal.SIGINT, lambda *a: launcher.request_stop(130))
         status = launcher.run()
@@ -395,8 +439,9 @@ def main(argv: list[str]) -> int:
             template.close()  # the launcher never took it over
         if stack is not None:
             if status != 0:
-                # a job that failed at once: its services (started beside the ranks) get the
-                # moment to come up and read what the ranks published, so the logs kept say it
+                # a job that failed at once: its services get the moment to come up and read
+                # what the ranks published, so the logs kept say it
+                stack.start_services()
                 stack.services_ready.wait(STACK_SERVICES_WAIT_S)
             # the embedded stack's temporary logs go with it, unless the job failed
             stack.keep_logs = stack.keep_logs or status != 0

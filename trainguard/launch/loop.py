@@ -116,6 +116,15 @@ class RenewSpares:
 
 
 @dataclass(frozen=True)
+class RunOnLoop:
+    """Call ``fn()`` on the loop's thread, the launcher's main thread: a child started there
+    outlives the thread that asked for it (``PR_SET_PDEATHSIG`` fires when the creating thread
+    ends, not the process)."""
+
+    fn: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class StopRequested:
     """Stop this node's launch with exit ``status`` (SIGTERM: 143, SIGINT: 130)."""
 
@@ -196,10 +205,13 @@ class RunLoop:
         self.fenced = False  # the lease was lost: write nothing more to the job's record
         #: Unix ns this run started: a decision stored before it is an earlier run's
         self.started_ns = time.time_ns()
+        #: called (on the loop's thread) when a rank fails: an embedded stack whose services
+        #: wait for the first steps starts them now (``Launcher.when_training``)
+        self.on_fault: Callable[[], None] = lambda: None
         self._steps: dict[type, Callable[[Any], None]] = {
             RankExited: self._on_rank_exited, DecisionReceived: self._on_decision,
             GroupRestarted: self._on_group_restarted, RefillPool: lambda ev: self.pool.fill(),
-            RenewSpares: self._on_renew_spares,
+            RenewSpares: self._on_renew_spares, RunOnLoop: lambda ev: ev.fn(),
             StopRequested: self._on_stop, LeaseRenewalFailed: self._on_lease_renewal_failed,
             LeaseLost: self._on_lease_lost}
 
@@ -272,6 +284,7 @@ class RunLoop:
                 self._end(LaunchState.SUCCEEDED if rc == 0 else LaunchState.STOPPED,
                           0 if rc == 0 else EXIT_STOPPED, kill=False)
             return
+        self.on_fault()
         self._say(f"rank {proc.rank} (pid {proc.pid}) exited with "
                   f"{'signal ' + str(sig) if sig else 'status ' + str(code)}")
         if cfg.mode == "action":

@@ -35,6 +35,7 @@ Durable consumers a replica never comes back to are removed by the server after
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -369,6 +370,21 @@ class DurableConsumer:
         await self.sub.unsubscribe()
 
 
+#: Environment variable: Unix ns from which a service's *new* durable consumers deliver what
+#: the streams stored (default: only what arrives after they are made). Set by a stack whose
+#: services start after its job's ranks (``Stack.start(defer_services=True)``), to its own
+#: start, so that nothing the ranks published before the services came up is missed.
+CONSUME_SINCE_ENV = "TG_CONSUME_SINCE_NS"
+
+
+def consume_since_ns() -> int:
+    """``CONSUME_SINCE_ENV`` as an int (0: unset or not a number)."""
+    try:
+        return max(0, int(os.environ.get(CONSUME_SINCE_ENV, "0") or 0))
+    except ValueError:
+        return 0
+
+
 async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
                             on_message: OnMessage, retry_s: float = 10.0,
                             ack_wait_s: float = ACK_WAIT_S,
@@ -381,7 +397,8 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
     in-progress acks). ``filters`` — the stream filter subjects (default ``[topic]``; a
     partitioned stream's stored forms, ``partitions.stored_filters``). A new consumer starts
     with what arrives from now on (a replica taking over a job replays what it needs,
-    ``replay``); an existing one resumes after its last acked message. ``max_ack_pending`` —
+    ``replay``), or with what was stored since ``consume_since_ns()`` when the environment
+    sets it; an existing one resumes after its last acked message. ``max_ack_pending`` —
     unacked messages in flight (default ``max_ack_pending_for(topic)``). ``batched`` — the
     consumer acks with ``AckPolicy.ALL`` (``on_message`` acks through a ``BatchedAcks``;
     ``batched_acks(topic)`` says which topics may), else ``AckPolicy.EXPLICIT`` (a topic keeps
@@ -396,9 +413,12 @@ async def durable_subscribe(nc: Any, service: str, replica: str, topic: str,
         return None
     name = consumer_name(service, replica, topic)
     pending = max_ack_pending or max_ack_pending_for(topic)
+    since_ns = consume_since_ns()
     cfg = ConsumerConfig(
         durable_name=name, deliver_subject=deliver_subject(service, replica, topic),
-        deliver_policy=DeliverPolicy.NEW,
+        deliver_policy=DeliverPolicy.BY_START_TIME if since_ns else DeliverPolicy.NEW,
+        opt_start_time=datetime.fromtimestamp(since_ns / 1e9, tz=timezone.utc)
+        if since_ns else None,
         ack_policy=AckPolicy.ALL if batched else AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s, max_ack_pending=pending,
         inactive_threshold=DURABLE_INACTIVE_S)

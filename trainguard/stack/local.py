@@ -68,10 +68,10 @@ class Stack:
     * ``nats_url``/``redis_url`` — servers to use; None or "" → embedded servers on free
       loopback ports (the environment is not read here: ``trainguard up`` passes
       ``NATS_URL``/``REDIS_URL`` itself; the demo and the tests always start their own);
-    * ``services`` — names from ``trainguard.stack.services.SERVICE_SPECS``; ``agent_nodes`` — one agent per simulated
-      node name;
+    * ``services`` — names from ``services.SERVICE_SPECS``; ``agent_nodes`` — an agent each;
     * ``rendezvous`` — also host the rendezvous store (skipped, with ``rdzv_endpoint = ""``, when
-      ``trainguard.rendezvous.store`` is not installed);
+      ``trainguard.rendezvous.store`` is not installed); ``rdzv_standby`` (default: ``ha``) a
+      standby too: ``rdzv_endpoint`` is ``primary,standby`` (``rendezvous.gate.Relay``);
     * ``log_dir`` — one ``<name>.log`` per child (default: a new temporary directory, removed
       by ``stop`` unless ``keep_logs``, which a failed start sets);
     * ``env`` — extra environment for the children;
@@ -79,11 +79,9 @@ class Stack:
     * ``kernel_log_dir`` — when set, each agent follows ``<dir>/kernel-<node>.log`` instead of
       the host's kernel log (simulated nodes on one machine: the demo and tests append real
       ``NVRM: Xid`` lines there);
-    * ``sim_dir`` — when set, each agent is a simulated node's with simulated hardware there:
-      its GPUs are the demo's simulated NVML (``trainguard.demo.fake_pynvml:for_node``, one
-      healthy H100 whose degradation follows ``<dir>/nvml-<node>.json``) and its memory is a
-      share of the host (``agents.host.NodeMemory``: the node's own processes against the budget
-      in ``<dir>/memory-budget-<node>``, ``memory_budget_path``);
+    * ``sim_dir`` — each agent is a simulated node's there: the demo's simulated NVML
+      (``trainguard.demo.fake_pynvml:for_node``, ``<dir>/nvml-<node>.json``) and a share of the
+      host's memory (``agents.host.NodeMemory``, ``memory_budget_path``);
     * ``data_dir`` — embedded servers keep credentials and data there across starts (None: a
       temporary directory removed on stop); ``auth`` — embedded servers require the users of
       ``trainguard.security.roles``; ``rotate_credentials`` — new passwords for every role;
@@ -95,9 +93,6 @@ class Stack:
     * ``ha`` — the replicated control plane instead of one NATS and one Valkey
       (``trainguard.stack.ha``: 3 NATS servers, a Valkey primary, a replica and 3
       sentinels; the URLs are a NATS server list and a ``redis+sentinel://`` URL);
-    * ``rdzv_standby`` — also start a standby rendezvous store (default: with ``ha``):
-      ``rdzv_endpoint`` is then ``primary,standby``, and the launchers' relays move to the
-      standby when the primary stops answering (``trainguard.rendezvous.gate.Relay``);
     * ``rdzv_token`` — the rendezvous store admits only clients with its token
       (``trainguard.rendezvous.gate``; ``trainguard up`` by default, off here as ``tls``): kept in
       ``<data dir>/rdzv.token`` (0600) across starts, given as ``TG_RDZV_TOKEN`` on the
@@ -157,15 +152,14 @@ class Stack:
         #: the rendezvous store's token (``trainguard.rendezvous.gate``; "" when it is open)
         self.rdzv_token = ""
         self._want_rdzv_token = rdzv_token
-        #: the rendezvous stores started (the primary, then a standby in a replicated stack):
-        #: (process name, process, offset of its log where this start's lines begin)
-        self._rdzv_starts: list[tuple[str, subprocess.Popen, int]] = []
-        #: also start a standby rendezvous store (default: in a replicated stack)
+        self._rdzv_starts: list = []  # rendezvous_store.start_stores
         self._rdzv_standby = ha if rdzv_standby is None else rdzv_standby
         self._started = False
         self.services_ready = threading.Event()
         self.services_error = ""
         self._stopping = False
+        self._services_started = False
+        self._services_lock = threading.Lock()
         self.console = console
         self.metrics = metrics
         #: endpoint name ("console", "metrics-<process>") → port, given at start
@@ -290,21 +284,26 @@ class Stack:
         return memory_budget_file(self.sim_dir, node)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def start(self, timeout: float = 60.0, background_services: bool = False) -> "Stack":
+    def start(self, timeout: float = 60.0, background_services: bool = False,
+              defer_services: bool = False) -> "Stack":
         """Start everything and wait until each service is healthy (``timeout`` seconds in all).
         Raises ``StackError`` (with the failing child's log tail) after stopping what started;
-        the logs are then kept (``keep_logs``).
-
-        ``background_services`` (a launch's embedded stack): return as soon as NATS, Valkey, the
-        streams and the rendezvous store answer, so the job's ranks start at once; the services
-        are started after the store answers and their health is awaited on a thread
-        (``services_ready`` is set when they are all healthy; ``services_error`` says why one
-        was not, also printed to stderr, with its log kept). What the ranks publish meanwhile
-        waits in the streams for the services' durable consumers."""
+        the logs are then kept (``keep_logs``). ``background_services`` (a launch's embedded
+        stack): return once NATS, Valkey, the streams and the rendezvous store answer; the
+        services' health is awaited on a thread (``services_ready``, or ``services_error``,
+        also printed). ``defer_services`` too, and the services wait for ``start_services``
+        (the launcher's, once its ranks train or one fails: on 2 cores their start-up beside
+        the ranks' put a launch 1.5 s behind torchrun's); their new consumers then deliver
+        what the streams stored since this start (``durable.CONSUME_SINCE_ENV``)."""
         if self._started:
             return self
         self._started = True
         deadline = time.monotonic() + timeout
+        background_services = background_services or defer_services
+        if defer_services:
+            from trainguard.services.durable import CONSUME_SINCE_ENV
+
+            self.env.setdefault(CONSUME_SINCE_ENV, str(time.time_ns()))
         try:
             self._servers.start()
             size = getattr(self._servers, "n_nats", None)  # a replicated stack's servers
@@ -313,23 +312,37 @@ class Stack:
             self._give_http_ports()
             if background_services:
                 self._wait_rendezvous(deadline)
-            for name in self.service_names():
-                self._spawn(name, *self._service_cmd(name))
-            if self.console:
-                self._spawn("console", console_command(self.host, self.http_ports["console"]),
-                            "reader")
-            if not background_services:
-                self._wait_rendezvous(deadline)
-            if background_services:
-                threading.Thread(target=self._await_services, args=(deadline, False),
-                                 name="stack-services-health", daemon=True).start()
+                if not defer_services:
+                    self.start_services(max(1.0, deadline - time.monotonic()))
                 return self
+            self._spawn_services()
+            self._wait_rendezvous(deadline)
             self._await_services(deadline, raise_errors=True)
         except BaseException:
             self.keep_logs = True  # the error names a log: it stays to be read
             self.stop()
             raise
         return self
+
+    def _spawn_services(self) -> None:
+        for name in self.service_names():
+            self._spawn(name, *self._service_cmd(name))
+        if self.console:
+            self._spawn("console", console_command(self.host, self.http_ports["console"]),
+                        "reader")
+
+    def start_services(self, timeout: float = 60.0) -> None:
+        """Start the services (and the console) of a stack started with ``defer_services`` and
+        await their health on a thread (``services_ready``, ``services_error``), ``timeout``
+        seconds. Does nothing once called before, or once the stack is stopping."""
+        with self._services_lock:
+            if self._services_started or self._stopping:
+                return
+            self._services_started = True
+            self._spawn_services()
+        threading.Thread(target=self._await_services,
+                         args=(time.monotonic() + timeout, False),
+                         name="stack-services-health", daemon=True).start()
 
     def _await_services(self, deadline: float, raise_errors: bool) -> None:
         """Wait for the services' (and the console's) health; sets ``services_ready``. Without
@@ -400,13 +413,10 @@ class Stack:
                 self.http_ports.pop(key, None)
 
     # ---- the rendezvous store (trainguard.stack.rendezvous_store) ---------------------------------
-    #: The rendezvous stores' process names: the primary, then (``ha``) a standby that the
-    #: launchers' relays move to when the primary stops answering (``rendezvous.gate.Relay``).
-    RDZV_NAMES = ("rendezvous", "rendezvous-standby")
+    RDZV_NAMES = rendezvous_store.NAMES
 
     def _start_rendezvous(self) -> None:
-        """Start the rendezvous store, and in a replicated stack its standby, each on its own
-        port (kept in the data directory across starts)."""
+        """Start the rendezvous store, and with ``rdzv_standby`` its standby."""
         if not self.rendezvous:
             return
         if not rendezvous_store.store_installed():
@@ -419,26 +429,16 @@ class Stack:
         files = self._servers.tls_files
         gate_tls = files if self.rdzv_token and self.tls_ca and files is not None else None
         try:
-            for name in self.RDZV_NAMES[:2 if self._rdzv_standby else 1]:
-                port = rendezvous_store.store_port(self.data_dir, self.host,
-                                                   self._want_rdzv_token, name)
-                log = self.log_dir / f"{name}.log"
-                # logs are appended across runs: only what this store prints is its answer
-                offset = log.stat().st_size if log.exists() else 0
-                proc = self._spawn(name, rendezvous_store.store_command(self.host, port, gate_tls),
-                                   None)
-                self._rdzv_starts.append((name, proc, offset))
+            self._rdzv_starts = rendezvous_store.start_stores(
+                lambda name, cmd: self._spawn(name, cmd, None), self.log_dir, self.data_dir,
+                self.host, self._want_rdzv_token, gate_tls, self._rdzv_standby)
         finally:
             self.env.pop(RDZV_TOKEN_ENV, None)  # the stores' alone among the children
 
     def _wait_rendezvous(self, deadline: float) -> None:
-        """Wait for every store started to print its endpoint; ``rdzv_endpoint`` is then the
-        primary's, followed by the standby's (``a,b``) in a replicated stack. Raises
-        ``StackError`` (``rendezvous_store.wait_ready``)."""
         if self._rdzv_starts:
-            self.rdzv_endpoint = ",".join(
-                rendezvous_store.wait_ready(proc, self.log_dir / f"{name}.log", offset, deadline)
-                for name, proc, offset in self._rdzv_starts)
+            self.rdzv_endpoint = rendezvous_store.wait_stores(self._rdzv_starts, self.log_dir,
+                                                              deadline)
 
     # ---- health (trainguard.stack.health) ------------------------------------------------------------
     def wait_healthy(self, names: Sequence[str], timeout: float = 30.0) -> None:
@@ -486,7 +486,8 @@ class Stack:
         """SIGTERM every child (services first, then the rendezvous store), SIGKILL what is left
         after ``grace_s``, then stop the embedded servers; the stack's own temporary log folder
         is removed unless ``keep_logs``. Idempotent."""
-        self._stopping = True  # a health wait still running on its thread is no failure now
+        with self._services_lock:  # a deferred start of the services spawns nothing after this
+            self._stopping = True  # a health wait still running on its thread is no failure now
         stop_all(list(self.procs.values())[::-1], self.grace_s)
         self._servers.stop()
         if self._own_log_dir and not self.keep_logs:

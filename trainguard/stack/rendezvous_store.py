@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trainguard.security import tls as tlsmod
 from trainguard.security.private_file import write_private
@@ -20,6 +21,9 @@ from trainguard.stack.children import StackError, tail
 from trainguard.stack.process import free_port
 
 MODULE = "trainguard.rendezvous.store"
+#: The stores' process names: the primary, then (a replicated stack) a standby that the
+#: launchers' relays move to when the primary stops answering (``rendezvous.gate.Relay``).
+NAMES = ("rendezvous", "rendezvous-standby")
 
 
 def store_installed() -> bool:
@@ -97,3 +101,24 @@ def wait_ready(proc: subprocess.Popen, log: Path, offset: int, deadline: float) 
                              f"{log}:\n{tail(log)}")
         time.sleep(0.05)
     raise StackError(f"rendezvous store not ready in time; log {log}:\n{tail(log)}")
+
+
+def start_stores(spawn, log_dir: Path, data_dir: Path | None, host: str, gated: bool,
+                 tls: tlsmod.TLSFiles | None, standby: bool) -> list[tuple[str, Any, int]]:
+    """Start the store (and with ``standby`` its standby), each through ``spawn(name, cmd)``
+    on its own port (``store_port``); returns ``(name, process, log offset)`` for
+    ``wait_stores``: logs are appended across runs, only what this start prints counts."""
+    out = []
+    for name in NAMES[:2 if standby else 1]:
+        port = store_port(data_dir, host, gated, name)
+        log = log_dir / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0
+        out.append((name, spawn(name, store_command(host, port, tls)), offset))
+    return out
+
+
+def wait_stores(starts: list[tuple[str, Any, int]], log_dir: Path, deadline: float) -> str:
+    """The endpoint of the stores ``start_stores`` started: the primary's, then the
+    standby's (``a,b``). Raises ``StackError`` (``wait_ready``)."""
+    return ",".join(wait_ready(proc, log_dir / f"{name}.log", offset, deadline)
+                    for name, proc, offset in starts)
