@@ -283,7 +283,7 @@ def startup(runs: Runs, name: str = "startup-5.json") -> list[str]:
         over = s.get("over_torchrun_s")
         rows.append([f"`{sy}`" if sy == "torchrun" else f"trainguard ({sy})",
                      med_range(_stats(ok), 2, "s"), f"{len(ok)} of {len(xs)}",
-                     "–" if over is None else f"+{over:.2f} s"])
+                     "–" if over is None else f"{over:+.2f} s"])
     return table(["launcher", "launch → every rank's first step", "started", "over torchrun"],
                  rows) + ["", runs_line(runs)]
 
