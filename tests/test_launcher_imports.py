@@ -46,7 +46,12 @@ def _watch(tmp_path, template, modules, capsys):
     w = JobImportsWatch("node0", 30.0, lambda: template, events.put, taints.append)
     path = tmp_path / "job_imports.json"
     w.start(str(path))
-    path.write_text(json.dumps({"modules": modules, "rank": 0, "pid": 1}))
+    # written as the rank writes it (trainguard.rank.job_imports.record): whole, by a rename; a
+    # plain write could be seen half-done by the watch (under load, it was: the record read as
+    # empty JSON and nothing was imported)
+    tmp = tmp_path / "job_imports.json.tmp"
+    tmp.write_text(json.dumps({"modules": modules, "rank": 0, "pid": 1}))
+    os.replace(tmp, path)
     ev = events.get(timeout=120)
     w.close()
     return ev, taints, capsys.readouterr().err
