@@ -84,6 +84,30 @@ def test_threaded_round_trip(servers):
     tb.close()
 
 
+def test_threaded_unsubscribe_from_the_handler_ends_the_deliveries(servers):
+    """The launcher's use: a wildcard subscription dropped from its own handler (on the bus
+    thread) once it learned enough; a later message on the subject reaches nobody."""
+    got = []
+    tb = ThreadedBus(servers.nats_url, "tb-unsub").start()
+
+    def handler(subject, ev):
+        got.append(ev.line)
+        tb.unsubscribe("tg.job.t4.rank.*.hb")
+    tb.subscribe("tg.job.t4.rank.*.hb", handler)
+    assert tb.wait_connected(5)
+    tb.publish("tg.job.t4.rank.0.hb", schemas.LogLine(line="first"))
+    tb.flush()
+    deadline = time.time() + 5
+    while not got and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the unsubscription reaches the server
+    tb.publish("tg.job.t4.rank.1.hb", schemas.LogLine(line="second"))
+    tb.flush()
+    time.sleep(0.5)
+    assert got == ["first"]
+    tb.close()
+
+
 def test_unreachable_server_says_why_and_what_to_do():
     """A refused connection names the refusal (not a bare timeout) and the way out; a service
     started against it exits with that one line instead of a traceback."""

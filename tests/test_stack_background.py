@@ -1,7 +1,7 @@
-"""A launch's embedded stack starts its services in the background
-(``Stack.start(background_services=True)``): it returns once NATS, Valkey, the streams and the
-rendezvous store answer, and the services' health arrives later — or their failure is said,
-never raised into the job."""
+"""A launch's embedded stack starts its services when asked (``Stack.start(defer_services=True)``
+and ``start_services``): it returns once NATS, Valkey, the streams and the rendezvous store
+answer, and the services' health arrives later — or their failure is said, never raised into
+the job."""
 from __future__ import annotations
 
 import socket
@@ -19,8 +19,9 @@ def _answers(endpoint: str) -> bool:
 def test_returns_with_the_store_up_and_the_services_become_healthy():
     stack = Stack(services=("detector", "remediator"), agent_nodes=("n0",), rendezvous=True)
     try:
-        stack.start(timeout=120, background_services=True)
+        stack.start(timeout=120, defer_services=True)
         assert _answers(stack.rdzv_endpoint)
+        stack.start_services(timeout=90)
         assert stack.services_ready.wait(90), stack.services_error
         assert stack.services_error == ""
         assert stack.health("remediator")["ok"] is True
@@ -33,7 +34,8 @@ def test_a_service_that_cannot_start_is_said_not_raised(capfd):
     stack = Stack(services=("remediator",), agent_nodes=("n0",), rendezvous=False,
                   env={"TG_DECISION_TIMEOUT_S": "soon"})
     try:
-        stack.start(timeout=60, background_services=True)  # does not raise
+        stack.start(timeout=60, defer_services=True)
+        stack.start_services(timeout=60)  # does not raise
         deadline = time.monotonic() + 70
         while not stack.services_error and time.monotonic() < deadline:
             time.sleep(0.1)

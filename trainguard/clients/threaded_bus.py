@@ -40,6 +40,8 @@ class ThreadedBus:
         #: why the last connection attempt failed (None: none failed)
         self.error: ServerUnreachable | None = None
         self._subs: list[tuple[str, Handler, str, bool]] = []
+        #: the nats-py subscriptions made, by subject (``unsubscribe``)
+        self._live: dict[str, list[Any]] = {}
 
     @property
     def stats(self) -> BusStats:
@@ -64,8 +66,12 @@ class ThreadedBus:
                 self.bus._log_once("threaded-connect", "%s", exc)
                 await asyncio.sleep(0.5)
         for subject, handler, queue, last in self._subs:
-            await self.bus.subscribe(subject, handler, queue, last_stored=last)
+            await self._subscribe(subject, handler, queue, last)
         self._connected.set()
+
+    async def _subscribe(self, subject: str, handler: Handler, queue: str, last: bool) -> None:
+        sub = await self.bus.subscribe(subject, handler, queue, last_stored=last)
+        self._live.setdefault(subject, []).append(sub)
 
     def wait_connected(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the connection; False at once when the server refused
@@ -111,10 +117,18 @@ class ThreadedBus:
         ``last_stored``: see ``Bus.subscribe``."""
         if self._connected.is_set():
             asyncio.run_coroutine_threadsafe(
-                self.bus.subscribe(subject, handler, queue, last_stored=last_stored),
-                self.loop).result(5.0)
+                self._subscribe(subject, handler, queue, last_stored), self.loop).result(5.0)
         else:
             self._subs.append((subject, handler, queue, last_stored))
+
+    def unsubscribe(self, subject: str) -> None:
+        """Stop every subscription to ``subject`` (any thread, the bus thread included; never
+        blocks): a handler may still see messages already on their way."""
+        def _drop() -> None:
+            self._subs = [e for e in self._subs if e[0] != subject]
+            for sub in self._live.pop(subject, []):
+                self.loop.create_task(sub.unsubscribe())
+        self.loop.call_soon_threadsafe(_drop)
 
     def call(self, coro: Awaitable[Any], timeout: float = 5.0) -> Any:
         """Run ``coro`` on the bus loop; wait at most ``timeout`` seconds (TimeoutError)."""

@@ -137,6 +137,7 @@ class Launcher:
         def _want() -> None:
             if not wanted.is_set():
                 wanted.set()
+                self.bus.unsubscribe(self._ranks_hb_subject())  # no more to learn from them
                 self.loop.post(RunOnLoop(start_services))
         self._want_services = _want
         self.loop.on_fault = _want
@@ -144,12 +145,14 @@ class Launcher:
         t.daemon = True
         t.start()
 
+    def _ranks_hb_subject(self) -> str:
+        return f"{subjects.PREFIX}.job.{subjects.token(self.cfg.job)}.rank.*.hb"
+
     def _on_rank_hb(self, subject: str, ev: schemas.Event) -> None:
-        if self._services_wanted is None or self._services_wanted.is_set():
-            return
+        """Until every rank of this (single-node: an embedded stack's) job reported a step."""
         if isinstance(ev, schemas.RankHeartbeat) and ev.phase == "train" and ev.step >= 0:
             self._training_ranks.add(ev.rank)
-            if len(self._training_ranks) >= self.cfg.nproc_per_node * max(1, self.cfg.nnodes):
+            if len(self._training_ranks) >= self.cfg.nproc_per_node:
                 self._want_services()
 
     @property
@@ -244,9 +247,9 @@ class Launcher:
         # wait for a recovery nobody carries out (the chaos bench's lost trial)
         self.bus.subscribe(subjects.job(cfg.job, "decision"), self._on_decision,
                            last_stored=True)
-        if self._services_wanted is not None:  # an embedded stack's services wait for this
-            self.bus.subscribe(f"{subjects.PREFIX}.job.{subjects.token(cfg.job)}.rank.*.hb",
-                               self._on_rank_hb)
+        wanted = self._services_wanted
+        if wanted is not None and not wanted.is_set():  # an embedded stack's services wait
+            self.bus.subscribe(self._ranks_hb_subject(), self._on_rank_hb)
         self.bus.start()
         if not self.bus.wait_connected(15.0):
             raise SystemExit(f"trainguard launch: {self.bus.error}" if self.bus.error else

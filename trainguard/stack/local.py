@@ -153,7 +153,8 @@ class Stack:
         self.rdzv_token = ""
         self._want_rdzv_token = rdzv_token
         self._rdzv_starts: list = []  # rendezvous_store.start_stores
-        self._rdzv_standby = ha if rdzv_standby is None else rdzv_standby
+        #: a standby rendezvous store is started beside the primary
+        self.rdzv_standby = ha if rdzv_standby is None else rdzv_standby
         self._started = False
         self.services_ready = threading.Event()
         self.services_error = ""
@@ -284,22 +285,19 @@ class Stack:
         return memory_budget_file(self.sim_dir, node)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def start(self, timeout: float = 60.0, background_services: bool = False,
-              defer_services: bool = False) -> "Stack":
+    def start(self, timeout: float = 60.0, defer_services: bool = False) -> "Stack":
         """Start everything and wait until each service is healthy (``timeout`` seconds in all).
         Raises ``StackError`` (with the failing child's log tail) after stopping what started;
-        the logs are then kept (``keep_logs``). ``background_services`` (a launch's embedded
-        stack): return once NATS, Valkey, the streams and the rendezvous store answer; the
-        services' health is awaited on a thread (``services_ready``, or ``services_error``,
-        also printed). ``defer_services`` too, and the services wait for ``start_services``
-        (the launcher's, once its ranks train or one fails: on 2 cores their start-up beside
-        the ranks' put a launch 1.5 s behind torchrun's); their new consumers then deliver
-        what the streams stored since this start (``durable.CONSUME_SINCE_ENV``)."""
+        the logs are then kept (``keep_logs``). ``defer_services`` (a launch's embedded stack):
+        return once NATS, Valkey, the streams and the rendezvous store answer; the services
+        wait for ``start_services`` (the launcher's, once its ranks train or one fails: on 2
+        cores their start-up beside the ranks' put a launch 1.5 s behind torchrun's), and
+        their new consumers then deliver what the streams stored since this start
+        (``durable.CONSUME_SINCE_ENV``)."""
         if self._started:
             return self
         self._started = True
         deadline = time.monotonic() + timeout
-        background_services = background_services or defer_services
         if defer_services:
             from trainguard.services.durable import CONSUME_SINCE_ENV
 
@@ -310,14 +308,12 @@ class Stack:
             run_async(lambda: ensure_streams(self.nats_url, self.tls_ca, size))
             self._start_rendezvous()
             self._give_http_ports()
-            if background_services:
-                self._wait_rendezvous(deadline)
-                if not defer_services:
-                    self.start_services(max(1.0, deadline - time.monotonic()))
-                return self
-            self._spawn_services()
+            if not defer_services:
+                self._services_started = True
+                self._spawn_services()
             self._wait_rendezvous(deadline)
-            self._await_services(deadline, raise_errors=True)
+            if not defer_services:
+                self._await_services(deadline, raise_errors=True)
         except BaseException:
             self.keep_logs = True  # the error names a log: it stays to be read
             self.stop()
@@ -333,8 +329,9 @@ class Stack:
 
     def start_services(self, timeout: float = 60.0) -> None:
         """Start the services (and the console) of a stack started with ``defer_services`` and
-        await their health on a thread (``services_ready``, ``services_error``), ``timeout``
-        seconds. Does nothing once called before, or once the stack is stopping."""
+        await their health on a thread, ``timeout`` seconds: ``services_ready`` is set when
+        all are healthy, else ``services_error`` says why (also printed, the log kept). Does
+        nothing once called before, or once the stack is stopping."""
         with self._services_lock:
             if self._services_started or self._stopping:
                 return
@@ -346,7 +343,7 @@ class Stack:
 
     def _await_services(self, deadline: float, raise_errors: bool) -> None:
         """Wait for the services' (and the console's) health; sets ``services_ready``. Without
-        ``raise_errors`` (on a thread: ``start(background_services=True)``) a failure is kept in
+        ``raise_errors`` (on a thread: ``start_services``) a failure is kept in
         ``services_error`` and printed instead of raised."""
         try:
             self.wait_healthy(self.service_names(), max(1.0, deadline - time.monotonic()))
@@ -431,7 +428,7 @@ class Stack:
         try:
             self._rdzv_starts = rendezvous_store.start_stores(
                 lambda name, cmd: self._spawn(name, cmd, None), self.log_dir, self.data_dir,
-                self.host, self._want_rdzv_token, gate_tls, self._rdzv_standby)
+                self.host, self._want_rdzv_token, gate_tls, self.rdzv_standby)
         finally:
             self.env.pop(RDZV_TOKEN_ENV, None)  # the stores' alone among the children
 

@@ -24,6 +24,8 @@ MODULE = "trainguard.rendezvous.store"
 #: The stores' process names: the primary, then (a replicated stack) a standby that the
 #: launchers' relays move to when the primary stops answering (``rendezvous.gate.Relay``).
 NAMES = ("rendezvous", "rendezvous-standby")
+#: The file in the data directory that keeps each store's port across starts.
+PORT_FILES = {"rendezvous": "rdzv.port", "rendezvous-standby": "rdzv-standby.port"}
 
 
 def store_installed() -> bool:
@@ -33,12 +35,11 @@ def store_installed() -> bool:
 
 def store_port(data_dir: Path | None, host: str, gated: bool, name: str = "rendezvous") -> int:
     """The port of rendezvous store ``name`` (``rendezvous``, or a replicated stack's
-    ``rendezvous-standby``): the one of the last start, kept in ``data_dir`` (``rdzv.port``,
-    ``rdzv-standby.port``), when it is free again; else a free one on ``host``, kept for the
+    ``rendezvous-standby``): the one of the last start, kept in ``data_dir``
+    (``PORT_FILES``), when it is free again; else a free one on ``host``, kept for the
     next start. ``gated``: the store is behind the token gate, which binds ``host``; without it
     the store is torch's TCPStore, which binds every interface."""
-    kept_in = "rdzv.port" if name == "rendezvous" else f"rdzv-{name.split('-', 1)[-1]}.port"
-    path = Path(data_dir) / kept_in if data_dir is not None else None
+    path = Path(data_dir) / PORT_FILES[name] if data_dir is not None else None
     try:
         kept = int(path.read_text()) if path is not None else 0
     except (OSError, ValueError):

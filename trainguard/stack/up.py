@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = restarts.get(name, 0)
                 if n >= args.max_restarts:
                     continue
-                if name in stack.RDZV_NAMES and len(stack.rdzv_endpoint.split(",")) > 1:
+                if name in stack.RDZV_NAMES and stack.rdzv_standby:
                     # a replicated stack's store is not started again empty on its port: a
                     # launcher started later would take it while the others' relays stay on
                     # the store that took over, and the job's rendezvous would split
